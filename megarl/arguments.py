@@ -1,0 +1,366 @@
+"""Command-line and YAML arguments, Megatron style.
+
+The parser is built from `_add_<topic>_args(parser)` groups. `--config x.yaml`
+supplies defaults: its top-level keys are the same options (dashes or
+underscores), and the role groups `train:`, `rollout:` and `teacher:` carry a
+rank count (`gpus:`) and per-role overrides, e.g.
+
+    colocate_groups: [[train, rollout]]
+    train:   {gpus: 2, tensor_model_parallel_size: 2}
+    rollout: {gpus: 2, tensor_parallel_size: 1, engine_kwargs: {max_num_seqs: 64}}
+
+A role key `k` in group `g` sets option `g_k` (`rollout.tensor_parallel_size` ->
+`--rollout-tensor-parallel-size`); for the train role, whose options are the
+top-level training options, it falls back to plain `k`. Flags on the command
+line override the YAML. `validate_args` is the one place that rejects impossible
+combinations, each with a one-line message naming the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+from typing import Any
+
+import yaml
+
+ROLES = ("train", "rollout", "teacher")
+DEFAULT_MODEL = "artifacts/tiny-qwen2"
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message is one line that names the option."""
+
+
+def _json_dict(text: str) -> dict:
+    value = json.loads(text) if isinstance(text, str) else text
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _colocate_groups(text: str) -> list[list[str]]:
+    """`train,rollout` or `train,rollout;teacher,...`, or `none` for separate placement."""
+    if text.strip().lower() in ("", "none", "[]"):
+        return []
+    return [[role.strip() for role in group.split(",") if role.strip()] for group in text.split(";")]
+
+
+def _add_model_args(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="HF checkpoint directory of the policy")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    g.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times the TP size (Megatron)")
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def _add_parallelism_args(parser):
+    g = parser.add_argument_group("parallelism (train role)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="collectives that wait longer than this fail instead of hanging")
+
+
+def _add_placement_args(parser):
+    g = parser.add_argument_group("placement")
+    g.add_argument("--colocate-groups", type=_colocate_groups, default=[["train", "rollout"]],
+                   help="roles that share ranks: 'train,rollout' (default), or 'none' for separate ranks")
+    g.add_argument("--train-gpus", type=int, default=None,
+                   help="ranks of the train role (default: all ranks, or what the other roles leave)")
+    g.add_argument("--rollout-gpus", type=int, default=None, help="ranks of the rollout role")
+    g.add_argument("--teacher-gpus", type=int, default=0, help="ranks of a standalone teacher role")
+    g.add_argument("--teacher-model", default=None, help="HF checkpoint of the teacher")
+
+
+def _add_rollout_args(parser):
+    g = parser.add_argument_group("rollout")
+    g.add_argument("--rollout-model", default=None, help="checkpoint vLLM starts from (default: --model)")
+    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0,
+                   help="vLLM KV cache size per engine in GiB")
+    g.add_argument("--rollout-gpu-memory-utilization", type=float, default=0.5,
+                   help="fraction of GPU memory vLLM may take (GPU hosts)")
+    g.add_argument("--rollout-engine-kwargs", type=_json_dict, default={},
+                   help="extra keyword arguments for vllm.LLM, as JSON")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--num-generations", type=int, default=8, help="samples per prompt")
+    g.add_argument("--stop", nargs="*", default=[], help="stop strings")
+    g.add_argument("--sync-bucket-mb", type=float, default=256.0,
+                   help="trainer -> rollout weight sync bucket size")
+
+
+def _add_algorithm_args(parser):
+    g = parser.add_argument_group("algorithm")
+    g.add_argument("--advantage-estimator", default="grpo")
+    g.add_argument("--clip-eps-low", type=float, default=0.2)
+    g.add_argument("--clip-eps-high", type=float, default=0.2)
+    g.add_argument("--steps-per-generation", type=int, default=1,
+                   help="optimizer steps taken on each generated batch")
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
+    g.add_argument("--max-prompt-length", type=int, default=128)
+
+
+def _add_reward_args(parser):
+    g = parser.add_argument_group("reward")
+    g.add_argument("--reward", default="arithmetic", help="reward function name")
+
+
+def _add_optimizer_args(parser):
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=1e-5)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-steps", type=int, default=0)
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
+    g.add_argument("--train-steps", type=int, default=10)
+
+
+def _add_checkpoint_args(parser):
+    g = parser.add_argument_group("checkpoint")
+    g.add_argument("--save-dir", default=None)
+    g.add_argument("--save-interval", type=int, default=0, help="0: never")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-dir", default="runs/megarl", help="TensorBoard directory")
+    g.add_argument("--log-interval", type=int, default=1)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        raise ConfigError(f"command line: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="megarl/train.py",
+        description="megarl: RL post-training with Megatron-core and in-process vLLM",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", default=None, help="YAML file of options (command-line flags win)")
+    for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args,
+                _add_algorithm_args, _add_data_args, _add_reward_args, _add_optimizer_args,
+                _add_checkpoint_args, _add_logging_args):
+        add(parser)
+    return parser
+
+
+# ---------------------------------------------------------------- YAML ----------
+
+def _actions(parser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+
+
+def _closest(name: str, names) -> str:
+    match = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
+    """Check a YAML value against the option's type; return it as the parser would."""
+    def fail(expected):
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}")
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            fail("true or false")
+        return value
+    if action.type is _colocate_groups:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return _colocate_groups(value)
+        if not (isinstance(value, list) and all(isinstance(g, list) for g in value)):
+            fail("a list of role lists such as [[train, rollout]]")
+        return [[str(role) for role in group] for group in value]
+    if action.type is _json_dict:
+        if not isinstance(value, dict):
+            fail("a mapping")
+        return value
+    if action.nargs in ("*", "+"):
+        value = value if isinstance(value, list) else [value]
+        return [_coerce_scalar(action, v, where, fail) for v in value]
+    return _coerce_scalar(action, value, where, fail)
+
+
+def _coerce_scalar(action, value, where, fail):
+    if value is None:
+        return None
+    if action.type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail("an integer")
+    elif action.type is float:
+        if isinstance(value, str):  # PyYAML reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                fail("a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail("a number")
+        value = float(value)
+    elif isinstance(value, (dict, list)) or isinstance(value, bool):
+        fail("a string")
+    else:
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        fail(f"one of {list(action.choices)}")
+    return value
+
+
+def load_yaml_config(path: str, parser) -> dict[str, Any]:
+    """Read a YAML config into {dest: value}, rejecting unknown keys and wrong types."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of options")
+
+    actions = _actions(parser)
+    values: dict[str, Any] = {}
+
+    def put(dest: str, value: Any, where: str, name: str, known):
+        if dest not in actions:
+            raise ConfigError(f"{where}: unknown option{_closest(name, known)}")
+        values[dest] = _coerce(actions[dest], value, where)
+
+    top_level_names = [d for d in actions] + list(ROLES)
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name in ROLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: role group '{name}' must be a mapping (e.g. gpus: 2)")
+            role_names = [d[len(name) + 1:] for d in actions if d.startswith(name + "_")]
+            if name == "train":
+                role_names += list(actions)
+            for sub, sub_value in value.items():
+                sub_name = str(sub).replace("-", "_")
+                dest = f"{name}_{sub_name}"
+                if dest not in actions and name == "train":
+                    dest = sub_name
+                put(dest, sub_value, f"{path}: {name}.{sub_name}", sub_name, role_names)
+        else:
+            put(name, value, f"{path}: {name}", name, top_level_names)
+    return values
+
+
+# ------------------------------------------------------------ parse ------------
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Defaults < YAML < command line, then `validate_args`. Raises ConfigError."""
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)  # so --help works before the YAML is read
+    if known.config:
+        parser.set_defaults(**load_yaml_config(known.config, parser))
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_args(args, world_size)
+    return args
+
+
+def _resolve_rank_counts(args, world_size: int) -> None:
+    colocated = {role for group in args.colocate_groups for role in group}
+    for group in args.colocate_groups:
+        for role in group:
+            if role not in ROLES:
+                raise ConfigError(f"colocate_groups: unknown role '{role}'{_closest(role, ROLES)}")
+        if "train" in group and "rollout" in group:
+            counts = {role: getattr(args, f"{role}_gpus") for role in group}
+            given = {c for c in counts.values() if c}
+            if len(given) > 1:
+                listed = ", ".join(f"{r}.gpus={c}" for r, c in counts.items())
+                raise ConfigError(f"colocate_groups {group}: members ask for different rank counts "
+                                  f"({listed}); colocated roles share the same ranks")
+            shared = given.pop() if given else world_size
+            for role in group:
+                setattr(args, f"{role}_gpus", shared)
+    if "train" not in colocated or "rollout" not in colocated:
+        if args.rollout_gpus is None and args.train_gpus is None:
+            raise ConfigError("separate placement needs train.gpus or rollout.gpus "
+                              "(--train-gpus / --rollout-gpus)")
+        separate_teacher = args.teacher_gpus if "teacher" not in colocated else 0
+        if args.train_gpus is None:
+            args.train_gpus = world_size - args.rollout_gpus - separate_teacher
+        if args.rollout_gpus is None:
+            args.rollout_gpus = world_size - args.train_gpus - separate_teacher
+
+
+def placement_rank_count(args) -> int:
+    """Ranks the placement uses: one per rank of each separate role."""
+    if any("train" in g and "rollout" in g for g in args.colocate_groups):
+        total = args.train_gpus
+    else:
+        total = args.train_gpus + args.rollout_gpus
+    colocated = {role for group in args.colocate_groups for role in group}
+    if "teacher" not in colocated:
+        total += args.teacher_gpus
+    return total
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """The one place that turns impossible combinations into one-line errors."""
+    if args.tokenizer is None:
+        args.tokenizer = args.model
+    if args.rollout_model is None:
+        args.rollout_model = args.model
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "rollout_tensor_parallel_size", "num_generations", "micro_batch_size",
+                 "prompts_per_step", "steps_per_generation", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("train_gpus", "rollout_gpus"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.teacher_gpus < 0:
+        raise ConfigError(f"--teacher-gpus must be >= 0, got {args.teacher_gpus}")
+
+    _resolve_rank_counts(args, world_size)
+    if args.train_gpus < 1 or args.rollout_gpus < 1:
+        raise ConfigError(f"placement leaves train.gpus={args.train_gpus}, rollout.gpus={args.rollout_gpus} "
+                          f"of {world_size} launched ranks; each role needs at least one")
+    needed = placement_rank_count(args)
+    if needed > world_size:
+        raise ConfigError(f"placement needs {needed} ranks (train.gpus={args.train_gpus}, "
+                          f"rollout.gpus={args.rollout_gpus}, teacher.gpus={args.teacher_gpus}) "
+                          f"but {world_size} were launched")
+    if needed < world_size:
+        raise ConfigError(f"{world_size} ranks were launched but the placement uses {needed} "
+                          f"(train.gpus={args.train_gpus}, rollout.gpus={args.rollout_gpus}, "
+                          f"teacher.gpus={args.teacher_gpus}); idle ranks would hang")
+
+    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                      * args.context_parallel_size)
+    if args.train_gpus % model_parallel:
+        raise ConfigError(f"train.gpus={args.train_gpus} is not divisible by tensor_model_parallel_size * "
+                          f"pipeline_model_parallel_size * context_parallel_size = {args.tensor_model_parallel_size}"
+                          f"*{args.pipeline_model_parallel_size}*{args.context_parallel_size}")
+    if args.rollout_gpus % args.rollout_tensor_parallel_size:
+        raise ConfigError(f"rollout.gpus={args.rollout_gpus} is not divisible by "
+                          f"rollout.tensor_parallel_size={args.rollout_tensor_parallel_size}")
+    if args.context_parallel_size > 1:
+        raise ConfigError("context_parallel_size > 1 is not supported yet (set --context-parallel-size 1)")

