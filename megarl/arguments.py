@@ -278,7 +278,12 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_args(args, world_size)
+    try:
+        validate_args(args, world_size)
+    except ConfigError as error:
+        if known.config:
+            raise ConfigError(f"{error} (config: {known.config})") from None
+        raise
     return args
 
 
@@ -362,5 +367,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.rollout_gpus % args.rollout_tensor_parallel_size:
         raise ConfigError(f"rollout.gpus={args.rollout_gpus} is not divisible by "
                           f"rollout.tensor_parallel_size={args.rollout_tensor_parallel_size}")
+    from megarl import platform
+
+    unsupported = platform.check_supported(args)
+    if unsupported:
+        raise ConfigError(unsupported)
     if args.context_parallel_size > 1:
         raise ConfigError("context_parallel_size > 1 is not supported yet (set --context-parallel-size 1)")

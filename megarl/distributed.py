@@ -17,10 +17,12 @@ Megatron's parallel state is built over the train world only.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from megarl import platform
@@ -133,6 +135,7 @@ class DistContext:
     layout: Layout
     store: dist.Store
     world_name: str  # "all" when colocated, else this rank's role
+    timeout: timedelta
     cross_role_group: object | None = None  # over all launched ranks; None when colocated
     roles: tuple[str, ...] = field(default_factory=tuple)
 
@@ -162,26 +165,28 @@ def init_distributed(args, env: LaunchEnv | None = None) -> DistContext:
     dist.init_process_group(
         backend=platform.backend(), store=dist.PrefixStore(f"megarl/world/{world_name}/", store),
         rank=world_ranks.index(env.rank), world_size=len(world_ranks), timeout=timeout)
-    context = DistContext(env, layout, store, world_name, roles=layout.roles_of(env.rank))
+    context = DistContext(env, layout, store, world_name, timeout, roles=layout.roles_of(env.rank))
     if not layout.colocated:
-        context.cross_role_group = new_store_group("cross-role", context, timeout)
+        context.cross_role_group = new_store_group("cross-role", context)
     if env.rank == 0:
         print(f"[megarl] {layout.describe()}", flush=True)
     return context
 
 
-def new_store_group(name: str, context: DistContext, timeout: timedelta):
-    """A gloo group over every launched rank, independent of the default world.
+def new_store_group(name: str, context: DistContext, members: tuple[int, ...] | None = None):
+    """A gloo group over `members` (default: every launched rank), outside the default world.
 
-    Used for objects and CPU tensors between roles; call its collectives
-    directly (`group.broadcast(...)`) since it is not registered with
-    torch.distributed's default world.
+    Built directly on the launcher's store, so it can span roles that live in
+    different worlds. Call only on member ranks, and use its own collectives
+    (`group.broadcast(tensor, root).wait()`), since torch.distributed's
+    helpers only know groups of the default world.
     """
+    members = tuple(range(context.env.world_size)) if members is None else members
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
+    options._timeout = context.timeout
     options._devices = [dist.ProcessGroupGloo.create_default_device()]
     return dist.ProcessGroupGloo(dist.PrefixStore(f"megarl/group/{name}/", context.store),
-                                 context.env.rank, context.env.world_size, options)
+                                 members.index(context.env.rank), len(members), options)
 
 
 def init_megatron_parallel(context: DistContext, seed: int) -> None:
@@ -202,3 +207,21 @@ def init_megatron_parallel(context: DistContext, seed: int) -> None:
 def rank0_print(*args) -> None:
     if not dist.is_initialized() or int(os.environ.get("RANK", dist.get_rank())) == 0:
         print(*args, flush=True)
+
+
+def all_gather_objects(obj, context: DistContext) -> list:
+    """Every launched rank's `obj`, in launch-rank order (cross-role group, or the shared world)."""
+    if context.cross_role_group is None:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+    group, size = context.cross_role_group, context.env.world_size
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    group.allgather([lengths], [torch.tensor([payload.numel()], dtype=torch.int64)]).wait()
+    longest = int(max(length.item() for length in lengths))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    group.allgather([buffers], [padded]).wait()
+    return [pickle.loads(buf[: int(n.item())].numpy().tobytes()) for buf, n in zip(buffers, lengths)]

@@ -59,6 +59,61 @@ def gpt_layer_spec(qk_layernorm: bool = False):
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
+def vllm_engine_kwargs(args) -> dict:
+    """Memory and execution settings for an in-rank vLLM engine."""
+    if ON_CUDA:
+        # Sleep mode lets the colocated trainer have the memory back between rollouts.
+        return dict(gpu_memory_utilization=args.rollout_gpu_memory_utilization, enable_sleep_mode=True)
+    # CPU: the KV cache must be sized explicitly (the default fails at start-up);
+    # there is no CUDA graph to capture, and no sleep mode.
+    return dict(kv_cache_memory_bytes=int(args.rollout_kv_cache_gb * 2**30), enforce_eager=True)
+
+
+class _TorchWithCpuFactories:
+    """`torch`, except that tensor factories asked for device="cuda" allocate on the CPU.
+
+    Installed as the module-level `torch` of the few Megatron modules that
+    create scalars and buffers with a literal device="cuda".
+    """
+
+    _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange"})
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            return functools.partial(_factory_on_cpu, attr)
+        return attr
+
+
+def _factory_on_cpu(factory, *args, **kwargs):
+    if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = "cpu"
+    return factory(*args, **kwargs)
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's clip_grads.clip_grad_by_total_norm_fp32 without its CUDA type assert and kernel."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grads.append(to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def check_supported(args) -> str | None:
+    """Why this host cannot run `args`, or None. (Called by arguments.validate_args.)"""
+    if not ON_CUDA and args.params_dtype != "float32":
+        return (f"--params-dtype {args.params_dtype} needs a GPU host: Megatron's mixed-precision "
+                f"optimizer is CUDA-only; use float32 on CPU ranks")
+    return None
+
+
 @functools.cache
 def apply_megatron_shims() -> None:
     """Rebind Megatron-core's CUDA-only call sites to CPU versions (no-op on CUDA).
@@ -73,6 +128,9 @@ def apply_megatron_shims() -> None:
 
     # ~175 sites allocate with device=torch.cuda.current_device().
     torch.cuda.current_device = lambda: cpu
+    # `.cuda()` moves (tied-embedding setup in language_module.py, a dozen more):
+    # on a CPU host the tensor is already where it should be.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     # Checkpoint saving, DDP buffer (de)allocation.
     torch.cuda.synchronize = lambda *args, **kwargs: None
     # Megatron's RNG tracker forks "the CUDA generator": on CPU there is only one.
@@ -94,3 +152,18 @@ def apply_megatron_shims() -> None:
 
     transformer_utils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
+
+    # Literal device="cuda" scalars and buffers: the fp32 optimizer's loss scale,
+    # grad-norm reductions (and the local multi-tensor L2 norm in utils.py), the
+    # schedules' token counter.
+    from megatron.core import utils as megatron_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    cpu_torch = _TorchWithCpuFactories()
+    for module in (clip_grads, megatron_optimizer, schedules, megatron_utils):
+        module.torch = cpu_torch
+    # Grad clipping asserts param.grad.type() == 'torch.cuda.FloatTensor'.
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32

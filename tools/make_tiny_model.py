@@ -6,7 +6,7 @@ Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
   1. a byte-level tokenizer (no merges: every byte, so every digit, is one token)
      plus the ChatML special tokens and a Qwen-style chat template;
-  2. a ~0.7M-parameter Qwen2 (GQA, head_dim 32, tied embeddings, fp32) whose
+  2. a ~0.3M-parameter, 2-layer Qwen2 (GQA, head_dim 32, tied embeddings, fp32) whose
      heads split evenly for tensor-parallel 2 and which vLLM's CPU backend runs;
   3. a supervised warm-up on chat-rendered problems, stopped part-way up the
      steep part of the learning curve (pass@1 at temperature 1 aimed at 25-50%),
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -41,10 +42,12 @@ CHAT_TEMPLATE = (
 )
 # Model shape: 4 query / 2 KV heads split evenly over TP=2; head_dim 32 is one
 # of the sizes vLLM's CPU attention supports.
-MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-# Warm-up, tuned (measured, not guessed) to land pass@1 at T=1 in 25-50%.
-TRAIN = dict(steps=1000, batch=64, lr=3e-3, warmup=50, weight_decay=0.0, threads=1)
+# Warm-up, measured to land pass@1 at T=1 near 40% (greedy a little higher).
+# Clipping and beta2 0.95 matter: without them the same run is under 10%.
+TRAIN = dict(steps=400, batch=32, lr=3e-3, warmup=50, beta2=0.95, clip=1.0,
+             weight_decay=0.0, threads=1)
 EVAL = dict(num=500, seed_offset=10_000, max_new_tokens=16)
 
 
@@ -104,9 +107,9 @@ def sft_batch(tokenizer, problems):
     return ids, labels
 
 
-def train(model, tokenizer, seed, steps, batch, lr, warmup, weight_decay, quiet, **_):
+def train(model, tokenizer, seed, steps, batch, lr, warmup, beta2, clip, weight_decay, quiet, **_):
     """Plain AdamW loop on freshly drawn problems, linear warm-up then constant lr."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, beta2), weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     problems = arithmetic.make_problems(steps * batch, seed)
     model.train()
@@ -115,10 +118,11 @@ def train(model, tokenizer, seed, steps, batch, lr, warmup, weight_decay, quiet,
         ids, labels = sft_batch(tokenizer, problems[step * batch:(step + 1) * batch])
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if not quiet and (step % 100 == 0 or step == steps - 1):
+        if not quiet and (step % 50 == 0 or step == steps - 1):
             print(f"step {step:5d}  loss {loss.item():.4f}  {time.time() - start:5.1f}s", flush=True)
     model.eval()
 
@@ -168,6 +172,8 @@ def main():
     if (args.out / "megarl_tiny.json").exists() and not args.force:
         sys.exit(f"{args.out} already holds a complete tiny model; pass --force to rebuild it")
 
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()
     start = time.time()
     # A fixed thread count keeps float reductions, hence the result, reproducible.
     torch.set_num_threads(TRAIN["threads"])
@@ -183,7 +189,7 @@ def main():
     report = dict(seed=args.seed, params=n_params, model=MODEL, train=settings, eval=EVAL,
                   max_operand=arithmetic.MAX_OPERAND, pass_at_1_t1=pass1, greedy_accuracy=greedy,
                   build_seconds=round(time.time() - start, 1),
-                  torch=torch.__version__, transformers=__import__("transformers").__version__)
+                  torch=torch.__version__, transformers=transformers.__version__)
     save(model, tokenizer, args.out, report)
     print(f"{args.out}: {n_params} params, pass@1 (T=1) {pass1:.3f}, greedy {greedy:.3f}, "
           f"{report['build_seconds']}s")

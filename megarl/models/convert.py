@@ -175,12 +175,14 @@ def load_hf_weights(model, hf_path: str, hf_config) -> None:
             param.copy_(shard)
 
 
-def iter_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for the whole model on every rank of the train world.
 
-    Each parameter is gathered over its TP group and, with pipeline
-    parallelism, broadcast from the stage that owns it, one at a time. The order
-    is the model's (stage by stage, layer by layer), rebuilt on every call.
+    Parameters are gathered over their TP group in buckets of about
+    `bucket_bytes` (one all-gather per bucket) and, with pipeline parallelism,
+    broadcast from the stage that owns them. At most one bucket is held at a
+    time. The order is the model's (stage by stage, layer by layer), rebuilt on
+    every call.
     """
     from megatron.core import parallel_state
 
@@ -196,21 +198,53 @@ def iter_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         dist.all_gather_object(stage_names, [_hf_names(rule, layer) for _, rule, layer, _ in entries],
                                group=pp_group)
     for stage in range(pp_size):
-        if stage == my_stage:
-            for _, rule, layer, param in entries:
-                shards = [param.detach()]
-                if tp_size > 1 and rule.layout != "replicated":
-                    shards = [torch.empty_like(param) for _ in range(tp_size)]
-                    dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
-                for name, tensor in zip(_hf_names(rule, layer), to_hf_tensors(rule, shards, hf_config)):
-                    if pp_size > 1:
-                        _broadcast_tensor(tensor, dist.get_global_rank(pp_group, stage), pp_group)
-                    yield name, tensor
-        else:
-            src = dist.get_global_rank(pp_group, stage)
+        src = dist.get_global_rank(pp_group, stage) if pp_size > 1 else None
+        if stage != my_stage:
             for names in stage_names[stage]:
                 for name in names:
                     yield name, _broadcast_tensor(None, src, pp_group)
+            continue
+        for bucket in _buckets(entries, bucket_bytes, tp_size):
+            for (_, rule, layer, _), shards in zip(bucket, _gather_tp_shards(bucket, tp_group, tp_size)):
+                for name, tensor in zip(_hf_names(rule, layer), to_hf_tensors(rule, shards, hf_config)):
+                    if pp_size > 1:
+                        _broadcast_tensor(tensor, src, pp_group)
+                    yield name, tensor
+
+
+def _buckets(entries, bucket_bytes: int, tp_size: int):
+    """Consecutive entries whose gathered size stays under bucket_bytes (at least one each)."""
+    bucket, size = [], 0
+    for entry in entries:
+        param = entry[3]
+        nbytes = param.numel() * param.element_size() * tp_size
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(entry)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _gather_tp_shards(bucket, tp_group, tp_size: int) -> list[list[torch.Tensor]]:
+    """For each entry, the list of its shards on every TP rank, with one all-gather per bucket."""
+    if tp_size == 1:
+        return [[entry[3].detach()] for entry in bucket]
+    split = [entry for entry in bucket if entry[1].layout != "replicated"]
+    gathered = {}
+    if split:
+        flat = torch.cat([entry[3].detach().reshape(-1) for entry in split])
+        everyone = torch.empty(tp_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(everyone, flat, group=tp_group)
+        per_rank = everyone.view(tp_size, -1)
+        offset = 0
+        for entry in split:
+            param = entry[3]
+            gathered[id(param)] = [per_rank[r, offset: offset + param.numel()].view(param.shape)
+                                   for r in range(tp_size)]
+            offset += param.numel()
+    return [gathered.get(id(entry[3]), [entry[3].detach()]) for entry in bucket]
 
 
 def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group) -> torch.Tensor:

@@ -37,7 +37,8 @@ def check_parallel_sizes(hf_config, tp: int, pp: int) -> None:
                          f"{hf_config.num_hidden_layers} of the model")
 
 
-def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, params_dtype: torch.dtype):
+def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, params_dtype: torch.dtype,
+                       **overrides):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -75,13 +76,16 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         # Weights come from a checkpoint right after construction.
         perform_initialization=False,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        **overrides,
     )
 
 
-def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128):
+def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
+                    **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device.
 
     Uses Megatron's global parallel state (`init_megatron_parallel` first).
+    `config_overrides` are extra TransformerConfig fields.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -92,7 +96,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     check_parallel_sizes(hf_config, tp, pp)
-    config = transformer_config(hf_config, family, tp, pp, cp, params_dtype)
+    config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, **config_overrides)
     model = GPTModel(
         config=config,
         transformer_layer_spec=platform.gpt_layer_spec(qk_layernorm=family.qk_layernorm),

@@ -47,7 +47,8 @@ def main():
 
     original = HFCheckpoint(mine.hf)
     exported, mismatched = set(), []
-    for name, tensor in iter_hf_weights(model, hf_config):
+    # Small buckets, so the round trip also covers bucket boundaries.
+    for name, tensor in iter_hf_weights(model, hf_config, bucket_bytes=20_000):
         exported.add(name)
         if not torch.equal(tensor.cpu(), original.get(name)):
             mismatched.append(name)

@@ -1,0 +1,145 @@
+"""Rollout role: a vLLM engine inside this rank (`distributed_executor_backend="external_launcher"`).
+
+Every rank of one engine's tensor-parallel group must call `generate` with the
+same prompts and seeds (vLLM runs SPMD over them). Samples carry what training
+needs: prompt and response token ids, the sampled tokens' logprobs, the text and
+whether the response hit the length limit.
+
+Logprobs are vLLM's `processed_logprobs`: after temperature (and top-k/top-p)
+processing, i.e. of the distribution actually sampled. The trainer divides its
+logits by the same temperature, so with top_p=1 and top_k=-1 both sides compute
+the same quantity and their difference after a weight sync is numerical noise.
+
+Memory: on GPU, `sleep()` frees the KV cache and offloads (level 1) or drops
+(level 2) the weights while the trainer works; `wake_up()` restores weights
+first, then the weight sync runs, then the KV cache comes back. On CPU vLLM has
+no sleep mode, so both are logged no-ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from megarl import platform
+
+log = logging.getLogger("megarl.rollout")
+
+
+@dataclass
+class Sample:
+    prompt_index: int  # index of the prompt in this step's global prompt list
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_text: str
+    logprobs: list[float]  # rollout logprob of each response token
+    truncated: bool  # hit max_new_tokens instead of ending
+    reward: float = 0.0
+    metadata: dict = field(default_factory=dict)
+
+
+class RolloutEngine:
+    def __init__(self, args, role_rank: int, role_size: int, local_rank: int):
+        from vllm import LLM
+
+        # vLLM's external launcher reads the torch world from the environment:
+        # in separate placement that is this role's world, not the launch's.
+        os.environ.update(RANK=str(role_rank), WORLD_SIZE=str(role_size))
+        self.args = args
+        self.tp = args.rollout_tensor_parallel_size
+        self.engine_index = role_rank // self.tp
+        self.num_engines = role_size // self.tp
+        engine_kwargs = dict(
+            model=args.rollout_model,
+            tokenizer=args.tokenizer,
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=self.tp,
+            dtype=args.params_dtype,
+            seed=args.seed + self.engine_index,
+            max_model_len=args.max_prompt_length + args.max_new_tokens,
+            logprobs_mode="processed_logprobs",
+            **platform.vllm_engine_kwargs(args),
+        )
+        engine_kwargs.update(args.rollout_engine_kwargs)
+        self.llm = LLM(**engine_kwargs)
+        self.sleeping = False
+
+    def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
+                 greedy: bool = False) -> list[Sample]:
+        """n samples per prompt (1 when greedy).
+
+        Randomness comes from the engine's seed (`--seed` + engine index), the same
+        on every TP rank of an engine. No per-request seeds: on CPU, vLLM rewinds a
+        seeded request's generator after a chunked prefill, which CPU generators
+        cannot do ("CPU Generator does not use offset").
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        args = self.args
+        params = []
+        for _ in prompt_indices:
+            params.append(SamplingParams(
+                n=1 if greedy else args.num_generations,
+                temperature=0.0 if greedy else args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                max_tokens=args.max_new_tokens,
+                stop=args.stop or None,
+                logprobs=0,
+            ))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=False)
+        samples = []
+        for index, prompt, output in zip(prompt_indices, prompts, outputs):
+            for completion in output.outputs:
+                token_ids = list(completion.token_ids)
+                logprobs = [step_logprobs[token].logprob
+                            for token, step_logprobs in zip(token_ids, completion.logprobs)]
+                samples.append(Sample(index, list(prompt), token_ids, completion.text, logprobs,
+                                      truncated=completion.finish_reason == "length"))
+        return samples
+
+    def load_weights(self, weights) -> None:
+        """Stream (hf_name, tensor) pairs into the engine (any TP: vLLM shards them itself).
+
+        The engine runs in this process, so `weights` may be a generator: tensors
+        are consumed one at a time and never held all at once.
+        """
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights,
+                                                              is_checkpoint_format=True))
+        self.llm.collective_rpc(_refresh_tied_output_layer)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        if not platform.ON_CUDA:
+            log.debug("vLLM sleep is not supported on CPU: no-op")
+            return
+        self.llm.sleep(level=level)
+        self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake `weights` before a sync and `kv_cache` after it (GPU); no-op on CPU."""
+        if not platform.ON_CUDA:
+            log.debug("vLLM wake_up is not supported on CPU: no-op")
+            return
+        self.llm.wake_up(tags=tags)
+        self.sleeping = tags is not None and "kv_cache" not in tags
+
+
+def _refresh_tied_output_layer(worker) -> None:
+    """Re-derive the tied LM head's kernel weights after a reload.
+
+    With tied embeddings the checkpoint has no lm_head tensor, so vLLM's reload
+    never touches the head's layer; on CPU that layer keeps a prepacked GEMM copy
+    of the *old* embedding (dispatch_cpu_unquantized_gemm), and logits go stale.
+    Rerunning the head's post-load processing rebuilds that copy; elsewhere it is
+    a no-op.
+    """
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    head.quant_method.process_weights_after_loading(head)

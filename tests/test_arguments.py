@@ -1,0 +1,93 @@
+"""Arguments: YAML + flags precedence, role groups, and one-line errors for bad configurations."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+from megarl.arguments import ConfigError, build_parser, parse_args
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_roles_and_flag_precedence(tmp_path):
+    config = _yaml(tmp_path, "colocate-groups: [[train, rollout]]\nlr: 1e-6\ntemperature: 0.7\n"
+                             "train: {gpus: 2, tensor_model_parallel_size: 2}\n"
+                             "rollout: {gpus: 2, tensor_parallel_size: 1, engine_kwargs: {max_num_seqs: 4}}\n")
+    args = parse_args(["--config", config, "--temperature", "0.9"], world_size=2)
+    assert args.lr == 1e-6 and args.temperature == 0.9  # YAML, then the flag wins
+    assert (args.train_gpus, args.rollout_gpus, args.tensor_model_parallel_size) == (2, 2, 2)
+    assert args.rollout_tensor_parallel_size == 1 and args.rollout_engine_kwargs == {"max_num_seqs": 4}
+    assert args.rollout_model == args.model and args.tokenizer == args.model
+
+
+def test_separate_placement_fills_in_the_other_role(tmp_path):
+    args = parse_args(["--config", _yaml(tmp_path, "colocate_groups: []\nrollout: {gpus: 1}\n")], world_size=3)
+    assert (args.train_gpus, args.rollout_gpus, args.colocate_groups) == (2, 1, [])
+
+
+BAD = [
+    # (yaml or None, flags, world size, words the one-line message must contain)
+    (None, ["--tensor-model-parallel-size", "3"], 2, ["train.gpus=2", "tensor_model_parallel_size"]),
+    (None, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 2,
+     ["not divisible", "pipeline_model_parallel_size"]),
+    ("train: {gpus: 2}\nrollout: {gpus: 1}\n", [], 2, ["colocate_groups", "train.gpus=2", "rollout.gpus=1"]),
+    ("colocate_groups: []\ntrain: {gpus: 2}\nrollout: {gpus: 1}\n", [], 2, ["needs 3 ranks", "2 were launched"]),
+    (None, ["--train-gpus", "4"], 2, ["needs 4 ranks", "train.gpus=4"]),
+    (None, ["--colocate-groups", "none", "--rollout-gpus", "1"], 3, []),  # valid: 2 train + 1 rollout
+    ("temperture: 1.0\n", [], 1, ["temperture", "did you mean 'temperature'"]),
+    ("rollout: {gpus: 1, tensor_paralel_size: 1}\n", [], 1, ["rollout.tensor_paralel_size",
+                                                             "did you mean 'tensor_parallel_size'"]),
+    ("train: {tensor_model_parallel_sise: 1}\n", [], 1, ["did you mean 'tensor_model_parallel_size'"]),
+    ("lr: fast\n", [], 1, ["lr", "expected a number", "'fast'"]),
+    ("num_generations: 2.5\n", [], 1, ["num_generations", "expected an integer"]),
+    ("colocate_groups: train,rollout\n", [], 1, []),  # the flag's string form works in YAML too
+    ("colocate_groups: [[train, rolout]]\n", [], 1, ["unknown role 'rolout'", "did you mean 'rollout'"]),
+    ("lr_decay_style: cosin\n", [], 1, ["lr_decay_style", "one of"]),
+    ("train: 2\n", [], 1, ["role group 'train' must be a mapping"]),
+    ("lr: [1, 2\n", [], 1, ["line", "not valid YAML"]),
+    (None, ["--rollout-tensor-parallel-size", "2"], 1, ["rollout.gpus=1", "rollout.tensor_parallel_size=2"]),
+    (None, ["--lr", "x"], 1, ["--lr", "invalid float value"]),
+]
+
+
+@pytest.mark.parametrize("yaml_text,flags,world,words", BAD)
+def test_invalid_configurations(tmp_path, yaml_text, flags, world, words):
+    argv = (["--config", _yaml(tmp_path, yaml_text)] if yaml_text else []) + flags
+    if not words:
+        parse_args(argv, world_size=world)
+        return
+    with pytest.raises(ConfigError) as error:
+        parse_args(argv, world_size=world)
+    message = str(error.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, (word, message)
+    if yaml_text:
+        assert "config.yaml" in message  # names the file
+
+
+def test_train_py_reports_a_bad_config_on_one_line(tmp_path):
+    config = _yaml(tmp_path, "colocate_groups: [[train, rollout]]\nmax_new_tokns: 8\n")
+    result = subprocess.run([sys.executable, "megarl/train.py", "--config", config], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "max_new_tokns" in lines[0] and "max_new_tokens" in lines[0], result.stderr
+
+
+def test_help_lists_every_option_by_group_with_defaults():
+    text = build_parser().format_help()
+    for group in ("model", "parallelism", "placement", "rollout", "algorithm", "data", "reward", "optimizer",
+                  "checkpoint", "logging"):
+        assert f"\n{group}" in text, group
+    for action in build_parser()._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.option_strings[0] in text
+    assert "(default: 1)" in text
