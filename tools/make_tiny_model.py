@@ -61,6 +61,7 @@ def build_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=len(specials) + 256, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
+    # With no merges to learn, the corpus only has to exist.
     tok.train_from_iterator([p["prompt"] for p in arithmetic.make_problems(100, 0)], trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, pad_token=EOS,
@@ -79,13 +80,13 @@ def build_model(tokenizer, seed):
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0,
                          dtype="float32", **MODEL)
-    return Qwen2ForCausalLM(config).float()
+    return Qwen2ForCausalLM(config)
 
 
-def prompt_ids(tokenizer, problem):
+def render(tokenizer, problem):
+    """The chat-rendered prompt, ending where the assistant's answer starts."""
     messages = [{"role": "user", "content": problem["prompt"]}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def sft_batch(tokenizer, problems):
@@ -97,7 +98,7 @@ def sft_batch(tokenizer, problems):
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     rows = []
     for p in problems:
-        prompt = prompt_ids(tokenizer, p)
+        prompt = tokenizer.encode(render(tokenizer, p))
         response = tokenizer.encode(arithmetic.format_response(p["answer"])) + [im_end]
         rows.append((prompt + response, [-100] * len(prompt) + response))
     width = max(len(ids) for ids, _ in rows)
@@ -130,9 +131,8 @@ def train(model, tokenizer, seed, steps, batch, lr, warmup, beta2, clip, weight_
 @torch.no_grad()
 def accuracy(model, tokenizer, problems, temperature, seed, max_new_tokens):
     """Fraction of problems whose (single) response scores 1; greedy if temperature is 0."""
-    tokenizer.padding_side = "left"
-    enc = tokenizer([tokenizer.decode(prompt_ids(tokenizer, p)) for p in problems],
-                    return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tokenizer([render(tokenizer, p) for p in problems], return_tensors="pt",
+                    padding=True, padding_side="left")
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
         if temperature > 0 else dict(do_sample=False)
     torch.manual_seed(seed)

@@ -266,3 +266,61 @@ def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group) -> torch.Ten
 
 
 _DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def save_hf_checkpoint(model, hf_config, out_dir: str, tokenizer=None, is_writer: bool = True,
+                       shard_bytes: int = 2 * 2**30, source_dir: str | None = None) -> None:
+    """Write the model as an HF checkpoint (safetensors shards, config, tokenizer).
+
+    Every rank of the train world must call this (the export gathers across
+    ranks); only `is_writer` writes. `source_dir`'s generation_config.json (stop
+    tokens) is carried over when present. Shards are written as the stream passes,
+    into `<out_dir>.tmp`, which is renamed to `out_dir` only when complete, so
+    an interrupted save never looks like a checkpoint.
+    """
+    import shutil
+
+    from safetensors.torch import save_file
+
+    tmp = out_dir.rstrip("/") + ".tmp"
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    shard, size, files, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        name = f"part-{len(files):05d}.safetensors"
+        save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update({tensor_name: name for tensor_name in shard})
+        shard, size = {}, 0
+
+    for name, tensor in iter_hf_weights(model, hf_config):
+        if not is_writer:
+            continue
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+    if not is_writer:
+        return
+    if shard or not files:
+        flush()
+    if len(files) == 1:
+        os.rename(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
+    else:
+        for index, name in enumerate(files):
+            final = f"model-{index + 1:05d}-of-{len(files):05d}.safetensors"
+            os.rename(os.path.join(tmp, name), os.path.join(tmp, final))
+            weight_map = {k: (final if v == name else v) for k, v in weight_map.items()}
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    hf_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if source_dir and os.path.exists(os.path.join(source_dir, "generation_config.json")):
+        shutil.copy(os.path.join(source_dir, "generation_config.json"), tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)

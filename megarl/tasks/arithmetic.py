@@ -1,8 +1,8 @@
 """megarl's built-in task: add two integers, answer in ``\\boxed{}``.
 
-Small enough that a ~1M-parameter model learns it in about a minute on CPU,
+Small enough that a 0.3M-parameter model learns it in about a minute on CPU,
 which is what the quickstart and the tests need. The operand range is tuned
-together with ``tools/make_tiny_model.py`` (see its header).
+together with ``tools/make_tiny_model.py``.
 """
 import json
 import random

@@ -1,0 +1,30 @@
+"""A fresh vLLM engine (one process) loaded from an HF checkpoint: greedy outputs as JSON."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main():
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from megarl.data import render_chat
+    from sync_worker import GREEDY_PROMPTS
+
+    path, out = sys.argv[1], sys.argv[2]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    llm = LLM(model=path, enforce_eager=True, dtype="float32", max_model_len=256)
+    prompts = [TokensPrompt(prompt_token_ids=render_chat(tokenizer, text)) for text in GREEDY_PROMPTS]
+    max_tokens = int(sys.argv[3])
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    with open(out, "w") as f:
+        json.dump([list(o.outputs[0].token_ids) for o in outputs], f)
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)
