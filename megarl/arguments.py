@@ -52,17 +52,19 @@ def _add_model_args(parser):
     g = parser.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, help="HF checkpoint directory of the policy")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    g.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of trainer and rollout weights (CPU ranks: float32 only)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times the TP size (Megatron)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234, help="seeds prompts, Megatron RNG and vLLM engines")
 
 
 def _add_parallelism_args(parser):
     g = parser.add_argument_group("parallelism (train role)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="trainer TP size")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="trainer PP size (conversion supports it; the RL trainer needs 1 for now)")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="trainer CP size (1 for now)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
 
@@ -81,17 +83,17 @@ def _add_placement_args(parser):
 def _add_rollout_args(parser):
     g = parser.add_argument_group("rollout")
     g.add_argument("--rollout-model", default=None, help="checkpoint vLLM starts from (default: --model)")
-    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1, help="vLLM TP size per engine")
     g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0,
                    help="vLLM KV cache size per engine in GiB")
     g.add_argument("--rollout-gpu-memory-utilization", type=float, default=0.5,
                    help="fraction of GPU memory vLLM may take (GPU hosts)")
     g.add_argument("--rollout-engine-kwargs", type=_json_dict, default={},
                    help="extra keyword arguments for vllm.LLM, as JSON")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use it too)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--top-k", type=int, default=-1, help="top-k sampling (-1: off)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="response length limit")
     g.add_argument("--num-generations", type=int, default=8, help="samples per prompt")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings")
     g.add_argument("--sync-bucket-mb", type=float, default=256.0,
@@ -100,9 +102,9 @@ def _add_rollout_args(parser):
 
 def _add_algorithm_args(parser):
     g = parser.add_argument_group("algorithm")
-    g.add_argument("--advantage-estimator", default="grpo")
-    g.add_argument("--clip-eps-low", type=float, default=0.2)
-    g.add_argument("--clip-eps-high", type=float, default=0.2)
+    g.add_argument("--advantage-estimator", default="grpo", help="registered estimator (megarl/algorithms.py)")
+    g.add_argument("--clip-eps-low", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps_low")
+    g.add_argument("--clip-eps-high", type=float, default=0.2, help="PPO clip: ratio <= 1 + eps_high")
     g.add_argument("--steps-per-generation", type=int, default=1,
                    help="optimizer steps taken on each generated batch")
 
@@ -110,7 +112,7 @@ def _add_algorithm_args(parser):
 def _add_data_args(parser):
     g = parser.add_argument_group("data")
     g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
-    g.add_argument("--max-prompt-length", type=int, default=128)
+    g.add_argument("--max-prompt-length", type=int, default=128, help="longest prompt in tokens")
 
 
 def _add_reward_args(parser):
@@ -120,28 +122,29 @@ def _add_reward_args(parser):
 
 def _add_optimizer_args(parser):
     g = parser.add_argument_group("optimizer")
-    g.add_argument("--lr", type=float, default=1e-5)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-steps", type=int, default=0)
-    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--lr", type=float, default=1e-5, help="peak learning rate (Adam)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
+    g.add_argument("--lr-warmup-steps", type=int, default=0, help="optimizer steps of linear warm-up")
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"],
+                   help="decay after warm-up, over all optimizer steps of the run")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clipping")
     g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
-    g.add_argument("--train-steps", type=int, default=10)
+    g.add_argument("--train-steps", type=int, default=10, help="generation batches (steps) to run")
 
 
 def _add_checkpoint_args(parser):
     g = parser.add_argument_group("checkpoint")
-    g.add_argument("--save-dir", default=None)
-    g.add_argument("--save-interval", type=int, default=0, help="0: never")
+    g.add_argument("--save-hf-dir", default=None,
+                   help="write the final policy here as an HF checkpoint (safetensors, config, tokenizer)")
 
 
 def _add_logging_args(parser):
     g = parser.add_argument_group("logging")
     g.add_argument("--log-dir", default="runs/megarl", help="TensorBoard directory")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=1, help="print a step line every this many steps")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -372,5 +375,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     unsupported = platform.check_supported(args)
     if unsupported:
         raise ConfigError(unsupported)
+    data_parallel = args.train_gpus // model_parallel
+    samples = args.prompts_per_step * args.num_generations
+    if samples % (args.steps_per_generation * data_parallel):
+        raise ConfigError(f"prompts_per_step * num_generations = {samples} samples do not split into "
+                          f"steps_per_generation={args.steps_per_generation} mini-batches over "
+                          f"{data_parallel} data-parallel ranks")
+    if args.teacher_gpus or args.teacher_model:
+        raise ConfigError("the teacher role (teacher.gpus / --teacher-model) is not implemented yet")
     if args.context_parallel_size > 1:
         raise ConfigError("context_parallel_size > 1 is not supported yet (set --context-parallel-size 1)")

@@ -117,6 +117,14 @@ class RLRun:
             stats = strategy.receive_into(self.engine)
         return {"sync_seconds": stats.seconds, "sync_bytes": stats.bytes}
 
+    def save_hf(self, out_dir: str) -> None:
+        """The current policy as an HF checkpoint, written by train rank 0."""
+        if self.trainer is not None:
+            from megarl.models.convert import save_hf_checkpoint
+
+            save_hf_checkpoint(self.trainer.model, self.hf_config, out_dir, tokenizer=self.tokenizer,
+                               is_writer=dist.get_rank() == 0, source_dir=self.args.model)
+
     def sleep_rollout(self) -> None:
         if self.engine is not None and self.context.layout.colocated:
             self.engine.sleep(level=1)

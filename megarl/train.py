@@ -37,6 +37,8 @@ def run(args) -> None:
                        step_seconds=time.perf_counter() - start)
         logger.log_step(step, samples, metrics)
     logger.finish()
+    if args.save_hf_dir:
+        rl.save_hf(args.save_hf_dir)
 
 
 def main(argv=None) -> None:

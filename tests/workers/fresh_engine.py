@@ -5,6 +5,9 @@ import os
 import sys
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# In-process engine: a separate EngineCore process would outlive os._exit and
+# hold the caller's output pipes open.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def main():

@@ -1,0 +1,150 @@
+"""Benchmark: trainer -> rollout weight sync of a >= 100M-parameter model, on 2 ranks.
+
+    python bench/weight_sync.py [--hidden 1024 --layers 12 --repeats 3]
+
+Runs two torchrun launches and prints, measured side by side in each run:
+  colocated  sync (TP gather + HF conversion + vLLM reload) vs a plain copy of
+             the same bytes into a preallocated buffer (ratio, bytes/s);
+  separate   broadcast sync from the train rank to the rollout rank vs a raw
+             gloo broadcast of the same bytes (ratio, bytes/s).
+It prints; it asserts nothing. Timings are medians of --repeats.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def make_checkpoint(path, hidden, layers, vocab):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def median_seconds(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def worker(model_dir, placement, repeats, out):
+    import torch
+    import torch.distributed as dist
+
+    from megarl import distributed
+    from megarl.arguments import parse_args
+    from megarl.models.convert import load_hf_weights
+    from megarl.models.megatron_gpt import build_gpt_model
+    from megarl.rollout import RolloutEngine
+    from megarl.weight_sync import BroadcastSync, ColocatedSync
+    from transformers import AutoConfig
+
+    flags = ["--model", model_dir, "--rollout-kv-cache-gb", "1", "--max-new-tokens", "8", "--log-dir", "",
+             "--rollout-engine-kwargs", json.dumps({"skip_tokenizer_init": True})]
+    if placement == "separate":
+        flags += ["--colocate-groups", "none", "--train-gpus", "1", "--rollout-gpus", "1"]
+    args = parse_args(flags)
+    context = distributed.init_distributed(args)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    engine = None
+    if context.is_rollout:
+        roles = context.layout.rollout_ranks
+        engine = RolloutEngine(args, roles.index(context.env.rank), len(roles), context.env.local_rank)
+    distributed.init_megatron_parallel(context, args.seed)
+    model = None
+    if context.is_train:
+        model = build_gpt_model(hf_config)
+        load_hf_weights(model, model_dir, hf_config)
+    bucket = int(args.sync_bucket_mb * 2**20)
+    result = {}
+    if placement == "colocate":
+        sync = ColocatedSync(bucket)
+        stats = []
+        result["sync_s"] = median_seconds(lambda: stats.append(sync.sync(model, hf_config, engine)), repeats)
+        nbytes = stats[-1].bytes
+        params = [p.detach() for p in model.parameters()]
+        buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+
+        def plain_copy():
+            offset = 0
+            for p in params:
+                buffer[offset: offset + p.numel()].copy_(p.reshape(-1))
+                offset += p.numel()
+
+        result["baseline_s"] = median_seconds(plain_copy, repeats)
+        result["baseline"] = "plain copy of the model's bytes"
+    else:
+        members = (0, 1)
+        group = distributed.new_store_group("bench", context, members)
+        sync = BroadcastSync(bucket, group, is_sender=context.is_train)
+        stats = []
+        run = (lambda: stats.append(sync.send(model, hf_config))) if context.is_train \
+            else (lambda: stats.append(sync.receive_into(engine)))
+        result["sync_s"] = median_seconds(run, repeats)
+        nbytes = stats[-1].bytes
+        sizes = [torch.tensor([nbytes], dtype=torch.int64)]
+        group.broadcast(sizes[0], 0).wait()
+        nbytes = int(sizes[0].item())
+        flat = torch.empty(nbytes // 4, dtype=torch.float32)
+        result["baseline_s"] = median_seconds(lambda: group.broadcast(flat, 0).wait(), repeats)
+        result["baseline"] = "raw gloo broadcast of the same bytes"
+    result["bytes"] = nbytes
+    gathered = distributed.all_gather_objects(result, context)
+    if context.env.rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker:
+        worker(options.worker[0], options.worker[1], options.repeats, options.worker[2])
+        sys.stdout.flush()
+        os._exit(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        params = make_checkpoint(model_dir, options.hidden, options.layers, options.vocab)
+        print(f"model: random Qwen2, {params / 1e6:.0f}M parameters (fp32), 2 ranks, "
+              f"median of {options.repeats}")
+        env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+        for placement in ("colocate", "separate"):
+            out = os.path.join(tmp, f"{placement}.json")
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            os.path.abspath(__file__), "--repeats", str(options.repeats),
+                            "--worker", model_dir, placement, out], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                result = max(json.load(f), key=lambda r: r["sync_s"])  # the slowest rank bounds a step
+            gib = result["bytes"] / 2**30
+            print(f"{placement:9s} sync {result['sync_s']:.3f}s ({gib / result['sync_s']:.2f} GiB/s) | "
+                  f"{result['baseline']} {result['baseline_s']:.3f}s ({gib / result['baseline_s']:.2f} GiB/s) | "
+                  f"ratio sync/baseline {result['sync_s'] / result['baseline_s']:.1f}x | {gib:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""torchrun worker: megarl/train.py with generation failing on one rank at step 2."""
+
+import os
+import sys
+
+from megarl import rollout, train
+
+FAIL_RANK = int(os.environ["MEGARL_TEST_FAIL_RANK"])
+original_generate = rollout.RolloutEngine.generate
+
+
+def failing_generate(self, prompts, prompt_indices, step, greedy=False):
+    if int(os.environ["RANK"]) == FAIL_RANK and step == 1:
+        raise RuntimeError("injected generation failure")
+    return original_generate(self, prompts, prompt_indices, step, greedy)
+
+
+rollout.RolloutEngine.generate = failing_generate
+train.main(sys.argv[1:])
