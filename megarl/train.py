@@ -47,12 +47,12 @@ def main(argv=None) -> None:
     except ConfigError as error:
         print(f"megarl: error: {error}", file=sys.stderr)
         sys.exit(2)
+    rank = launch_env().rank  # now: a rollout engine later rewrites RANK to its role rank
     try:
         run(args)
     except BaseException as error:  # noqa: BLE001 - any failure must end this rank, not hang it
         if isinstance(error, SystemExit) and not error.code:
             raise
-        rank = launch_env().rank
         print(f"megarl: rank {rank} failed: {type(error).__name__}: {error}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         # Hard exit: vLLM and gloo threads must not keep this rank alive, so the

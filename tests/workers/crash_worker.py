@@ -6,11 +6,12 @@ import sys
 from megarl import rollout, train
 
 FAIL_RANK = int(os.environ["MEGARL_TEST_FAIL_RANK"])
+LAUNCH_RANK = int(os.environ["RANK"])  # read now: a rollout engine rewrites RANK to its role rank
 original_generate = rollout.RolloutEngine.generate
 
 
 def failing_generate(self, prompts, prompt_indices, step, greedy=False):
-    if int(os.environ["RANK"]) == FAIL_RANK and step == 1:
+    if LAUNCH_RANK == FAIL_RANK and step == 1:
         raise RuntimeError("injected generation failure")
     return original_generate(self, prompts, prompt_indices, step, greedy)
 
