@@ -88,6 +88,8 @@ def _add_rollout_args(parser):
                    help="vLLM KV cache size per engine in GiB")
     g.add_argument("--rollout-gpu-memory-utilization", type=float, default=0.5,
                    help="fraction of GPU memory vLLM may take (GPU hosts)")
+    g.add_argument("--rollout-sleep-level", type=int, default=1, choices=[1, 2],
+                   help="GPU, colocated: vLLM sleep level while training (1 offloads weights, 2 drops them)")
     g.add_argument("--rollout-engine-kwargs", type=_json_dict, default={},
                    help="extra keyword arguments for vllm.LLM, as JSON")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use it too)")

@@ -127,7 +127,7 @@ class RLRun:
 
     def sleep_rollout(self) -> None:
         if self.engine is not None and self.context.layout.colocated:
-            self.engine.sleep(level=1)
+            self.engine.sleep(level=self.args.rollout_sleep_level)
 
 
 def _contiguous_shard(items: list, index: int, count: int) -> list:

@@ -25,6 +25,8 @@ def test_three_steps_update_the_policy(placement, tiny_model, tmp_path):
     assert len(steps) == 3 and "reward:" in result.stdout, result.stdout[-3000:]
     mismatches = [float(line.split("mismatch ")[1].split()[0]) for line in steps]
     assert max(mismatches) <= 1e-3, steps
+    # One optimizer step per generation: the PPO ratio starts at exactly 1.
+    assert all("| kl 0.0e+00 | clip 0.000 |" in line for line in steps), steps
     before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys()
     changed = [name for name in before if not torch.equal(before[name], after[name])]

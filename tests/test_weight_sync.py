@@ -32,7 +32,7 @@ def test_sync_parity(placement, tiny_model, tmp_path):
         assert report["before"]["mismatch"] <= 1e-3, report
         # Right after a sync of perturbed weights: same logprobs, importance ratio 1.
         assert report["after"]["mismatch"] <= 1e-3, report
-        assert report["after"]["ratio_dev_max"] <= 1e-3 * 20, report  # worst single token
+        assert report["after"]["ratio_dev_max"] <= 1e-3, report  # worst single token's exp(dlogp) - 1
         assert report["sync"]["sync_bytes"] > 0
 
     greedy = [r["greedy"] for r in reports if "greedy" in r]
