@@ -53,7 +53,7 @@ def worker(model_dir, placement, repeats, out):
     from megarl.arguments import parse_args
     from megarl.models.convert import load_hf_weights
     from megarl.models.megatron_gpt import build_gpt_model
-    from megarl.rollout import RolloutEngine
+    from megarl.rollout import RolloutEngine, release_shared_memory
     from megarl.weight_sync import BroadcastSync, ColocatedSync
     from transformers import AutoConfig
 
@@ -111,6 +111,7 @@ def worker(model_dir, placement, repeats, out):
     if context.env.rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+    release_shared_memory()
 
 
 def main():

@@ -1,11 +1,95 @@
 """RL algorithms as pure functions, registered under the names their flags take.
 
-Conventions (each one chosen on purpose; see README "Algorithms"):
-  * group std is the unbiased (Bessel-corrected) std, as in verl and TRL; a group
-    of one sample gets advantage 0 (mean = its reward, nothing to compare with);
-  * advantages are divided by (std + eps) with eps = 1e-6;
-  * the PPO-clip loss is per token; aggregation happens in the trainer, which
-    sums token losses and lets Megatron divide by the global token count.
+Nothing here knows about ranks, models or micro-batches: every function maps
+tensors to tensors, so each one is testable against its paper formula
+(tests/test_algorithms.py).
+
+Registries (flag value -> function):
+
+  ADVANTAGE_ESTIMATORS  grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae
+  POLICY_LOSSES         ppo_clip, gspo, skip_threshold
+  LOSS_AGGREGATIONS     token_level, sample_level, seq_mean_token_sum_norm
+  KL_ESTIMATORS         k1, abs, mse (= k2), low_var_kl (= k3), full
+  KL_CONTROLLERS        fixed, adaptive
+
+Tensor layout
+  Per-token tensors are [B, L], *response-aligned and right-padded*: column 0 is
+  the first response token of each sample, `mask` is 1 on the sample's response
+  tokens and 0 on padding. (Most functions only rely on `mask`, not on where the
+  padding is; GAE and the discounted returns treat masked-out positions as
+  absent.) Samples are grouped consecutively: rows g*G .. g*G+G-1 are the G
+  responses to prompt g (G = `group_size`).
+
+Advantage estimators: one calling convention, verl's
+  ADVANTAGE_ESTIMATORS[name](token_rewards [B, L], mask [B, L], group_size, **options)
+      -> (advantages [B, L], returns [B, L])
+  * An outcome (sequence) reward enters as a token reward at the sample's last
+    valid token: `sequence_rewards_to_tokens(scores, mask)`. Outcome estimators
+    (grpo, rloo, reinforce_plus_plus_baseline) use the sample score, the sum
+    of token_rewards[i, t] over valid tokens, so per-token terms such as a KL penalty placed in
+    the reward (`kl_penalty_in_reward`) are summed into it, as in verl.
+  * Options are keyword-only. Every estimator accepts every name in
+    ADVANTAGE_OPTIONS (so a caller can pass one option set whatever the flag)
+    and ignores those it does not use; an unknown name raises TypeError.
+  * Advantages and returns are 0 on padding. Estimators run without autograd.
+  * Legacy form, kept for the current rl.py: grpo and rloo also accept
+    (rewards [B], group_size) and then return advantages [B] only.
+    `grpo_advantages` / `rloo_advantages` are that 1-D math.
+
+Conventions (each chosen on purpose):
+  * group std is the unbiased (Bessel-corrected) std, as in verl and TRL;
+    advantages are divided by (std + eps), eps = EPS = 1e-6 outside the sqrt
+    (verl's epsilon; TRL uses 1e-4).
+  * a group of one sample gets advantage 0 in grpo, rloo and
+    reinforce_plus_plus_baseline: its baseline is its own reward, there is
+    nothing to compare with. (verl instead uses mean 0 / std 1 for a lone sample,
+    i.e. advantage = r / (1 + eps) in grpo and no baseline in RF++-baseline.)
+  * grpo scale_rewards: "group" divides by the group's std (GRPO), "batch" by the
+    std of all rewards of the batch (TRL's scale_rewards="batch"; the mean stays
+    the group mean), "none" does not divide (Dr. GRPO).
+  * whitening (`masked_whiten`, used by reinforce_plus_plus(_baseline) and gae) is
+    verl's masked_whiten: (x - mean) / sqrt(var + 1e-8) over the valid tokens
+    of the whole batch, mean and var token-weighted, var unbiased
+    (n / (n - 1)); eps inside the sqrt. Fewer than two valid tokens -> var 0.
+    Unlike verl's gae, whitened advantages are zeroed on padding.
+  * reinforce_plus_plus: returns G_t = r_t + gamma G_{t+1} over valid tokens
+    (gamma defaults to 1, so an outcome reward gives G_t = score at every valid
+    token); advantages = masked_whiten(returns).
+  * reinforce_plus_plus_baseline: A = masked_whiten(score - group mean), the
+    centred score broadcast to every valid token; returns = advantages (verl).
+  * gae: delta_t = r_t + gamma V_{t+1} - V_t with V = 0 after the last valid
+    token, A_t = delta_t + gamma lam A_{t+1}; returns = A (before whitening) + V,
+    advantages whitened unless whiten=False. gamma = lam = 1 by default (verl).
+
+Policy losses: one calling convention
+  POLICY_LOSSES[name](logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high, **options)
+      -> (token_loss [B, L], metrics)
+  * all [B, L]; the loss is per token and not masked: aggregation
+    (LOSS_AGGREGATIONS) applies the mask. Options: POLICY_LOSS_OPTIONS (mask,
+    clip_ratio_c, skip_threshold), accepted by every loss, unused ones ignored.
+  * metrics maps names to detached per-token float tensors [B, L] (indicators
+    such as "clipped", or values such as "ratio"); the trainer reduces them with
+    the mask, summed over micro-batches and data-parallel ranks. Every loss
+    returns "ratio", "clipped" and "dual_clipped".
+  * the ratio is exp(clamp(logp - old_logp, -20, 20)) (verl's stability clamp;
+    GSPO clamps the log ratio at 10 from above, as verl does).
+  * "clipped" is verl's pg_clipfrac: the clipped term is the larger one.
+  * dual clip (clip_ratio_c = c > 1, None = off): for A < 0 the loss is
+    min(ppo_loss, -A c) (verl's compute_policy_loss); "dual_clipped" marks where
+    -A c won. Applies to all three losses.
+  * entropy and KL enter as extra per-token loss terms the caller adds:
+    `entropy_bonus(entropy, coef)` = -coef * entropy,
+    `kl_penalty_in_loss(kl, coef)` = coef * kl (GRPO style); or the KL goes into
+    the reward instead (`kl_penalty_in_reward`, PPO style).
+
+Loss aggregation: LOSS_AGGREGATIONS[name](token_loss, mask, max_len=None)
+  -> (numerator, units), two 0-d tensors whose ratio is the loss. Numerators and
+  units are sums, so summing both over micro-batches and data-parallel ranks and
+  dividing once gives the global value: this is what Megatron does with
+  calculate_per_token_loss=True (the loss function returns (numerator, units);
+  the gradient is divided by the summed units).
+
+Off-policy correction and the DAPO pieces are plain helpers documented below.
 """
 
 from __future__ import annotations
@@ -14,7 +98,16 @@ import torch
 
 ADVANTAGE_ESTIMATORS = {}
 POLICY_LOSSES = {}
-EPS = 1e-6
+LOSS_AGGREGATIONS = {}
+KL_ESTIMATORS = {}
+KL_CONTROLLERS = {}
+
+EPS = 1e-6  # group-std epsilon, outside the sqrt (verl)
+WHITEN_EPS = 1e-8  # whitening epsilon, inside the sqrt (verl's masked_whiten)
+LOG_RATIO_BOUND = 20.0  # |log ratio| clamp before exp (verl)
+
+ADVANTAGE_OPTIONS = frozenset({"scale_rewards", "eps", "gamma", "lam", "values", "whiten"})
+POLICY_LOSS_OPTIONS = frozenset({"mask", "clip_ratio_c", "skip_threshold"})
 
 
 def register(registry: dict, name: str):
@@ -26,29 +119,497 @@ def register(registry: dict, name: str):
     return wrap
 
 
-@register(ADVANTAGE_ESTIMATORS, "grpo")
-def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
-    """(r - mean_group) / (std_group + eps) per sample; rewards are grouped consecutively.
+def _check_options(options: dict, known: frozenset) -> None:
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; known: {sorted(known)}")
 
-    scale="none" skips the division (Dr. GRPO).
+
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    """x as float32, or float64 if it already is (never lower precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+# ------------------------------------------------------------------ helpers ----
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the positions where mask is 1 (0 if there are none)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = WHITEN_EPS) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the valid positions, unbiased var; 0 on padding."""
+    x = _floating(x)
+    mask = mask.to(x.dtype)
+    count = mask.sum()
+    mean = (x * mask).sum() / count.clamp(min=1)
+    centred = (x - mean) * mask
+    var = (centred ** 2).sum() / (count - 1).clamp(min=1)  # 0 when count <= 1: centred is then 0
+    return centred * torch.rsqrt(var + eps)
+
+
+def sequence_rewards_to_tokens(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards [B, L]: each sample's score at its last valid token, 0 elsewhere.
+
+    The last valid token is the last position where mask is 1 (the EOS token, or
+    the last generated token of a truncated response). A row with no valid token
+    gets no reward.
     """
-    groups = rewards.float().view(-1, group_size)
+    scores = _floating(scores)
+    mask = mask.to(scores.dtype)
+    length = mask.shape[1]
+    last = length - 1 - torch.argmax(mask.flip(dims=[1]), dim=1)
+    out = torch.zeros_like(mask)
+    out[torch.arange(mask.shape[0], device=mask.device), last] = scores
+    return out * mask
+
+
+def _grouped(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size is None:
+        raise TypeError("this estimator needs group_size")
+    if group_size < 1 or scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} samples do not split into groups of {group_size}")
+    return _floating(scores).reshape(-1, group_size)
+
+
+def _scores(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sample scores [B]: the sum of the token rewards over valid tokens."""
+    return (_floating(token_rewards) * mask).sum(dim=-1)
+
+
+def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return per_sample[:, None] * mask.to(per_sample.dtype)
+
+
+def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma G_{t+1} over valid tokens (masked positions are skipped); 0 on padding."""
+    rewards = token_rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
+        returns[:, t] = running
+    return returns * mask
+
+
+# ------------------------------------------------------ advantage estimators ----
+def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
+                    eps: float = EPS) -> torch.Tensor:
+    """Per-sample GRPO advantages [B] from rewards [B]: (r - mean_group) / (std + eps).
+
+    scale_rewards: "group" (std of the group), "batch" (std of all B rewards),
+    "none" (no division, Dr. GRPO). Unbiased std; a lone sample gets 0.
+    """
+    groups = _grouped(rewards, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
-    if scale == "group":
-        if group_size > 1:
-            centred = centred / (groups.std(dim=1, keepdim=True) + EPS)
-    elif scale != "none":
-        raise ValueError(f"unknown reward scaling {scale!r}")
+    if scale_rewards == "group":
+        std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
+        centred = centred / (std + eps)
+    elif scale_rewards == "batch":
+        std = groups.std() if groups.numel() > 1 else torch.zeros_like(groups[0, 0])
+        centred = centred / (std + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown reward scaling {scale_rewards!r} (group, batch, none)")
     return centred.reshape(-1)
 
 
-@register(POLICY_LOSSES, "ppo_clip")
-def ppo_clip_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float):
-    """Token-level PPO-clip: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)).
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-sample RLOO advantages [B]: r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean); lone sample -> 0."""
+    groups = _grouped(rewards, group_size)
+    if group_size == 1:
+        return torch.zeros_like(groups).reshape(-1)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    return (centred * group_size / (group_size - 1)).reshape(-1)
 
-    Returns (loss per token, clipped indicator per token).
+
+def _legacy_call(mask) -> bool:
+    """rl.py's current call is (rewards [B], group_size): the mask slot holds an int."""
+    return mask is not None and not torch.is_tensor(mask)
+
+
+@register(ADVANTAGE_ESTIMATORS, "grpo")
+@torch.no_grad()
+def grpo(token_rewards, mask, group_size=None, *, scale_rewards: str = "group", eps: float = EPS, **options):
+    """GRPO: group-normalised outcome advantage, broadcast to the valid tokens. returns = advantages."""
+    _check_options(options, ADVANTAGE_OPTIONS)
+    if _legacy_call(mask):
+        return grpo_advantages(token_rewards, int(mask), scale_rewards, eps)
+    advantages = _broadcast(grpo_advantages(_scores(token_rewards, mask), group_size, scale_rewards, eps), mask)
+    return advantages, advantages
+
+
+@register(ADVANTAGE_ESTIMATORS, "rloo")
+@torch.no_grad()
+def rloo(token_rewards, mask, group_size=None, **options):
+    """RLOO: leave-one-out baseline, broadcast to the valid tokens. returns = advantages."""
+    _check_options(options, ADVANTAGE_OPTIONS)
+    if _legacy_call(mask):
+        return rloo_advantages(token_rewards, int(mask))
+    advantages = _broadcast(rloo_advantages(_scores(token_rewards, mask), group_size), mask)
+    return advantages, advantages
+
+
+@register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus(token_rewards, mask, group_size=None, *, gamma: float = 1.0, **options):
+    """REINFORCE++: discounted returns over valid tokens, whitened over the batch's valid tokens.
+
+    group_size is not used (no group baseline). returns are the unwhitened returns.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    _check_options(options, ADVANTAGE_OPTIONS)
+    token_rewards = _floating(token_rewards)
+    mask = mask.to(token_rewards.dtype)
+    returns = _discounted_returns(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask), returns
+
+
+@register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline(token_rewards, mask, group_size=None, **options):
+    """REINFORCE++-baseline: (score - group mean) on every valid token, whitened over the batch."""
+    _check_options(options, ADVANTAGE_OPTIONS)
+    groups = _grouped(_scores(token_rewards, mask), group_size)
+    centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
+    advantages = masked_whiten(_broadcast(centred, mask), mask)
+    return advantages, advantages
+
+
+@register(ADVANTAGE_ESTIMATORS, "gae")
+@torch.no_grad()
+def gae(token_rewards, mask, group_size=None, *, values, gamma: float = 1.0, lam: float = 1.0,
+        whiten: bool = True, **options):
+    """Generalised advantage estimation (Schulman et al. 2016) with critic values [B, L].
+
+    Computed backward over the valid tokens only; returns = advantages + values
+    (before whitening), advantages whitened over the batch's valid tokens
+    unless whiten=False. Both are 0 on padding.
+    """
+    _check_options(options, ADVANTAGE_OPTIONS)
+    token_rewards = _floating(token_rewards)
+    mask = mask.to(token_rewards.dtype)
+    values = values.detach().to(token_rewards.dtype) * mask
+    rewards = token_rewards * mask
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        valid = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(valid, delta + gamma * lam * next_advantage, next_advantage)
+        next_value = torch.where(valid, values[:, t], next_value)
+        advantages[:, t] = next_advantage
+    advantages = advantages * mask
+    returns = advantages + values
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+# ------------------------------------------------------------ policy losses ----
+def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
+def _clipped_surrogate(ratio, advantages, clip_eps_low, clip_eps_high, clip_ratio_c):
+    """max(-A r, -A clip(r, 1 - low, 1 + high)), then the dual clip for A < 0; (loss, metrics)."""
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(loss, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"dual-clip constant clip_ratio_c must be > 1, got {clip_ratio_c}")
+        floor = -advantages * clip_ratio_c
+        negative = advantages < 0
+        dual = negative & (loss > floor)
+        loss = torch.where(negative, torch.minimum(loss, floor), loss)
+    metrics = {"ratio": ratio.detach(), "clipped": (clipped > unclipped).detach().to(loss.dtype),
+               "dual_clipped": dual.to(loss.dtype)}
+    return loss, metrics
+
+
+def _require_mask(mask, like: torch.Tensor, loss: str) -> torch.Tensor:
+    if mask is None:
+        raise TypeError(f"policy loss {loss!r} needs mask= (sequence-level quantities)")
+    return mask.to(like.dtype)
+
+
+@register(POLICY_LOSSES, "ppo_clip")
+def ppo_clip_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float, *,
+                  clip_ratio_c: float | None = None, **options):
+    """Token-level PPO-clip: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old).
+
+    clip_eps_high > clip_eps_low is DAPO's clip-higher. clip_ratio_c: dual clip.
+    Returns (loss per token, metrics).
+    """
+    _check_options(options, POLICY_LOSS_OPTIONS)
+    ratio = _ratio(logprobs - old_logprobs)
+    return _clipped_surrogate(ratio, advantages, clip_eps_low, clip_eps_high, clip_ratio_c)
+
+
+@register(POLICY_LOSSES, "gspo")
+def gspo_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float, *, mask=None,
+              clip_ratio_c: float | None = None, **options):
+    """GSPO-token (Zheng et al. 2025): the clipped surrogate with the sequence-level ratio.
+
+    s_i = exp(mean over valid tokens of (logp - old)); token ratio
+    s_i,t = sg(s_i) exp(logp_t - sg(logp_t)): its value is s_i, its gradient
+    s_i grad logp_t. With advantages constant over a sequence and the
+    sample_level aggregation this is GSPO's sequence objective. The paper's clip
+    ranges are small (3e-4 / 4e-4); pass them in. metrics["seq_ratio"] = s_i.
+    """
+    _check_options(options, POLICY_LOSS_OPTIONS)
+    mask = _require_mask(mask, logprobs, "gspo")
+    seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    log_ratio = seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach()
+    ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
+    loss, metrics = _clipped_surrogate(ratio, advantages, clip_eps_low, clip_eps_high, clip_ratio_c)
+    metrics["seq_ratio"] = torch.exp(seq_log_ratio.detach())[:, None].expand_as(loss)
+    return loss, metrics
+
+
+@register(POLICY_LOSSES, "skip_threshold")
+def skip_threshold_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float, *,
+                        mask=None, skip_threshold: float = 20.0, clip_ratio_c: float | None = None, **options):
+    """PPO-clip that drops samples whose mean importance ratio exceeds skip_threshold.
+
+    From ColossalChat's GRPO PolicyLoss (skip_threshold=20): a sample is
+    skipped when the arithmetic mean of r_t = exp(logp_t - old_t) over its
+    valid tokens is > skip_threshold; its token losses are set to 0 and
+    metrics["skipped"] is 1 on its tokens. ColossalChat decides for a whole
+    micro-batch (mean over all positions, padding counting as ratio 1) and
+    skips its backward; here the decision is per sample and padding is left
+    out. Skipped tokens still count in the aggregation's units unless the
+    caller drops them from the mask (mask * (1 - metrics["skipped"])).
+    """
+    _check_options(options, POLICY_LOSS_OPTIONS)
+    mask = _require_mask(mask, logprobs, "skip_threshold")
+    ratio = _ratio(logprobs - old_logprobs)
+    loss, metrics = _clipped_surrogate(ratio, advantages, clip_eps_low, clip_eps_high, clip_ratio_c)
+    with torch.no_grad():
+        mean_ratio = (ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+        keep = (mean_ratio <= skip_threshold).to(loss.dtype)[:, None]
+    metrics["skipped"] = (1.0 - keep).expand_as(loss)
+    return loss * keep, metrics
+
+
+def entropy_bonus(entropy: torch.Tensor, coef: float) -> torch.Tensor:
+    """Per-token term to add to the token loss: -coef * entropy (higher entropy lowers the loss)."""
+    return -coef * entropy
+
+
+def value_loss(values, old_values, returns, mask, clip_range: float):
+    """PPO critic loss per token: 0.5 max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2).
+
+    The 0.5 makes the gradient (v - R), as in verl's compute_value_loss and TRL.
+    Returns (loss * mask, metrics) with metrics["clipped"] = the clipped term is larger.
+    """
+    mask = mask.to(values.dtype)
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped_values - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped_loss, clipped_loss) * mask
+    return loss, {"clipped": (clipped_loss > unclipped_loss).detach().to(values.dtype) * mask}
+
+
+# --------------------------------------------------------- loss aggregation ----
+@register(LOSS_AGGREGATIONS, "token_level")
+def token_level(token_loss, mask, max_len=None):
+    """Token mean: (sum of valid token losses, number of valid tokens)."""
+    mask = mask.to(token_loss.dtype)
+    return (token_loss * mask).sum(), mask.sum()
+
+
+def _valid_rows(mask: torch.Tensor):
+    counts = mask.sum(dim=-1)
+    return counts, (counts > 0).to(mask.dtype).sum()
+
+
+@register(LOSS_AGGREGATIONS, "sample_level")
+def sample_level(token_loss, mask, max_len=None):
+    """Sequence mean of token means: (sum_i mean_t loss_i, samples with a valid token)."""
+    mask = mask.to(token_loss.dtype)
+    counts, rows = _valid_rows(mask)
+    return ((token_loss * mask).sum(dim=-1) / counts.clamp(min=1)).sum(), rows
+
+
+@register(LOSS_AGGREGATIONS, "seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(token_loss, mask, max_len=None):
+    """Dr. GRPO: (sum_i sum_t loss_i / max_len, samples with a valid token).
+
+    max_len is a constant (e.g. max_new_tokens), the same on every micro-batch.
+    verl's agg_loss "seq-mean-token-sum-norm" returns sum_i sum_t loss_i / L
+    with L the padded width of the batch and no division by the sample count:
+    B times this value (a constant factor, i.e. a learning-rate scale), and its
+    L varies with the batch. Dr. GRPO's objective keeps the 1/G mean over
+    samples, which is what the units give here.
+    """
+    if not max_len:
+        raise ValueError("seq_mean_token_sum_norm needs max_len (e.g. max_new_tokens)")
+    mask = mask.to(token_loss.dtype)
+    _, rows = _valid_rows(mask)
+    return (token_loss * mask).sum() / max_len, rows
+
+
+# ------------------------------------------------------------------------ KL ----
+@register(KL_ESTIMATORS, "k1")
+def kl_k1(logprobs, ref_logprobs):
+    """k1 = logp - ref: unbiased for KL(pi || ref) under samples of pi; can be negative."""
+    return logprobs - ref_logprobs
+
+
+@register(KL_ESTIMATORS, "abs")
+def kl_abs(logprobs, ref_logprobs):
+    return (logprobs - ref_logprobs).abs()
+
+
+@register(KL_ESTIMATORS, "mse")
+def kl_mse(logprobs, ref_logprobs):
+    """k2 = 0.5 (logp - ref)^2."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+@register(KL_ESTIMATORS, "low_var_kl")
+def kl_low_var(logprobs, ref_logprobs):
+    """k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman), >= 0; verl's clamps: log ratio to
+    [-20, 20] and the result to [-10, 10]."""
+    log_ratio = torch.clamp(ref_logprobs - logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+
+
+register(KL_ESTIMATORS, "k2")(kl_mse)  # verl's aliases
+register(KL_ESTIMATORS, "k3")(kl_low_var)
+
+
+@register(KL_ESTIMATORS, "full")
+def kl_full(logprobs, ref_logprobs):
+    """Exact KL(pi || ref) per token from full-vocabulary log-probs [B, L, V]: sum_v p (log p - log q).
+
+    With a vocabulary-parallel layout each rank passes its shard and gets its
+    shard's partial sum; all-reduce it over the tensor-parallel group.
+    """
+    return (torch.exp(logprobs) * (logprobs - ref_logprobs)).sum(dim=-1)
+
+
+def kl_penalty_in_reward(token_rewards, kl, coef: float, mask):
+    """PPO-style placement: r_t - coef * kl_t on valid tokens (kl is detached: it is a reward)."""
+    return (token_rewards - coef * kl.detach()) * mask.to(token_rewards.dtype)
+
+
+def kl_penalty_in_loss(kl, coef: float):
+    """GRPO-style placement: per-token term coef * kl to add to the token loss."""
+    return coef * kl
+
+
+@register(KL_CONTROLLERS, "fixed")
+class FixedKLController:
+    def __init__(self, coef: float):
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+@register(KL_CONTROLLERS, "adaptive")
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019 / verl: coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon."""
+
+    def __init__(self, init_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError("adaptive KL controller needs target > 0 and horizon > 0")
+        super().__init__(init_coef)
+        self.target, self.horizon = float(target), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+# ---------------------------------------------------------------------- DAPO ----
+def dynamic_sampling_keep(group_scores: torch.Tensor, low: float = 0.0, high: float = 1.0,
+                          correct_threshold: float = 0.5) -> torch.Tensor:
+    """Groups to keep [num_groups] (bool) from scores [num_groups, group_size].
+
+    A group's accuracy is the fraction of its samples with score > correct_threshold;
+    it is kept when low < accuracy < high (strict, ColossalChat's filter_range).
+    The defaults drop the groups that are all wrong or all right (DAPO), whose
+    group-normalised advantages are all 0. For 0/1 rewards this is DAPO's
+    "std of the group > 0".
+    """
+    accuracy = (group_scores > correct_threshold).to(torch.float64).mean(dim=-1)
+    return (accuracy > low) & (accuracy < high)
+
+
+def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO eq. 13, per sample: 0 if len <= max_len - cache_len; ((max_len - cache_len) - len) / cache_len
+    up to max_len (reaching -1 at max_len); -1 beyond max_len."""
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got {cache_len}, {max_len}")
+    lengths = _floating(lengths)
+    expected = max_len - cache_len
+    penalty = torch.clamp((expected - lengths) / cache_len, max=0.0)
+    return torch.where(lengths > max_len, torch.full_like(penalty, -1.0), penalty)
+
+
+def truncation_keep(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Samples to keep [B] (bool) when filtering truncated responses: length < max_len.
+
+    A response that used all max_len tokens is treated as truncated, even if its
+    last token happens to be EOS (the conservative choice, as in ColossalChat).
+    Apply to a token mask as mask * keep[:, None].
+    """
+    return lengths < max_len
+
+
+# -------------------------------------------------------- off-policy rollout ----
+def truncated_importance_weights(old_logprobs, rollout_logprobs, mask, level: str = "token",
+                                 mode: str = "truncate", threshold: float = 2.0,
+                                 threshold_low: float | None = None):
+    """Importance weights pi_train / pi_rollout correcting rollout-vs-trainer mismatch (verl rollout_is).
+
+    old_logprobs: the trainer's logprobs of the sampled tokens before the update;
+    rollout_logprobs: the engine's. Ratio per level: "token" exp(old - rollout);
+    "sequence" exp(sum over valid tokens), the product of token ratios;
+    "geometric" exp(mean over valid tokens). Log ratios are clamped to [-20, 20].
+    mode "truncate" (TIS): w = min(ratio, threshold). mode "mask" (MIS,
+    rejection): w = ratio where threshold_low <= ratio <= threshold (default
+    threshold_low = 1 / threshold), else 0; verl rejects through the response
+    mask, so also drop metrics["masked"] from the loss mask to leave rejected
+    tokens out of the aggregation's units. Weights are detached and 0 on padding.
+
+    Returns (weights [B, L], metrics) with per-token tensors: "abs_diff" |old -
+    rollout|, "k1" rollout - old and "k3" exp(old - rollout) - (old - rollout) - 1
+    (both estimate KL(pi_rollout || pi_train) from rollout samples), "ratio"
+    (before bounding), "clipped" (truncate mode: ratio > threshold) and
+    "masked" (mask mode: rejected); all 0 on padding.
+    """
+    with torch.no_grad():
+        mask = mask.to(old_logprobs.dtype)
+        diff = (old_logprobs - rollout_logprobs) * mask
+        if level == "token":
+            log_ratio = diff
+        elif level == "sequence":
+            log_ratio = diff.sum(dim=-1, keepdim=True).expand_as(diff)
+        elif level == "geometric":
+            log_ratio = (diff.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1))[:, None].expand_as(diff)
+        else:
+            raise ValueError(f"unknown importance-weight level {level!r} (token, sequence, geometric)")
+        ratio = _ratio(log_ratio)
+        zeros = torch.zeros_like(ratio)
+        if mode == "truncate":
+            weights, clipped, masked = torch.clamp(ratio, max=threshold), (ratio > threshold).to(ratio.dtype), zeros
+        elif mode == "mask":
+            low = 1.0 / threshold if threshold_low is None else threshold_low
+            keep = ((ratio >= low) & (ratio <= threshold)).to(ratio.dtype)
+            weights, clipped, masked = ratio * keep, zeros, 1.0 - keep
+        else:
+            raise ValueError(f"unknown importance-weight mode {mode!r} (truncate, mask)")
+        metrics = {"abs_diff": diff.abs(), "k1": -diff, "k3": (torch.exp(diff) - diff - 1.0) * mask,
+                   "ratio": ratio * mask, "clipped": clipped * mask, "masked": masked * mask}
+        return weights * mask, metrics
+

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+
+import torch
 from dataclasses import dataclass, field
 
 from megarl import platform
@@ -46,6 +48,12 @@ class RolloutEngine:
         # vLLM's external launcher reads the torch world from the environment:
         # in separate placement that is this role's world, not the launch's.
         os.environ.update(RANK=str(role_rank), WORLD_SIZE=str(role_size))
+        # A run that ended hard (SIGKILL, os._exit) leaves vLLM's CPU shared-memory
+        # segments behind under fixed names, and the next engine then fails with
+        # "create shm in SHMManager failed. errno: 17". Clear them while no engine
+        # of this launch exists yet: every rank first, then all wait.
+        release_shared_memory()
+        torch.distributed.barrier()
         self.args = args
         self.tp = args.rollout_tensor_parallel_size
         self.engine_index = role_rank // self.tp
@@ -143,3 +151,20 @@ def _refresh_tied_output_layer(worker) -> None:
     if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
         return
     head.quant_method.process_weights_after_loading(head)
+
+
+def release_shared_memory() -> None:
+    """Unlink vLLM's CPU tensor-parallel shared-memory segments (no-op on GPU).
+
+    With the external launcher vLLM names them `-<group>-[<ranks>]-cpushm_<rank>`
+    (its instance identifier is empty), the same in every run, and nothing
+    unlinks them when a process exits hard.
+    """
+    if platform.ON_CUDA or not os.path.isdir("/dev/shm"):
+        return
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("-") and "-cpushm" in name:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:  # another rank got there first
+                pass

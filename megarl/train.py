@@ -17,6 +17,7 @@ if __package__ in (None, ""):
 from megarl.arguments import ConfigError, parse_args  # noqa: E402
 from megarl.distributed import init_distributed, launch_env  # noqa: E402
 from megarl.metrics import MetricsLogger  # noqa: E402
+from megarl.rollout import release_shared_memory  # noqa: E402
 
 
 def run(args) -> None:
@@ -55,9 +56,11 @@ def main(argv=None) -> None:
             raise
         print(f"megarl: rank {rank} failed: {type(error).__name__}: {error}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
+        release_shared_memory()
         # Hard exit: vLLM and gloo threads must not keep this rank alive, so the
         # launcher sees the failure at once and stops the other ranks.
         os._exit(1)
+    release_shared_memory()
     sys.stdout.flush()
     # vLLM's in-process engine holds threads that can stall interpreter shutdown.
     os._exit(0)

@@ -157,9 +157,10 @@ class Trainer:
 
         def loss(batch, logits):
             logprobs = self._logprobs(batch, logits)
-            token_loss, clipped = self.policy_loss(logprobs, batch.old_logprobs, batch.advantages,
-                                                   args.clip_eps_low, args.clip_eps_high)
             mask = batch.loss_mask
+            token_loss, loss_metrics = self.policy_loss(logprobs, batch.old_logprobs, batch.advantages,
+                                                        args.clip_eps_low, args.clip_eps_high, mask=mask)
+            clipped = loss_metrics["clipped"]
             tokens = mask.sum()
             with torch.no_grad():
                 sums = torch.stack([

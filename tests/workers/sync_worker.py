@@ -9,6 +9,7 @@ Rank 0 writes <out>.json; the checkpoint goes to <out>_hf/.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -18,6 +19,7 @@ from megarl import distributed
 from megarl.arguments import parse_args
 from megarl.models.convert import save_hf_checkpoint
 from megarl.rl import RLRun, _mismatch
+from megarl.rollout import release_shared_memory
 from megarl.trainer import make_micro_batches
 
 GREEDY_PROMPTS = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "What is 3 + 9?"]
@@ -64,6 +66,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    release_shared_memory()
     sys.stdout.flush()
-    import os
-    os._exit(0)
+    os._exit(0)  # as train.py: vLLM's in-process engine must not stall interpreter shutdown
