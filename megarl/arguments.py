@@ -104,11 +104,48 @@ def _add_rollout_args(parser):
 
 def _add_algorithm_args(parser):
     g = parser.add_argument_group("algorithm")
-    g.add_argument("--advantage-estimator", default="grpo", help="registered estimator (megarl/algorithms.py)")
+    g.add_argument("--advantage-estimator", default="grpo",
+                   choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
+                   help="advantage estimator (megarl/algorithms.py)")
+    g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
+                   help="grpo: divide by the group's std, the batch's, or not at all (Dr. GRPO)")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns")
+    g.add_argument("--policy-loss", default="ppo_clip", choices=["ppo_clip", "gspo", "skip_threshold"],
+                   help="policy loss (megarl/algorithms.py)")
     g.add_argument("--clip-eps-low", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps_low")
-    g.add_argument("--clip-eps-high", type=float, default=0.2, help="PPO clip: ratio <= 1 + eps_high")
+    g.add_argument("--clip-eps-high", type=float, default=0.2,
+                   help="PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO clip-higher)")
+    g.add_argument("--dual-clip-c", type=float, default=None, help="dual-clip constant c > 1 (off when unset)")
+    g.add_argument("--skip-threshold", type=float, default=20.0,
+                   help="skip_threshold loss: drop samples whose mean ratio exceeds this")
+    g.add_argument("--loss-agg", default="token_level",
+                   choices=["token_level", "sample_level", "seq_mean_token_sum_norm"],
+                   help="token-mean, seq-mean-token-mean, or Dr. GRPO's token-sum / max_new_tokens")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus: loss -= coef * entropy")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL-to-reference coefficient in the loss (0: no reference model is built)")
+    g.add_argument("--kl-estimator", default="low_var_kl", choices=["k1", "abs", "mse", "k2", "low_var_kl", "k3"],
+                   help="per-token KL estimator")
+    g.add_argument("--ref-model", default=None, help="reference checkpoint (default: --model)")
     g.add_argument("--steps-per-generation", type=int, default=1,
-                   help="optimizer steps taken on each generated batch")
+                   help="optimizer steps taken on each generated batch (mini-batches)")
+
+
+def _add_dapo_and_off_policy_args(parser):
+    g = parser.add_argument_group("DAPO and off-policy correction")
+    g.add_argument("--dynamic-sampling", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="keep groups whose success rate is strictly inside (LOW, HIGH); off when unset")
+    g.add_argument("--max-num-gen-batches", type=int, default=4,
+                   help="dynamic sampling: generated batches per step before topping up with dropped groups")
+    g.add_argument("--overlong-buffer-len", type=int, default=0,
+                   help="DAPO soft overlong punishment over the last N tokens of max_new_tokens (0: off)")
+    g.add_argument("--filter-truncated", action="store_true",
+                   help="mask responses that hit max_new_tokens out of the loss")
+    g.add_argument("--tis-level", default="none", choices=["none", "token", "sequence", "geometric"],
+                   help="importance weights trainer/rollout logprobs: at which level (none: off)")
+    g.add_argument("--tis-mode", default="truncate", choices=["truncate", "mask"],
+                   help="truncate weights at the threshold, or mask tokens outside [1/threshold, threshold]")
+    g.add_argument("--tis-threshold", type=float, default=2.0, help="importance-weight threshold")
 
 
 def _add_data_args(parser):
@@ -162,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", default=None, help="YAML file of options (command-line flags win)")
     for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args,
-                _add_algorithm_args, _add_data_args, _add_reward_args, _add_optimizer_args,
+                _add_algorithm_args, _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_optimizer_args,
                 _add_checkpoint_args, _add_logging_args):
         add(parser)
     return parser
@@ -202,6 +239,12 @@ def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
         return value
     if action.nargs in ("*", "+"):
         value = value if isinstance(value, list) else [value]
+        return [_coerce_scalar(action, v, where, fail) for v in value]
+    if isinstance(action.nargs, int):
+        if value is None:
+            return None
+        if not isinstance(value, list) or len(value) != action.nargs:
+            fail(f"a list of {action.nargs} values")
         return [_coerce_scalar(action, v, where, fail) for v in value]
     return _coerce_scalar(action, value, where, fail)
 
@@ -337,6 +380,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.tokenizer = args.model
     if args.rollout_model is None:
         args.rollout_model = args.model
+    if args.ref_model is None:
+        args.ref_model = args.model
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "rollout_tensor_parallel_size", "num_generations", "micro_batch_size",
                  "prompts_per_step", "steps_per_generation", "max_new_tokens"):
@@ -383,6 +428,17 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"prompts_per_step * num_generations = {samples} samples do not split into "
                           f"steps_per_generation={args.steps_per_generation} mini-batches over "
                           f"{data_parallel} data-parallel ranks")
+    if args.dual_clip_c is not None and args.dual_clip_c <= 1.0:
+        raise ConfigError(f"--dual-clip-c must be > 1, got {args.dual_clip_c}")
+    if args.dynamic_sampling is not None:
+        low, high = args.dynamic_sampling
+        if not 0.0 <= low < high <= 1.0:
+            raise ConfigError(f"--dynamic-sampling needs 0 <= LOW < HIGH <= 1, got {low} {high}")
+        if args.max_num_gen_batches < 1:
+            raise ConfigError(f"--max-num-gen-batches must be >= 1, got {args.max_num_gen_batches}")
+    if not 0 <= args.overlong_buffer_len <= args.max_new_tokens:
+        raise ConfigError(f"--overlong-buffer-len must be in [0, max_new_tokens={args.max_new_tokens}], "
+                          f"got {args.overlong_buffer_len}")
     if args.teacher_gpus or args.teacher_model:
         raise ConfigError("the teacher role (teacher.gpus / --teacher-model) is not implemented yet")
     if args.context_parallel_size > 1:

@@ -29,8 +29,10 @@ class ArithmeticPrompts:
     def __init__(self, args, tokenizer):
         self.args, self.tokenizer = args, tokenizer
 
-    def batch(self, step: int) -> list[Prompt]:
-        problems = arithmetic.make_problems(self.args.prompts_per_step, seed=self.args.seed * 1_000_003 + step)
+    def batch(self, step: int, attempt: int = 0) -> list[Prompt]:
+        """The prompts of `step`; attempt > 0 gives fresh ones for DAPO's extra generation batches."""
+        seed = self.args.seed * 1_000_003 + step + attempt * 7_919_993
+        problems = arithmetic.make_problems(self.args.prompts_per_step, seed=seed)
         prompts = []
         for index, problem in enumerate(problems):
             ids = render_chat(self.tokenizer, problem["prompt"])

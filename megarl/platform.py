@@ -59,6 +59,17 @@ def gpt_layer_spec(qk_layernorm: bool = False):
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
+def offload(module: torch.nn.Module) -> None:
+    """Move an idle model's weights to host memory (GPU); nothing to free on CPU ranks."""
+    if ON_CUDA:
+        module.to("cpu")
+
+
+def onload(module: torch.nn.Module) -> None:
+    if ON_CUDA:
+        module.to(device())
+
+
 def vllm_engine_kwargs(args) -> dict:
     """Memory and execution settings for an in-rank vLLM engine."""
     if ON_CUDA:

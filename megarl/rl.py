@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megarl import distributed
-from megarl.algorithms import ADVANTAGE_ESTIMATORS
+from megarl.algorithms import (ADVANTAGE_ESTIMATORS, dynamic_sampling_keep, sequence_rewards_to_tokens,
+                               soft_overlong_penalty, truncated_importance_weights, truncation_keep)
 from megarl.data import prompt_source
 from megarl.rewards import get_reward
 from megarl.rollout import RolloutEngine, Sample
@@ -57,8 +58,38 @@ class RLRun:
             self.sync_strategy = BroadcastSync(bucket_bytes, group, context.env.rank == members[0])
 
     # ------------------------------------------------------------ generate ----
-    def generate(self, step: int) -> list[Sample]:
-        prompts = self.prompts.batch(step)
+    def generate(self, step: int) -> tuple[list[Sample], dict]:
+        """This step's samples (ordered by prompt), with DAPO dynamic sampling when enabled.
+
+        Dynamic sampling generates up to --max-num-gen-batches batches and keeps
+        the groups whose success rate lies strictly inside the range, until
+        prompts_per_step groups are kept; if the batches run out first it tops up
+        with dropped groups (advantage 0 under grpo) and says so in the metrics.
+        """
+        args = self.args
+        if args.dynamic_sampling is None:
+            return self._generate_batch(step, 0), {}
+        kept, dropped, generated, all_rewards = [], [], 0, []
+        for attempt in range(args.max_num_gen_batches):
+            samples = self._generate_batch(step, attempt)
+            generated += 1
+            all_rewards += [s.reward for s in samples]
+            groups = [samples[i: i + args.num_generations] for i in range(0, len(samples), args.num_generations)]
+            scores = torch.tensor([[s.reward for s in group] for group in groups])
+            keep = dynamic_sampling_keep(scores, *args.dynamic_sampling)
+            for group, keep_group in zip(groups, keep.tolist()):
+                (kept if keep_group else dropped).append(group)
+            if len(kept) >= args.prompts_per_step:
+                break
+        topped_up = max(args.prompts_per_step - len(kept), 0)
+        groups = kept[: args.prompts_per_step] + dropped[:topped_up]
+        samples = [s for group in groups for s in group]
+        return samples, {"dapo_gen_batches": generated, "dapo_groups_kept": min(len(kept), args.prompts_per_step),
+                         "dapo_groups_dropped": len(dropped), "dapo_groups_topped_up": topped_up,
+                         "dapo_reward_all_mean": sum(all_rewards) / len(all_rewards)}
+
+    def _generate_batch(self, step: int, attempt: int) -> list[Sample]:
+        prompts = self.prompts.batch(step, attempt)
         mine = []
         if self.engine is not None:
             shard = _contiguous_shard(prompts, self.engine.engine_index, self.engine.num_engines)
@@ -78,6 +109,25 @@ class RLRun:
         return samples
 
     # --------------------------------------------------------------- train ----
+    def advantages(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Response-aligned advantages [N, R] over the whole batch, the samples kept in the loss, metrics."""
+        args = self.args
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        mask = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float()
+        scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        metrics = {}
+        if args.overlong_buffer_len:
+            penalty = soft_overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer_len)
+            scores = scores + penalty
+            metrics["overlong_penalty_mean"] = penalty.mean().item()
+        keep = truncation_keep(lengths, args.max_new_tokens) if args.filter_truncated else None
+        if keep is not None:
+            metrics["truncated_filtered"] = 1.0 - keep.float().mean().item()
+        token_rewards = sequence_rewards_to_tokens(scores, mask)
+        advantages, _ = ADVANTAGE_ESTIMATORS[args.advantage_estimator](
+            token_rewards, mask, args.num_generations, scale_rewards=args.scale_rewards, gamma=args.gamma)
+        return advantages, keep, metrics
+
     def train(self, samples: list[Sample]) -> dict:
         if self.trainer is None:
             return {}
@@ -85,8 +135,7 @@ class RLRun:
         from megatron.core import parallel_state
 
         args = self.args
-        rewards = torch.tensor([s.reward for s in samples])
-        advantages = ADVANTAGE_ESTIMATORS[args.advantage_estimator](rewards, args.num_generations)
+        advantages, keep, metrics = self.advantages(samples)
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         mini_size = len(samples) // args.steps_per_generation
         mini_batches = []
@@ -94,14 +143,17 @@ class RLRun:
             start = m * mini_size + dp_rank * (mini_size // dp)
             mine = slice(start, start + mini_size // dp)
             mini_batches.append(make_micro_batches(samples[mine], args.micro_batch_size,
-                                                   self.tokenizer.pad_token_id or 0, advantages[mine]))
+                                                   self.tokenizer.pad_token_id or 0, advantages[mine],
+                                                   None if keep is None else keep[mine]))
         for micro_batches in mini_batches:
             self.trainer.compute_logprobs(micro_batches)
-        mismatch = _mismatch(mini_batches)
+        metrics.update(_mismatch(mini_batches))
+        if args.tis_level != "none":
+            metrics.update(_apply_importance_weights(mini_batches, args))
         updates = [self.trainer.train_step(micro_batches) for micro_batches in mini_batches]
-        metrics = {key: updates[0][key] for key in ("kl_old_new", "clip_fraction")}  # first update: on-policy
-        metrics.update({key: updates[-1][key] for key in ("loss", "grad_norm", "lr")})
-        metrics.update(mismatch)
+        metrics.update({key: updates[0][key] for key in ("kl_old_new", "clip_fraction")})  # first update: on-policy
+        metrics.update({key: updates[-1][key] for key in ("loss", "grad_norm", "lr", "kl_ref", "entropy")})
+        metrics["advantage_mean"] = advantages.sum().item() / max(sum(len(s.response_ids) for s in samples), 1)
         return metrics
 
     # ---------------------------------------------------------------- sync ----
@@ -155,3 +207,21 @@ def _mismatch(mini_batches) -> dict:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     return {"mismatch": totals[0].item() / max(totals[1].item(), 1.0), "mismatch_max": worst[0].item(),
             "ratio_dev_max": worst[1].item()}
+
+
+def _apply_importance_weights(mini_batches, args) -> dict:
+    """Rollout -> trainer importance weights on every micro-batch (TIS / masking), and their metrics."""
+    from megatron.core import parallel_state
+
+    totals = torch.zeros(3)
+    for batch in (b for micro_batches in mini_batches for b in micro_batches):
+        weights, stats = truncated_importance_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                                                      level=args.tis_level, mode=args.tis_mode,
+                                                      threshold=args.tis_threshold)
+        totals += torch.stack([stats["clipped"].sum(), stats["masked"].sum(), batch.loss_mask.sum()]).cpu()
+        batch.is_weights = weights
+        if args.tis_mode == "mask":  # rejected tokens leave the aggregation's units too
+            batch.loss_mask = batch.loss_mask * (1.0 - stats["masked"])
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    tokens = max(totals[2].item(), 1.0)
+    return {"tis_clipped_fraction": totals[0].item() / tokens, "tis_masked_fraction": totals[1].item() / tokens}

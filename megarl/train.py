@@ -28,10 +28,10 @@ def run(args) -> None:
     logger = MetricsLogger(args, is_main=context.env.rank == 0)
     for step in range(args.train_steps):
         start = time.perf_counter()
-        samples = rl.generate(step)
+        samples, metrics = rl.generate(step)
         rl.sleep_rollout()
         generated = time.perf_counter()
-        metrics = rl.train(samples)
+        metrics.update(rl.train(samples))
         trained = time.perf_counter()
         metrics.update(rl.sync_weights())
         metrics.update(rollout_seconds=generated - start, train_seconds=trained - generated,

@@ -1,4 +1,5 @@
-"""HF <-> Megatron for the Qwen2 family, on real torchrun ranks (gloo)."""
+"""HF <-> Megatron for the Qwen2 family, on real torchrun ranks (gloo); also the trainer's
+vocab-parallel logprobs and entropy against a full-vocabulary softmax."""
 
 import pytest
 
@@ -21,6 +22,7 @@ def test_logits_parity_and_round_trip(which, tp, pp, request, tmp_path):
     assert report["tp"] == tp and report["pp"] == pp
     if pp == 1:
         assert report["max_abs_logit_diff"] <= 1e-4, report
+        assert report["max_abs_logprob_diff"] <= 1e-4 and report["max_abs_entropy_diff"] <= 1e-4, report
     # Round trip: every HF tensor comes back bit-exact, none missing, none invented.
     assert report["exported"] > 0
     assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report

@@ -12,6 +12,7 @@ from megarl import distributed, platform
 from megarl.arguments import parse_args
 from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights
 from megarl.models.megatron_gpt import build_gpt_model
+from megarl.trainer import vocab_parallel_entropy, vocab_parallel_logprobs
 
 
 def main():
@@ -40,10 +41,18 @@ def main():
         positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
         model.eval()
         with torch.no_grad():
-            logits = model(tokens, positions, attention_mask=None)
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., : hf_config.vocab_size]
+            shard_logits = model(tokens, positions, attention_mask=None)
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(shard_logits)[..., : hf_config.vocab_size]
             reference = AutoModelForCausalLM.from_pretrained(mine.hf, dtype=torch.float32).eval()(tokens).logits
+            # The trainer's vocab-parallel logprobs and entropy (padding masked, T = 0.7)
+            # against a full-vocabulary softmax of the HF logits.
+            labels = torch.roll(tokens, -1, dims=1)
+            full = torch.log_softmax(reference / 0.7, dim=-1)
+            logprobs = vocab_parallel_logprobs(shard_logits, labels, hf_config.vocab_size, 0.7)
+            entropy = vocab_parallel_entropy(shard_logits, hf_config.vocab_size, 0.7)
         report["max_abs_logit_diff"] = (logits - reference).abs().max().item()
+        report["max_abs_logprob_diff"] = (logprobs - full.gather(-1, labels[..., None])[..., 0]).abs().max().item()
+        report["max_abs_entropy_diff"] = (entropy + (full.exp() * full).sum(-1)).abs().max().item()
 
     original = HFCheckpoint(mine.hf)
     exported, mismatched = set(), []

@@ -26,7 +26,7 @@ GREEDY_PROMPTS = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "Wh
 
 
 def measure(rl, step):
-    samples = rl.generate(step)
+    samples, _ = rl.generate(step)
     micro_batches = make_micro_batches(samples, 32, 0) if rl.trainer else []
     if rl.trainer is None:
         return None
