@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import os
 from typing import Any
 
 import yaml
+
+from megarl import algorithms
 
 ROLES = ("train", "rollout", "teacher")
 DEFAULT_MODEL = "artifacts/tiny-qwen2"
@@ -105,13 +108,13 @@ def _add_rollout_args(parser):
 def _add_algorithm_args(parser):
     g = parser.add_argument_group("algorithm")
     g.add_argument("--advantage-estimator", default="grpo",
-                   choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
-                   help="advantage estimator (megarl/algorithms.py)")
+                   choices=sorted(algorithms.ADVANTAGE_ESTIMATORS),
+                   help="advantage estimator (megarl/algorithms.py or a plugin)")
     g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
                    help="grpo: divide by the group's std, the batch's, or not at all (Dr. GRPO)")
     g.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns")
-    g.add_argument("--policy-loss", default="ppo_clip", choices=["ppo_clip", "gspo", "skip_threshold"],
-                   help="policy loss (megarl/algorithms.py)")
+    g.add_argument("--policy-loss", default="ppo_clip", choices=sorted(algorithms.POLICY_LOSSES),
+                   help="policy loss (megarl/algorithms.py or a plugin)")
     g.add_argument("--clip-eps-low", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps_low")
     g.add_argument("--clip-eps-high", type=float, default=0.2,
                    help="PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO clip-higher)")
@@ -119,12 +122,12 @@ def _add_algorithm_args(parser):
     g.add_argument("--skip-threshold", type=float, default=20.0,
                    help="skip_threshold loss: drop samples whose mean ratio exceeds this")
     g.add_argument("--loss-agg", default="token_level",
-                   choices=["token_level", "sample_level", "seq_mean_token_sum_norm"],
+                   choices=sorted(algorithms.LOSS_AGGREGATIONS),
                    help="token-mean, seq-mean-token-mean, or Dr. GRPO's token-sum / max_new_tokens")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus: loss -= coef * entropy")
     g.add_argument("--kl-coef", type=float, default=0.0,
                    help="KL-to-reference coefficient in the loss (0: no reference model is built)")
-    g.add_argument("--kl-estimator", default="low_var_kl", choices=["k1", "abs", "mse", "k2", "low_var_kl", "k3"],
+    g.add_argument("--kl-estimator", default="low_var_kl", choices=sorted(algorithms.KL_ESTIMATORS),
                    help="per-token KL estimator")
     g.add_argument("--ref-model", default=None, help="reference checkpoint (default: --model)")
     g.add_argument("--steps-per-generation", type=int, default=1,
@@ -198,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", default=None, help="YAML file of options (command-line flags win)")
+    parser.add_argument("--external-plugins", nargs="*", default=[],
+                        help="Python files imported before the options are checked; they register algorithms "
+                             "with megarl.algorithms.register(REGISTRY, name)")
     for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args,
                 _add_algorithm_args, _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_optimizer_args,
                 _add_checkpoint_args, _add_logging_args):
@@ -273,8 +279,30 @@ def _coerce_scalar(action, value, where, fail):
     return value
 
 
-def load_yaml_config(path: str, parser) -> dict[str, Any]:
-    """Read a YAML config into {dest: value}, rejecting unknown keys and wrong types."""
+def load_plugins(paths: list[str]) -> None:
+    """Import each plugin file once; a plugin registers names in megarl's registries."""
+    for path in paths:
+        if path in _LOADED_PLUGINS:
+            continue
+        if not os.path.isfile(path):
+            raise ConfigError(f"--external-plugins {path}: no such file")
+        spec = importlib.util.spec_from_file_location(f"megarl_plugin_{len(_LOADED_PLUGINS)}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:  # noqa: BLE001 - any plugin failure is a configuration error
+            raise ConfigError(f"--external-plugins {path}: {type(error).__name__}: {error}") from None
+        _LOADED_PLUGINS.add(path)
+
+
+_LOADED_PLUGINS: set[str] = set()
+
+
+def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Read a YAML config into {dest: value}, rejecting unknown keys and wrong types.
+
+    `only`: read just these top-level keys (the plugin list, before plugins can add choices).
+    """
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
@@ -298,6 +326,8 @@ def load_yaml_config(path: str, parser) -> dict[str, Any]:
     top_level_names = [d for d in actions] + list(ROLES)
     for key, value in raw.items():
         name = str(key).replace("-", "_")
+        if only is not None and name not in only:
+            continue
         if name in ROLES:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: role group '{name}' must be a mapping (e.g. gpus: 2)")
@@ -319,8 +349,17 @@ def load_yaml_config(path: str, parser) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     """Defaults < YAML < command line, then `validate_args`. Raises ConfigError."""
-    parser = build_parser()
-    known, _ = parser.parse_known_args(argv)  # so --help works before the YAML is read
+    # First only --config and --external-plugins: plugins add choices to the full parser.
+    pre = _Parser(add_help=False)
+    pre.add_argument("--config", default=None)
+    pre.add_argument("--external-plugins", nargs="*", default=[])
+    known, _ = pre.parse_known_args(argv)
+    plugins = list(known.external_plugins)
+    if known.config:
+        plugins += load_yaml_config(known.config, build_parser(), only=("external_plugins",)).get(
+            "external_plugins", [])
+    load_plugins(plugins)
+    parser = build_parser()  # again: plugins add choices
     if known.config:
         parser.set_defaults(**load_yaml_config(known.config, parser))
     args = parser.parse_args(argv)
@@ -428,6 +467,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"prompts_per_step * num_generations = {samples} samples do not split into "
                           f"steps_per_generation={args.steps_per_generation} mini-batches over "
                           f"{data_parallel} data-parallel ranks")
+    if args.advantage_estimator == "gae":
+        raise ConfigError("--advantage-estimator gae needs a critic, which is not implemented yet")
+    if args.kl_estimator == "full":
+        raise ConfigError("--kl-estimator full (full-vocabulary KL) is not wired into the trainer yet")
     if args.dual_clip_c is not None and args.dual_clip_c <= 1.0:
         raise ConfigError(f"--dual-clip-c must be > 1, got {args.dual_clip_c}")
     if args.dynamic_sampling is not None:

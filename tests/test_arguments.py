@@ -100,3 +100,26 @@ def test_readme_configuration_reference_matches_the_parser():
     readme = (ROOT / "README.md").read_text()
     section = readme.split(START, 1)[1].split(END, 1)[0]
     assert section.strip() == reference().strip(), "run: python tools/config_reference.py --write"
+
+
+def test_external_plugin_registers_an_estimator(tmp_path):
+    import torch
+
+    from megarl.algorithms import ADVANTAGE_ESTIMATORS
+
+    args = parse_args(["--external-plugins", "examples/plugins/my_algorithms.py",
+                       "--advantage-estimator", "mean_baseline"], world_size=1)
+    assert args.advantage_estimator == "mean_baseline"
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 3.0], [0.0, 0.0]])
+    mask = torch.ones(4, 2)
+    advantages, _ = ADVANTAGE_ESTIMATORS["mean_baseline"](rewards, mask, 2)
+    assert torch.allclose(advantages[:, 0], torch.tensor([0.5, -0.5, 1.5, -1.5]))
+
+
+def test_bad_plugins_fail_on_one_line(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise ImportError('needs a package this host lacks')\n")
+    for path, words in ((str(tmp_path / "missing.py"), "no such file"), (str(broken), "ImportError: needs a package")):
+        with pytest.raises(ConfigError) as error:
+            parse_args(["--external-plugins", path], world_size=1)
+        assert path in str(error.value) and words in str(error.value) and "\n" not in str(error.value)
