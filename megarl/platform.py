@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -135,6 +136,8 @@ def apply_megatron_shims() -> None:
     """
     if ON_CUDA:
         return
+    # Apex and Transformer Engine are GPU libraries: their absence is expected here.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     cpu = torch.device("cpu")
 
     # ~175 sites allocate with device=torch.cuda.current_device().

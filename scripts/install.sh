@@ -32,7 +32,7 @@ pip install -q -e "$root[$host,test]"
 if [ "$host" = cpu ]; then
   pip uninstall -y -q torchvision torchaudio torchcodec
 fi
-"$venv/bin/python" -c "import torch, vllm, megatron.core, transformers" \
+"$venv/bin/python" -W ignore -c "import torch, vllm, megatron.core, transformers" \
   || { echo "[install] the installed stack does not import; see the errors above" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[install] done"
