@@ -67,7 +67,7 @@ def worker(model_dir, placement, repeats, out):
     engine = None
     if context.is_rollout:
         roles = context.layout.rollout_ranks
-        engine = RolloutEngine(args, roles.index(context.env.rank), len(roles), context.env.local_rank)
+        engine = RolloutEngine(args, roles.index(context.env.rank), len(roles))
     distributed.init_megatron_parallel(context, args.seed)
     model = None
     if context.is_train:

@@ -42,8 +42,7 @@ class RLRun:
         # Engines before Megatron's parallel state (DESIGN.md: the measured order).
         if context.is_rollout:
             rollout_ranks = context.layout.rollout_ranks
-            self.engine = RolloutEngine(args, rollout_ranks.index(context.env.rank), len(rollout_ranks),
-                                        context.env.local_rank)
+            self.engine = RolloutEngine(args, rollout_ranks.index(context.env.rank), len(rollout_ranks))
         distributed.init_megatron_parallel(context, args.seed)
         if context.is_train:
             from megarl.trainer import Trainer

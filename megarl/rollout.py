@@ -42,7 +42,7 @@ class Sample:
 
 
 class RolloutEngine:
-    def __init__(self, args, role_rank: int, role_size: int, local_rank: int):
+    def __init__(self, args, role_rank: int, role_size: int):
         from vllm import LLM
 
         # vLLM's external launcher reads the torch world from the environment:
