@@ -47,7 +47,6 @@ def median_seconds(fn, repeats):
 
 def worker(model_dir, placement, repeats, out):
     import torch
-    import torch.distributed as dist
 
     from megarl import distributed
     from megarl.arguments import parse_args

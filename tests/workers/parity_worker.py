@@ -8,7 +8,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from megarl import distributed, platform
+from megarl import distributed
 from megarl.arguments import parse_args
 from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights
 from megarl.models.megatron_gpt import build_gpt_model
@@ -27,7 +27,7 @@ def main():
     context = distributed.init_distributed(args)
     distributed.init_megatron_parallel(context, args.seed)
 
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(mine.hf)
