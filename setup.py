@@ -12,6 +12,8 @@ common = [
     "tqdm",
     "tensorboard",
     "numpy",
+    "math-verify[antlr4_13_2]",  # answer equivalence for math rewards
+    "pyarrow",  # Parquet datasets
 ]
 
 setup(

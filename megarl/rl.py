@@ -22,7 +22,7 @@ from megarl import distributed
 from megarl.algorithms import (ADVANTAGE_ESTIMATORS, dynamic_sampling_keep, sequence_rewards_to_tokens,
                                soft_overlong_penalty, truncated_importance_weights, truncation_keep)
 from megarl.data import prompt_source
-from megarl.rewards import get_reward
+from megarl.rewards import as_output, get_reward
 from megarl.rollout import RolloutEngine, Sample
 from megarl.weight_sync import BroadcastSync, ColocatedSync
 
@@ -35,7 +35,7 @@ class RLRun:
         self.hf_config = AutoConfig.from_pretrained(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         self.prompts = prompt_source(args, self.tokenizer)
-        self.reward_fn = get_reward(args.reward)
+        self.reward_fn = get_reward(args.reward).fn
         self.engine = self.trainer = None
         bucket_bytes = int(args.sync_bucket_mb * 2**20)
 
@@ -96,7 +96,7 @@ class RLRun:
             by_index = {p.index: p for p in shard}
             for sample in samples:
                 sample.metadata = by_index[sample.prompt_index].metadata
-                sample.reward = float(self.reward_fn(sample.response_text, sample.metadata))
+                sample.reward = as_output(self.reward_fn(sample.response_text, sample.metadata)).score
             # The ranks of one TP engine hold identical samples: only its first rank contributes.
             if self.context.layout.rollout_ranks.index(self.context.env.rank) % self.engine.tp == 0:
                 mine = samples
