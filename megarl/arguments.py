@@ -112,7 +112,8 @@ def _add_algorithm_args(parser):
                    help="advantage estimator (megarl/algorithms.py or a plugin)")
     g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
                    help="grpo: divide by the group's std, the batch's, or not at all (Dr. GRPO)")
-    g.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce_plus_plus returns, gae)")
+    g.add_argument("--lam", type=float, default=1.0, help="gae lambda")
     g.add_argument("--policy-loss", default="ppo_clip", choices=sorted(algorithms.POLICY_LOSSES),
                    help="policy loss (megarl/algorithms.py or a plugin)")
     g.add_argument("--clip-eps-low", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps_low")
@@ -126,12 +127,41 @@ def _add_algorithm_args(parser):
                    help="token-mean, seq-mean-token-mean, or Dr. GRPO's token-sum / max_new_tokens")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus: loss -= coef * entropy")
     g.add_argument("--kl-coef", type=float, default=0.0,
-                   help="KL-to-reference coefficient in the loss (0: no reference model is built)")
+                   help="KL-to-reference coefficient (initial value with the adaptive controller; "
+                        "0: no reference model is built)")
     g.add_argument("--kl-estimator", default="low_var_kl", choices=sorted(algorithms.KL_ESTIMATORS),
-                   help="per-token KL estimator")
+                   help="per-token KL estimator (full: exact over the vocabulary)")
+    g.add_argument("--kl-placement", default="loss", choices=["loss", "reward"],
+                   help="KL term in the loss (GRPO style) or subtracted from the token rewards (PPO style)")
+    g.add_argument("--kl-controller", default="fixed", choices=sorted(algorithms.KL_CONTROLLERS),
+                   help="fixed coefficient, or adaptive (Ziegler et al.: steer the KL to --kl-target)")
+    g.add_argument("--kl-target", type=float, default=0.1, help="adaptive KL controller: target KL per token")
+    g.add_argument("--kl-horizon", type=float, default=10000.0, help="adaptive KL controller: horizon in samples")
     g.add_argument("--ref-model", default=None, help="reference checkpoint (default: --model)")
-    g.add_argument("--steps-per-generation", type=int, default=1,
-                   help="optimizer steps taken on each generated batch (mini-batches)")
+
+
+def _add_batch_args(parser):
+    g = parser.add_argument_group("batch geometry")
+    g.add_argument("--steps-per-generation", type=int, default=None,
+                   help="mini-batches (optimizer steps) per generated batch and epoch "
+                        "(default: from --global-batch-size, else 1)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step over all data-parallel ranks, i.e. the mini-batch "
+                        "(default: the generated batch / --steps-per-generation)")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each generated batch")
+    g.add_argument("--shuffle", action="store_true",
+                   help="shuffle the samples before splitting them into mini-batches, per epoch (seeded)")
+    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward on a rank")
+
+
+def _add_critic_args(parser):
+    g = parser.add_argument_group("critic (PPO with --advantage-estimator gae)")
+    g.add_argument("--critic-model", default=None,
+                   help="critic checkpoint: trunk, and a `score` head if it has one (default: --model)")
+    g.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
+    g.add_argument("--value-clip", type=float, default=0.5, help="value clipping range around the old values")
+    g.add_argument("--critic-warmup", type=int, default=0,
+                   help="first steps that train only the critic (the policy is not updated)")
 
 
 def _add_dapo_and_off_policy_args(parser):
@@ -173,7 +203,6 @@ def _add_optimizer_args(parser):
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clipping")
-    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
     g.add_argument("--train-steps", type=int, default=10, help="generation batches (steps) to run")
 
 
@@ -205,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Python files imported before the options are checked; they register algorithms "
                              "with megarl.algorithms.register(REGISTRY, name)")
     for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args,
-                _add_algorithm_args, _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_optimizer_args,
+                _add_algorithm_args, _add_batch_args, _add_critic_args, _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_optimizer_args,
                 _add_checkpoint_args, _add_logging_args):
         add(parser)
     return parser
@@ -423,7 +452,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.ref_model = args.model
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "rollout_tensor_parallel_size", "num_generations", "micro_batch_size",
-                 "prompts_per_step", "steps_per_generation", "max_new_tokens"):
+                 "prompts_per_step", "max_new_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("train_gpus", "rollout_gpus"):
@@ -461,16 +490,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     unsupported = platform.check_supported(args)
     if unsupported:
         raise ConfigError(unsupported)
-    data_parallel = args.train_gpus // model_parallel
-    samples = args.prompts_per_step * args.num_generations
-    if samples % (args.steps_per_generation * data_parallel):
-        raise ConfigError(f"prompts_per_step * num_generations = {samples} samples do not split into "
-                          f"steps_per_generation={args.steps_per_generation} mini-batches over "
-                          f"{data_parallel} data-parallel ranks")
-    if args.advantage_estimator == "gae":
-        raise ConfigError("--advantage-estimator gae needs a critic, which is not implemented yet")
-    if args.kl_estimator == "full":
-        raise ConfigError("--kl-estimator full (full-vocabulary KL) is not wired into the trainer yet")
+    _validate_batch_geometry(args, data_parallel=args.train_gpus // model_parallel)
+    _validate_kl_and_critic(args)
     if args.dual_clip_c is not None and args.dual_clip_c <= 1.0:
         raise ConfigError(f"--dual-clip-c must be > 1, got {args.dual_clip_c}")
     if args.dynamic_sampling is not None:
@@ -486,3 +507,60 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("the teacher role (teacher.gpus / --teacher-model) is not implemented yet")
     if args.context_parallel_size > 1:
         raise ConfigError("context_parallel_size > 1 is not supported yet (set --context-parallel-size 1)")
+
+
+def _validate_batch_geometry(args, data_parallel: int) -> None:
+    """generated batch = prompts_per_step * num_generations samples
+                       = steps_per_generation * global_batch_size,
+    global_batch_size  = data_parallel * (micro-batches per rank) * micro_batch_size."""
+    samples = args.prompts_per_step * args.num_generations
+    where = f"prompts_per_step * num_generations = {args.prompts_per_step} * {args.num_generations} = {samples}"
+    for name in ("steps_per_generation", "global_batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.global_batch_size is None:
+        args.steps_per_generation = args.steps_per_generation or 1
+        if samples % args.steps_per_generation:
+            raise ConfigError(f"{where} samples do not split into steps_per_generation="
+                              f"{args.steps_per_generation} equal mini-batches")
+        args.global_batch_size = samples // args.steps_per_generation
+    else:
+        if samples % args.global_batch_size:
+            raise ConfigError(f"global_batch_size={args.global_batch_size} does not divide the generated batch "
+                              f"({where} samples)")
+        implied = samples // args.global_batch_size
+        if args.steps_per_generation not in (None, implied):
+            raise ConfigError(f"steps_per_generation={args.steps_per_generation} contradicts global_batch_size="
+                              f"{args.global_batch_size}: {where} samples make {implied} mini-batches; set one of them")
+        args.steps_per_generation = implied
+    if args.global_batch_size % data_parallel:
+        raise ConfigError(f"global_batch_size={args.global_batch_size} is not divisible by the {data_parallel} "
+                          f"data-parallel ranks (train.gpus / (TP * PP * CP))")
+    per_rank = args.global_batch_size // data_parallel
+    if per_rank % args.micro_batch_size:
+        raise ConfigError(f"micro_batch_size={args.micro_batch_size} does not divide the {per_rank} samples each "
+                          f"data-parallel rank gets per mini-batch (global_batch_size={args.global_batch_size} / "
+                          f"{data_parallel} ranks)")
+
+
+def _validate_kl_and_critic(args) -> None:
+    if args.kl_coef < 0:
+        raise ConfigError(f"--kl-coef must be >= 0, got {args.kl_coef}")
+    if args.kl_coef == 0 and (args.kl_placement == "reward" or args.kl_controller == "adaptive"):
+        raise ConfigError(f"--kl-placement {args.kl_placement} / --kl-controller {args.kl_controller} need "
+                          f"--kl-coef > 0 (the initial coefficient); with 0 no reference model is built")
+    if args.kl_controller == "adaptive" and (args.kl_target <= 0 or args.kl_horizon <= 0):
+        raise ConfigError(f"--kl-controller adaptive needs --kl-target > 0 and --kl-horizon > 0, "
+                          f"got {args.kl_target} and {args.kl_horizon}")
+    if not 0.0 <= args.lam <= 1.0 or not 0.0 <= args.gamma <= 1.0:
+        raise ConfigError(f"--gamma and --lam must be in [0, 1], got {args.gamma} and {args.lam}")
+    if args.critic_model is None:
+        args.critic_model = args.model
+    if args.advantage_estimator != "gae":
+        critic_flags = [f"--{name.replace('_', '-')}" for name in ("critic_warmup",) if getattr(args, name)]
+        if critic_flags:
+            raise ConfigError(f"{critic_flags[0]} needs a critic: set --advantage-estimator gae")
+    if args.critic_warmup < 0 or args.value_clip <= 0 or args.critic_lr <= 0:
+        raise ConfigError(f"--critic-warmup must be >= 0, --value-clip and --critic-lr > 0; got "
+                          f"{args.critic_warmup}, {args.value_clip}, {args.critic_lr}")

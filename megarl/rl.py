@@ -6,10 +6,13 @@ moves between roles:
   generate   rollout ranks: each engine takes a contiguous shard of the step's
              prompts, samples n responses per prompt and scores them; every
              rank then receives all samples (ordered by prompt).
-  train      train ranks: group advantages over the whole batch, then each
-             data-parallel rank takes its share of every mini-batch, computes
-             old logprobs before any update, and takes one optimizer step per
-             mini-batch.
+  train      train ranks: before any update, each data-parallel rank computes
+             old logprobs (reference logprobs / KL and critic values when
+             used) for its shard and the shards are gathered; advantages are
+             computed over the whole batch (the KL penalty enters the rewards
+             first when placed there); then ppo_epochs passes over mini-batches
+             of --global-batch-size samples, each data-parallel rank taking its
+             share, one critic and one policy optimizer step per mini-batch.
   sync       trainer -> rollout weights (colocated or broadcast strategy).
 """
 
@@ -19,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megarl import distributed
-from megarl.algorithms import (ADVANTAGE_ESTIMATORS, dynamic_sampling_keep, sequence_rewards_to_tokens,
-                               soft_overlong_penalty, truncated_importance_weights, truncation_keep)
+from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, dynamic_sampling_keep, kl_penalty_in_reward,
+                               sequence_rewards_to_tokens, soft_overlong_penalty, truncated_importance_weights,
+                               truncation_keep)
 from megarl.data import prompt_source
 from megarl.rewards import as_output, get_reward
 from megarl.rollout import RolloutEngine, Sample
@@ -36,7 +40,7 @@ class RLRun:
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         self.prompts = prompt_source(args, self.tokenizer)
         self.reward_fn = get_reward(args.reward).fn
-        self.engine = self.trainer = None
+        self.engine = self.trainer = self.critic = None
         bucket_bytes = int(args.sync_bucket_mb * 2**20)
 
         # Engines before Megatron's parallel state (DESIGN.md: the measured order).
@@ -48,6 +52,14 @@ class RLRun:
             from megarl.trainer import Trainer
 
             self.trainer = Trainer(args, self.hf_config)
+            if args.advantage_estimator == "gae":
+                from megarl.critic import Critic
+
+                self.critic = Critic(args, self.hf_config)
+        self.kl_controller = None
+        if args.kl_coef > 0:
+            self.kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \
+                KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
         if context.layout.colocated:
             self.sync_strategy = ColocatedSync(bucket_bytes)
         else:
@@ -108,52 +120,132 @@ class RLRun:
         return samples
 
     # --------------------------------------------------------------- train ----
-    def advantages(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Response-aligned advantages [N, R] over the whole batch, the samples kept in the loss, metrics."""
+    def train(self, samples: list[Sample], step: int) -> dict:
+        """Logprobs (and values) before any update, advantages over the whole batch, then
+        ppo_epochs passes of optimizer steps over mini-batches of --global-batch-size samples."""
+        if self.trainer is None:
+            return {}
+        from megatron.core import parallel_state
+
+        args = self.args
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        scores, response_mask, token_mask, metrics = self._scores_and_mask(samples)
+        before = self._before_update(samples, dp, dp_rank)
+        rollout = _response_aligned_rollout(samples, token_mask.shape[1])
+        metrics.update(_mismatch(before["old_logprobs"], rollout, response_mask))
+        fields = {name: before[name] for name in ("old_logprobs", "ref_logprobs", "old_values") if name in before}
+        if args.tis_level != "none":
+            weights, tis_metrics = _importance_weights(before["old_logprobs"], rollout, response_mask, args)
+            fields["is_weights"] = weights
+            metrics.update(tis_metrics)
+            if args.tis_mode == "mask":  # rejected tokens leave the aggregation's units too
+                token_mask = token_mask * (1.0 - tis_metrics.pop("_masked"))
+        advantages, returns, adv_metrics = self.advantages(scores, response_mask, token_mask, before)
+        fields.update(advantages=advantages, returns=returns)
+        metrics.update(adv_metrics)
+
+        update_actor = step >= args.critic_warmup
+        policy_updates, critic_updates = [], []
+        for epoch in range(args.ppo_epochs):
+            for mine in self._mini_batch_indices(len(samples), step, epoch, dp, dp_rank):
+                batches = self._micro_batches([samples[i] for i in mine],
+                                              {name: value[mine] for name, value in fields.items()}, token_mask[mine])
+                if self.critic is not None:
+                    critic_updates.append(self.critic.train_step(batches))
+                if update_actor:
+                    policy_updates.append(self.trainer.train_step(batches, self.kl_coef_in_loss()))
+        # Mean over the optimizer steps of this generation (verl's convention); with one step,
+        # kl_old_new and clip_fraction are exactly 0: the ratio starts at 1.
+        for updates in (policy_updates, critic_updates):
+            if updates:
+                metrics.update({key: sum(u[key] for u in updates) / len(updates) for key in updates[0]})
+        if self.kl_controller is not None:
+            metrics["kl_coef"] = self.kl_controller.value
+        return metrics
+
+    def kl_coef_in_loss(self) -> float:
+        return self.kl_controller.value if self.kl_controller is not None and self.args.kl_placement == "loss" else 0.0
+
+    def _scores_and_mask(self, samples):
+        """Sequence scores (with the overlong penalty), the response tokens [N, R], and those of them
+        left in the loss (filtered samples keep their reward in the group statistics)."""
         args = self.args
         lengths = torch.tensor([len(s.response_ids) for s in samples])
-        mask = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float()
+        response_mask = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float()
+        token_mask = response_mask
         scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         metrics = {}
         if args.overlong_buffer_len:
             penalty = soft_overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer_len)
             scores = scores + penalty
             metrics["overlong_penalty_mean"] = penalty.mean().item()
-        keep = truncation_keep(lengths, args.max_new_tokens) if args.filter_truncated else None
-        if keep is not None:
+        if args.filter_truncated:
+            keep = truncation_keep(lengths, args.max_new_tokens)
+            token_mask = token_mask * keep[:, None].float()
             metrics["truncated_filtered"] = 1.0 - keep.float().mean().item()
-        token_rewards = sequence_rewards_to_tokens(scores, mask)
-        advantages, _ = ADVANTAGE_ESTIMATORS[args.advantage_estimator](
-            token_rewards, mask, args.num_generations, scale_rewards=args.scale_rewards, gamma=args.gamma)
-        return advantages, keep, metrics
+        return scores, response_mask, token_mask, metrics
 
-    def train(self, samples: list[Sample]) -> dict:
-        if self.trainer is None:
-            return {}
+    def _micro_batches(self, samples, fields, token_mask):
         from megarl.trainer import make_micro_batches
+
+        return make_micro_batches(samples, self.args.micro_batch_size, self.tokenizer.pad_token_id or 0,
+                                  fields, token_mask)
+
+    def _before_update(self, samples, dp: int, dp_rank: int) -> dict:
+        """Old logprobs, and reference logprobs / KL and critic values when used, for every sample,
+        response-aligned [N, R]: each data-parallel rank computes its contiguous shard, then
+        the shards are gathered so every rank sees the whole batch."""
         from megatron.core import parallel_state
 
+        share = len(samples) // dp
+        batches = self._micro_batches(samples[dp_rank * share: (dp_rank + 1) * share], None, None)
+        self.trainer.compute_logprobs(batches)
+        if self.critic is not None:
+            self.critic.compute_values(batches)
+        width = max(len(s.response_ids) for s in samples)
+        names = [name for name in ("old_logprobs", "ref_logprobs", "kl", "old_values")
+                 if getattr(batches[0], name) is not None]
+        local = torch.stack([torch.cat([b.response_aligned(getattr(b, name), width).cpu() for b in batches])
+                             for name in names])  # [fields, share, R]
+        parts = [torch.empty_like(local) for _ in range(dp)]
+        dist.all_gather(parts, local, group=parallel_state.get_data_parallel_group())
+        gathered = torch.cat(parts, dim=1)
+        return {name: gathered[i] for i, name in enumerate(names)}
+
+    def advantages(self, scores, response_mask, token_mask, before: dict):
+        """Advantages and returns [N, R] over the whole batch, and metrics; the KL penalty enters
+        the token rewards first when it is placed in the reward (and the controller adapts)."""
         args = self.args
-        advantages, keep, metrics = self.advantages(samples)
-        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        mini_size = len(samples) // args.steps_per_generation
-        mini_batches = []
-        for m in range(args.steps_per_generation):
-            start = m * mini_size + dp_rank * (mini_size // dp)
-            mine = slice(start, start + mini_size // dp)
-            mini_batches.append(make_micro_batches(samples[mine], args.micro_batch_size,
-                                                   self.tokenizer.pad_token_id or 0, advantages[mine],
-                                                   None if keep is None else keep[mine]))
-        for micro_batches in mini_batches:
-            self.trainer.compute_logprobs(micro_batches)
-        metrics.update(_mismatch(mini_batches))
-        if args.tis_level != "none":
-            metrics.update(_apply_importance_weights(mini_batches, args))
-        updates = [self.trainer.train_step(micro_batches) for micro_batches in mini_batches]
-        metrics.update({key: updates[0][key] for key in ("kl_old_new", "clip_fraction")})  # first update: on-policy
-        metrics.update({key: updates[-1][key] for key in ("loss", "grad_norm", "lr", "kl_ref", "entropy")})
-        metrics["advantage_mean"] = advantages.sum().item() / max(sum(len(s.response_ids) for s in samples), 1)
-        return metrics
+        token_rewards = sequence_rewards_to_tokens(scores, response_mask)
+        metrics = {}
+        if "kl" in before:
+            kl = before["kl"] * response_mask
+            per_sample = (kl.sum(dim=1) / response_mask.sum(dim=1).clamp(min=1))
+            metrics["kl_ref"] = (kl.sum() / response_mask.sum().clamp(min=1)).item()
+            if args.kl_placement == "reward":
+                token_rewards = kl_penalty_in_reward(token_rewards, kl, self.kl_controller.value, response_mask)
+            # verl: current KL = batch mean of each sample's token-mean KL, n_steps = batch size.
+            self.kl_controller.update(per_sample.mean().item(), n_steps=len(scores))
+        advantages, returns = ADVANTAGE_ESTIMATORS[args.advantage_estimator](
+            token_rewards, response_mask, args.num_generations, scale_rewards=args.scale_rewards, gamma=args.gamma,
+            lam=args.lam, values=before.get("old_values", torch.zeros_like(token_rewards)) * response_mask)
+        metrics["advantage_mean"] = ((advantages * token_mask).sum() / token_mask.sum().clamp(min=1)).item()
+        return advantages, returns, metrics
+
+    def _mini_batch_indices(self, num_samples: int, step: int, epoch: int, dp: int, dp_rank: int):
+        """This data-parallel rank's sample indices of each mini-batch of one epoch.
+
+        --shuffle permutes the samples per (seed, step, epoch), the same on every rank.
+        """
+        args = self.args
+        order = torch.arange(num_samples)
+        if args.shuffle:
+            generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + epoch)
+            order = torch.randperm(num_samples, generator=generator)
+        size = args.global_batch_size
+        share = size // dp
+        return [order[start + dp_rank * share: start + (dp_rank + 1) * share]
+                for start in range(0, num_samples, size)]
 
     # ---------------------------------------------------------------- sync ----
     def sync_weights(self) -> dict:
@@ -187,40 +279,33 @@ def _contiguous_shard(items: list, index: int, count: int) -> list:
     return items[start: start + per + (1 if index < extra else 0)]
 
 
-def _mismatch(mini_batches) -> dict:
-    """Rollout vs trainer logprobs of the sampled tokens, over all data-parallel ranks.
+def _response_aligned_rollout(samples, width: int) -> torch.Tensor:
+    """The engines' logprobs of the sampled tokens, [N, width]."""
+    out = torch.zeros(len(samples), width)
+    for row, sample in enumerate(samples):
+        out[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    return out
 
-    mismatch: mean |rollout - trainer|; ratio_dev_max: max |exp(trainer - rollout) - 1|,
-    the rollout-to-trainer importance ratio's distance from 1.
+
+def _mismatch(old_logprobs, rollout_logprobs, mask) -> dict:
+    """Rollout vs trainer logprobs of the sampled tokens, over the whole batch.
+
+    mismatch: mean |trainer - rollout|; mismatch_kl: mean k3 estimate of
+    KL(rollout || trainer) from the rollout's samples; ratio_dev_max: max
+    |exp(trainer - rollout) - 1|, the importance ratio's distance from 1.
     """
-    from megatron.core import parallel_state
-
-    totals, worst = torch.zeros(2), torch.zeros(2)
-    for batch in (b for micro_batches in mini_batches for b in micro_batches):
-        mask = batch.loss_mask
-        diff = (batch.old_logprobs - batch.rollout_logprobs) * mask
-        totals += torch.stack([diff.abs().sum(), mask.sum()]).cpu()
-        worst = torch.maximum(worst, torch.stack([diff.abs().max(), ((diff.exp() - 1) * mask).abs().max()]).cpu())
-    group = parallel_state.get_data_parallel_group()
-    dist.all_reduce(totals, group=group)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return {"mismatch": totals[0].item() / max(totals[1].item(), 1.0), "mismatch_max": worst[0].item(),
-            "ratio_dev_max": worst[1].item()}
+    diff = (old_logprobs - rollout_logprobs) * mask
+    tokens = mask.sum().clamp(min=1)
+    return {"mismatch": (diff.abs().sum() / tokens).item(), "mismatch_max": diff.abs().max().item(),
+            "mismatch_kl": ((torch.exp(diff) - diff - 1.0) * mask).sum().item() / tokens.item(),
+            "ratio_dev_max": ((diff.exp() - 1) * mask).abs().max().item()}
 
 
-def _apply_importance_weights(mini_batches, args) -> dict:
-    """Rollout -> trainer importance weights on every micro-batch (TIS / masking), and their metrics."""
-    from megatron.core import parallel_state
-
-    totals = torch.zeros(3)
-    for batch in (b for micro_batches in mini_batches for b in micro_batches):
-        weights, stats = truncated_importance_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                                                      level=args.tis_level, mode=args.tis_mode,
-                                                      threshold=args.tis_threshold)
-        totals += torch.stack([stats["clipped"].sum(), stats["masked"].sum(), batch.loss_mask.sum()]).cpu()
-        batch.is_weights = weights
-        if args.tis_mode == "mask":  # rejected tokens leave the aggregation's units too
-            batch.loss_mask = batch.loss_mask * (1.0 - stats["masked"])
-    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-    tokens = max(totals[2].item(), 1.0)
-    return {"tis_clipped_fraction": totals[0].item() / tokens, "tis_masked_fraction": totals[1].item() / tokens}
+def _importance_weights(old_logprobs, rollout_logprobs, mask, args) -> tuple[torch.Tensor, dict]:
+    """Rollout -> trainer importance weights [N, R] (TIS / masking) and their metrics; "_masked" is
+    the per-token rejection mask for the caller to drop from the loss."""
+    weights, stats = truncated_importance_weights(old_logprobs, rollout_logprobs, mask, level=args.tis_level,
+                                                  mode=args.tis_mode, threshold=args.tis_threshold)
+    tokens = mask.sum().clamp(min=1).item()
+    return weights, {"tis_clipped_fraction": stats["clipped"].sum().item() / tokens,
+                     "tis_masked_fraction": stats["masked"].sum().item() / tokens, "_masked": stats["masked"]}

@@ -31,7 +31,7 @@ def run(args) -> None:
         samples, metrics = rl.generate(step)
         rl.sleep_rollout()
         generated = time.perf_counter()
-        metrics.update(rl.train(samples))
+        metrics.update(rl.train(samples, step))
         trained = time.perf_counter()
         metrics.update(rl.sync_weights())
         metrics.update(rollout_seconds=generated - start, train_seconds=trained - generated,

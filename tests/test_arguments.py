@@ -54,7 +54,35 @@ BAD = [
     ("lr: [1, 2\n", [], 1, ["line", "not valid YAML"]),
     (None, ["--rollout-tensor-parallel-size", "2"], 1, ["rollout.gpus=1", "rollout.tensor_parallel_size=2"]),
     (None, ["--lr", "x"], 1, ["--lr", "invalid float value"]),
+    # batch geometry: 16 prompts x 8 generations = 128 samples per generated batch
+    (None, ["--global-batch-size", "48"], 1, ["global_batch_size=48", "does not divide", "16 * 8 = 128"]),
+    (None, ["--global-batch-size", "32", "--steps-per-generation", "2"], 1,
+     ["steps_per_generation=2", "global_batch_size=32", "4 mini-batches"]),
+    (None, ["--global-batch-size", "32", "--steps-per-generation", "4"], 1, []),  # consistent
+    (None, ["--steps-per-generation", "3"], 1, ["steps_per_generation=3", "128"]),
+    (None, ["--global-batch-size", "2", "--num-generations", "1", "--prompts-per-step", "4",
+            "--micro-batch-size", "1"], 4, ["global_batch_size=2", "4 data-parallel ranks"]),
+    (None, ["--global-batch-size", "64", "--micro-batch-size", "24"], 2,
+     ["micro_batch_size=24", "32 samples", "global_batch_size=64"]),
+    (None, ["--ppo-epochs", "0"], 1, ["--ppo-epochs must be >= 1"]),
+    (None, ["--global-batch-size", "0"], 1, ["--global-batch-size must be >= 1"]),
+    # KL control and the critic
+    (None, ["--kl-placement", "reward"], 1, ["--kl-placement reward", "--kl-coef > 0"]),
+    (None, ["--kl-coef", "0.1", "--kl-controller", "adaptive", "--kl-target", "0"], 1, ["--kl-target > 0"]),
+    (None, ["--kl-coef", "-1"], 1, ["--kl-coef must be >= 0"]),
+    (None, ["--critic-warmup", "3"], 1, ["--critic-warmup needs a critic", "gae"]),
+    (None, ["--advantage-estimator", "gae", "--value-clip", "0"], 1, ["--value-clip"]),
+    (None, ["--advantage-estimator", "gae", "--lam", "1.5"], 1, ["--lam", "[0, 1]"]),
 ]
+
+
+def test_batch_geometry_is_derived_from_either_option():
+    args = parse_args(["--global-batch-size", "32"], world_size=2)
+    assert (args.steps_per_generation, args.global_batch_size) == (4, 32)
+    args = parse_args(["--steps-per-generation", "2"], world_size=2)
+    assert (args.steps_per_generation, args.global_batch_size) == (2, 64)
+    args = parse_args([], world_size=2)
+    assert (args.steps_per_generation, args.global_batch_size, args.ppo_epochs) == (1, 128, 1)
 
 
 @pytest.mark.parametrize("yaml_text,flags,world,words", BAD)
@@ -84,8 +112,8 @@ def test_train_py_reports_a_bad_config_on_one_line(tmp_path):
 
 def test_help_lists_every_option_by_group_with_defaults():
     text = build_parser().format_help()
-    for group in ("model", "parallelism", "placement", "rollout", "algorithm", "data", "reward", "optimizer",
-                  "checkpoint", "logging"):
+    for group in ("model", "parallelism", "placement", "rollout", "algorithm", "batch geometry", "critic", "data",
+                  "reward", "optimizer", "checkpoint", "logging"):
         assert f"\n{group}" in text, group
     for action in build_parser()._actions:
         if action.option_strings and action.dest != "help":

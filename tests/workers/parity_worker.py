@@ -12,7 +12,49 @@ from megarl import distributed
 from megarl.arguments import parse_args
 from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights
 from megarl.models.megatron_gpt import build_gpt_model
-from megarl.trainer import vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.algorithms import kl_full
+from megarl.critic import attach_value_head
+from megarl.trainer import vocab_parallel_entropy, vocab_parallel_full_kl, vocab_parallel_logprobs
+
+
+def _full_kl_parity(shard_logits, reference, vocab_size) -> dict:
+    """The trainer's vocab-parallel KL(pi || ref) and its gradient against algorithms.kl_full on
+    the gathered vocabulary; the reference policy's logits are the policy's scaled by 0.5."""
+    from megatron.core import parallel_state
+
+    shard = shard_logits.detach().clone().requires_grad_(True)
+    kl = vocab_parallel_full_kl(shard, 0.5 * shard.detach(), vocab_size, 0.7)
+    kl.sum().backward()
+    full = reference.detach().clone().requires_grad_(True)
+    expected = kl_full(torch.log_softmax(full / 0.7, -1), torch.log_softmax(0.5 * full.detach() / 0.7, -1))
+    expected.sum().backward()
+    width = shard.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    real = max(min(vocab_size - start, width), 0)  # columns of this shard inside the real vocabulary
+    grad_diff = (shard.grad[..., :real] - full.grad[..., start: start + real]).abs().max().item()
+    return {"max_abs_full_kl_diff": (kl - expected).abs().max().item(), "max_abs_full_kl_grad_diff": grad_diff,
+            "full_kl_mean": expected.mean().item(), "padding_grad_max": shard.grad[..., real:].abs().max().item()
+            if real < width else 0.0}
+
+
+def _value_head_parity(hf_path, hf_config, tokens, positions, seed) -> dict:
+    """Critic values (trunk loaded tied-style, fresh value head) against HF's final hidden states @ head."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    trunk_config = copy.deepcopy(hf_config)
+    trunk_config.tie_word_embeddings = True
+    critic = build_gpt_model(trunk_config)
+    load_hf_weights(critic, hf_path, trunk_config)
+    attach_value_head(critic, hf_config, hf_path, seed)
+    critic.eval()
+    with torch.no_grad():
+        values = critic(tokens, positions, attention_mask=None).squeeze(-1)
+        hidden = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).model(tokens).last_hidden_state
+        head = critic.output_layer.score
+        expected = hidden @ head.weight[0] + head.bias[0]
+    return {"max_abs_value_diff": (values - expected).abs().max().item(), "value_std": expected.std().item()}
 
 
 def main():
@@ -53,6 +95,8 @@ def main():
         report["max_abs_logit_diff"] = (logits - reference).abs().max().item()
         report["max_abs_logprob_diff"] = (logprobs - full.gather(-1, labels[..., None])[..., 0]).abs().max().item()
         report["max_abs_entropy_diff"] = (entropy + (full.exp() * full).sum(-1)).abs().max().item()
+        report.update(_full_kl_parity(shard_logits, reference, hf_config.vocab_size))
+        report.update(_value_head_parity(mine.hf, hf_config, tokens, positions, args.seed))
 
     original = HFCheckpoint(mine.hf)
     exported, mismatched = set(), []

@@ -1,0 +1,124 @@
+"""PPO critic: a Megatron GPTModel whose output layer is a scalar value head.
+
+The trunk (embeddings and decoder) is loaded from `--critic-model` (default: the
+policy checkpoint), like verl's critic initialised from the actor. The head
+replaces the vocabulary projection with Linear(hidden, 1) (HF's
+`*ForTokenClassification` `score` layer, num_labels=1): loaded from the
+checkpoint when it has `score.weight` (a critic saved before), otherwise
+initialised N(0, initializer_range) with bias 0 (what HF does), from a generator
+seeded by --seed so every rank starts identical.
+
+The head is replicated on tensor-parallel ranks: its input (the final
+layernorm's output) is already identical on every TP rank, and each rank
+computes the same loss, so the trunk's backward is the usual one and no TP
+reduction is needed for the head.
+
+Value alignment: the value at position t is V(prefix up to token t), so the
+value of response token j sits where that token's logprob does (p-1+j) and is
+masked the same way; this is verl's values[:, -R-1:-1].
+
+Loss: `algorithms.value_loss` (0.5 max of clipped and unclipped squared error,
+clip range --value-clip around the values before the update), token mean over
+the mini-batch (verl's default token-mean), with its own Adam and learning rate
+(--critic-lr).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from megarl.algorithms import value_loss
+from megarl.models.convert import HFCheckpoint, load_hf_weights, unwrap
+from megarl.models.megatron_gpt import DTYPES, build_gpt_model
+from megarl.trainer import MicroBatch, build_trainable, forward_backward, optimizer_step
+
+
+class ValueHead(torch.nn.Module):
+    """Stands in for GPTModel.output_layer: hidden [s, b, h] -> values [s, b, 1]."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.score = torch.nn.Linear(hidden_size, 1, dtype=dtype, device=device)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return self.score(hidden_states), None
+
+
+def attach_value_head(model, hf_config, checkpoint_path: str, seed: int) -> None:
+    """Replace the model's vocabulary projection with a value head (see module docstring)."""
+    gpt = unwrap(model)
+    embedding = gpt.embedding.word_embeddings.weight
+    head = ValueHead(hf_config.hidden_size, embedding.dtype, embedding.device)
+    checkpoint = HFCheckpoint(checkpoint_path)
+    with torch.no_grad():
+        if "score.weight" in checkpoint.weight_map:
+            head.score.weight.copy_(checkpoint.get("score.weight").reshape(1, -1))
+            if "score.bias" in checkpoint.weight_map:
+                head.score.bias.copy_(checkpoint.get("score.bias").reshape(1))
+            else:
+                head.score.bias.zero_()
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            std = getattr(hf_config, "initializer_range", 0.02)
+            head.score.weight.copy_(torch.randn(1, hf_config.hidden_size, generator=generator) * std)
+            head.score.bias.zero_()
+    gpt.output_layer = head
+    gpt.share_embeddings_and_output_weights = False  # the forward must not pass the embedding as weight
+
+
+class Critic:
+    def __init__(self, args, hf_config):
+        self.args = args
+        # Tied layout: only the trunk is read from the checkpoint (no lm_head needed), so a
+        # plain LM checkpoint and a saved critic (trunk + score) both load.
+        trunk_config = copy.deepcopy(hf_config)
+        trunk_config.tie_word_embeddings = True
+        module = build_gpt_model(trunk_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
+                                 calculate_per_token_loss=True)
+        load_hf_weights(module, args.critic_model, trunk_config)
+        attach_value_head(module, hf_config, args.critic_model, args.seed)
+        self.model, self.optimizer, self.scheduler = build_trainable(module, args, args.critic_lr,
+                                                                     args.weight_decay)
+
+    def _run(self, micro_batches, loss_fn, forward_only: bool):
+        return forward_backward(self.model, micro_batches, loss_fn, forward_only, self.args.micro_batch_size)
+
+    @torch.no_grad()
+    def compute_values(self, micro_batches: list[MicroBatch]) -> None:
+        """Fill `old_values` (masked like the loss) of each micro-batch."""
+        self.model.eval()
+
+        def keep(batch, output, ref_logits=None):
+            batch.old_values = output.squeeze(-1).float() * batch.loss_mask
+            return output.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+
+        self._run(micro_batches, keep, forward_only=True)
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict:
+        """One optimizer step of the value loss over these micro-batches."""
+        from megatron.core import parallel_state
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def loss(batch, output, ref_logits=None):
+            values = output.squeeze(-1).float()
+            mask = batch.loss_mask
+            token_loss, metrics = value_loss(values, batch.old_values, batch.returns, mask, self.args.value_clip)
+            with torch.no_grad():
+                sums = torch.stack([token_loss.sum(), metrics["clipped"].sum(), (values * mask).sum(),
+                                    (batch.returns * mask).sum(), mask.sum()])
+            return token_loss.sum(), mask.sum().round().to(torch.int), {"sums": sums}
+
+        outputs = self._run(micro_batches, loss, forward_only=False)
+        grad_norm = optimizer_step(self.optimizer, self.scheduler)
+        sums = torch.stack([o["sums"] for o in outputs]).sum(dim=0)
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        tokens = max(sums[4].item(), 1.0)
+        return {"value_loss": sums[0].item() / tokens, "value_clip_fraction": sums[1].item() / tokens,
+                "value_mean": sums[2].item() / tokens, "returns_mean": sums[3].item() / tokens,
+                "critic_grad_norm": grad_norm, "critic_lr": self.optimizer.param_groups[0]["lr"]}
