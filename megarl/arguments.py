@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Python files imported before the options are checked; they register algorithms "
                              "with megarl.algorithms.register(REGISTRY, name)")
     for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args,
-                _add_algorithm_args, _add_batch_args, _add_critic_args, _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_optimizer_args,
-                _add_checkpoint_args, _add_logging_args):
+                _add_algorithm_args, _add_batch_args, _add_critic_args, _add_dapo_and_off_policy_args,
+                _add_data_args, _add_reward_args, _add_optimizer_args, _add_checkpoint_args, _add_logging_args):
         add(parser)
     return parser
 

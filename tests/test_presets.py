@@ -2,8 +2,8 @@
 
 Measured over 60 steps (reward mean of the first 5 -> last 5 steps): grpo 0.40 -> 0.61,
 dapo 0.47 -> 0.56 (DAPO's kept groups are the mixed ones, so its batch reward starts
-near 0.5), drgrpo 0.42 -> 0.56, ppo (GAE with a Megatron critic, KL in the reward with the
-adaptive controller, 2 epochs of 2 shuffled mini-batches) 0.42 -> 0.75. The threshold, +0.05, leaves room for the noise of
+near 0.5), drgrpo 0.42 -> 0.56, ppo (GAE with a Megatron critic, KL in the reward with
+the adaptive controller, 2 epochs of 2 shuffled mini-batches) 0.42 -> 0.75. The threshold, +0.05, leaves room for the noise of
 5-step means while still failing on a run that does not learn.
 """
 
@@ -20,6 +20,6 @@ def test_preset_reward_rises(preset, tiny_model, tmp_path):
                       "--train-steps", "60", "--log-dir", tmp_path / "tb", timeout=900)
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 60
-    line = [l for l in result.stdout.splitlines() if l.startswith("reward: ")][-1]
+    line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
     first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
     assert last >= first + 0.05, line

@@ -49,7 +49,7 @@ def test_quickstart_learns(tiny_model, tmp_path):
     """The quickstart's config, shortened: the reward must rise (its full run goes ~0.41 -> ~0.69)."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
                       "--train-steps", "80", "--log-dir", tmp_path / "tb", timeout=900)
-    line = [l for l in result.stdout.splitlines() if l.startswith("reward: ")][-1]
+    line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
     first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
     # Measured 0.41 -> 0.60 at 60 steps; the threshold leaves room for noise of 5-step means.
     assert last >= first + 0.10, line
@@ -62,7 +62,8 @@ def test_full_vocabulary_kl_in_the_loss_with_ppo_epochs(tiny_model, tmp_path):
 
     torchrun("../../megarl/train.py", *PLACEMENTS["colocate"], "--model", tiny_model, *SMALL, "--train-steps", "3",
              "--kl-coef", "0.05", "--kl-estimator", "full", "--ppo-epochs", "2", "--global-batch-size", "8",
-             "--steps-per-generation", "2", "--micro-batch-size", "4", "--shuffle", "--log-dir", tmp_path / "tb", timeout=900)
+             "--steps-per-generation", "2", "--micro-batch-size", "4", "--shuffle", "--log-dir", tmp_path / "tb",
+             timeout=900)
     events = EventAccumulator(str(next((tmp_path / "tb").glob("events.out.tfevents.*"))))
     events.Reload()
     series = {tag: [e.value for e in events.Scalars(tag)] for tag in ("kl_ref", "kl_loss", "kl_old_new")}

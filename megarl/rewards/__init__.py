@@ -69,4 +69,8 @@ def _load_builtin_rewards() -> None:
         importlib.import_module(module)
 
 
-_BUILTIN_MODULES = ["megarl.rewards.arithmetic"]
+_BUILTIN_MODULES = [
+    "megarl.rewards.arithmetic",
+    "megarl.rewards.math",
+    "megarl.rewards.code",
+]
