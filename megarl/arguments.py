@@ -183,13 +183,43 @@ def _add_dapo_and_off_policy_args(parser):
 
 def _add_data_args(parser):
     g = parser.add_argument_group("data")
+    g.add_argument("--train-data", nargs="*", default=[],
+                   help="JSONL / Parquet files, globs or directories of prompts (none: the built-in "
+                        "arithmetic task); layouts in megarl/datasets.py")
+    g.add_argument("--data-format", default="auto", choices=["auto", "colossalchat", "verl", "swift"],
+                   help="row layout (auto: detected per row)")
+    g.add_argument("--prompt-key", default="prompt", help="verl layout: the column holding the chat")
+    g.add_argument("--preprocessor", default=None,
+                   help="registered dataset preprocessor (a plugin's) applied to every raw row")
     g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
     g.add_argument("--max-prompt-length", type=int, default=128, help="longest prompt in tokens")
+    g.add_argument("--truncation", default="error", choices=["error", "left", "right"],
+                   help="a prompt over --max-prompt-length: error (naming file and line), keep its end, or its start")
+    g.add_argument("--system-prompt", default=None,
+                   help="system prompt for rows without one (default: the reward's; '' for none)")
 
 
 def _add_reward_args(parser):
     g = parser.add_argument_group("reward")
-    g.add_argument("--reward", default="arithmetic", help="reward function name")
+    g.add_argument("--reward", default="arithmetic",
+                   help="reward name (megarl/rewards/ or a plugin), or weighted names such as boxed:1.0,rm:0.5")
+    g.add_argument("--reward-model", default=None,
+                   help="HF AutoModelForSequenceClassification checkpoint used as the reward named 'rm'")
+
+
+def _add_eval_args(parser):
+    g = parser.add_argument_group("evaluation and dumps")
+    g.add_argument("--eval-dataset", nargs="*", default=[], metavar="NAME=PATH",
+                   help="evaluation sets, each NAME=PATH (PATH: a file, glob or directory as --train-data)")
+    g.add_argument("--eval-interval", type=int, default=0,
+                   help="evaluate every this many steps, and after the last (0: only with --eval-dataset, "
+                        "after the last step)")
+    g.add_argument("--eval-samples", type=int, default=1, help="samples per evaluation prompt (k of mean@k)")
+    g.add_argument("--eval-temperature", type=float, default=0.0,
+                   help="evaluation sampling temperature (0: greedy; needs --eval-samples 1)")
+    g.add_argument("--rollout-save-dir", default=None,
+                   help="write each step's samples (train_stepN.jsonl) and evaluations "
+                        "(eval_NAME_stepN.jsonl) here: prompt, response, reward, reason, step")
 
 
 def _add_optimizer_args(parser):
@@ -235,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "with megarl.algorithms.register(REGISTRY, name)")
     for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args,
                 _add_algorithm_args, _add_batch_args, _add_critic_args, _add_dapo_and_off_policy_args,
-                _add_data_args, _add_reward_args, _add_optimizer_args, _add_checkpoint_args, _add_logging_args):
+                _add_data_args, _add_reward_args, _add_eval_args, _add_optimizer_args, _add_checkpoint_args,
+                _add_logging_args):
         add(parser)
     return parser
 
@@ -492,6 +523,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(unsupported)
     _validate_batch_geometry(args, data_parallel=args.train_gpus // model_parallel)
     _validate_kl_and_critic(args)
+    _validate_data_and_eval(args)
     if args.dual_clip_c is not None and args.dual_clip_c <= 1.0:
         raise ConfigError(f"--dual-clip-c must be > 1, got {args.dual_clip_c}")
     if args.dynamic_sampling is not None:
@@ -564,3 +596,43 @@ def _validate_kl_and_critic(args) -> None:
     if args.critic_warmup < 0 or args.value_clip <= 0 or args.critic_lr <= 0:
         raise ConfigError(f"--critic-warmup must be >= 0, --value-clip and --critic-lr > 0; got "
                           f"{args.critic_warmup}, {args.value_clip}, {args.critic_lr}")
+
+
+def _validate_data_and_eval(args) -> None:
+    datasets = {}
+    for item in args.eval_dataset:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--eval-dataset {item!r}: expected NAME=PATH")
+        if name in datasets:
+            raise ConfigError(f"--eval-dataset: the name {name!r} is given twice")
+        datasets[name] = path
+    args.eval_datasets = datasets
+    if args.eval_interval < 0 or args.eval_samples < 1:
+        raise ConfigError(f"--eval-interval must be >= 0 and --eval-samples >= 1, got {args.eval_interval} "
+                          f"and {args.eval_samples}")
+    if args.eval_temperature == 0 and args.eval_samples > 1:
+        raise ConfigError(f"--eval-samples {args.eval_samples} with --eval-temperature 0: greedy decoding gives "
+                          f"one answer per prompt; set a temperature > 0 for mean@k")
+    if args.eval_interval and not datasets:
+        raise ConfigError("--eval-interval needs --eval-dataset NAME=PATH")
+    if args.preprocessor is not None and not args.train_data and not datasets:
+        raise ConfigError("--preprocessor applies to --train-data / --eval-dataset rows; neither is given")
+    from megarl.rewards.combine import parse_reward_weights
+
+    try:
+        parts = parse_reward_weights(args.reward)
+    except ValueError as error:
+        raise ConfigError(f"--reward: {error}") from None
+    if any(name == "rm" for name, _ in parts) and not args.reward_model:
+        raise ConfigError(f"--reward {args.reward!r} uses 'rm' but no --reward-model checkpoint is given")
+    if args.reward_model and not any(name == "rm" for name, _ in parts):
+        raise ConfigError(f"--reward-model is set but --reward {args.reward!r} does not use it; "
+                          f"add rm, e.g. --reward {parts[0][0]}:1.0,rm:1.0")
+    from megarl.rewards import REWARDS, _load_builtin_rewards
+
+    _load_builtin_rewards()
+    for name, _ in parts:
+        if name != "rm" and name not in REWARDS:
+            raise ConfigError(f"--reward {name!r} is not registered{_closest(name, REWARDS)}; "
+                              f"known: {', '.join(sorted(REWARDS))}")

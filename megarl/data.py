@@ -16,11 +16,16 @@ class Prompt:
     metadata: dict  # what the reward needs, e.g. {"answer": "85"}
 
 
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The tokenizer's chat template applied to `messages`, ending with the generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+
+
 def render_chat(tokenizer, user_text: str, system_prompt: str | None = None) -> list[int]:
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
         [{"role": "user", "content": user_text}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return chat_token_ids(tokenizer, messages)
 
 
 class ArithmeticPrompts:
@@ -43,5 +48,24 @@ class ArithmeticPrompts:
         return prompts
 
 
-def prompt_source(args, tokenizer):
-    return ArithmeticPrompts(args, tokenizer)
+def prompt_source(args, tokenizer, system_prompt: str | None):
+    """Training prompts: --train-data files (megarl/datasets.py), else the built-in arithmetic task."""
+    if not args.train_data:
+        return ArithmeticPrompts(args, tokenizer)
+    from megarl.datasets import PromptDataset, load_rows
+
+    rows = load_rows(args.train_data, format=args.data_format, prompt_key=args.prompt_key,
+                     preprocessor=args.preprocessor)
+    return PromptDataset(rows, tokenizer, prompts_per_step=args.prompts_per_step, seed=args.seed,
+                         system_prompt=system_prompt, max_prompt_length=args.max_prompt_length,
+                         truncation=args.truncation)
+
+
+def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[Prompt]]:
+    """Every --eval-dataset, rendered once: {name: prompts in file order}."""
+    from megarl.datasets import load_eval_dataset, make_prompts
+
+    return {name: make_prompts(load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
+                                                 preprocessor=args.preprocessor),
+                               tokenizer, system_prompt, args.max_prompt_length, args.truncation)
+            for name, path in args.eval_datasets.items()}

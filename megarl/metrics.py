@@ -50,6 +50,18 @@ class MetricsLogger:
             self.writer.flush()
         return metrics
 
+    def log_eval(self, completed_steps: int, metrics: dict) -> None:
+        """Evaluation metrics, at TensorBoard step = training steps completed (0: before training)."""
+        if not self.is_main:
+            return
+        parts = [f"{key.removeprefix('eval/')} {value:.3f}" for key, value in metrics.items()
+                 if not key.endswith("reward_errors")]
+        print(f"eval after {completed_steps} steps | " + " | ".join(parts), flush=True)
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, completed_steps)
+            self.writer.flush()
+
     def finish(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -25,8 +25,9 @@ from megarl import distributed
 from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, dynamic_sampling_keep, kl_penalty_in_reward,
                                sequence_rewards_to_tokens, soft_overlong_penalty, truncated_importance_weights,
                                truncation_keep)
-from megarl.data import prompt_source
-from megarl.rewards import as_output, get_reward
+from megarl.data import eval_prompts, prompt_source
+from megarl.dumps import write_samples
+from megarl.rewards import build_reward, default_system_prompt, score_all
 from megarl.rollout import RolloutEngine, Sample
 from megarl.weight_sync import BroadcastSync, ColocatedSync
 
@@ -38,8 +39,11 @@ class RLRun:
         self.args, self.context = args, context
         self.hf_config = AutoConfig.from_pretrained(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        self.prompts = prompt_source(args, self.tokenizer)
-        self.reward_fn = get_reward(args.reward).fn
+        system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
+        self.prompts = prompt_source(args, self.tokenizer, system_prompt or None)
+        self.eval_sets = eval_prompts(args, self.tokenizer, system_prompt or None) if args.eval_datasets else {}
+        # Rewards are scored where samples are generated: a reward model lives on rollout ranks only.
+        self.reward = build_reward(args.reward, args.reward_model) if context.is_rollout else None
         self.engine = self.trainer = self.critic = None
         bucket_bytes = int(args.sync_bucket_mb * 2**20)
 
@@ -79,10 +83,19 @@ class RLRun:
         """
         args = self.args
         if args.dynamic_sampling is None:
-            return self._generate_batch(step, 0), {}
+            samples, metrics = self._rollout(self.prompts.batch(step, 0), step), {}
+        else:
+            samples, metrics = self._dynamic_sampling(step)
+        metrics.update(_reward_errors(samples, f"step {step + 1}", self.context.env.rank == 0))
+        if args.rollout_save_dir and self.context.env.rank == 0:
+            write_samples(args.rollout_save_dir, f"train_step{step + 1}.jsonl", samples, self.tokenizer, step + 1)
+        return samples, metrics
+
+    def _dynamic_sampling(self, step: int) -> tuple[list[Sample], dict]:
+        args = self.args
         kept, dropped, generated, all_rewards = [], [], 0, []
         for attempt in range(args.max_num_gen_batches):
-            samples = self._generate_batch(step, attempt)
+            samples = self._rollout(self.prompts.batch(step, attempt), step)
             generated += 1
             all_rewards += [s.reward for s in samples]
             groups = [samples[i: i + args.num_generations] for i in range(0, len(samples), args.num_generations)]
@@ -99,25 +112,64 @@ class RLRun:
                          "dapo_groups_dropped": len(dropped), "dapo_groups_topped_up": topped_up,
                          "dapo_reward_all_mean": sum(all_rewards) / len(all_rewards)}
 
-    def _generate_batch(self, step: int, attempt: int) -> list[Sample]:
-        prompts = self.prompts.batch(step, attempt)
+    def _rollout(self, prompts, step: int, n: int | None = None, temperature: float | None = None) -> list[Sample]:
+        """n samples for each prompt, scored, gathered to every rank in prompt order.
+
+        Each engine takes a contiguous shard of the prompts; rewards are scored on the
+        rollout rank that generated them (one batch call per engine).
+        """
+        n = n or self.args.num_generations
         mine = []
         if self.engine is not None:
             shard = _contiguous_shard(prompts, self.engine.engine_index, self.engine.num_engines)
-            samples = self.engine.generate([p.ids for p in shard], [p.index for p in shard], step)
+            samples = self.engine.generate([p.ids for p in shard], [p.index for p in shard], step,
+                                           n=n, temperature=temperature)
             by_index = {p.index: p for p in shard}
             for sample in samples:
                 sample.metadata = by_index[sample.prompt_index].metadata
-                sample.reward = as_output(self.reward_fn(sample.response_text, sample.metadata)).score
+            outputs = score_all(self.reward, [s.response_text for s in samples], [s.metadata for s in samples])
+            for sample, output in zip(samples, outputs):
+                sample.reward, sample.reason = output.score, output.reason
             # The ranks of one TP engine hold identical samples: only its first rank contributes.
             if self.context.layout.rollout_ranks.index(self.context.env.rank) % self.engine.tp == 0:
                 mine = samples
         gathered = distributed.all_gather_objects(mine, self.context)
         samples = sorted((s for part in gathered for s in part), key=lambda s: s.prompt_index)
-        expected = len(prompts) * self.args.num_generations
+        expected = len(prompts) * (1 if temperature == 0 else n)
         if len(samples) != expected:
             raise RuntimeError(f"step {step}: expected {expected} samples, got {len(samples)}")
         return samples
+
+    # ------------------------------------------------------------ evaluate ----
+    def should_evaluate(self, completed_steps: int) -> bool:
+        """Before the first step (0), every --eval-interval steps and after the last, with eval sets."""
+        args = self.args
+        if not self.eval_sets:
+            return False
+        return completed_steps in (0, args.train_steps) or bool(
+            args.eval_interval and completed_steps % args.eval_interval == 0)
+
+    def evaluate(self, completed_steps: int) -> dict:
+        """Each eval set at --eval-temperature with --eval-samples k per prompt:
+        pass@1 = fraction of samples scoring >= 1 (the unbiased pass@1 estimate from k samples),
+        mean@k = mean score, and with k > 1 pass@k = fraction of prompts with a sample scoring >= 1."""
+        args = self.args
+        k = 1 if args.eval_temperature == 0 else args.eval_samples
+        metrics = {}
+        for name, prompts in self.eval_sets.items():
+            samples = self._rollout(prompts, completed_steps, n=k, temperature=args.eval_temperature)
+            scores = torch.tensor([s.reward for s in samples]).view(len(prompts), k)
+            correct = scores >= 1.0
+            metrics[f"eval/{name}/pass@1"] = correct.float().mean().item()
+            metrics[f"eval/{name}/mean@{k}"] = scores.mean().item()
+            if k > 1:
+                metrics[f"eval/{name}/pass@{k}"] = correct.any(dim=1).float().mean().item()
+            metrics.update({f"eval/{name}/{key}": value for key, value in
+                            _reward_errors(samples, f"eval {name}", self.context.env.rank == 0).items()})
+            if args.rollout_save_dir and self.context.env.rank == 0:
+                write_samples(args.rollout_save_dir, f"eval_{name}_step{completed_steps}.jsonl", samples,
+                              self.tokenizer, completed_steps)
+        return metrics
 
     # --------------------------------------------------------------- train ----
     def train(self, samples: list[Sample], step: int) -> dict:
@@ -309,3 +361,12 @@ def _importance_weights(old_logprobs, rollout_logprobs, mask, args) -> tuple[tor
     tokens = mask.sum().clamp(min=1).item()
     return weights, {"tis_clipped_fraction": stats["clipped"].sum().item() / tokens,
                      "tis_masked_fraction": stats["masked"].sum().item() / tokens, "_masked": stats["masked"]}
+
+
+def _reward_errors(samples, where: str, report: bool) -> dict:
+    """Count samples whose reward raised (they scored 0) and warn once for the batch."""
+    failed = [s for s in samples if "error:" in s.reason]
+    if failed and report:
+        print(f"megarl: warning: {where}: the reward raised on {len(failed)} of {len(samples)} samples, "
+              f"which score 0 (first: {failed[0].reason})", flush=True)
+    return {"reward_errors": len(failed)}

@@ -38,7 +38,8 @@ class Sample:
     logprobs: list[float]  # rollout logprob of each response token
     truncated: bool  # hit max_new_tokens instead of ending
     reward: float = 0.0
-    metadata: dict = field(default_factory=dict)
+    reason: str = ""  # the reward's short explanation ("wrong answer", "timeout", "error: ...")
+    metadata: dict = field(default_factory=dict)  # the prompt's dataset row
 
 
 class RolloutEngine:
@@ -74,8 +75,9 @@ class RolloutEngine:
         self.sleeping = False
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
-                 greedy: bool = False) -> list[Sample]:
-        """n samples per prompt (1 when greedy).
+                 greedy: bool = False, n: int | None = None, temperature: float | None = None) -> list[Sample]:
+        """n samples per prompt (default --num-generations; 1 when greedy) at `temperature`
+        (default --temperature; 0 is greedy).
 
         Randomness comes from the engine's seed (`--seed` + engine index), the same
         on every TP rank of an engine. No per-request seeds: on CPU, vLLM rewinds a
@@ -86,11 +88,13 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         args = self.args
+        temperature = 0.0 if greedy else (args.temperature if temperature is None else temperature)
+        n = 1 if temperature == 0.0 else (args.num_generations if n is None else n)
         params = []
         for _ in prompt_indices:
             params.append(SamplingParams(
-                n=1 if greedy else args.num_generations,
-                temperature=0.0 if greedy else args.temperature,
+                n=n,
+                temperature=temperature,
                 top_p=args.top_p,
                 top_k=args.top_k,
                 max_tokens=args.max_new_tokens,

@@ -1,7 +1,8 @@
 """megarl's one entry point: `torchrun --nproc_per_node N megarl/train.py --config x.yaml [flags]`.
 
 One step:  generate (rollout + reward) -> train (logprobs, advantages, PPO
-updates) -> sync weights (trainer -> rollout) -> log.
+updates) -> sync weights (trainer -> rollout) -> log; evaluation before the
+first step, every --eval-interval steps and after the last.
 """
 
 import os
@@ -26,6 +27,8 @@ def run(args) -> None:
     context = init_distributed(args)
     rl = RLRun(args, context)
     logger = MetricsLogger(args, is_main=context.env.rank == 0)
+    if rl.should_evaluate(0):
+        logger.log_eval(0, rl.evaluate(0))
     for step in range(args.train_steps):
         start = time.perf_counter()
         samples, metrics = rl.generate(step)
@@ -37,6 +40,8 @@ def run(args) -> None:
         metrics.update(rollout_seconds=generated - start, train_seconds=trained - generated,
                        step_seconds=time.perf_counter() - start)
         logger.log_step(step, samples, metrics)
+        if rl.should_evaluate(step + 1):
+            logger.log_eval(step + 1, rl.evaluate(step + 1))
     logger.finish()
     if args.save_hf_dir:
         rl.save_hf(args.save_hf_dir)

@@ -61,6 +61,58 @@ def get_reward(name: str) -> RewardSpec:
     return REWARDS[name]
 
 
+def build_reward(text: str, reward_model: str | None = None) -> RewardSpec:
+    """The reward a run uses: `--reward` is one registered name or weighted names
+    ("boxed:1.0,rm:0.5"); the name "rm" is the `--reward-model` checkpoint."""
+    from megarl.rewards.combine import combined_reward_spec, parse_reward_weights
+
+    extra = {}
+    if reward_model:
+        from megarl.rewards.reward_model import make_reward_model_reward
+
+        extra["rm"] = make_reward_model_reward(reward_model, name="rm")
+    parts = parse_reward_weights(text)
+    if any(name == "rm" for name, _ in parts) and not reward_model:
+        raise ValueError(f"--reward {text!r} uses 'rm' but no --reward-model checkpoint is given")
+    if len(parts) == 1 and parts[0][1] == 1.0:
+        name = parts[0][0]
+        spec = extra[name] if name in extra else get_reward(name)
+    else:
+        spec = combined_reward_spec(text, extra=extra)
+    return spec
+
+
+def default_system_prompt(text: str) -> str | None:
+    """The system prompt of `--reward text`: that of its first part which has one (a reward
+    model has none), without loading a reward model."""
+    from megarl.rewards.combine import parse_reward_weights
+
+    for name, _ in parse_reward_weights(text):
+        if name != "rm" and get_reward(name).system_prompt:
+            return get_reward(name).system_prompt
+    return None
+
+
+def score_all(spec: RewardSpec, responses: list[str], rows: list[dict]) -> list[RewardOutput]:
+    """Score a batch. A reward that raises gives that sample 0 with reason "error: <type>: <message>"
+    (the caller counts and reports them) and scoring goes on. A reward function with a
+    `score_batch(responses, rows)` attribute scores the whole batch at once (a sandbox pool,
+    a reward model); if the batch call raises, the samples are scored one by one."""
+    batch = getattr(spec.fn, "score_batch", None)
+    if batch is not None:
+        try:
+            return [as_output(value) for value in batch(responses, rows)]
+        except Exception:  # noqa: BLE001 - fall back to one by one, which isolates the failing samples
+            pass
+    outputs = []
+    for response, row in zip(responses, rows):
+        try:
+            outputs.append(as_output(spec.fn(response, row)))
+        except Exception as error:  # noqa: BLE001 - a broken reward must not stop training
+            outputs.append(RewardOutput(0.0, f"error: {type(error).__name__}: {error}"[:200]))
+    return outputs
+
+
 def _load_builtin_rewards() -> None:
     """Import the modules that register the built-in rewards (lazily: some import heavy libraries)."""
     import importlib

@@ -1,0 +1,558 @@
+"""Prompt datasets from local JSONL and Parquet files, in other frameworks' layouts.
+
+Why: users arrive with data already prepared for ColossalChat, verl or ms-swift.
+Rather than asking them to convert, every row is normalised into one `Row`, and
+the rest of megarl (rendering, rewards, evaluation) sees only that.
+
+Files
+    `load_rows(paths)` takes one path, a list, globs (`data/*.parquet`) or
+    directories (their `*.jsonl`, `*.json`, `*.parquet`, sorted). `.jsonl` is one
+    JSON object a line (blank lines are not rows); `.json` is one JSON array of
+    rows, one row object (pretty-printed or not), or else JSON Lines; `.parquet`
+    needs pyarrow.
+    Every row carries `origin` = "file:N": N is the 1-based line of a JSONL file,
+    the 1-based row of a Parquet file or JSON array. Errors name it.
+    A null value (JSON null, a Parquet null) means the field is absent.
+
+Layouts (`format=`), and where each one keeps the prompt and the answer
+    colossalchat  `messages` (a chat list, or one {"role","content"} object)
+                  and `gt_answer`
+    verl          a chat list under `prompt_key` (default "prompt") and
+                  `reward_model: {"ground_truth": ...}`; other keys of
+                  `reward_model` (e.g. "style") are not kept
+    swift         `messages` and `solution` (ms-swift GRPO passes extra columns
+                  such as `solution` to its reward functions)
+    Every layout may also carry `id`, `data_source`, `test_cases`
+    ({"inputs": [...], "outputs": [...]}, code tasks) and `teacher_prompt`
+    (a string or chat list, kept for distillation). Any other column goes to
+    `Row.extra` untouched.
+
+Detection (`format="auto"`, decided per row, in this order)
+    1. the row has `prompt_key`         -> verl
+    2. it has `messages` and `solution` -> swift
+    3. it has `messages`                -> colossalchat
+    4. otherwise: an error naming the row and its fields.
+    A column that another layout uses for a normalised field (a `messages`
+    column in a verl row, `gt_answer` in a swift row, ...) is an error rather
+    than a silent extra, since the row is ambiguous.
+
+Answers
+    `gt_answer` is a string. Numbers are written as str(number) in every layout
+    (hand-written JSONL often has `"gt_answer": 42`, and verl Parquet files store
+    ground_truth as int64 or double). verl's ground_truth may also be a list or
+    object (e.g. several accepted answers, test cases): it becomes its JSON text,
+    which the reward can `json.loads`. Anything else is a type error.
+
+Messages
+    Text only: each message needs string `role` and `content`. A final
+    assistant message (some ms-swift and SFT-style files keep the reference
+    response there) is removed from the prompt, because the prompt must end where
+    the model's answer starts, and kept in `extra["reference_solution"]`.
+
+System prompt rule
+    `render(row, tokenizer, system_prompt)` adds `system_prompt` (from
+    --system-prompt or the reward's default) only when the row has no system
+    message of its own: the dataset's own system message wins, as in verl and
+    ColossalChat, because it was written for that row.
+
+Truncation (`max_prompt_length`, `truncation=`)
+    "error" (default) raises naming the file, line, length and limit; "left"
+    keeps the last tokens (the end of the question and the generation prompt);
+    "right" keeps the first tokens (this can cut off the generation prompt).
+    `PromptDataset` renders every row once at start in "error" mode so an overlong
+    prompt fails before training rather than at step 5000 (`check_lengths=False`
+    skips that for very large files).
+
+Ordering and resumption (`PromptDataset`)
+    The prompt stream is the concatenation of per-epoch permutations of the
+    rows, permutation e seeded by (seed, e); every rank computes it alone. Each
+    epoch visits every row exactly once; a batch may straddle two epochs.
+    Batch (step, attempt) starts at stream position
+        (step + extra + attempt) * prompts_per_step
+    where `extra` counts the additional batches (attempt >= 1, DAPO's dynamic
+    sampling) drawn by the steps before `step`. Without dynamic sampling extra
+    is 0 and batches are a pure function of (seed, step, prompts_per_step); with
+    it, `extra` is the only state: `state_dict()` holds it and
+    `load_state_dict()` restores it, so a resumed run draws exactly the prompts
+    the uninterrupted run would have. Calls are idempotent (asking for the same
+    (step, attempt) again gives the same prompts); steps may not go back.
+
+Preprocessors
+    A plugin maps a custom layout onto a known one:
+        from megarl.datasets import register_preprocessor
+        @register_preprocessor("my_qa")
+        def my_qa(raw: dict) -> dict:
+            return {"messages": [{"role": "user", "content": raw["q"]}], "gt_answer": raw["a"]}
+    and `load_rows(..., preprocessor="my_qa")` applies it to every raw row before
+    detection. Its exceptions become errors naming the row.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from megarl.arguments import ConfigError
+from megarl.data import Prompt, chat_token_ids
+
+FORMATS = ("auto", "colossalchat", "verl", "swift")
+TRUNCATIONS = ("error", "left", "right")
+FILE_TYPES = (".jsonl", ".json", ".parquet")
+# Normalised field names: a leftover column with one of these names would shadow one.
+RESERVED = ("id", "messages", "gt_answer", "test_cases", "data_source", "teacher_prompt", "origin")
+REFERENCE_KEY = "reference_solution"
+
+
+class DatasetError(ConfigError):
+    """A data mistake; the message is one line starting with "file:line:" where there is one."""
+
+
+@dataclass
+class Row:
+    id: str
+    messages: list[dict]
+    gt_answer: str | None = None
+    test_cases: dict | None = None
+    data_source: str | None = None
+    teacher_prompt: str | list | None = None
+    extra: dict = field(default_factory=dict)
+    origin: str = ""
+
+    def as_metadata(self) -> dict:
+        """The row as rewards see it: extra columns plus the normalised fields."""
+        return {**self.extra, "id": self.id, "messages": self.messages, "gt_answer": self.gt_answer,
+                "test_cases": self.test_cases, "data_source": self.data_source,
+                "teacher_prompt": self.teacher_prompt, "origin": self.origin}
+
+
+# ------------------------------------------------------------ preprocessors ----
+
+DATASET_PREPROCESSORS: dict[str, Callable[[dict], dict]] = {}
+
+
+def register_preprocessor(name: str):
+    """Decorator: register `fn(raw_row) -> row in a known layout` under `name`."""
+    def wrap(fn):
+        if name in DATASET_PREPROCESSORS:
+            raise ValueError(f"dataset preprocessor {name!r} is registered twice")
+        DATASET_PREPROCESSORS[name] = fn
+        return fn
+    return wrap
+
+
+def _preprocessor(name: str | None):
+    if name is None:
+        return None
+    if name not in DATASET_PREPROCESSORS:
+        raise DatasetError(f"unknown dataset preprocessor '{name}'; registered: {sorted(DATASET_PREPROCESSORS)}")
+    return DATASET_PREPROCESSORS[name]
+
+
+# -------------------------------------------------------------------- files ----
+
+def expand_paths(paths) -> list[str]:
+    """Files named by a path, a glob, a directory, or a list of them, in order."""
+    files = []
+    for pattern in [paths] if isinstance(paths, (str, os.PathLike)) else list(paths):
+        pattern = os.fspath(pattern)
+        if os.path.isdir(pattern):
+            found = sorted(p for p in glob.glob(os.path.join(pattern, "*")) if p.endswith(FILE_TYPES))
+            if not found:
+                raise DatasetError(f"{pattern}: directory has no {', '.join(FILE_TYPES)} files")
+        elif any(c in pattern for c in "*?["):
+            found = sorted(glob.glob(pattern))
+            if not found:
+                raise DatasetError(f"{pattern}: no files match")
+        elif os.path.isfile(pattern):
+            found = [pattern]
+        else:
+            raise DatasetError(f"{pattern}: no such file")
+        files += found
+    if not files:
+        raise DatasetError("no dataset files given")
+    return files
+
+
+def read_file(path: str) -> Iterator[tuple[int, dict]]:
+    """(row number, raw row) pairs of one file; see the module docstring for numbering."""
+    if path.endswith(".parquet"):
+        rows = _read_parquet(path)
+    elif path.endswith((".jsonl", ".json")):
+        rows = _read_json(path)
+    else:
+        raise DatasetError(f"{path}: unknown file type (expected {', '.join(FILE_TYPES)})")
+    empty = True
+    for number, raw in rows:
+        empty = False
+        if not isinstance(raw, dict):
+            raise DatasetError(f"{path}:{number}: expected a JSON object, got {_type(raw)}")
+        yield number, raw
+    if empty:
+        raise DatasetError(f"{path}: empty file (no rows)")
+
+
+def _read_json(path: str) -> Iterator[tuple[int, object]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if path.endswith(".json") and text.lstrip()[:1] in ("[", "{"):
+        try:  # a whole-file array of rows, or one (maybe pretty-printed) row as MATH ships them
+            whole = json.loads(text)
+        except json.JSONDecodeError as e:
+            if text.lstrip().startswith("["):
+                raise DatasetError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            whole = None  # several documents: JSON Lines
+        if whole is not None:
+            yield from enumerate(whole if isinstance(whole, list) else [whole], start=1)
+            return
+    # split("\n"), not splitlines(): JSON strings may hold raw U+2028 and friends.
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            yield number, _loads(line, path, number)
+
+
+def _loads(line: str, path: str, number: int):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno})") from None
+
+
+def _read_parquet(path: str) -> Iterator[tuple[int, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        number = 0
+        for batch in batches:
+            for raw in batch.to_pylist():
+                number += 1
+                yield number, raw
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DatasetError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+
+
+# ---------------------------------------------------------------- normalise ----
+
+def load_rows(paths, format: str = "auto", prompt_key: str = "prompt",
+              preprocessor: str | None = None) -> list[Row]:
+    """Every row of the files, normalised, in file order. Any bad row raises DatasetError."""
+    if format not in FORMATS:
+        raise DatasetError(f"unknown dataset format '{format}'; known: {', '.join(FORMATS)}")
+    prepare = _preprocessor(preprocessor)
+    rows = []
+    for path in expand_paths(paths):
+        for number, raw in read_file(path):
+            where = f"{path}:{number}"
+            if prepare is not None:
+                raw = _apply_preprocessor(prepare, preprocessor, raw, where)
+            rows.append(normalize(raw, where, format, prompt_key))
+    return rows
+
+
+def load_eval_dataset(paths, format: str = "auto", prompt_key: str = "prompt",
+                      preprocessor: str | None = None) -> list[Row]:
+    """An evaluation set: all rows in file order (no shuffling, no repeats)."""
+    return load_rows(paths, format, prompt_key, preprocessor)
+
+
+def _apply_preprocessor(fn, name: str, raw: dict, where: str) -> dict:
+    try:
+        out = fn(raw)
+    except Exception as e:  # noqa: BLE001 - any plugin failure is a data error for this row
+        raise DatasetError(f"{where}: preprocessor '{name}' failed: {type(e).__name__}: {e}") from None
+    if not isinstance(out, dict):
+        raise DatasetError(f"{where}: preprocessor '{name}' returned {_type(out)}, expected a dict")
+    return out
+
+
+def detect_layout(raw: dict, prompt_key: str = "prompt") -> str | None:
+    """The layout of a raw row by the rules in the module docstring, or None."""
+    if raw.get(prompt_key) is not None:
+        return "verl"
+    if raw.get("messages") is not None:
+        return "swift" if raw.get("solution") is not None else "colossalchat"
+    return None
+
+
+def normalize(raw: dict, where: str, format: str = "auto", prompt_key: str = "prompt") -> Row:
+    """One raw row as a Row; `where` ("file:line") prefixes every error."""
+    fields = {k: v for k, v in raw.items() if v is not None}  # null means absent
+    layout = detect_layout(fields, prompt_key) if format == "auto" else format
+    if layout is None:
+        raise DatasetError(f"{where}: cannot tell the layout: no 'messages' or '{prompt_key}' field "
+                           f"(fields: {', '.join(sorted(fields)) or 'none'}); pass format= or a preprocessor")
+    prompt_field, answer = _LAYOUTS[layout](fields, where, prompt_key)
+    messages, reference = _messages(fields.pop(prompt_field, None), prompt_field, where)
+    row = Row(id=_id(fields.pop("id", None), where), messages=messages, gt_answer=answer,
+              test_cases=_test_cases(fields.pop("test_cases", None), where),
+              data_source=_string(fields.pop("data_source", None), "data_source", where),
+              teacher_prompt=_teacher_prompt(fields.pop("teacher_prompt", None), where),
+              origin=where)
+    for key in fields:
+        if key in RESERVED:
+            raise DatasetError(f"{where}: field '{key}' does not belong in a {layout} row "
+                               f"(it would shadow the normalised '{key}')")
+    if reference is not None:
+        if REFERENCE_KEY in fields:
+            raise DatasetError(f"{where}: both a final assistant message and a '{REFERENCE_KEY}' field")
+        fields[REFERENCE_KEY] = reference
+    row.extra = fields
+    return row
+
+
+# Each layout takes its answer out of `fields` and names the field that holds its prompt.
+def _colossalchat(fields: dict, where: str, prompt_key: str) -> tuple[str, str | None]:
+    return "messages", _answer(fields.pop("gt_answer", None), "gt_answer", where)
+
+
+def _swift(fields: dict, where: str, prompt_key: str) -> tuple[str, str | None]:
+    return "messages", _answer(fields.pop("solution", None), "solution", where)
+
+
+def _verl(fields: dict, where: str, prompt_key: str) -> tuple[str, str | None]:
+    reward = fields.pop("reward_model", None)
+    if reward is None:
+        return prompt_key, None
+    if not isinstance(reward, dict):
+        raise DatasetError(f"{where}: field 'reward_model' must be an object, got {_type(reward)}")
+    truth = reward.get("ground_truth")
+    if isinstance(truth, (list, dict)):  # several answers or test cases: keep them readable
+        truth = json.dumps(truth, ensure_ascii=False)
+    return prompt_key, _answer(truth, "reward_model.ground_truth", where)
+
+
+_LAYOUTS = {"colossalchat": _colossalchat, "swift": _swift, "verl": _verl}
+
+
+# ------------------------------------------------------------ field checks ----
+
+def _type(value) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean",
+            int: "integer", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _string(value, name: str, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise DatasetError(f"{where}: field '{name}' must be a string, got {_type(value)}")
+
+
+def _answer(value, name: str, where: str) -> str | None:
+    """A string answer; numbers (common in hand-made and Parquet files) become str(number)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return _string(value, name, where)
+
+
+def _id(value, where: str) -> str:
+    """The row's id; rows without one are known by their origin."""
+    if value is None:
+        return where
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return _string(value, "id", where)
+
+
+def _messages(value, name: str, where: str) -> tuple[list[dict], str | None]:
+    """A validated chat list without a final assistant message, and that message's text."""
+    if value is None:
+        raise DatasetError(f"{where}: field '{name}' is missing")
+    if isinstance(value, dict):  # ColossalChat writes a single-turn prompt as one object
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: field '{name}' must be a non-empty list of messages, got {_type(value)}")
+    messages = [_message(m, f"{name}[{i}]", where) for i, m in enumerate(value)]
+    reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
+    if not any(m["role"] != "system" for m in messages):
+        raise DatasetError(f"{where}: field '{name}' has no user message")
+    return messages, reference
+
+
+def _message(value, name: str, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise DatasetError(f"{where}: field '{name}' must be an object with 'role' and 'content', got {_type(value)}")
+    for key in ("role", "content"):
+        if not isinstance(value.get(key), str):
+            raise DatasetError(f"{where}: field '{name}.{key}' must be a string, got {_type(value.get(key))}")
+    return {k: v for k, v in value.items() if v is not None}  # Parquet structs fill absent keys with null
+
+
+def _test_cases(value, where: str) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise DatasetError(f"{where}: field 'test_cases' must be an object, got {_type(value)}")
+    for key in ("inputs", "outputs"):
+        if not isinstance(value.get(key), list):
+            raise DatasetError(f"{where}: field 'test_cases.{key}' must be a list, got {_type(value.get(key))}")
+    if len(value["inputs"]) != len(value["outputs"]):
+        raise DatasetError(f"{where}: field 'test_cases' has {len(value['inputs'])} inputs "
+                           f"but {len(value['outputs'])} outputs")
+    return value
+
+
+def _teacher_prompt(value, where: str) -> str | list | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return [_message(m, f"teacher_prompt[{i}]", where) for i, m in enumerate(value)]
+    raise DatasetError(f"{where}: field 'teacher_prompt' must be a string or a list of messages, got {_type(value)}")
+
+
+# ---------------------------------------------------------------- rendering ----
+
+def render(row: Row, tokenizer, system_prompt: str | None = None, max_prompt_length: int | None = None,
+           truncation: str = "error") -> list[int]:
+    """Token ids of the row's chat, ending with the generation prompt; see the system prompt rule."""
+    messages = row.messages
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatasetError("the tokenizer has no chat template; datasets are rendered with apply_chat_template")
+    return fit_length(chat_token_ids(tokenizer, messages), max_prompt_length, truncation, row.origin)
+
+
+def fit_length(ids: list[int], limit: int | None, truncation: str, where: str) -> list[int]:
+    """Apply the truncation rule: error, keep the last `limit` tokens (left) or the first (right)."""
+    if truncation not in TRUNCATIONS:
+        raise DatasetError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got '{truncation}'")
+    if limit is None or len(ids) <= limit:
+        return ids
+    if truncation == "error":
+        raise DatasetError(f"{where}: prompt is {len(ids)} tokens, over --max-prompt-length {limit} "
+                           f"(truncation 'left' or 'right' cuts it instead)")
+    return ids[-limit:] if truncation == "left" else ids[:limit]
+
+
+def make_prompts(rows: Iterable[Row], tokenizer, system_prompt: str | None = None,
+                 max_prompt_length: int | None = None, truncation: str = "error") -> list[Prompt]:
+    """Rendered prompts, indexed 0.. in order, each carrying its row as metadata."""
+    return [Prompt(index, render(row, tokenizer, system_prompt, max_prompt_length, truncation), row.as_metadata())
+            for index, row in enumerate(rows)]
+
+
+def shard(items: list, rank: int, world: int) -> list:
+    """Item i goes to rank i % world (strided, so long and short rows spread evenly)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, {world})")
+    return items[rank::world]
+
+
+# ------------------------------------------------------------- training set ----
+
+class PromptDataset:
+    """Training prompts: `batch(step, attempt)` like `megarl.data.ArithmeticPrompts`.
+
+    Ordering and the resumable `extra` counter are described in the module
+    docstring; every rank builds the same batches without communication.
+    """
+
+    def __init__(self, rows: list[Row], tokenizer, *, prompts_per_step: int, seed: int = 0,
+                 system_prompt: str | None = None, max_prompt_length: int | None = None,
+                 truncation: str = "error", check_lengths: bool = True):
+        if not rows:
+            raise DatasetError("the training set has no rows")
+        if prompts_per_step < 1:
+            raise DatasetError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        self.rows, self.tokenizer = rows, tokenizer
+        self.prompts_per_step, self.seed = prompts_per_step, seed
+        self.render_args = {"system_prompt": system_prompt, "max_prompt_length": max_prompt_length,
+                            "truncation": truncation}
+        fit_length([], None, truncation, "")  # reject an unknown truncation mode now
+        self._step, self._attempts, self._extra = -1, 1, 0
+        self._permutations: dict[int, list[int]] = {}
+        if check_lengths and truncation == "error" and max_prompt_length is not None:
+            for row in rows:
+                render(row, tokenizer, **self.render_args)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def position(self, step: int, attempt: int = 0) -> int:
+        """Stream position where batch (step, attempt) starts; steps before the latest are unknown."""
+        if step < 0 or attempt < 0:
+            raise DatasetError(f"step and attempt must be >= 0, got step {step}, attempt {attempt}")
+        if step < self._step:
+            raise DatasetError(f"step {step} is before step {self._step}, the latest drawn: the data order "
+                               "only moves forward (load_state_dict restores it on resume)")
+        extra = self._extra if step == self._step else self._extra + self._attempts - 1
+        return (step + extra + attempt) * self.prompts_per_step
+
+    def row_indices(self, step: int, attempt: int = 0) -> list[int]:
+        """Indices into `rows` of batch (step, attempt), without drawing it."""
+        start = self.position(step, attempt)
+        return [self._row_at(p) for p in range(start, start + self.prompts_per_step)]
+
+    def batch(self, step: int, attempt: int = 0) -> list[Prompt]:
+        """The prompts of `step`; attempt > 0 gives fresh ones for DAPO's extra generation batches."""
+        indices = self.row_indices(step, attempt)
+        if step > self._step:  # fold the finished step's extra batches into the counter
+            self._extra += self._attempts - 1
+            self._step, self._attempts = step, 1
+        self._attempts = max(self._attempts, attempt + 1)
+        return make_prompts((self.rows[i] for i in indices), self.tokenizer, **self.render_args)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep; `consumed` is the stream position after the latest step."""
+        consumed = (self._step + self._extra + self._attempts) * self.prompts_per_step if self._step >= 0 else 0
+        return {"step": self._step, "attempts": self._attempts, "extra_batches": self._extra,
+                "consumed": consumed, "prompts_per_step": self.prompts_per_step, "seed": self.seed,
+                "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("prompts_per_step", self.prompts_per_step), ("seed", self.seed),
+                          ("num_rows", len(self.rows))):
+            if state.get(key) != mine:
+                raise DatasetError(f"data checkpoint: {key} was {state.get(key)}, now {mine}; "
+                                   "the saved position would point at different prompts")
+        self._step, self._attempts, self._extra = state["step"], state["attempts"], state["extra_batches"]
+
+    def _row_at(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.rows))
+        if epoch not in self._permutations:
+            if len(self._permutations) >= 2:  # a batch spans at most two epochs
+                self._permutations.pop(min(self._permutations))
+            order = list(range(len(self.rows)))
+            # A string seed goes through sha512: stable across processes and Python versions.
+            random.Random(f"megarl-data:{self.seed}:{epoch}").shuffle(order)
+            self._permutations[epoch] = order
+        return self._permutations[epoch][offset]
+
+
+# ------------------------------------------------------------------ writing ----
+
+def to_layout(row: Row, format: str, prompt_key: str = "prompt") -> dict:
+    """The row as a raw dict in `format` (the inverse of `normalize`), for converters."""
+    if format == "colossalchat":
+        # ColossalChat's published examples write a single-turn prompt as one object.
+        body = {"messages": row.messages[0] if len(row.messages) == 1 else row.messages,
+                "gt_answer": row.gt_answer}
+    elif format == "verl":
+        reward = {"style": "rule", "ground_truth": row.gt_answer} if row.gt_answer is not None else None
+        body = {prompt_key: row.messages, "reward_model": reward}
+    elif format == "swift":
+        body = {"messages": row.messages, "solution": row.gt_answer}
+    else:
+        raise DatasetError(f"unknown output format '{format}'; known: colossalchat, verl, swift")
+    common = {"id": row.id, "data_source": row.data_source, "test_cases": row.test_cases,
+              "teacher_prompt": row.teacher_prompt}
+    return {k: v for k, v in {**body, **common, **row.extra}.items() if v is not None}
+
+
+def write_jsonl(path: str, records: Iterable[dict]) -> int:
+    """Write one JSON object a line; returns the count."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count

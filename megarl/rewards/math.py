@@ -1,0 +1,306 @@
+"""Math rewards: the final answer, judged equal to ``gt_answer`` by math-verify.
+
+Two answer formats, each registered with the system prompt that asks for it:
+
+``boxed``              the answer is the content of the LAST ``\\boxed{...}``
+                       (nested braces kept; an earlier box is a draft, the last
+                       one counts). ``\\boxed 5`` without braces is NOT accepted:
+                       in TeX it boxes one token only (``\\boxed 12`` is
+                       ``\\boxed{1}2``), so its extent is ambiguous; models told
+                       to use ``\\boxed{}`` emit braces.
+``think_answer_tags``  the response is ``<think>...</think>`` then
+                       ``<answer>...</answer>`` and nothing else (surrounding
+                       whitespace allowed), each tag exactly once. The answer is
+                       the ``<answer>`` content, or the last ``\\boxed{}`` inside
+                       it when it has one. The block must hold the answer alone:
+                       prose in it ("The answer is 5") parses as a product of
+                       letter symbols and is judged wrong.
+
+Score convention (ColossalChat's math reward, scaled to 1): correctness only
+counts when the format is valid, and a valid format alone may earn a small
+bonus. Both are factory parameters (`make_boxed_reward`,
+`make_think_answer_reward`):
+
+  reward             correct + format   format only   bad format
+  boxed              1.0                0.0           0.0   ("no box")
+  think_answer_tags  1.0                0.1           0.0   ("no answer tags", "bad format")
+
+``boxed`` has no format bonus: a box is trivial to produce and a bonus would only
+reward boxing anything. The tag format is a real skill for a base model, so a
+small bonus gives GRPO a signal while every answer is still wrong. Malformed
+tags (a duplicated ``<answer>``, text after ``</answer>``, ...) score 0 even with
+a right answer: several answer blocks would let the policy hedge.
+
+Reasons: "correct", "wrong answer", "unparsable" (math-verify found no
+expression in the answer), "timeout", "no box", "unclosed box" (the last
+``\\boxed{`` never closes: usually a truncated response), "no answer tags",
+"bad format", "bad gt_answer" (the ground truth itself does not parse).
+
+Equivalence is ``math_verify.verify(parse(gold), parse(answer))`` with both
+sides wrapped in ``\\boxed{}``: math-verify only reads LaTeX inside ``$...$`` or
+``\\boxed{}`` (an unwrapped ``\\frac12`` or ``(1,2)`` parses to nothing), and a
+gold that is already boxed or in ``$...$`` still parses when wrapped. So
+``\\frac{1}{2}`` = ``0.5`` = ``1/2``, ``\\dfrac{3}{4}`` = ``0.75``, ``5\\text{ cm}`` = ``5``,
+``5.0`` = ``5``, ``x=3`` = ``3``, ``1,000`` = ``1000``, ``\\{1,2\\}`` = ``\\{2,1\\}``,
+``50\\%`` = ``50`` = ``0.5``. Known math-verify behaviour (tests pin it down):
+words parse as products of single-letter symbols, so ``five`` != ``5`` while
+``yes`` = ``Yes`` (and anagrams are equal); ``1e6`` is ``1*e*6`` (Euler's e);
+``\\text{5 cm}`` is one symbol, not 5; ``2.`` is unparsable; floats compare at 6
+decimals, so ``0.333`` != ``1/3`` but ``0.3333333`` = ``1/3``.
+
+Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
+reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
+which only works in the main thread (elsewhere it raises), so its timeouts are
+disabled and this module bounds the whole judgement (parse both sides and
+compare) itself, MATH_VERIFY_TIMEOUT_S seconds:
+  - in the main thread: a SIGALRM timer (an outer timer is re-armed after);
+  - in any other thread: the judgement runs in a helper process (one per
+    concurrent caller, started on first use, about a second, and reused); the
+    helper times itself out the same way, and is killed and replaced if it
+    overruns by HELPER_GRACE_S (C code that never yields to the signal).
+Both paths run the same `_judge`, so the score never depends on the thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import queue
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megarl.rewards import RewardOutput, register_reward
+from megarl.tasks.arithmetic import extract_boxed
+
+MATH_VERIFY_TIMEOUT_S = 5.0
+"""Wall-clock budget of one judgement (parse gold + parse answer + compare)."""
+HELPER_GRACE_S = 5.0
+"""How long past the budget a helper process may take before it is killed."""
+
+BOXED_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+TAGS_SYSTEM_PROMPT = (
+    "Think through the problem inside <think> </think> tags, then give only the final answer "
+    "inside <answer> </answer> tags, for example: <think> reasoning </think> <answer> 42 </answer>"
+)
+
+Judge = Callable[[str, object], str]
+
+# ------------------------------------------------------------------ rewards ----
+
+
+def make_boxed_reward(correct_score: float = 1.0, format_score: float = 0.0, judge: Judge | None = None):
+    """A `boxed` reward: `correct_score` if the last box is right, `format_score` for any other closed box."""
+    judge = judge or judge_answer
+
+    def boxed_reward(response: str, row: dict) -> RewardOutput:
+        answer = extract_boxed(response)
+        if answer is None:
+            return RewardOutput(0.0, "unclosed box" if "\\boxed{" in response else "no box")
+        verdict = judge(answer, row.get("gt_answer"))
+        return RewardOutput(correct_score if verdict == "correct" else format_score, verdict)
+
+    return boxed_reward
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+_WELL_FORMED = re.compile(r"\s*<think>.*</think>\s*<answer>.*</answer>\s*", re.DOTALL)
+
+
+def tags_well_formed(response: str) -> bool:
+    """`<think>...</think>` then `<answer>...</answer>`, each tag once, nothing outside but whitespace."""
+    return all(response.count(tag) == 1 for tag in _TAGS) and _WELL_FORMED.fullmatch(response) is not None
+
+
+def tagged_answer(response: str) -> str | None:
+    """The last `<answer>` block's content, or the last `\\boxed{}` in it when it has one; None if no block."""
+    blocks = _ANSWER.findall(response)
+    if not blocks:
+        return None
+    boxed = extract_boxed(blocks[-1])
+    return boxed if boxed is not None else blocks[-1].strip()
+
+
+def make_think_answer_reward(correct_score: float = 1.0, format_score: float = 0.1, judge: Judge | None = None):
+    """A `think_answer_tags` reward: `correct_score` if right, `format_score` if only well-formed."""
+    judge = judge or judge_answer
+
+    def think_answer_reward(response: str, row: dict) -> RewardOutput:
+        answer = tagged_answer(response)
+        if answer is None:
+            return RewardOutput(0.0, "no answer tags")
+        if not tags_well_formed(response):
+            return RewardOutput(0.0, "bad format")
+        verdict = judge(answer, row.get("gt_answer"))
+        return RewardOutput(correct_score if verdict == "correct" else format_score, verdict)
+
+    return think_answer_reward
+
+
+# -------------------------------------------------------------- judgement ----
+
+
+def judge_answer(answer: str, gt_answer) -> str:
+    """Verdict on `answer` against `gt_answer`, bounded by MATH_VERIFY_TIMEOUT_S from any thread."""
+    if threading.current_thread() is threading.main_thread():
+        return _judge_with_alarm(answer, gt_answer, MATH_VERIFY_TIMEOUT_S)
+    return _judge_in_helper(answer, gt_answer, MATH_VERIFY_TIMEOUT_S)
+
+
+def _judge(answer: str, gt_answer) -> str:
+    """The verdict, with no time limit: "correct", "wrong answer", "unparsable" or "bad gt_answer"."""
+    from math_verify import parse, verify
+
+    if gt_answer is None or not str(gt_answer).strip():
+        return "bad gt_answer"
+    # Timeouts off: they are SIGALRM-based (main thread only); the callers bound the time instead.
+    gold = parse(f"\\boxed{{{gt_answer}}}", parsing_timeout=None)
+    if not gold:
+        return "bad gt_answer"
+    pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+    if pred and verify(gold, pred, timeout_seconds=None):
+        return "correct"
+    # parse() falls back to the raw string when sympy fails; string-only means nothing parsed.
+    return "wrong answer" if any(not isinstance(p, str) for p in pred) else "unparsable"
+
+
+class _Timeout(BaseException):
+    """BaseException, like math-verify's own, so no `except Exception` inside it swallows the alarm."""
+
+
+def _judge_with_alarm(answer: str, gt_answer, seconds: float) -> str:
+    """`_judge` under a SIGALRM timer (main thread only); restores any outer handler and timer."""
+    def on_alarm(signum, frame):
+        raise _Timeout()
+
+    start = time.monotonic()
+    old_handler = signal.signal(signal.SIGALRM, on_alarm)
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return _judge(answer, gt_answer)
+    except _Timeout:
+        return "timeout"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+        if old_delay:  # an outer timer was running: give it back what is left (fire at once if overdue)
+            signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - start), 1e-3), old_interval)
+
+
+# ------------------------------------------------------- helper processes ----
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+# -c, not the file: run as a script, this file's folder would shadow the stdlib `math`.
+_HELPER_MAIN = f"import sys; sys.path.insert(0, {_ROOT!r}); from megarl.rewards.math import _serve; _serve()"
+
+
+class _Helper:
+    """A child process that judges one request at a time over JSON lines on stdin/stdout."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", _HELPER_MAIN], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        if self._read(timeout=120) != "ready":
+            self.kill()
+            raise RuntimeError("math-verify helper process failed to start (see its stderr above)")
+
+    def judge(self, answer: str, gt_answer, seconds: float, wait: float) -> str:
+        gold = None if gt_answer is None else str(gt_answer)
+        self.proc.stdin.write(json.dumps({"answer": answer, "gold": gold, "seconds": seconds}) + "\n")
+        self.proc.stdin.flush()
+        verdict = self._read(timeout=wait)
+        if verdict is None:
+            self.kill()
+            return "timeout"
+        return verdict
+
+    def _read(self, timeout: float) -> str | None:
+        """The next line's verdict; None after `timeout` seconds; raises if the child died."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.kill()
+            raise RuntimeError(f"math-verify helper process exited with code {self.proc.poll()}")
+        return json.loads(line)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+_IDLE_HELPERS: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
+_ALL_HELPERS: list[_Helper] = []
+
+
+def _judge_in_helper(answer: str, gt_answer, seconds: float, wait: float | None = None) -> str:
+    """`_judge` in an idle helper (a new one if all are busy); the helper is reused unless it was killed."""
+    helper = _idle_helper()
+    verdict = helper.judge(answer, gt_answer, seconds, seconds + HELPER_GRACE_S if wait is None else wait)
+    if helper.alive:
+        _IDLE_HELPERS.put(helper)
+    else:
+        _ALL_HELPERS.remove(helper)
+    return verdict
+
+
+def _idle_helper() -> _Helper:
+    """An idle live helper, or a new one; a helper that died while idle (OOM killer, ...) is dropped."""
+    while True:
+        try:
+            helper = _IDLE_HELPERS.get_nowait()
+        except queue.Empty:
+            helper = _Helper()
+            _ALL_HELPERS.append(helper)
+            return helper
+        if helper.alive:
+            return helper
+        _ALL_HELPERS.remove(helper)
+
+
+@atexit.register
+def _stop_helpers():
+    for helper in _ALL_HELPERS:
+        helper.kill()
+
+
+def _serve():
+    """The helper process's loop (its main thread, so the alarm works); exits when stdin closes."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # the protocol owns stdout: stray prints go to stderr
+    import math_verify  # noqa: F401  (import before "ready": the parent's first wait excludes it)
+
+    out.write(json.dumps("ready") + "\n")
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        out.write(json.dumps(_judge_with_alarm(request["answer"], request["gold"], request["seconds"])) + "\n")
+        out.flush()
+
+
+class _QuietTimeoutWarning(logging.Filter):
+    """math-verify warns once that its timeouts are off; this module bounds the time itself."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_QuietTimeoutWarning())
+
+
+register_reward("boxed", system_prompt=BOXED_SYSTEM_PROMPT)(make_boxed_reward())
+register_reward("think_answer_tags", system_prompt=TAGS_SYSTEM_PROMPT)(make_think_answer_reward())

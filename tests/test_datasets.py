@@ -1,0 +1,323 @@
+"""megarl/datasets.py: layouts, rendering, truncation, ordering, resumption, errors."""
+
+import importlib.util
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import ROOT
+from megarl.arguments import ConfigError
+from megarl.datasets import (DATASET_PREPROCESSORS, DatasetError, PromptDataset, load_eval_dataset, load_rows,
+                             register_preprocessor, render, shard)
+
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny model's byte-level tokenizer and ChatML template, built offline (no model, a few seconds)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "tools" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_tokenizer()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def chat_text(*turns):
+    """ChatML text of (role, content) turns followed by the generation prompt."""
+    return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + GENERATION_PROMPT
+
+
+def numbered(n, layout="colossalchat"):
+    """n simple rows in `layout`; question i has answer str(i)."""
+    make = {"colossalchat": lambda i: {"messages": user(f"q{i}"), "gt_answer": str(i)},
+            "verl": lambda i: {"prompt": user(f"q{i}"), "reward_model": {"ground_truth": str(i)}},
+            "swift": lambda i: {"messages": user(f"q{i}"), "solution": str(i)}}[layout]
+    return [make(i) for i in range(n)]
+
+
+# ------------------------------------------------------------------ layouts ----
+
+def test_colossalchat_jsonl(tmp_path):
+    path = tmp_path / "cc.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"messages": {"role": "user", "content": "What is 2+3?"}, "gt_answer": "5", "level": 1}),
+        "",  # a blank line is not a row, but line numbers still count it
+        json.dumps({"messages": [{"role": "system", "content": "Be brief."}, *user("Reverse a string.")],
+                    "test_cases": {"inputs": ["ab\n"], "outputs": ["ba\n"]}, "id": 7, "data_source": "code"}),
+    ]) + "\n")
+    first, second = load_rows(str(path))
+    assert first.messages == user("What is 2+3?") and first.gt_answer == "5"
+    assert first.extra == {"level": 1} and first.origin == f"{path}:1" and first.id == f"{path}:1"
+    assert second.origin == f"{path}:3" and second.id == "7" and second.data_source == "code"
+    assert second.test_cases == {"inputs": ["ab\n"], "outputs": ["ba\n"]} and second.gt_answer is None
+    assert second.messages[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_verl_parquet(tmp_path):
+    rows = [{"data_source": "openai/gsm8k", "prompt": user("How many?"), "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": 72},  # verl files sometimes store numbers
+             "extra_info": {"split": "train", "index": 0}},
+            {"data_source": "openai/gsm8k", "prompt": user("How much?"), "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": 10}, "extra_info": {"split": "train", "index": 1}}]
+    first, second = load_rows(write_parquet(tmp_path / "train.parquet", rows))
+    assert first.messages == user("How many?") and first.gt_answer == "72" and second.gt_answer == "10"
+    assert first.data_source == "openai/gsm8k" and first.origin.endswith("train.parquet:1")
+    assert first.extra == {"ability": "math", "extra_info": {"split": "train", "index": 0}}
+
+
+def test_verl_list_ground_truth_and_custom_prompt_key(tmp_path):
+    path = write_jsonl(tmp_path / "v.jsonl", [{"question": user("Name a prime."),
+                                               "reward_model": {"ground_truth": ["2", "3"]}}])
+    (row,) = load_rows(path, prompt_key="question")
+    assert row.messages == user("Name a prime.") and json.loads(row.gt_answer) == ["2", "3"]
+
+
+def test_swift_jsonl(tmp_path):
+    messages = [{"role": "system", "content": "Think first."}, *user("1+1?"),
+                {"role": "assistant", "content": "1+1=2, so \\boxed{2}"}]
+    path = write_jsonl(tmp_path / "s.jsonl", [{"messages": messages, "solution": "2",
+                                               "teacher_prompt": "The answer is 2. 1+1?"}])
+    (row,) = load_rows(path)
+    # The final assistant message is the reference, not part of the prompt.
+    assert row.messages == messages[:2] and row.gt_answer == "2"
+    assert row.extra == {"reference_solution": "1+1=2, so \\boxed{2}"}
+    assert row.teacher_prompt == "The answer is 2. 1+1?"
+    meta = row.as_metadata()
+    assert {k: meta[k] for k in ("gt_answer", "teacher_prompt", "reference_solution")} == {
+        "gt_answer": "2", "teacher_prompt": "The answer is 2. 1+1?", "reference_solution": "1+1=2, so \\boxed{2}"}
+
+
+def test_explicit_format_keeps_other_columns_as_extra(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"messages": user("q"), "gt_answer": "1", "solution": "long"}])
+    (row,) = load_rows(path, format="colossalchat")
+    assert row.gt_answer == "1" and row.extra == {"solution": "long"}
+
+
+def test_several_files_glob_directory_and_json(tmp_path):
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "b.jsonl", numbered(2, "swift"))
+    write_parquet(tmp_path / "d" / "a.parquet", numbered(3, "verl"))
+    (tmp_path / "d" / "c.json").write_text(json.dumps(numbered(1)))  # a JSON array
+    (tmp_path / "one.json").write_text(json.dumps(numbered(1)[0], indent=2))  # one pretty-printed row
+    by_glob = load_rows(str(tmp_path / "d" / "*"))
+    assert [r.gt_answer for r in by_glob] == ["0", "1", "2", "0", "1", "0"]  # sorted: a, b, c
+    assert [r.gt_answer for r in load_rows(tmp_path / "d")] == ["0", "1", "2", "0", "1", "0"]
+    several = load_rows([str(tmp_path / "one.json"), str(tmp_path / "d" / "b.jsonl")])
+    assert [r.origin.rsplit("/", 1)[1] for r in several] == ["one.json:1", "b.jsonl:1", "b.jsonl:2"]
+    assert [r.gt_answer for r in load_eval_dataset(str(tmp_path / "d" / "*.parquet"))] == ["0", "1", "2"]
+
+
+def test_preprocessor(tmp_path):
+    @register_preprocessor("test_qa")
+    def qa(raw):
+        return {"messages": user(raw["q"]), "gt_answer": raw["a"]}
+
+    try:
+        path = write_jsonl(tmp_path / "qa.jsonl", [{"q": "2*3?", "a": "6"}, {"q": "oops"}])
+        with pytest.raises(DatasetError, match=rf"^{path}:2: preprocessor 'test_qa' failed: KeyError: 'a'$"):
+            load_rows(path, preprocessor="test_qa")
+        write_jsonl(tmp_path / "qa.jsonl", [{"q": "2*3?", "a": "6"}])
+        (row,) = load_rows(path, preprocessor="test_qa")
+        assert row.messages == user("2*3?") and row.gt_answer == "6"
+    finally:
+        DATASET_PREPROCESSORS.pop("test_qa")
+
+
+# ---------------------------------------------------------------- rendering ----
+
+def test_system_prompt_rule(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "r.jsonl", [
+        {"messages": user("Q1"), "gt_answer": "1"},
+        {"messages": [{"role": "system", "content": "Own."}, *user("Q2")], "gt_answer": "2"}])
+    plain, own = load_rows(path)
+    assert tokenizer.decode(render(plain, tokenizer)) == chat_text(("user", "Q1"))
+    assert tokenizer.decode(render(plain, tokenizer, "Box it.")) == chat_text(("system", "Box it."), ("user", "Q1"))
+    # The row's own system message wins over the configured one.
+    assert tokenizer.decode(render(own, tokenizer, "Box it.")) == chat_text(("system", "Own."), ("user", "Q2"))
+
+
+def test_truncation(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"messages": user("x" * 40)}])
+    (row,) = load_rows(path)
+    full = render(row, tokenizer)
+    assert render(row, tokenizer, max_prompt_length=len(full)) == full
+    assert render(row, tokenizer, max_prompt_length=10, truncation="left") == full[-10:]
+    assert render(row, tokenizer, max_prompt_length=10, truncation="right") == full[:10]
+    with pytest.raises(DatasetError, match=rf"^{path}:1: prompt is {len(full)} tokens, over --max-prompt-length 10"):
+        render(row, tokenizer, max_prompt_length=10)
+    with pytest.raises(DatasetError, match=rf"^{path}:1: prompt is {len(full)} tokens"):  # found at start
+        PromptDataset([row], tokenizer, prompts_per_step=1, max_prompt_length=10)
+    with pytest.raises(DatasetError, match="truncation must be one of error, left, right, got 'middle'"):
+        PromptDataset([row], tokenizer, prompts_per_step=1, truncation="middle")
+
+
+# ----------------------------------------------------------------- ordering ----
+
+def dataset(tmp_path, tokenizer, n=12, per_step=4, seed=0):
+    rows = load_rows(write_jsonl(tmp_path / f"n{n}.jsonl", numbered(n)))
+    return PromptDataset(rows, tokenizer, prompts_per_step=per_step, seed=seed, max_prompt_length=64)
+
+
+def answers(prompts):
+    return [p.metadata["gt_answer"] for p in prompts]
+
+
+def test_batches_are_prompts(tmp_path, tokenizer):
+    ds = dataset(tmp_path, tokenizer)
+    prompts = ds.batch(0)
+    assert [p.index for p in prompts] == [0, 1, 2, 3]
+    for prompt in prompts:
+        row = ds.rows[int(prompt.metadata["gt_answer"])]
+        assert prompt.ids == render(row, tokenizer) and prompt.metadata == row.as_metadata()
+        assert {"messages", "gt_answer", "test_cases", "data_source", "id", "teacher_prompt"} <= set(prompt.metadata)
+
+
+def test_order_is_deterministic_and_covers_epochs(tmp_path, tokenizer):
+    epochs = [[a for step in range(3 * e, 3 * e + 3) for a in answers(dataset(tmp_path, tokenizer).batch(step))]
+              for e in range(2)]
+    for epoch in epochs:  # every row once per epoch
+        assert sorted(epoch, key=int) == [str(i) for i in range(12)]
+    assert epochs[0] != epochs[1]  # reshuffled
+    assert epochs[0] != [str(i) for i in range(12)]  # shuffled at all
+    same = dataset(tmp_path, tokenizer)
+    assert [answers(same.batch(s)) for s in range(3)] == [epochs[0][i:i + 4] for i in (0, 4, 8)]
+    other_seed = dataset(tmp_path, tokenizer, seed=1)
+    assert [a for s in range(3) for a in answers(other_seed.batch(s))] != epochs[0]
+
+
+def test_batches_straddle_epochs(tmp_path, tokenizer):
+    ds = dataset(tmp_path, tokenizer, n=10, per_step=4)
+    stream = [a for s in range(5) for a in answers(ds.batch(s))]
+    assert sorted(stream[:10], key=int) == sorted(stream[10:], key=int) == [str(i) for i in range(10)]
+
+
+def test_dapo_attempts_take_fresh_prompts(tmp_path, tokenizer):
+    ds, plain = dataset(tmp_path, tokenizer), dataset(tmp_path, tokenizer)
+    stream = [a for s in range(6) for a in answers(plain.batch(s))]
+    assert answers(ds.batch(0)) == stream[0:4]
+    assert answers(ds.batch(0, attempt=1)) == stream[4:8]
+    assert answers(ds.batch(0)) == stream[0:4]  # idempotent
+    assert ds.position(1) == 8 and answers(ds.batch(1)) == stream[8:12]
+    assert answers(ds.batch(1, 1)) == stream[12:16] and answers(ds.batch(1, 2)) == stream[16:20]
+    assert answers(ds.batch(2)) == stream[20:24]
+    with pytest.raises(DatasetError, match="step 1 is before step 2"):
+        ds.batch(1)
+    # Without extra attempts a batch is a pure function of the step.
+    assert answers(dataset(tmp_path, tokenizer).batch(5)) == stream[20:24]
+
+
+def test_resume_from_state(tmp_path, tokenizer):
+    ds = dataset(tmp_path, tokenizer)
+    for step, attempts in enumerate([1, 3, 2, 1]):
+        for attempt in range(attempts):
+            ds.batch(step, attempt)
+    state = json.loads(json.dumps(ds.state_dict()))  # checkpoints may store it as JSON
+    assert state["consumed"] == (1 + 3 + 2 + 1) * 4
+    resumed = dataset(tmp_path, tokenizer)
+    resumed.load_state_dict(state)
+    assert answers(resumed.batch(4)) == answers(ds.batch(4))
+    assert answers(resumed.batch(4, 1)) == answers(ds.batch(4, 1))
+    with pytest.raises(DatasetError, match="data checkpoint: prompts_per_step was 4, now 3"):
+        dataset(tmp_path, tokenizer, per_step=3).load_state_dict(state)
+
+
+def test_shard():
+    items = list(range(7))
+    assert [shard(items, r, 3) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
+    with pytest.raises(ValueError):
+        shard(items, 3, 3)
+
+
+# --------------------------------------------------------------- bad input ----
+
+BAD_ROWS = [  # (second line of a JSONL file, expected message after "file:2: ")
+    ('{"messages": [{"role": "user", "content": "q"}], "gt_answer": ["1"]}',
+     "field 'gt_answer' must be a string, got list"),
+    ('{"messages": [{"role": "user", "content": "q"}', "not valid JSON"),
+    ('["messages"]', "expected a JSON object, got list"),
+    ('{"gt_answer": "1"}', "cannot tell the layout: no 'messages' or 'prompt' field (fields: gt_answer)"),
+    ('{"messages": "hi"}', "field 'messages' must be a non-empty list of messages, got string"),
+    ('{"messages": []}', "field 'messages' must be a non-empty list of messages, got list"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+     "field 'messages[0].content' must be a string, got list"),
+    ('{"messages": [{"role": "system", "content": "s"}]}', "field 'messages' has no user message"),
+    ('{"messages": [{"role": "user", "content": "q"}], "solution": {"a": 1}}',
+     "field 'solution' must be a string, got object"),
+    ('{"prompt": [{"role": "user", "content": "q"}], "reward_model": "5"}',
+     "field 'reward_model' must be an object, got string"),
+    ('{"prompt": [{"role": "user", "content": "q"}], "messages": []}',
+     "field 'messages' does not belong in a verl row"),
+    ('{"messages": [{"role": "user", "content": "q"}], "test_cases": {"inputs": [1], "outputs": []}}',
+     "field 'test_cases' has 1 inputs but 0 outputs"),
+    ('{"messages": [{"role": "user", "content": "q"}], "test_cases": {"inputs": "1"}}',
+     "field 'test_cases.inputs' must be a list, got string"),
+    ('{"messages": [{"role": "user", "content": "q"}], "data_source": 3}',
+     "field 'data_source' must be a string, got integer"),
+    ('{"messages": [{"role": "user", "content": "q"}], "id": true}', "field 'id' must be a string, got boolean"),
+]
+
+
+@pytest.mark.parametrize("line, message", BAD_ROWS, ids=[m.split(" (")[0] for _, m in BAD_ROWS])
+def test_bad_rows_name_file_line_and_field(tmp_path, line, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "fine"}]}\n' + line + "\n")
+    with pytest.raises(DatasetError) as error:
+        load_rows(str(path))
+    assert str(error.value).startswith(f"{path}:2: {message}") and "\n" not in str(error.value)
+    assert isinstance(error.value, ConfigError)  # train.py reports these as one line
+
+
+def test_missing_field_with_explicit_format(tmp_path):
+    path = write_jsonl(tmp_path / "v.jsonl", [{"messages": user("q")}])
+    with pytest.raises(DatasetError, match=rf"^{path}:1: field 'prompt' is missing$"):
+        load_rows(path, format="verl")
+
+
+def test_bad_parquet_row_names_row(tmp_path):
+    path = write_parquet(tmp_path / "bad.parquet", [{"prompt": user("q"), "reward_model": {"ground_truth": "1"}},
+                                                    {"prompt": None, "reward_model": {"ground_truth": "2"}}])
+    with pytest.raises(DatasetError, match=rf"^{path}:2: cannot tell the layout"):
+        load_rows(path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty", "{path}: empty file (no rows)"),
+    ("blank", "{path}: empty file (no rows)"),
+    ("no_match", "{path}: no files match"),
+    ("missing", "{path}: no such file"),
+    ("csv", "{path}: unknown file type (expected .jsonl, .json, .parquet)"),
+    ("not_parquet", "{path}: not a readable Parquet file"),
+])
+def test_bad_files(tmp_path, case, message):
+    path = {"empty": tmp_path / "e.jsonl", "blank": tmp_path / "b.jsonl", "no_match": tmp_path / "*.parquet",
+            "missing": tmp_path / "nope.jsonl", "csv": tmp_path / "d.csv", "not_parquet": tmp_path / "x.parquet"}[case]
+    contents = {"empty": "", "blank": "\n\n", "csv": "a,b\n", "not_parquet": "not parquet"}
+    if case in contents:
+        path.write_text(contents[case])
+    with pytest.raises(DatasetError) as error:
+        load_rows(str(path))
+    assert str(error.value).startswith(message.format(path=path)) and "\n" not in str(error.value)
+
+
+def test_bad_options(tmp_path):
+    path = write_jsonl(tmp_path / "ok.jsonl", numbered(1))
+    with pytest.raises(DatasetError, match="unknown dataset format 'alpaca'; known: auto, colossalchat, verl, swift"):
+        load_rows(path, format="alpaca")
+    with pytest.raises(DatasetError, match="unknown dataset preprocessor 'nope'"):
+        load_rows(path, preprocessor="nope")

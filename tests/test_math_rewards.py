@@ -1,0 +1,187 @@
+"""The math rewards (`boxed`, `think_answer_tags`) on a table of realistic answers.
+
+Each row pins a score and a reason; rows marked "quirk" record math-verify's
+behaviour as it is (see megarl/rewards/math.py), not what one might wish.
+"""
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from megarl.rewards import get_reward
+from megarl.rewards import math as math_rewards
+
+boxed = get_reward("boxed").fn
+tags = get_reward("think_answer_tags").fn
+
+# (response, gt_answer, score, reason)
+BOXED_TABLE = [
+    # fractions, decimals, \dfrac
+    (r"So the probability is \boxed{\frac{1}{2}}.", "0.5", 1.0, "correct"),
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0, "correct"),
+    (r"\boxed{1/2}", r"\frac12", 1.0, "correct"),
+    (r"\boxed{\dfrac{3}{4}}", "0.75", 1.0, "correct"),
+    (r"\boxed{0.75}", r"\dfrac{3}{4}", 1.0, "correct"),
+    (r"\boxed{\frac{2}{3}}", "0.75", 0.0, "wrong answer"),
+    # units
+    (r"The side is \boxed{5\text{ cm}}", "5", 1.0, "correct"),
+    (r"\boxed{5}", r"5\text{ cm}", 1.0, "correct"),
+    (r"\boxed{12\mbox{ apples}}", "12", 1.0, "correct"),
+    (r"\boxed{90^\circ}", "90", 1.0, "correct"),
+    (r"\boxed{\text{5 cm}}", "5", 0.0, "wrong answer"),  # quirk: one \text{} is one symbol
+    # nested braces in the box
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{1}{2}\sqrt{3}", 1.0, "correct"),
+    (r"\boxed{\frac{a}{b}}", r"\frac{a}{b}", 1.0, "correct"),
+    (r"\boxed{x^{2}+2x+1}", "(x+1)^2", 1.0, "correct"),
+    # several boxes: the last one counts
+    (r"First \boxed{3}, wait, no: \boxed{4}", "4", 1.0, "correct"),
+    (r"First \boxed{4}, wait, no: \boxed{3}", "4", 0.0, "wrong answer"),
+    # no usable box
+    ("The answer is 5.", "5", 0.0, "no box"),
+    (r"The answer is \boxed 5", "5", 0.0, "no box"),  # braces required (documented)
+    (r"\boxed{5} and then \boxed{\frac{1}{2", "5", 0.0, "unclosed box"),  # truncated
+    (r"\boxed{}", "5", 0.0, "unparsable"),
+    (r"\boxed{2.}", "2", 0.0, "unparsable"),  # quirk
+    # words
+    (r"\boxed{five}", "5", 0.0, "wrong answer"),
+    (r"\boxed{\text{five}}", "5", 0.0, "wrong answer"),
+    (r"\boxed{five}", "five", 1.0, "correct"),
+    (r"\boxed{Yes}", "yes", 1.0, "correct"),
+    (r"\boxed{silent}", "listen", 1.0, "correct"),  # quirk: letters are multiplied, so anagrams match
+    # multiple choice
+    (r"\boxed{B}", "B", 1.0, "correct"),
+    (r"\boxed{\text{(B)}}", "B", 1.0, "correct"),
+    (r"\boxed{C}", "B", 0.0, "wrong answer"),
+    # negative numbers
+    (r"\boxed{-3}", "-3", 1.0, "correct"),
+    (r"\boxed{3}", "-3", 0.0, "wrong answer"),
+    (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0, "correct"),
+    # integers vs floats, thousands separators, scientific notation
+    (r"\boxed{5}", "5.0", 1.0, "correct"),
+    (r"\boxed{5.00}", "5", 1.0, "correct"),
+    (r"\boxed{1,000}", "1000", 1.0, "correct"),
+    (r"\boxed{1e6}", "1000000", 0.0, "wrong answer"),  # quirk: e is Euler's number
+    (r"\boxed{0.333}", r"\frac{1}{3}", 0.0, "wrong answer"),  # floats compared at 6 decimals
+    (r"\boxed{0.3333333}", r"\frac{1}{3}", 1.0, "correct"),
+    # percentages
+    (r"\boxed{50\%}", "50", 1.0, "correct"),
+    (r"\boxed{0.5}", r"50\%", 1.0, "correct"),
+    (r"\boxed{25}", "0.25", 0.0, "wrong answer"),  # a percentage without % is not a fraction
+    # sets, intervals, equations, expressions
+    (r"\boxed{\{2,1\}}", r"\{1,2\}", 1.0, "correct"),
+    (r"\boxed{[1,2)}", "[1,2)", 1.0, "correct"),
+    (r"\boxed{(1,2)}", "[1,2)", 0.0, "wrong answer"),
+    (r"\boxed{x=3}", "3", 1.0, "correct"),
+    (r"\boxed{2+2}", "4", 1.0, "correct"),
+    (r"\boxed{\pi}", "3.14", 0.0, "wrong answer"),
+    # the ground truth as plain text, LaTeX, $...$ or already boxed
+    (r"\boxed{\frac{1}{2}}", "1/2", 1.0, "correct"),
+    (r"\boxed{\frac{1}{2}}", r"$\frac{1}{2}$", 1.0, "correct"),
+    (r"\boxed{7}", r"\boxed{7}", 1.0, "correct"),
+    (r"\boxed{7}", 7, 1.0, "correct"),  # a non-string column
+    (r"\boxed{7}", "", 0.0, "bad gt_answer"),
+    (r"\boxed{7}", None, 0.0, "bad gt_answer"),
+]
+
+# (response, gt_answer, score, reason); a well-formed wrong answer earns the 0.1 format score.
+TAGS_TABLE = [
+    ("<think>1 + 1 is 2</think><answer>2</answer>", "2", 1.0, "correct"),
+    ("\n<think>\nhalf of one\n</think>\n\n<answer> 0.5 </answer>\n", r"\frac{1}{2}", 1.0, "correct"),
+    (r"<think>...</think><answer>\boxed{\frac{1}{2}}</answer>", "0.5", 1.0, "correct"),
+    (r"<think>...</think><answer>\boxed{1} or rather \boxed{2}</answer>", "2", 1.0, "correct"),
+    (r"<think>...</think><answer>5\text{ cm}</answer>", "5", 1.0, "correct"),
+    ("<think>...</think><answer>The answer is 5</answer>", "5", 0.1, "wrong answer"),  # prose: letter symbols
+    ("<think>...</think><answer>3</answer>", "2", 0.1, "wrong answer"),
+    ("<think>...</think><answer></answer>", "2", 0.1, "unparsable"),
+    ("<think>...</think><answer>2</answer>", "", 0.1, "bad gt_answer"),
+    # no answer block at all
+    ("The answer is 2.", "2", 0.0, "no answer tags"),
+    ("<think>it is 2</think>", "2", 0.0, "no answer tags"),
+    ("<think>...</think><answer>2", "2", 0.0, "no answer tags"),  # truncated
+    # answer present but the format is broken: a right answer still scores 0
+    ("<answer>2</answer>", "2", 0.0, "bad format"),
+    ("<think>...</think><answer>1</answer><answer>2</answer>", "2", 0.0, "bad format"),
+    ("<think>a</think><think>b</think><answer>2</answer>", "2", 0.0, "bad format"),
+    ("<answer>2</answer><think>...</think>", "2", 0.0, "bad format"),
+    ("<think>...</think> so <answer>2</answer>", "2", 0.0, "bad format"),
+    ("<think>...</think><answer>2</answer> Hope this helps!", "2", 0.0, "bad format"),
+    ("Sure! <think>...</think><answer>2</answer>", "2", 0.0, "bad format"),
+    ("<think>...<answer>2</answer></think><answer>2</answer>", "2", 0.0, "bad format"),
+]
+
+
+def _ids(table):
+    return [f"{i}:{response[:40]}|{gt}" for i, (response, gt, _, _) in enumerate(table)]
+
+
+@pytest.mark.parametrize("response,gt,score,reason", BOXED_TABLE, ids=_ids(BOXED_TABLE))
+def test_boxed(response, gt, score, reason):
+    assert boxed(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
+
+
+@pytest.mark.parametrize("response,gt,score,reason", TAGS_TABLE, ids=_ids(TAGS_TABLE))
+def test_think_answer_tags(response, gt, score, reason):
+    assert tags(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
+
+
+def test_registered_with_system_prompts():
+    prompt = get_reward("boxed").system_prompt
+    assert prompt == "Please reason step by step, and put your final answer within \\boxed{}."
+    prompt = get_reward("think_answer_tags").system_prompt
+    assert "<think>" in prompt and "<answer>" in prompt
+
+
+def test_factories_set_the_score_convention():
+    reward = math_rewards.make_boxed_reward(correct_score=2.0, format_score=0.25)
+    assert reward(r"\boxed{4}", {"gt_answer": "4"}).score == 2.0
+    assert reward(r"\boxed{3}", {"gt_answer": "4"}).score == 0.25
+    assert reward("4", {"gt_answer": "4"}).score == 0.0
+    reward = math_rewards.make_think_answer_reward(format_score=0.0)
+    assert reward("<think></think><answer>3</answer>", {"gt_answer": "4"}).score == 0.0
+
+
+def test_worker_threads_score_like_the_main_thread():
+    """From a ThreadPoolExecutor (no SIGALRM there) the verdicts come from helper processes: same table."""
+    rows = BOXED_TABLE[::4] + TAGS_TABLE[::4]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda r: (boxed if r in BOXED_TABLE else tags)(r[0], {"gt_answer": r[1]}), rows))
+    assert [(out.score, out.reason) for out in results] == [(score, reason) for _, _, score, reason in rows]
+
+
+HANG = r"\boxed{9^{9^{9^{9}}}}"  # sympy would compare this to 5 for ever
+
+
+def test_timeout_in_main_thread_restores_outer_timer(monkeypatch):
+    monkeypatch.setattr(math_rewards, "MATH_VERIFY_TIMEOUT_S", 0.5)
+    handler = signal.getsignal(signal.SIGALRM)
+    signal.setitimer(signal.ITIMER_REAL, 30)  # an outer timer (a test harness, the code reward, ...)
+    try:
+        start = time.monotonic()
+        assert boxed(HANG, {"gt_answer": "5"}) == math_rewards.RewardOutput(0.0, "timeout")
+        assert time.monotonic() - start < 3
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 20 < remaining < 30
+        assert signal.getsignal(signal.SIGALRM) is handler
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def test_timeout_in_worker_thread(monkeypatch):
+    monkeypatch.setattr(math_rewards, "MATH_VERIFY_TIMEOUT_S", 0.5)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        start = time.monotonic()
+        out = pool.submit(boxed, HANG, {"gt_answer": "5"}).result(timeout=30)
+    assert out == math_rewards.RewardOutput(0.0, "timeout")
+    assert time.monotonic() - start < 10  # includes starting a helper when none is idle
+
+
+def test_overrunning_helper_is_killed_and_replaced():
+    """A helper that overruns its wait (C code deaf to its own alarm) is killed; the next call gets a new one."""
+    assert threading.current_thread() is threading.main_thread()
+    verdict = math_rewards._judge_in_helper(HANG[7:-1], "5", seconds=60, wait=1.0)
+    assert verdict == "timeout"
+    assert all(helper.alive for helper in math_rewards._ALL_HELPERS)
+    assert math_rewards._judge_in_helper("4", "4", seconds=5) == "correct"

@@ -1,0 +1,149 @@
+"""The reward-model reward against an independent transformers forward, on the tiny RM the tool builds."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    Qwen2ForSequenceClassification,
+)
+
+from megarl.rewards import RewardOutput
+from megarl.rewards.combine import combined_reward_spec
+from megarl.rewards.reward_model import RewardModelReward, make_reward_model_reward
+
+TOOL = ROOT / "tools" / "make_tiny_reward_model.py"
+MESSAGES = [{"role": "system", "content": "Answer in \\boxed{}."}, {"role": "user", "content": "What is 3 + 4?"}]
+RESPONSES = ["\\boxed{7}", "", "Let me think. 3 + 4 = 7, so the answer is \\boxed{7}.", "\\boxed{8}", "7" * 40]
+ROWS = [{"messages": MESSAGES, "gt_answer": "7"}] * len(RESPONSES)
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("make_tiny_reward_model", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return _load_tool()
+
+
+@pytest.fixture(scope="module")
+def rm_path(tool, tmp_path_factory) -> str:
+    return str(tool.build(tmp_path_factory.mktemp("tiny_rm"), seed=0))
+
+
+def _direct_score(path: str, response: str) -> float:
+    """The RM's head on the last token of the chat-rendered conversation, one unpadded sequence."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    text = tokenizer.apply_chat_template(MESSAGES + [{"role": "assistant", "content": response}], tokenize=False)
+    assert text.endswith(response + "<|im_end|>\n")
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[0, -1]
+        return model.score(hidden).item()
+
+
+def test_score_matches_direct_forward(rm_path):
+    reward = RewardModelReward(rm_path)
+    for response in RESPONSES[:3]:
+        out = reward(response, ROWS[0])
+        assert out.reason == ""
+        assert out.score == pytest.approx(_direct_score(rm_path, response), abs=1e-5)
+
+
+def test_scores_depend_on_the_response(rm_path):
+    scores = RewardModelReward(rm_path).score_batch(RESPONSES, ROWS)
+    assert len({round(s, 4) for s in scores}) == len(scores)
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_batched_equals_single_on_either_padding_side(rm_path, padding_side):
+    """Batches of 2 mix lengths, so every batch pads; each score must equal the unpadded one."""
+    reward = RewardModelReward(rm_path, batch_size=2, padding_side=padding_side)
+    single = [reward(response, row).score for response, row in zip(RESPONSES, ROWS, strict=True)]
+    assert reward.score_batch(RESPONSES, ROWS) == pytest.approx(single, abs=1e-5)
+    lengths = [len(reward.tokenizer(reward.render(r, ROWS[0]))["input_ids"]) for r in RESPONSES]
+    assert all(lengths[i] != lengths[i + 1] for i in range(0, len(lengths) - 1, 2))
+
+
+def test_sigmoid(rm_path):
+    raw = RewardModelReward(rm_path).score_batch(RESPONSES, ROWS)
+    squashed = RewardModelReward(rm_path, sigmoid=True).score_batch(RESPONSES, ROWS)
+    assert squashed == pytest.approx(torch.sigmoid(torch.tensor(raw)).tolist(), abs=1e-6)
+
+
+def test_tokenizer_without_pad_token_pads_with_eos(rm_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(rm_path)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path)
+    model.config.pad_token_id = None
+    model.save_pretrained(tmp_path)
+    reward = RewardModelReward(str(tmp_path), batch_size=3)
+    assert reward.tokenizer.pad_token == tokenizer.eos_token
+    expected = RewardModelReward(rm_path).score_batch(RESPONSES, ROWS)
+    assert reward.score_batch(RESPONSES, ROWS) == pytest.approx(expected, abs=1e-5)
+
+
+def test_rejects_a_classifier_with_several_labels(rm_path, tmp_path):
+    config = AutoConfig.from_pretrained(rm_path)
+    config.num_labels = 2
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(rm_path).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="num_labels=1"):
+        RewardModelReward(str(tmp_path))
+
+
+def test_spec_and_combination(rm_path):
+    rm = make_reward_model_reward(rm_path)
+    assert (rm.name, rm.system_prompt) == ("rm", None)
+    spec = combined_reward_spec("boxed:1.0,rm:0.5", extra={"rm": rm})
+    rm_score = rm.fn(RESPONSES[0], ROWS[0]).score
+    out = spec.fn(RESPONSES[0], ROWS[0])
+    assert out.score == pytest.approx(1.0 + 0.5 * rm_score)
+    assert out.reason == f"boxed=correct, rm={rm_score:.3g}"
+    assert isinstance(out, RewardOutput)
+
+
+def test_builder_is_deterministic_in_seed(tool, tmp_path):
+    from safetensors.torch import load_file
+
+    a, b, c = (load_file(tool.build(tmp_path / name, seed) / "model.safetensors")
+               for name, seed in (("a", 3), ("b", 3), ("c", 4)))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["score.weight"], c["score.weight"])
+
+
+def test_cli_builds_a_loadable_reward_model(tmp_path):
+    out = tmp_path / "rm"
+    subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--seed", "1"], check=True, cwd=ROOT,
+                   capture_output=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and len(config["id2label"]) == 1
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.pad_token is not None and tokenizer.chat_template
+
+
+def test_reward_flag_with_a_reward_model_scores_a_batch(rm_path):
+    """--reward boxed:1.0,rm:0.5 --reward-model PATH: the batch path equals per-sample scoring."""
+    from megarl.rewards import build_reward, score_all
+
+    spec = build_reward("boxed:1.0,rm:0.5", rm_path)
+    rows = [ROWS[0]] * len(RESPONSES)
+    batch = score_all(spec, RESPONSES, rows)
+    single = [spec.fn(response, row) for response, row in zip(RESPONSES, rows)]
+    assert [o.score for o in batch] == pytest.approx([o.score for o in single], abs=1e-5)
+    assert all(o.reason.startswith("boxed=") and ", rm=" in o.reason for o in batch)
+    with pytest.raises(ValueError, match="no --reward-model"):
+        build_reward("boxed:1.0,rm:0.5")

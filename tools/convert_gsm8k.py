@@ -1,0 +1,61 @@
+"""Convert GSM8K's published JSONL into a megarl training file.
+
+    python tools/convert_gsm8k.py --input train.jsonl --output gsm8k.jsonl [--format colossalchat|verl|swift]
+
+GSM8K rows are {"question": ..., "answer": "<worked solution>\\n#### 1,234"}.
+The question becomes the user message (no instruction is added: the answer
+format belongs to the system prompt, --system-prompt or the reward's default),
+the number after the last "####" with its thousands commas removed becomes the
+ground truth, and the worked solution is kept as the `reference_solution`
+column. The output loads with `megarl.datasets.load_rows`.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megarl.datasets import DatasetError, Row, read_file, to_layout, write_jsonl  # noqa: E402
+
+# verl's reward routing recognises this name (verl/utils/reward_score).
+DATA_SOURCE = "openai/gsm8k"
+
+
+def final_answer(answer: str, where: str) -> str:
+    """The number after the last '####', commas stripped: '#### 1,234' -> '1234'."""
+    if not isinstance(answer, str) or "####" not in answer:
+        raise DatasetError(f"{where}: field 'answer' has no '#### <number>' line")
+    number = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    if not number:
+        raise DatasetError(f"{where}: field 'answer' has nothing after '####'")
+    return number
+
+
+def convert_row(raw: dict, where: str, index: int, data_source: str) -> Row:
+    question = raw.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise DatasetError(f"{where}: field 'question' must be a non-empty string")
+    answer = raw.get("answer")
+    return Row(id=f"gsm8k-{index}", messages=[{"role": "user", "content": question}],
+               gt_answer=final_answer(answer, where), data_source=data_source,
+               extra={"reference_solution": answer.rsplit("####", 1)[0].strip()}, origin=where)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--input", required=True, help="GSM8K JSONL (question, answer)")
+    ap.add_argument("--output", required=True, help="JSONL to write")
+    ap.add_argument("--format", default="colossalchat", choices=["colossalchat", "verl", "swift"])
+    ap.add_argument("--data-source", default=DATA_SOURCE, help="value of the data_source column")
+    args = ap.parse_args(argv)
+    try:
+        rows = [convert_row(raw, f"{args.input}:{n}", i, args.data_source)
+                for i, (n, raw) in enumerate(read_file(args.input))]
+    except DatasetError as e:
+        sys.exit(f"convert_gsm8k: {e}")
+    count = write_jsonl(args.output, (to_layout(row, args.format) for row in rows))
+    print(f"{args.output}: {count} rows ({args.format})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
