@@ -10,10 +10,10 @@ LAUNCH_RANK = int(os.environ["RANK"])  # read now: a rollout engine rewrites RAN
 original_generate = rollout.RolloutEngine.generate
 
 
-def failing_generate(self, prompts, prompt_indices, step, greedy=False):
+def failing_generate(self, prompts, prompt_indices, step, **options):
     if LAUNCH_RANK == FAIL_RANK and step == 1:
         raise RuntimeError("injected generation failure")
-    return original_generate(self, prompts, prompt_indices, step, greedy)
+    return original_generate(self, prompts, prompt_indices, step, **options)
 
 
 rollout.RolloutEngine.generate = failing_generate

@@ -31,7 +31,10 @@ def measure(rl, step):
     if rl.trainer is None:
         return None
     rl.trainer.compute_logprobs(micro_batches)
-    return _mismatch([micro_batches])
+    width = max(len(s.response_ids) for s in samples)
+    old, rollout, mask = (torch.cat([b.response_aligned(getattr(b, name), width) for b in micro_batches])
+                          for name in ("old_logprobs", "rollout_logprobs", "loss_mask"))
+    return _mismatch(old, rollout, mask)
 
 
 def main():
