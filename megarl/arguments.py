@@ -238,8 +238,18 @@ def _add_optimizer_args(parser):
 
 def _add_checkpoint_args(parser):
     g = parser.add_argument_group("checkpoint")
+    g.add_argument("--save-dir", default=None,
+                   help="Megatron distributed checkpoints go here (step_N; see megarl/checkpoint.py)")
+    g.add_argument("--save-interval", type=int, default=0,
+                   help="save every this many steps (0: only after the last step and on SIGTERM/SIGUSR1)")
+    g.add_argument("--save-keep", type=int, default=3, help="keep the newest this many checkpoints (0: all)")
+    g.add_argument("--resume", default="none",
+                   help="'auto': continue from the newest complete checkpoint in --save-dir (fresh if none); "
+                        "a checkpoint directory; or 'none'")
     g.add_argument("--save-hf-dir", default=None,
                    help="write the final policy here as an HF checkpoint (safetensors, config, tokenizer)")
+    g.add_argument("--save-hf-interval", type=int, default=0,
+                   help="also write the policy to --save-hf-dir/step_N every this many steps")
 
 
 def _add_logging_args(parser):
@@ -524,6 +534,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_batch_geometry(args, data_parallel=args.train_gpus // model_parallel)
     _validate_kl_and_critic(args)
     _validate_data_and_eval(args)
+    _validate_checkpointing(args)
     if args.dual_clip_c is not None and args.dual_clip_c <= 1.0:
         raise ConfigError(f"--dual-clip-c must be > 1, got {args.dual_clip_c}")
     if args.dynamic_sampling is not None:
@@ -636,3 +647,17 @@ def _validate_data_and_eval(args) -> None:
         if name != "rm" and name not in REWARDS:
             raise ConfigError(f"--reward {name!r} is not registered{_closest(name, REWARDS)}; "
                               f"known: {', '.join(sorted(REWARDS))}")
+
+
+def _validate_checkpointing(args) -> None:
+    for name in ("save_interval", "save_keep", "save_hf_interval"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.save_interval and not args.save_dir:
+        raise ConfigError("--save-interval needs --save-dir")
+    if args.resume == "auto" and not args.save_dir:
+        raise ConfigError("--resume auto looks in --save-dir; set --save-dir")
+    if args.resume not in ("auto", "none") and not os.path.isfile(os.path.join(args.resume, "state.json")):
+        raise ConfigError(f"--resume {args.resume}: not a complete megarl checkpoint (no state.json)")
+    if args.save_hf_interval and not args.save_hf_dir:
+        raise ConfigError("--save-hf-interval needs --save-hf-dir")

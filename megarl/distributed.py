@@ -3,6 +3,8 @@
 Launch: torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, and the
 agent's TCPStore), or plain `srun` (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and
 the first host of SLURM_JOB_NODELIST; rank 0 then serves the TCPStore itself).
+Either way, init_distributed leaves torchrun's variables set (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT): vLLM's external launcher and platform.device() read them.
 
 Placement (DESIGN.md, "Placements"): vLLM and Megatron both assume they own the
 whole default world, so
@@ -72,6 +74,19 @@ def launch_env(environ=os.environ) -> LaunchEnv:
         )
     # A plain `python megarl/train.py`: a world of one.
     return LaunchEnv(0, 1, 0, "127.0.0.1", int(environ.get("MASTER_PORT", "29500")), False)
+
+
+def export_launch_env(env: LaunchEnv, environ=os.environ) -> None:
+    """Set the variables torchrun sets, where the launcher did not (plain `srun`, plain python).
+
+    vLLM's external launcher reads LOCAL_RANK (and RANK) from the environment
+    (`int(os.environ["LOCAL_RANK"])`: a KeyError under plain srun), and
+    `platform.device()` picks `cuda:$LOCAL_RANK` (else every rank of a node would
+    use GPU 0). Values a launcher already set are kept.
+    """
+    for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+                       ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port)):
+        environ.setdefault(key, str(value))
 
 
 @dataclass(frozen=True)
@@ -157,6 +172,7 @@ def _connect_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
 def init_distributed(args, env: LaunchEnv | None = None) -> DistContext:
     """Create the default (per-role or shared) world and the cross-role group."""
     env = env or launch_env()
+    export_launch_env(env)
     layout = build_layout(args, env.world_size)
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     platform.set_device(env.local_rank)

@@ -83,7 +83,7 @@ class RLRun:
         """
         args = self.args
         if args.dynamic_sampling is None:
-            samples, metrics = self._rollout(self.prompts.batch(step, 0), step), {}
+            samples, metrics = self._rollout(self.prompts.batch(step, 0), step, seed_key=("train", 0)), {}
         else:
             samples, metrics = self._dynamic_sampling(step)
         metrics.update(_reward_errors(samples, f"step {step + 1}", self.context.env.rank == 0))
@@ -95,7 +95,7 @@ class RLRun:
         args = self.args
         kept, dropped, generated, all_rewards = [], [], 0, []
         for attempt in range(args.max_num_gen_batches):
-            samples = self._rollout(self.prompts.batch(step, attempt), step)
+            samples = self._rollout(self.prompts.batch(step, attempt), step, seed_key=("train", attempt))
             generated += 1
             all_rewards += [s.reward for s in samples]
             groups = [samples[i: i + args.num_generations] for i in range(0, len(samples), args.num_generations)]
@@ -112,7 +112,8 @@ class RLRun:
                          "dapo_groups_dropped": len(dropped), "dapo_groups_topped_up": topped_up,
                          "dapo_reward_all_mean": sum(all_rewards) / len(all_rewards)}
 
-    def _rollout(self, prompts, step: int, n: int | None = None, temperature: float | None = None) -> list[Sample]:
+    def _rollout(self, prompts, step: int, n: int | None = None, temperature: float | None = None,
+                 seed_key: tuple = ()) -> list[Sample]:
         """n samples for each prompt, scored, gathered to every rank in prompt order.
 
         Each engine takes a contiguous shard of the prompts; rewards are scored on the
@@ -123,7 +124,7 @@ class RLRun:
         if self.engine is not None:
             shard = _contiguous_shard(prompts, self.engine.engine_index, self.engine.num_engines)
             samples = self.engine.generate([p.ids for p in shard], [p.index for p in shard], step,
-                                           n=n, temperature=temperature)
+                                           n=n, temperature=temperature, seed_key=seed_key)
             by_index = {p.index: p for p in shard}
             for sample in samples:
                 sample.metadata = by_index[sample.prompt_index].metadata
@@ -157,7 +158,8 @@ class RLRun:
         k = 1 if args.eval_temperature == 0 else args.eval_samples
         metrics = {}
         for name, prompts in self.eval_sets.items():
-            samples = self._rollout(prompts, completed_steps, n=k, temperature=args.eval_temperature)
+            samples = self._rollout(prompts, completed_steps, n=k, temperature=args.eval_temperature,
+                                    seed_key=("eval", name))
             scores = torch.tensor([s.reward for s in samples]).view(len(prompts), k)
             correct = scores >= 1.0
             metrics[f"eval/{name}/pass@1"] = correct.float().mean().item()

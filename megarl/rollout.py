@@ -18,6 +18,7 @@ no sleep mode, so both are logged no-ops.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 
@@ -27,6 +28,11 @@ from dataclasses import dataclass, field
 from megarl import platform
 
 log = logging.getLogger("megarl.rollout")
+
+
+def stable_seed(*key) -> int:
+    """A 63-bit seed from `key`, the same in every process and Python version (unlike hash())."""
+    return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
 
 
 @dataclass
@@ -75,14 +81,18 @@ class RolloutEngine:
         self.sleeping = False
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
-                 greedy: bool = False, n: int | None = None, temperature: float | None = None) -> list[Sample]:
+                 greedy: bool = False, n: int | None = None, temperature: float | None = None,
+                 seed_key: tuple = ()) -> list[Sample]:
         """n samples per prompt (default --num-generations; 1 when greedy) at `temperature`
         (default --temperature; 0 is greedy).
 
-        Randomness comes from the engine's seed (`--seed` + engine index), the same
-        on every TP rank of an engine. No per-request seeds: on CPU, vLLM rewinds a
-        seeded request's generator after a chunked prefill, which CPU generators
-        cannot do ("CPU Generator does not use offset").
+        Randomness: before each call the process RNG (which vLLM's sampler draws from
+        when requests carry no seed) is reseeded from (--seed, engine index, step,
+        seed_key), the same on every TP rank of an engine. So a call's samples depend
+        only on its inputs and the weights, not on what the engine sampled before:
+        a resumed run samples exactly what the uninterrupted run did. No per-request
+        seeds: on CPU, vLLM rewinds a seeded request's generator after a chunked
+        prefill, which CPU generators cannot do ("CPU Generator does not use offset").
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -101,6 +111,7 @@ class RolloutEngine:
                 stop=args.stop or None,
                 logprobs=0,
             ))
+        torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     use_tqdm=False)
         samples = []

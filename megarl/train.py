@@ -22,29 +22,66 @@ from megarl.rollout import release_shared_memory  # noqa: E402
 
 
 def run(args) -> None:
+    from megarl import checkpoint, distributed
+    from megarl.preemption import Preemption
     from megarl.rl import RLRun
 
     context = init_distributed(args)
+    preemption = Preemption()
     rl = RLRun(args, context)
-    logger = MetricsLogger(args, is_main=context.env.rank == 0)
-    if rl.should_evaluate(0):
+    is_main = context.env.rank == 0
+    logger = MetricsLogger(args, is_main=is_main)
+    start = _resume(rl, args, context, is_main)
+    if start == 0 and rl.should_evaluate(0):
         logger.log_eval(0, rl.evaluate(0))
-    for step in range(args.train_steps):
-        start = time.perf_counter()
+    for step in range(start, args.train_steps):
+        start_time = time.perf_counter()
         samples, metrics = rl.generate(step)
         rl.sleep_rollout()
         generated = time.perf_counter()
         metrics.update(rl.train(samples, step))
         trained = time.perf_counter()
         metrics.update(rl.sync_weights())
-        metrics.update(rollout_seconds=generated - start, train_seconds=trained - generated,
-                       step_seconds=time.perf_counter() - start)
+        metrics.update(rollout_seconds=generated - start_time, train_seconds=trained - generated,
+                       step_seconds=time.perf_counter() - start_time)
         logger.log_step(step, samples, metrics)
-        if rl.should_evaluate(step + 1):
-            logger.log_eval(step + 1, rl.evaluate(step + 1))
+        completed = step + 1
+        if rl.should_evaluate(completed):
+            logger.log_eval(completed, rl.evaluate(completed))
+        stop = preemption.requested(context)
+        if args.save_dir and (stop or completed == args.train_steps
+                              or (args.save_interval and completed % args.save_interval == 0)):
+            path = checkpoint.save(rl, completed, args.save_dir, args.save_keep)
+            if is_main:
+                print(f"megarl: saved {path}", flush=True)
+        if args.save_hf_interval and completed % args.save_hf_interval == 0:
+            rl.save_hf(os.path.join(args.save_hf_dir, f"step_{completed}"))
+        if stop:
+            if is_main:
+                where = (f"checkpoint saved in {args.save_dir}; resume with --resume auto" if args.save_dir
+                         else "no --save-dir, so nothing was saved")
+                print(f"megarl: {stop} received: stopped after step {completed}; {where}", flush=True)
+            distributed.all_gather_objects(None, context)
+            return
     logger.finish()
     if args.save_hf_dir:
         rl.save_hf(args.save_hf_dir)
+
+
+def _resume(rl, args, context, is_main: bool) -> int:
+    """Load the checkpoint --resume names (rank 0 decides which, so every rank loads the same)
+    and give the rollout engines the loaded policy; the number of steps already done."""
+    from megarl import checkpoint, distributed
+
+    path = checkpoint.resolve_resume(args.resume, args.save_dir) if is_main else None
+    path = distributed.all_gather_objects(path, context)[0]
+    if path is None:
+        return 0
+    completed = checkpoint.load(rl, path)
+    rl.sync_weights()
+    if is_main:
+        print(f"megarl: resumed from {path} after step {completed}", flush=True)
+    return completed
 
 
 def main(argv=None) -> None:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, make_random_qwen2
+from helpers import ROOT, make_random_model
 
 TINY_MODEL = ROOT / "artifacts" / "tiny-qwen2"
 
@@ -18,11 +18,26 @@ def tiny_model() -> str:
     return str(TINY_MODEL)
 
 
-@pytest.fixture(scope="session")
-def random_qwen2_untied(tmp_path_factory) -> str:
-    return make_random_qwen2(tmp_path_factory.mktemp("qwen2_untied"), tied=False, seed=1)
+# Random tiny checkpoints, one session fixture each: name -> (family, tied, seed, Llama-3 RoPE).
+RANDOM_MODELS = {
+    "random_qwen2_untied": ("qwen2", False, 1, None),
+    "random_qwen2_tied": ("qwen2", True, 2, None),
+    "random_qwen3_untied": ("qwen3", False, 3, None),
+    "random_qwen3_tied": ("qwen3", True, 4, None),
+    "random_llama_untied": ("llama", False, 5, "custom"),
+    "random_llama_tied": ("llama", True, 6, "megatron"),
+}
 
 
-@pytest.fixture(scope="session")
-def random_qwen2_tied(tmp_path_factory) -> str:
-    return make_random_qwen2(tmp_path_factory.mktemp("qwen2_tied"), tied=True, seed=2)
+def _random_model_fixture(name: str):
+    family, tied, seed, llama3_rope = RANDOM_MODELS[name]
+
+    @pytest.fixture(scope="session", name=name)
+    def fixture(tmp_path_factory) -> str:
+        return make_random_model(tmp_path_factory.mktemp(name), family, tied, seed, llama3_rope=llama3_rope)
+
+    return fixture
+
+
+for _name in RANDOM_MODELS:
+    globals()[_name] = _random_model_fixture(_name)

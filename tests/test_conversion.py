@@ -1,35 +1,151 @@
-"""HF <-> Megatron for the Qwen2 family, on real torchrun ranks (gloo); also the trainer's
-vocab-parallel logprobs, entropy and full KL against a full-vocabulary softmax, and the
-critic's value head against HF hidden states."""
+"""HF <-> Megatron for every model family (Qwen2, Qwen3, Llama), on real torchrun ranks
+(gloo); also the trainer's vocab-parallel logprobs, entropy and full KL against a
+full-vocabulary softmax, and the critic's value head against HF hidden states.
+
+Matrix (one torchrun launch per family and layout; a family's checkpoints share the
+launch, because start-up dominates and the checks per checkpoint take a second):
+
+  family  checkpoints (tests/conftest.py)                       (TP, PP) layouts
+  qwen2   built-in tiny model, random untied, random tied        (1,1) (2,1) (1,2)
+  qwen3   random untied, random tied (q/k norms, head_dim 32)    (1,1) (2,1) (1,2)
+  llama   random untied (Llama-3 RoPE, our scaling path),        (1,1) (2,1)
+          random tied (Llama-3 RoPE, Megatron's own path)
+
+Logits, logprobs, entropy, KL and values are compared where PP == 1; the bit-exact
+HF round trip everywhere. PP=2 covers Qwen3, whose q/k norms are the only names the
+new families add; Llama's names are Qwen2's without the biases. Llama runs 1024
+tokens, so that Llama-3 scaling with an original context of 8192 visibly changes
+the logits (it only touches low frequencies). Eight launches in all.
+
+The config checks (which family, which features are refused) run in-process.
+"""
 
 import pytest
 
 from helpers import read_json, torchrun
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); logits are compared where PP == 1
+FAMILY_CHECKPOINTS = {
+    "qwen2": ["tiny_model", "random_qwen2_untied", "random_qwen2_tied"],
+    "qwen3": ["random_qwen3_untied", "random_qwen3_tied"],
+    "llama": ["random_llama_untied", "random_llama_tied"],
+}
+LAYOUTS = {"qwen2": [(1, 1), (2, 1), (1, 2)], "qwen3": [(1, 1), (2, 1), (1, 2)], "llama": [(1, 1), (2, 1)]}
+SEQ_LEN = {"qwen2": 17, "qwen3": 17, "llama": 1024}
+MATRIX = [(family, tp, pp) for family, layouts in LAYOUTS.items() for tp, pp in layouts]
 
 
-def _run(model_path, tp, pp, tmp_path):
-    out = tmp_path / f"report_tp{tp}_pp{pp}.json"
+@pytest.mark.parametrize("family,tp,pp", MATRIX, ids=[f"{f}-tp{tp}-pp{pp}" for f, tp, pp in MATRIX])
+def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
+    paths = [request.getfixturevalue(name) for name in FAMILY_CHECKPOINTS[family]]
+    out = tmp_path / "report.json"
     # Two ranks always: TP=1, PP=1 then runs as two data-parallel replicas.
-    torchrun("parity_worker.py", "--hf", model_path, "--out", out, "--tp", tp, "--pp", pp, nproc=2)
-    return read_json(out)
+    torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp,
+             "--seq-len", SEQ_LEN[family], nproc=2)
+    run = read_json(out)
+    assert run["tp"] == tp and run["pp"] == pp
+    assert [r["model"] for r in run["models"]] == paths
+    assert sorted(r["tied"] for r in run["models"] if "random" in r["model"]) == [False, True]
+    for report in run["models"]:
+        assert report["family"] == family, report
+        if pp == 1:
+            assert report["max_abs_logit_diff"] <= 1e-4, report
+            assert report["max_abs_logprob_diff"] <= 1e-4 and report["max_abs_entropy_diff"] <= 1e-4, report
+            # Full-vocabulary KL and its gradient, computed shard by shard (the KL itself is far from 0).
+            assert report["full_kl_mean"] > 1e-3, report
+            assert report["max_abs_full_kl_diff"] <= 1e-5 and report["max_abs_full_kl_grad_diff"] <= 1e-5, report
+            assert report["padding_grad_max"] == 0.0, report
+            # Critic: the value head on the trunk equals HF's final hidden states times the head.
+            assert report["value_std"] > 1e-3 and report["max_abs_value_diff"] <= 1e-4, report
+            # RoPE: HF's frequencies; where scaled, the scaling moves HF's logits far more than
+            # the tolerance above, so a model that ignored it would fail.
+            assert report["max_abs_inv_freq_diff"] <= 1e-7, report
+            assert report["rope_type"] == ("llama3" if family == "llama" else "default"), report
+            if report["rope_type"] != "default":
+                assert report["rope_scaling_effect"] > 1e-2, report
+        # Round trip: every HF tensor comes back bit-exact, none missing, none invented.
+        assert report["exported"] > 0
+        assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
-@pytest.mark.parametrize("tp,pp", LAYOUTS)
-@pytest.mark.parametrize("which", ["tiny_model", "random_qwen2_untied", "random_qwen2_tied"])
-def test_logits_parity_and_round_trip(which, tp, pp, request, tmp_path):
-    report = _run(request.getfixturevalue(which), tp, pp, tmp_path)
-    assert report["tp"] == tp and report["pp"] == pp
-    if pp == 1:
-        assert report["max_abs_logit_diff"] <= 1e-4, report
-        assert report["max_abs_logprob_diff"] <= 1e-4 and report["max_abs_entropy_diff"] <= 1e-4, report
-        # Full-vocabulary KL and its gradient, computed shard by shard (the KL itself is far from 0).
-        assert report["full_kl_mean"] > 1e-3, report
-        assert report["max_abs_full_kl_diff"] <= 1e-5 and report["max_abs_full_kl_grad_diff"] <= 1e-5, report
-        assert report["padding_grad_max"] == 0.0, report
-        # Critic: the value head on the trunk equals HF's final hidden states times the head.
-        assert report["value_std"] > 1e-3 and report["max_abs_value_diff"] <= 1e-4, report
-    # Round trip: every HF tensor comes back bit-exact, none missing, none invented.
-    assert report["exported"] > 0
-    assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
+# ------------------------------------------------------------ config checks --
+
+def _config(family, **fields):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family]
+    return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                        max_position_embeddings=16384, **fields)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CHECKPOINTS))
+def test_family_of_picks_by_architecture_then_model_type(family):
+    from megarl.models.families import FAMILIES, family_of
+
+    config = _config(family)
+    assert family_of(config) is FAMILIES[family]  # no `architectures`: by model_type
+    config.architectures = list(FAMILIES[family].hf_architectures)
+    assert family_of(config) is FAMILIES[family]
+
+
+def test_unsupported_architecture_is_one_line_listing_the_supported():
+    from transformers import MistralConfig
+
+    from megarl.models.families import family_of
+
+    config = MistralConfig(architectures=["MistralForCausalLM"])
+    with pytest.raises(ValueError) as error:
+        family_of(config)
+    message = str(error.value)
+    assert "\n" not in message and "MistralForCausalLM" in message
+    for supported in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
+        assert supported in message
+
+
+LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8192)
+
+REFUSED = [
+    ("llama", dict(attention_bias=True), "attention_bias"),
+    ("llama", dict(mlp_bias=True), "mlp_bias"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope_type='yarn'"),
+    ("qwen2", dict(rope_parameters=dict(LLAMA3)), "rope_type='llama3'"),
+    ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)), "rope_type='linear'"),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "sliding-window"),
+    ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
+     "partial_rotary_factor"),
+]
+
+
+@pytest.mark.parametrize("family,fields,field", REFUSED, ids=[r[2] + "-" + r[0] for r in REFUSED])
+def test_unsupported_features_are_refused_in_one_line(family, fields, field):
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import check_supported
+
+    config = _config(family, **fields)
+    with pytest.raises(ValueError) as error:
+        check_supported(config, family_of(config))
+    assert field in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("values,megatron_path", [
+    ({}, True),  # Llama 3.1's values: Megatron's own rope_scaling path
+    ({"factor": 32.0}, True),  # the factor reaches Megatron as an argument
+    ({"original_max_position_embeddings": 64}, False),
+    ({"low_freq_factor": 2.0}, False),
+    ({"high_freq_factor": 8.0}, False),
+])
+def test_llama3_rope_arguments(values, megatron_path):
+    """Values Megatron hard-codes go its way; others are applied after construction."""
+    from megarl.models.megatron_gpt import rope_arguments
+
+    kwargs, late = rope_arguments(_config("llama", rope_parameters={**LLAMA3, **values}))
+    expected = {**LLAMA3, **values}
+    assert kwargs["rope_scaling"] is megatron_path and kwargs["rotary_base"] == 10000.0
+    if megatron_path:
+        assert late is None and kwargs["rope_scaling_factor"] == expected["factor"]
+    else:
+        assert late == {key: expected[key] for key in late} and set(late) == {
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    plain, late = rope_arguments(_config("llama"))
+    assert plain == {"rotary_base": 10000.0, "rope_scaling": False} and late is None

@@ -13,7 +13,14 @@ built from which HF tensors, and how it is laid out over tensor parallelism:
 
 `{i}` stands for the global layer index. With the Transformer Engine layer spec
 the two pre-norms live inside the following linear (`*.layer_norm_weight`);
-TE_FUSED_NAMES maps the local-spec names to those.
+TE_FUSED_NAMES maps the local-spec names to those. The per-head q/k norms (Qwen3)
+are modules of their own in both specs (`self_attention.{q,k}_layernorm.weight`),
+so they need no TE name.
+
+Beside its names, a family says which HF architecture features its Megatron model
+mirrors (QKV bias, q/k norms, RoPE variants) and which HF config flags it refuses
+because Megatron's GPT layer has no place for what they add; `megatron_gpt`
+checks a config against that before building anything.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class Family:
     hf_architectures: tuple[str, ...]
     qkv_bias: bool
     qk_layernorm: bool
+    rope_types: tuple[str, ...]  # HF `rope_type` values the Megatron model reproduces
+    refused_flags: tuple[tuple[str, str], ...]  # (HF config flag, what it adds): must be false
     global_rules: tuple[Rule, ...]
     layer_rules: tuple[Rule, ...]
 
@@ -69,16 +78,50 @@ _QKV_BIAS_RULES = (
          (_ATTN + "q_proj.bias", _ATTN + "k_proj.bias", _ATTN + "v_proj.bias"), "qkv"),
 )
 
+_QK_NORM_RULES = (  # RMSNorm over head_dim, shared by all heads: the same on every TP rank
+    Rule(_LAYER + "self_attention.q_layernorm.weight", (_ATTN + "q_norm.weight",), "replicated"),
+    Rule(_LAYER + "self_attention.k_layernorm.weight", (_ATTN + "k_norm.weight",), "replicated"),
+)
+
+# Megatron has one switch for every linear bias but q/k/v's (add_bias_linear): an o_proj
+# bias alone, or MLP biases alone, cannot be expressed.
+_ATTENTION_BIAS = ("attention_bias", "biases on q/k/v and o_proj (Megatron has no o_proj-only bias)")
+_MLP_BIAS = ("mlp_bias", "biases on the MLP projections")
+
 QWEN2 = Family(
     name="qwen2",
     hf_architectures=("Qwen2ForCausalLM",),
     qkv_bias=True,
     qk_layernorm=False,
+    rope_types=("default",),
+    refused_flags=(),
     global_rules=_GLOBAL_RULES,
     layer_rules=_DENSE_LAYER_RULES + _QKV_BIAS_RULES,
 )
 
-FAMILIES = {family.name: family for family in (QWEN2,)}
+QWEN3 = Family(
+    name="qwen3",
+    hf_architectures=("Qwen3ForCausalLM",),
+    qkv_bias=False,
+    qk_layernorm=True,
+    rope_types=("default",),
+    refused_flags=(_ATTENTION_BIAS,),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_DENSE_LAYER_RULES + _QK_NORM_RULES,
+)
+
+LLAMA = Family(
+    name="llama",
+    hf_architectures=("LlamaForCausalLM",),
+    qkv_bias=False,
+    qk_layernorm=False,
+    rope_types=("default", "llama3"),
+    refused_flags=(_ATTENTION_BIAS, _MLP_BIAS),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_DENSE_LAYER_RULES,
+)
+
+FAMILIES = {family.name: family for family in (QWEN2, QWEN3, LLAMA)}
 
 TE_FUSED_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -87,9 +130,19 @@ TE_FUSED_NAMES = {
 
 
 def family_of(hf_config) -> Family:
+    """The family of an HF config, by its `architectures`, else by its `model_type`.
+
+    The model_type fallback keeps configs without `architectures` (built in code) and
+    other heads on the same trunk (a critic's *ForTokenClassification) working.
+    """
     architectures = tuple(getattr(hf_config, "architectures", None) or ())
     for family in FAMILIES.values():
-        if hf_config.model_type == family.name or set(architectures) & set(family.hf_architectures):
+        if set(architectures) & set(family.hf_architectures):
             return family
-    raise ValueError(f"model_type {hf_config.model_type!r} ({architectures}) is not a supported family; "
-                     f"supported: {sorted(FAMILIES)}")
+    for family in FAMILIES.values():
+        if getattr(hf_config, "model_type", None) == family.name:
+            return family
+    supported = ", ".join(f"{arch} ({family.name})" for family in FAMILIES.values()
+                          for arch in family.hf_architectures)
+    raise ValueError(f"unsupported model: architectures {list(architectures)}, model_type "
+                     f"{getattr(hf_config, 'model_type', None)!r}; supported: {supported}")

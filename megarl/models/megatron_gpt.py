@@ -1,4 +1,18 @@
-"""Build a Megatron-core GPTModel that mirrors an HF causal-LM config."""
+"""Build a Megatron-core GPTModel that mirrors an HF causal-LM config.
+
+What differs between families is data (`families.py`); this module turns an HF
+config plus its family into TransformerConfig and GPTModel arguments, and refuses,
+in one line naming the field, any config feature the model would silently get
+wrong (an unsupported RoPE variant, an o_proj-only bias, sliding windows).
+
+RoPE. Megatron-core 0.16's RotaryEmbedding implements Llama-3 scaling
+(`rope_scaling=True`), but passes it only the factor: low_freq_factor 1,
+high_freq_factor 4 and original_max_position_embeddings 8192 (Llama 3.1's values)
+are hard-coded defaults of `RotaryEmbedding._apply_scaling`. A config with those
+values takes Megatron's path as is; any other values are applied by calling the
+same `_apply_scaling` with the config's values on the unscaled frequencies right
+after construction (the frequencies are a plain attribute, rebuilt nowhere else).
+"""
 
 from __future__ import annotations
 
@@ -17,10 +31,66 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+# The Llama-3 values Megatron-core 0.16 cannot take as arguments, at the values it fixes.
+MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_parameters(hf_config) -> dict:
+    """HF's RoPE settings as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `rope_parameters` (`rope_scaling` is an alias);
+    older configs have `rope_theta` at the top level and `rope_scaling` with `type`.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
 def rope_theta(hf_config) -> float:
-    # transformers 5 keeps it in rope_parameters; older configs at the top level.
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    return float(rope_parameters(hf_config)["rope_theta"])
+
+
+def llama3_scaling(hf_config) -> dict | None:
+    """The config's Llama-3 RoPE scaling values (`_apply_scaling`'s keywords), or None."""
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "llama3":
+        return None
+    # As transformers: the original context defaults to max_position_embeddings.
+    params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    missing = [key for key in ("factor", *MEGATRON_LLAMA3_FIXED) if key not in params]
+    if missing:
+        raise ValueError(f"rope_parameters of type llama3 lack {missing}")
+    return {key: float(params[key]) for key in ("factor", *MEGATRON_LLAMA3_FIXED)}
+
+
+def check_supported(hf_config, family: Family) -> None:
+    """Refuse config features this family's Megatron model would not reproduce."""
+    for flag, what in family.refused_flags:
+        if getattr(hf_config, flag, False):
+            raise ValueError(f"{family.name}: {flag}=True ({what}) is not supported; it must be false")
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] not in family.rope_types:
+        raise ValueError(f"{family.name}: rope_parameters.rope_type={rope['rope_type']!r} is not supported; "
+                         f"supported: {list(family.rope_types)}")
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"{family.name}: partial_rotary_factor={partial} is not supported; it must be 1.0")
+    if "sliding_attention" in (getattr(hf_config, "layer_types", None) or ()):
+        raise ValueError(f"{family.name}: sliding-window attention (use_sliding_window / layer_types) is not "
+                         f"supported; every layer must be full_attention")
+
+
+def rope_arguments(hf_config) -> tuple[dict, dict | None]:
+    """GPTModel's RoPE keyword arguments, and the Llama-3 scaling to apply after construction
+    when Megatron's own path cannot take the config's values (else None)."""
+    scaling = llama3_scaling(hf_config)
+    megatron_path = scaling is not None and all(scaling[key] == value
+                                                for key, value in MEGATRON_LLAMA3_FIXED.items())
+    kwargs = dict(rotary_base=rope_theta(hf_config), rope_scaling=megatron_path)
+    if megatron_path:
+        kwargs["rope_scaling_factor"] = scaling["factor"]
+    return kwargs, (scaling if scaling is not None and not megatron_path else None)
 
 
 def head_dim(hf_config) -> int:
@@ -92,11 +162,13 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
 
     platform.apply_megatron_shims()
     family = family_of(hf_config)
+    check_supported(hf_config, family)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     check_parallel_sizes(hf_config, tp, pp)
     config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, **config_overrides)
+    rope_kwargs, late_llama3_scaling = rope_arguments(hf_config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=platform.gpt_layer_spec(qk_layernorm=family.qk_layernorm),
@@ -106,6 +178,10 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),
+        **rope_kwargs,
     )
+    if late_llama3_scaling is not None:
+        # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **late_llama3_scaling)
     return model.to(platform.device())

@@ -1,6 +1,8 @@
-"""torchrun worker: load an HF checkpoint into Megatron at the given TP/PP, then
+"""torchrun worker: load HF checkpoints into Megatron at the given TP/PP, then for each
 (1) compare logits with transformers, (2) export back to HF and compare every tensor.
-Writes a JSON report from rank 0."""
+Several checkpoints share one launch (the parallel state is built once), so a family's
+tied and untied models cost one torchrun start-up. Writes a JSON report from rank 0:
+{"tp", "pp", "models": [one report per checkpoint, in the order given]}."""
 
 import argparse
 import json
@@ -11,7 +13,8 @@ import torch.distributed as dist
 from megarl import distributed
 from megarl.arguments import parse_args
 from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights
-from megarl.models.megatron_gpt import build_gpt_model
+from megarl.models.families import family_of
+from megarl.models.megatron_gpt import build_gpt_model, rope_parameters
 from megarl.algorithms import kl_full
 from megarl.critic import attach_value_head
 from megarl.trainer import vocab_parallel_entropy, vocab_parallel_full_kl, vocab_parallel_logprobs
@@ -57,35 +60,51 @@ def _value_head_parity(hf_path, hf_config, tokens, positions, seed) -> dict:
     return {"max_abs_value_diff": (values - expected).abs().max().item(), "value_std": expected.std().item()}
 
 
-def main():
-    own = argparse.ArgumentParser()
-    own.add_argument("--hf", required=True)
-    own.add_argument("--out", required=True)
-    own.add_argument("--tp", type=int, default=1)
-    own.add_argument("--pp", type=int, default=1)
-    mine, _ = own.parse_known_args()
-    args = parse_args(["--model", mine.hf, "--tensor-model-parallel-size", str(mine.tp),
-                       "--pipeline-model-parallel-size", str(mine.pp)])
-    context = distributed.init_distributed(args)
-    distributed.init_megatron_parallel(context, args.seed)
+def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
+    """The checkpoint as a transformers model in fp32, optionally with plain RoPE instead of
+    its scaled RoPE (to show how much the scaling matters)."""
+    import copy
 
-    from megatron.core import tensor_parallel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_config = AutoConfig.from_pretrained(mine.hf)
-    model = build_gpt_model(hf_config)
-    load_hf_weights(model, mine.hf, hf_config)
-    report = {"tp": mine.tp, "pp": mine.pp}
+    config = AutoConfig.from_pretrained(hf_path)
+    if without_rope_scaling:
+        config = copy.deepcopy(config)
+        config.rope_parameters = {"rope_type": "default", "rope_theta": rope_parameters(config)["rope_theta"]}
+    return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float32).eval()
 
-    if mine.pp == 1:
+
+def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) -> dict:
+    """RoPE frequencies against HF's; with RoPE scaling, also how far HF's logits move
+    without it (so that the logit check cannot pass with the scaling ignored)."""
+    inv_freq_diff = (model.rotary_pos_emb.inv_freq.cpu() - hf_model.model.rotary_emb.inv_freq).abs().max().item()
+    report = {"max_abs_inv_freq_diff": inv_freq_diff, "rope_type": rope_parameters(hf_config)["rope_type"]}
+    if report["rope_type"] != "default":
+        with torch.no_grad():
+            unscaled = load_hf_model(hf_path, without_rope_scaling=True)(tokens).logits
+        report["rope_scaling_effect"] = (unscaled - reference_logits).abs().max().item()
+    return report
+
+
+def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
+    from megatron.core import tensor_parallel
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(hf_path)
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, hf_path, hf_config)
+    report = {"model": hf_path, "family": family_of(hf_config).name, "tied": hf_config.tie_word_embeddings}
+
+    if pp == 1:
         torch.manual_seed(0)
-        tokens = torch.randint(0, hf_config.vocab_size, (2, 17))
+        tokens = torch.randint(0, hf_config.vocab_size, (2, seq_len))
         positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
         model.eval()
         with torch.no_grad():
             shard_logits = model(tokens, positions, attention_mask=None)
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(shard_logits)[..., : hf_config.vocab_size]
-            reference = AutoModelForCausalLM.from_pretrained(mine.hf, dtype=torch.float32).eval()(tokens).logits
+            hf_model = load_hf_model(hf_path)
+            reference = hf_model(tokens).logits
             # The trainer's vocab-parallel logprobs and entropy (padding masked, T = 0.7)
             # against a full-vocabulary softmax of the HF logits.
             labels = torch.roll(tokens, -1, dims=1)
@@ -96,9 +115,10 @@ def main():
         report["max_abs_logprob_diff"] = (logprobs - full.gather(-1, labels[..., None])[..., 0]).abs().max().item()
         report["max_abs_entropy_diff"] = (entropy + (full.exp() * full).sum(-1)).abs().max().item()
         report.update(_full_kl_parity(shard_logits, reference, hf_config.vocab_size))
-        report.update(_value_head_parity(mine.hf, hf_config, tokens, positions, args.seed))
+        report.update(_value_head_parity(hf_path, hf_config, tokens, positions, seed))
+        report.update(_rope_parity(model, hf_model, reference, hf_path, hf_config, tokens))
 
-    original = HFCheckpoint(mine.hf)
+    original = HFCheckpoint(hf_path)
     exported, mismatched = set(), []
     # Small buckets, so the round trip also covers bucket boundaries.
     for name, tensor in iter_hf_weights(model, hf_config, bucket_bytes=20_000):
@@ -110,9 +130,26 @@ def main():
                                if hf_config.tie_word_embeddings else set(original.weight_map) - exported)
     report["extra"] = sorted(exported - set(original.weight_map))
     report["exported"] = len(exported)
+    return report
+
+
+def main():
+    own = argparse.ArgumentParser()
+    own.add_argument("--hf", required=True, nargs="+", help="HF checkpoints, checked one after the other")
+    own.add_argument("--out", required=True)
+    own.add_argument("--tp", type=int, default=1)
+    own.add_argument("--pp", type=int, default=1)
+    own.add_argument("--seq-len", type=int, default=17)
+    mine, _ = own.parse_known_args()
+    args = parse_args(["--model", mine.hf[0], "--tensor-model-parallel-size", str(mine.tp),
+                       "--pipeline-model-parallel-size", str(mine.pp)])
+    context = distributed.init_distributed(args)
+    distributed.init_megatron_parallel(context, args.seed)
+
+    reports = [check_checkpoint(path, mine.pp, mine.seq_len, args.seed) for path in mine.hf]
     if dist.get_rank() == 0:
         with open(mine.out, "w") as f:
-            json.dump(report, f)
+            json.dump({"tp": mine.tp, "pp": mine.pp, "models": reports}, f)
     dist.barrier()
     dist.destroy_process_group()
 

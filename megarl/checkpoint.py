@@ -1,0 +1,215 @@
+"""Checkpoints that a crash cannot corrupt, and exact resumption.
+
+Layout of --save-dir:
+
+    step_00000010/            a complete checkpoint (after 10 training steps)
+        dist/                 Megatron distributed checkpoint (torch_dist): policy and
+                              critic models and optimizers, sharded by TP/PP; loads
+                              at any other TP/PP size (Megatron reshards on load)
+        rng/rank_00000.pt     each rank's torch / Python / numpy RNG states
+        hf_config/            the policy's HF config and tokenizer (for tools/export_hf.py)
+        state.json            step, LR schedules, KL controller, data position,
+                              seeds, written last
+    .partial_step_00000012/   a checkpoint being written
+
+Publishing: every rank writes into `.partial_step_N`, all ranks meet, then rank 0
+writes `state.json` and renames the directory to `step_N` (an atomic rename on one
+file system). A run killed during a save leaves only a `.partial_*` directory,
+which `--resume auto` never picks and the next save removes. After publishing,
+all but the newest --save-keep checkpoints are deleted.
+
+What is not saved, because it is rebuilt exactly: the reference model (from
+--ref-model), the rollout engines (they receive the policy by a weight sync right
+after loading), sampling state (each generate call reseeds from --seed and the
+step; see RolloutEngine.generate), and the prompts (a function of --seed and the
+step, plus the data position saved here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+
+from megarl import distributed
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(completed_steps: int) -> str:
+    return f"step_{completed_steps:08d}"
+
+
+def find_latest(save_dir: str) -> str | None:
+    """The newest complete checkpoint under save_dir (a published step_N with its state.json), or None."""
+    if not os.path.isdir(save_dir):
+        return None
+    complete = [name for name in os.listdir(save_dir)
+                if _STEP_DIR.match(name) and os.path.isfile(os.path.join(save_dir, name, "state.json"))]
+    return os.path.join(save_dir, max(complete)) if complete else None
+
+
+def resolve_resume(resume: str | None, save_dir: str | None) -> str | None:
+    """--resume: None/"none" -> start fresh; "auto" -> newest under --save-dir (fresh if none); else a path."""
+    if resume in (None, "none"):
+        return None
+    if resume == "auto":
+        return find_latest(save_dir) if save_dir else None
+    if not os.path.isfile(os.path.join(resume, "state.json")):
+        raise FileNotFoundError(f"--resume {resume}: not a complete megarl checkpoint (no state.json)")
+    return resume
+
+
+def _trainables(rl) -> dict:
+    """name -> (Megatron module, optimizer, scheduler) of what this rank trains."""
+    from megarl.models.convert import unwrap
+
+    items = {}
+    if rl.trainer is not None:
+        items["policy"] = (unwrap(rl.trainer.model), rl.trainer.optimizer, rl.trainer.scheduler)
+    if rl.critic is not None:
+        items["critic"] = (unwrap(rl.critic.model), rl.critic.optimizer, rl.critic.scheduler)
+    return items
+
+
+def _sharded_state_dict(rl, is_loading: bool) -> dict:
+    state = {}
+    for name, (module, optimizer, _) in _trainables(rl).items():
+        model_state = module.sharded_state_dict(prefix=f"{name}.")
+        state[f"{name}_model"] = model_state
+        state[f"{name}_optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    return state
+
+
+def _use_in_process_results_queue() -> None:
+    """Megatron's checkpoint writer reports its results through a queue served by a
+    multiprocessing Manager started with spawn. That server process outlives the rank
+    (nothing shuts it down) and keeps the rank's stdout/stderr open, so whoever
+    waits on them (a launcher, a test) hangs. Saves here are synchronous: the queue
+    is only used inside this process, so a plain queue does the same job."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save(rl, completed_steps: int, save_dir: str, keep: int) -> str:
+    """Write a checkpoint of the run after `completed_steps` steps; collective over every rank."""
+    from megatron.core import dist_checkpointing
+
+    context, rank = rl.context, rl.context.env.rank
+    final = os.path.join(save_dir, step_dir_name(completed_steps))
+    partial = os.path.join(save_dir, "." + step_dir_name(completed_steps).replace("step_", "partial_step_"))
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(os.path.join(partial, "rng"))
+        os.makedirs(os.path.join(partial, "dist"))
+    distributed.all_gather_objects(None, context)  # the directory exists for everyone
+    if rl.trainer is not None:
+        _use_in_process_results_queue()
+        # Collective over the train ranks (the train world).
+        dist_checkpointing.save(_sharded_state_dict(rl, is_loading=False), os.path.join(partial, "dist"))
+    torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        _save_hf_config(rl, os.path.join(partial, "hf_config"))
+    distributed.all_gather_objects(None, context)  # every rank's part is on disk
+    if rank == 0:
+        _write_json(os.path.join(partial, "state.json"), _run_state(rl, completed_steps))
+        if os.path.exists(final):  # a re-save of the same step (e.g. preemption right after a save)
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _prune(save_dir, keep)
+    distributed.all_gather_objects(None, context)
+    return final
+
+
+def load(rl, path: str) -> int:
+    """Restore the run from checkpoint `path`; returns the number of completed steps."""
+    from megatron.core import dist_checkpointing
+
+    with open(os.path.join(path, "state.json")) as f:
+        state = json.load(f)
+    if rl.trainer is not None:
+        loaded = dist_checkpointing.load(_sharded_state_dict(rl, is_loading=True), os.path.join(path, "dist"))
+        for name, (module, optimizer, scheduler) in _trainables(rl).items():
+            if f"{name}_model" not in loaded:
+                raise ValueError(f"{path}: the checkpoint has no {name} (was it saved by a run without one?)")
+            module.load_state_dict(_strip_prefix(loaded[f"{name}_model"], name))
+            optimizer.load_state_dict(loaded[f"{name}_optimizer"])
+            scheduler.load_state_dict(state["schedulers"][name])
+    if rl.kl_controller is not None and state.get("kl_controller"):
+        rl.kl_controller.load_state_dict(state["kl_controller"])
+    if hasattr(rl.prompts, "load_state_dict") and state.get("data"):
+        rl.prompts.load_state_dict(state["data"])
+    rng_file = os.path.join(path, "rng", f"rank_{rl.context.env.rank:05d}.pt")
+    if os.path.exists(rng_file):  # absent when resuming on more ranks than saved
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return int(state["completed_steps"])
+
+
+def load_model_weights(module, path: str, name: str = "policy") -> None:
+    """Only the weights of one model (`policy` or `critic`) from checkpoint `path`, into a
+    GPTModel built at any TP/PP (the HF exporter's path; no optimizer needed)."""
+    from megatron.core import dist_checkpointing
+
+    key = f"{name}_model"
+    loaded = dist_checkpointing.load({key: module.sharded_state_dict(prefix=f"{name}.")}, os.path.join(path, "dist"))
+    module.load_state_dict(_strip_prefix(loaded[key], name))
+
+
+def _strip_prefix(state: dict, name: str) -> dict:
+    """Checkpoint keys are prefixed by the model's name (policy and critic share parameter names)."""
+    return {key.removeprefix(f"{name}."): value for key, value in state.items()}
+
+
+def _run_state(rl, completed_steps: int) -> dict:
+    args = rl.args
+    return {
+        "completed_steps": completed_steps,
+        "schedulers": {name: scheduler.state_dict() for name, (_, _, scheduler) in _trainables(rl).items()},
+        "kl_controller": rl.kl_controller.state_dict() if rl.kl_controller is not None else None,
+        "data": rl.prompts.state_dict() if hasattr(rl.prompts, "state_dict") else None,
+        "seed": args.seed,
+        "parallel": {"tensor_model_parallel_size": args.tensor_model_parallel_size,
+                     "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+                     "train_gpus": args.train_gpus, "rollout_gpus": args.rollout_gpus},
+    }
+
+
+def _save_hf_config(rl, directory: str) -> None:
+    rl.hf_config.save_pretrained(directory)
+    rl.tokenizer.save_pretrained(directory)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prune(save_dir: str, keep: int) -> None:
+    """Keep the newest `keep` checkpoints; remove partial ones left by a killed run."""
+    names = sorted(name for name in os.listdir(save_dir) if _STEP_DIR.match(name))
+    for name in names[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    for name in os.listdir(save_dir):
+        if name.startswith(".partial_step_"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

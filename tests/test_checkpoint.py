@@ -1,0 +1,109 @@
+"""Checkpoints: exact resume after SIGKILL, SIGTERM saves and exits, a checkpoint cut short is never
+resumed from, resume and HF export at another TP size (real torchrun, 2 ranks, the tiny model)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from helpers import ROOT, WORKERS, torchrun
+
+SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
+         "--max-new-tokens", "12", "--micro-batch-size", "8", "--lr", "1e-3"]
+COMPARED = ("reward_mean", "loss", "grad_norm", "entropy", "mismatch", "response_length_mean")
+
+
+def _scalars(log_dir) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series = {}
+    for events_file in sorted(log_dir.glob("events.out.tfevents.*")):
+        events = EventAccumulator(str(events_file))
+        events.Reload()
+        for tag in COMPARED:
+            for event in events.Scalars(tag):
+                series.setdefault(tag, {})[event.step] = event.value
+    return series
+
+
+def _run(tiny_model, tmp_path, name, *extra, worker="../../megarl/train.py", env=None, check=True):
+    return torchrun(worker, *SMALL, "--model", tiny_model, "--log-dir", tmp_path / f"tb_{name}", *map(str, extra),
+                    env=env, check=check, timeout=900)
+
+
+def test_exact_resume_after_sigkill_mid_step(tiny_model, tmp_path):
+    steps = ["--train-steps", "4", "--save-interval", "2"]
+    _run(tiny_model, tmp_path, "straight", *steps, "--save-dir", tmp_path / "straight")
+    killed = _run(tiny_model, tmp_path, "killed", *steps, "--save-dir", tmp_path / "ckpt", worker="kill_worker.py",
+                  env={"MEGARL_TEST_KILL": "train:3"}, check=False)
+    assert killed.returncode != 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002"]
+    resumed = _run(tiny_model, tmp_path, "resumed", *steps, "--save-dir", tmp_path / "ckpt", "--resume", "auto")
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} after step 2" in resumed.stdout
+    straight, killed_log, resumed_log = (_scalars(tmp_path / f"tb_{n}") for n in ("straight", "killed", "resumed"))
+    for tag in COMPARED:
+        assert [killed_log[tag][s] for s in (0, 1)] == [straight[tag][s] for s in (0, 1)], tag
+        # Steps 3 and 4 after the resume are those of the uninterrupted run, bit for bit.
+        assert sorted(resumed_log[tag]) == [2, 3], (tag, resumed_log[tag])
+        assert [resumed_log[tag][s] for s in (2, 3)] == [straight[tag][s] for s in (2, 3)], tag
+    assert straight["loss"][3] != straight["loss"][2]  # the compared values move from step to step
+
+
+def test_a_checkpoint_cut_short_is_never_resumed_from(tiny_model, tmp_path):
+    killed = _run(tiny_model, tmp_path, "killed", "--train-steps", "3", "--save-interval", "1",
+                  "--save-dir", tmp_path / "ckpt", worker="kill_worker.py", env={"MEGARL_TEST_KILL": "save:2"},
+                  check=False)
+    assert killed.returncode != 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".partial_step_00000002", "step_00000001"]
+    resumed = _run(tiny_model, tmp_path, "resumed", "--train-steps", "2", "--save-interval", "1",
+                   "--save-dir", tmp_path / "ckpt", "--resume", "auto")
+    assert "after step 1" in resumed.stdout and "step 2/2" in resumed.stdout
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000001", "step_00000002"]  # the partial one is gone
+
+
+def test_sigterm_saves_and_exits(tiny_model, tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "megarl" / "train.py"), *SMALL, "--model", tiny_model, "--train-steps", "50",
+               "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("step 2/50"):
+            process.send_signal(signal.SIGTERM)  # the launcher forwards it to every rank
+            sent = time.monotonic()
+            break
+    lines += process.stdout.readlines()
+    process.wait(timeout=120)
+    output = "".join(lines)
+    assert time.monotonic() - sent < 60, output[-3000:]
+    stopped = [line for line in lines if "SIGTERM received: stopped after step" in line]
+    assert stopped and "resume with --resume auto" in stopped[0], output[-3000:]
+    completed = int(stopped[0].split("stopped after step ")[1].split(";")[0])
+    assert completed < 50
+    assert os.listdir(tmp_path / "ckpt") == [f"step_{completed:08d}"]
+    assert (tmp_path / "ckpt" / f"step_{completed:08d}" / "state.json").exists()
+
+
+def test_resume_and_export_at_another_tensor_parallel_size(tiny_model, tmp_path):
+    _run(tiny_model, tmp_path, "tp1", "--train-steps", "2", "--save-dir", tmp_path / "ckpt",
+         "--save-hf-dir", tmp_path / "hf_tp1")
+    # Resumed with TP=2 (no further step), its final export must be the saved policy exactly.
+    resumed = _run(tiny_model, tmp_path, "tp2", "--train-steps", "2", "--save-dir", tmp_path / "ckpt",
+                   "--resume", "auto", "--tensor-model-parallel-size", "2", "--save-hf-dir", tmp_path / "hf_tp2")
+    assert "after step 2" in resumed.stdout
+    torchrun("../../tools/export_hf.py", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "hf_tool",
+             "--tensor-model-parallel-size", "2", timeout=600)
+    reference = load_file(tmp_path / "hf_tp1" / "model.safetensors")
+    for exported in ("hf_tp2", "hf_tool"):
+        files = sorted((tmp_path / exported).glob("*.safetensors"))
+        tensors = {name: t for f in files for name, t in load_file(f).items()}
+        assert tensors.keys() == reference.keys(), exported
+        assert all(torch.equal(tensors[name], reference[name]) for name in reference), exported
+    before = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert not all(torch.equal(before[name], reference[name]) for name in reference)  # training changed it

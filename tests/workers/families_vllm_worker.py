@@ -1,0 +1,109 @@
+"""torchrun worker: a model family in vLLM (CPU), loaded from a checkpoint and through the weight sync.
+
+Two ranks, colocated: one rollout engine at TP=2 over both ranks, Megatron at TP=2.
+  1. fresh: the engine is built from checkpoint A; its prompt logprobs of fixed random
+     prompts against transformers', and its greedy continuations against transformers'
+     argmax (teacher-forced on vLLM's tokens, so a near-tie cannot flip the check);
+  2. sync: Megatron loads checkpoint B (same config, other weights) and the colocated
+     sync (`iter_hf_weights` -> `reload_weights`) streams it into the same engine: the
+     same checks against B.
+With RoPE scaling, each stage also reports how far transformers' logprobs move
+without the scaling, so the comparison cannot pass with the scaling ignored.
+Rank 0 writes the JSON report.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine (external launcher)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from megarl import distributed  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.models.megatron_gpt import rope_parameters  # noqa: E402
+from megarl.rollout import RolloutEngine, release_shared_memory  # noqa: E402
+from parity_worker import load_hf_model  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 96, 8
+
+
+def hf_logprobs(path: str, tokens: torch.Tensor, without_rope_scaling: bool = False):
+    """Under transformers (fp32): log p(token t | tokens < t) for t >= 1 [batch, len - 1],
+    and the whole distributions [batch, len - 1, vocab]."""
+    with torch.no_grad():
+        logits = load_hf_model(path, without_rope_scaling)(tokens).logits
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    return logprobs.gather(-1, tokens[:, 1:, None])[..., 0], logprobs
+
+
+def check_engine(engine, path: str, prompts: list[list[int]]) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    scored = engine.llm.generate(inputs, SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0,
+                                                        detokenize=False), use_tqdm=False)
+    vllm_logprobs = torch.tensor([[position[token].logprob for token, position in zip(p[1:], out.prompt_logprobs[1:])]
+                                  for p, out in zip(prompts, scored)])
+    expected, _ = hf_logprobs(path, torch.tensor(prompts))
+    report = {"max_abs_prompt_logprob_diff": (vllm_logprobs - expected).abs().max().item()}
+
+    greedy = engine.llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, detokenize=False),
+                                 use_tqdm=False)
+    continued = torch.tensor([p + list(out.outputs[0].token_ids) for p, out in zip(prompts, greedy)])
+    chosen, every = hf_logprobs(path, continued)
+    chosen, every = chosen[:, -NEW_TOKENS:], every[:, -NEW_TOKENS:]
+    # How far below transformers' best token each of vLLM's greedy tokens is (0 = its argmax).
+    report["greedy_tokens"] = continued[:, -NEW_TOKENS:].tolist()
+    report["max_greedy_gap"] = (every.max(-1).values - chosen).max().item()
+
+    if rope_parameters(AutoConfig.from_pretrained(path))["rope_type"] != "default":
+        unscaled, _ = hf_logprobs(path, torch.tensor(prompts), without_rope_scaling=True)
+        report["rope_scaling_effect"] = (unscaled - expected).abs().max().item()
+    return report
+
+
+def main():
+    own = argparse.ArgumentParser()
+    own.add_argument("--fresh", required=True, help="checkpoint the engine is built from")
+    own.add_argument("--synced", required=True, help="checkpoint Megatron loads and syncs into the engine")
+    own.add_argument("--out", required=True)
+    mine = own.parse_args()
+    args = parse_args(["--model", mine.fresh, "--tensor-model-parallel-size", "2",
+                       "--rollout-tensor-parallel-size", "2", "--rollout-kv-cache-gb", "0.25",
+                       "--max-prompt-length", str(PROMPT_LEN), "--max-new-tokens", str(NEW_TOKENS),
+                       # Random checkpoints have no tokenizer; prompts are token ids.
+                       "--rollout-engine-kwargs", json.dumps({"skip_tokenizer_init": True})])
+    context = distributed.init_distributed(args)
+    engine = RolloutEngine(args, dist.get_rank(), dist.get_world_size())
+    distributed.init_megatron_parallel(context, args.seed)  # after the engine (colocated order)
+
+    from megarl.models.convert import load_hf_weights
+    from megarl.models.megatron_gpt import build_gpt_model
+    from megarl.weight_sync import ColocatedSync
+
+    hf_config = AutoConfig.from_pretrained(mine.synced)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, hf_config.vocab_size, (2, PROMPT_LEN), generator=generator).tolist()
+    report = {"fresh": check_engine(engine, mine.fresh, prompts)}
+
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, mine.synced, hf_config)
+    stats = ColocatedSync(bucket_bytes=64 * 2**10).sync(model, hf_config, engine)
+    report["synced"] = {**check_engine(engine, mine.synced, prompts), "sync_bytes": stats.bytes}
+    if dist.get_rank() == 0:
+        with open(mine.out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    release_shared_memory()
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's in-process engine must not stall interpreter shutdown
