@@ -256,6 +256,8 @@ def _add_logging_args(parser):
     g = parser.add_argument_group("logging")
     g.add_argument("--log-dir", default="runs/megarl", help="TensorBoard directory")
     g.add_argument("--log-interval", type=int, default=1, help="print a step line every this many steps")
+    g.add_argument("--wandb-project", default=None, help="also log to this Weights & Biases project (needs wandb)")
+    g.add_argument("--wandb-name", default=None, help="wandb run name")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -661,3 +663,8 @@ def _validate_checkpointing(args) -> None:
         raise ConfigError(f"--resume {args.resume}: not a complete megarl checkpoint (no state.json)")
     if args.save_hf_interval and not args.save_hf_dir:
         raise ConfigError("--save-hf-interval needs --save-hf-dir")
+    if args.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project: wandb is not installed (pip install wandb)")

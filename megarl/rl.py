@@ -18,6 +18,8 @@ moves between roles:
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -45,6 +47,7 @@ class RLRun:
         # Rewards are scored where samples are generated: a reward model lives on rollout ranks only.
         self.reward = build_reward(args.reward, args.reward_model) if context.is_rollout else None
         self.engine = self.trainer = self.critic = None
+        self.reward_seconds = 0.0
         bucket_bytes = int(args.sync_bucket_mb * 2**20)
 
         # Engines before Megatron's parallel state (DESIGN.md: the measured order).
@@ -82,11 +85,14 @@ class RLRun:
         with dropped groups (advantage 0 under grpo) and says so in the metrics.
         """
         args = self.args
+        self.reward_seconds = 0.0
         if args.dynamic_sampling is None:
             samples, metrics = self._rollout(self.prompts.batch(step, 0), step, seed_key=("train", 0)), {}
         else:
             samples, metrics = self._dynamic_sampling(step)
         metrics.update(_reward_errors(samples, f"step {step + 1}", self.context.env.rank == 0))
+        # Rollout ranks score their own samples; the slowest one bounds the step.
+        metrics["reward_seconds"] = max(distributed.all_gather_objects(self.reward_seconds, self.context))
         if args.rollout_save_dir and self.context.env.rank == 0:
             write_samples(args.rollout_save_dir, f"train_step{step + 1}.jsonl", samples, self.tokenizer, step + 1)
         return samples, metrics
@@ -128,7 +134,9 @@ class RLRun:
             by_index = {p.index: p for p in shard}
             for sample in samples:
                 sample.metadata = by_index[sample.prompt_index].metadata
+            scoring = time.perf_counter()
             outputs = score_all(self.reward, [s.response_text for s in samples], [s.metadata for s in samples])
+            self.reward_seconds += time.perf_counter() - scoring
             for sample, output in zip(samples, outputs):
                 sample.reward, sample.reason = output.score, output.reason
             # The ranks of one TP engine hold identical samples: only its first rank contributes.
@@ -184,7 +192,9 @@ class RLRun:
         args = self.args
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         scores, response_mask, token_mask, metrics = self._scores_and_mask(samples)
+        started = time.perf_counter()
         before = self._before_update(samples, dp, dp_rank)
+        metrics["logprobs_seconds"] = time.perf_counter() - started
         rollout = _response_aligned_rollout(samples, token_mask.shape[1])
         metrics.update(_mismatch(before["old_logprobs"], rollout, response_mask))
         fields = {name: before[name] for name in ("old_logprobs", "ref_logprobs", "old_values") if name in before}

@@ -42,7 +42,8 @@ def run(args) -> None:
         metrics.update(rl.train(samples, step))
         trained = time.perf_counter()
         metrics.update(rl.sync_weights())
-        metrics.update(rollout_seconds=generated - start_time, train_seconds=trained - generated,
+        metrics.update(rollout_seconds=generated - start_time - metrics["reward_seconds"],
+                       train_seconds=trained - generated - metrics.get("logprobs_seconds", 0.0),
                        step_seconds=time.perf_counter() - start_time)
         logger.log_step(step, samples, metrics)
         completed = step + 1

@@ -11,11 +11,16 @@ One rank per node means LOCAL_RANK 0 on both ranks, and (separate placement) the
 trainer and the rollout engine on different nodes, so the weights cross nodes:
 what breaks code that takes the local rank for the global one, the node's size
 for the world's, or expects one launcher's variables.
+
+run_slurm.sh: its header and syntax, the srun/torchrun/sbatch command lines it
+builds (stand-ins record them), its requeue rule, and one real job on one node
+that gets the time-limit signal, saves, stops, and resumes when started again.
 """
 
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -229,12 +234,35 @@ def test_slurm_script_submits_itself_and_checks_its_settings(tmp_path):
     assert result.returncode == 2 and "LAUNCHER" in result.stderr
 
 
-def test_slurm_script_trains_and_stops_on_the_time_limit_signal(tiny_model, tmp_path):
-    """run_slurm.sh's torchrun line for real, on one node (srun stand-in that runs the task here):
-    SIGUSR1 to every process of the step, as slurmstepd sends it 120 s before the time limit.
-    The agent survives it, the ranks save a checkpoint and stop, and the job ends with 0."""
+def run_job_until(env: dict, log, marker: str) -> tuple[int, str]:
+    """Run run_slurm.sh; once `marker` is in its output, SIGUSR1 to every process of the step
+    (not the batch shell), as slurmstepd sends it 120 s before the time limit; (exit code, output)."""
     import psutil
 
+    with open(log, "w") as out:
+        job = subprocess.Popen(["bash", str(SLURM_SCRIPT)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while marker not in log.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        for process in psutil.Process(job.pid).children(recursive=True):
+            try:
+                process.send_signal(signal.SIGUSR1)
+            except psutil.NoSuchProcess:
+                pass
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+    return job.returncode, log.read_text()
+
+
+def test_slurm_script_stops_on_the_time_limit_signal_and_resumes(tiny_model, tmp_path):
+    """run_slurm.sh's torchrun line for real, on one node (an srun stand-in runs the task here).
+    At SIGUSR1 the agent survives, the ranks save and stop, the job ends with 0; the same job
+    started again (a requeue) resumes from that checkpoint."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {  # srun: drop its own flags (--x value, --x=value), run the task in place
@@ -252,29 +280,18 @@ def test_slurm_script_trains_and_stops_on_the_time_limit_signal(tiny_model, tmp_
            "CONFIG": "examples/quickstart_grpo.yaml", "GPUS_PER_NODE": "2", "RDZV_PORT": str(free_port()),
            "SAVE_DIR": str(save_dir),
            "EXTRA_ARGS": " ".join(["--model", tiny_model, *SMALL[:-2], "--train-steps", "200", "--log-dir",
-                                     str(tmp_path / "tb")])}
-    log = tmp_path / "job.out"
-    with open(log, "w") as out:
-        job = subprocess.Popen(["bash", str(SLURM_SCRIPT)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while "step 2/200" not in log.read_text():
-            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(1)
-        for process in psutil.Process(job.pid).children(recursive=True):  # the step, not the batch shell
-            try:
-                process.send_signal(10)  # SIGUSR1
-            except psutil.NoSuchProcess:
-                pass
-        job.wait(timeout=300)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, 9)
-    output = log.read_text()
-    assert job.returncode == 0, output[-4000:]
-    assert "megarl: SIGUSR1 received: stopped after step" in output, output[-4000:]
-    steps = [line for line in output.splitlines() if line.startswith("step ")]
-    assert 2 <= len(steps) < 200
-    assert list(save_dir.glob("step_*/state.json")), list(save_dir.iterdir())
-    assert not (tmp_path / "scontrol").exists()  # far from the time limit: not requeued
+                                   str(tmp_path / "tb")])}
+    returncode, output = run_job_until(env, tmp_path / "job1.out", "step 2/200")
+    assert returncode == 0, output[-4000:]
+    stopped = [line for line in output.splitlines() if line.startswith("megarl: SIGUSR1 received: stopped after step")]
+    assert stopped, output[-4000:]
+    done = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert 2 <= done < 200 and (save_dir / f"step_{done:08d}" / "state.json").exists(), list(save_dir.iterdir())
+
+    env["RDZV_PORT"] = str(free_port())
+    returncode, output = run_job_until(env, tmp_path / "job2.out", f"step {done + 1}/200")
+    assert returncode == 0, output[-4000:]
+    assert f"megarl: resumed from {save_dir / f'step_{done:08d}'} after step {done}" in output, output[-4000:]
+    first = next(line for line in output.splitlines() if line.startswith("step "))
+    assert first.startswith(f"step {done + 1}/200"), first
+    assert not (tmp_path / "scontrol").exists()  # far from the time limit: never requeued by the script
