@@ -14,6 +14,7 @@ common = [
     "numpy",
     "math-verify[antlr4_13_2]",  # answer equivalence for math rewards
     "pyarrow",  # Parquet datasets
+    "matplotlib",  # tools/plot_metrics.py
 ]
 
 setup(
