@@ -556,3 +556,25 @@ def write_jsonl(path: str, records: Iterable[dict]) -> int:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1
     return count
+
+
+def converter_main(tool: str, description: str, read_rows, default_source: str, input_help: str,
+                   several_inputs: bool, argv=None) -> int:
+    """The command line shared by tools/convert_*.py: read_rows(inputs, data_source) -> rows,
+    written in --format; a bad input row ends the tool with its one-line error."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog=tool, description=description)
+    parser.add_argument("--input", nargs="+" if several_inputs else None, required=True, help=input_help)
+    parser.add_argument("--output", required=True, help="JSONL to write")
+    parser.add_argument("--format", default="colossalchat", choices=["colossalchat", "verl", "swift"])
+    parser.add_argument("--data-source", default=default_source, help="value of the data_source column")
+    args = parser.parse_args(argv)
+    try:
+        rows = read_rows(args.input, args.data_source)
+    except DatasetError as error:
+        sys.exit(f"{tool}: {error}")
+    count = write_jsonl(args.output, (to_layout(row, args.format) for row in rows))
+    print(f"{args.output}: {count} rows ({args.format})")
+    return 0

@@ -9,12 +9,11 @@ the number after the last "####" with its thousands commas removed becomes the
 ground truth, and the worked solution is kept as the `reference_solution`
 column. The output loads with `megarl.datasets.load_rows`.
 """
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megarl.datasets import DatasetError, Row, read_file, to_layout, write_jsonl  # noqa: E402
+from megarl.datasets import DatasetError, Row, converter_main, read_file  # noqa: E402
 
 # verl's reward routing recognises this name (verl/utils/reward_score).
 DATA_SOURCE = "openai/gsm8k"
@@ -40,21 +39,13 @@ def convert_row(raw: dict, where: str, index: int, data_source: str) -> Row:
                extra={"reference_solution": answer.rsplit("####", 1)[0].strip()}, origin=where)
 
 
+def read_rows(path: str, data_source: str) -> list[Row]:
+    return [convert_row(raw, f"{path}:{n}", i, data_source) for i, (n, raw) in enumerate(read_file(path))]
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--input", required=True, help="GSM8K JSONL (question, answer)")
-    ap.add_argument("--output", required=True, help="JSONL to write")
-    ap.add_argument("--format", default="colossalchat", choices=["colossalchat", "verl", "swift"])
-    ap.add_argument("--data-source", default=DATA_SOURCE, help="value of the data_source column")
-    args = ap.parse_args(argv)
-    try:
-        rows = [convert_row(raw, f"{args.input}:{n}", i, args.data_source)
-                for i, (n, raw) in enumerate(read_file(args.input))]
-    except DatasetError as e:
-        sys.exit(f"convert_gsm8k: {e}")
-    count = write_jsonl(args.output, (to_layout(row, args.format) for row in rows))
-    print(f"{args.output}: {count} rows ({args.format})")
-    return 0
+    return converter_main("convert_gsm8k", __doc__.splitlines()[0], read_rows, DATA_SOURCE,
+                          "GSM8K JSONL (question, answer)", several_inputs=False, argv=argv)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ truth; level, subject (from "type") and the worked solution
 box with `\\fbox{}`: it is accepted too. A problem without a boxed answer is an
 error naming its file.
 """
-import argparse
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megarl.datasets import DatasetError, Row, read_file, to_layout, write_jsonl  # noqa: E402
+from megarl.datasets import DatasetError, Row, converter_main, read_file  # noqa: E402
 from megarl.tasks.arithmetic import extract_boxed  # noqa: E402
 
 # verl's reward routing recognises this name for MATH (verl/utils/reward_score).
@@ -74,19 +73,8 @@ def read_problems(inputs: list[str], data_source: str) -> list[Row]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--input", nargs="+", required=True, help="MATH directories, .json or .jsonl files")
-    ap.add_argument("--output", required=True, help="JSONL to write")
-    ap.add_argument("--format", default="colossalchat", choices=["colossalchat", "verl", "swift"])
-    ap.add_argument("--data-source", default=DATA_SOURCE, help="value of the data_source column")
-    args = ap.parse_args(argv)
-    try:
-        rows = read_problems(args.input, args.data_source)
-    except DatasetError as e:
-        sys.exit(f"convert_math: {e}")
-    count = write_jsonl(args.output, (to_layout(row, args.format) for row in rows))
-    print(f"{args.output}: {count} rows ({args.format})")
-    return 0
+    return converter_main("convert_math", __doc__.splitlines()[0], read_problems, DATA_SOURCE,
+                          "MATH directories, .json or .jsonl files", several_inputs=True, argv=argv)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def sft_batch(tokenizer, problems):
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
-    labels = torch.tensor([l + [-100] * (width - len(l)) for _, l in rows])
+    labels = torch.tensor([target + [-100] * (width - len(target)) for _, target in rows])
     return ids, labels
 
 
