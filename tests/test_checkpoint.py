@@ -10,7 +10,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, WORKERS, torchrun
+from helpers import ROOT, torchrun
 
 SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
          "--max-new-tokens", "12", "--micro-batch-size", "8", "--lr", "1e-3"]

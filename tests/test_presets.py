@@ -3,8 +3,9 @@
 Measured over 60 steps (reward mean of the first 5 -> last 5 steps): grpo 0.40 -> 0.61,
 dapo 0.47 -> 0.56 (DAPO's kept groups are the mixed ones, so its batch reward starts
 near 0.5), drgrpo 0.42 -> 0.56, ppo (GAE with a Megatron critic, KL in the reward with
-the adaptive controller, 2 epochs of 2 shuffled mini-batches) 0.42 -> 0.75. The threshold, +0.05, leaves room for the noise of
-5-step means while still failing on a run that does not learn.
+the adaptive controller, 2 epochs of 2 shuffled mini-batches) 0.42 -> 0.75. The threshold,
++0.05, leaves room for the noise of 5-step means while still failing on a run that does
+not learn.
 """
 
 import pytest
