@@ -249,7 +249,7 @@ def _add_checkpoint_args(parser):
     g.add_argument("--save-hf-dir", default=None,
                    help="write the final policy here as an HF checkpoint (safetensors, config, tokenizer)")
     g.add_argument("--save-hf-interval", type=int, default=0,
-                   help="also write the policy to --save-hf-dir/step_N every this many steps")
+                   help="also write the policy to <--save-hf-dir>_step_N every this many steps")
 
 
 def _add_logging_args(parser):

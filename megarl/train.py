@@ -56,7 +56,8 @@ def run(args) -> None:
             if is_main:
                 print(f"megarl: saved {path}", flush=True)
         if args.save_hf_interval and completed % args.save_hf_interval == 0:
-            rl.save_hf(os.path.join(args.save_hf_dir, f"step_{completed}"))
+            # Beside the final export, not inside it: that one replaces its directory.
+            rl.save_hf(f"{args.save_hf_dir.rstrip('/')}_step_{completed}")
         if stop:
             if is_main:
                 where = (f"checkpoint saved in {args.save_dir}; resume with --resume auto" if args.save_dir

@@ -92,7 +92,8 @@ def test_sigterm_saves_and_exits(tiny_model, tmp_path):
 
 def test_resume_and_export_at_another_tensor_parallel_size(tiny_model, tmp_path):
     _run(tiny_model, tmp_path, "tp1", "--train-steps", "2", "--save-dir", tmp_path / "ckpt",
-         "--save-hf-dir", tmp_path / "hf_tp1")
+         "--save-hf-dir", tmp_path / "hf_tp1", "--save-hf-interval", "1")
+    assert sorted(p.name for p in tmp_path.glob("hf_tp1_step_*")) == ["hf_tp1_step_1", "hf_tp1_step_2"]
     # Resumed with TP=2 (no further step), its final export must be the saved policy exactly.
     resumed = _run(tiny_model, tmp_path, "tp2", "--train-steps", "2", "--save-dir", tmp_path / "ckpt",
                    "--resume", "auto", "--tensor-model-parallel-size", "2", "--save-hf-dir", tmp_path / "hf_tp2")
