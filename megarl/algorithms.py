@@ -32,9 +32,8 @@ Advantage estimators: one calling convention, verl's
     ADVANTAGE_OPTIONS (so a caller can pass one option set whatever the flag)
     and ignores those it does not use; an unknown name raises TypeError.
   * Advantages and returns are 0 on padding. Estimators run without autograd.
-  * Legacy form, kept for the current rl.py: grpo and rloo also accept
-    (rewards [B], group_size) and then return advantages [B] only.
-    `grpo_advantages` / `rloo_advantages` are that 1-D math.
+  * `grpo_advantages` / `rloo_advantages` are the per-sample math ([B] -> [B])
+    behind grpo and rloo.
 
 Conventions (each chosen on purpose):
   * group std is the unbiased (Bessel-corrected) std, as in verl and TRL;
@@ -221,18 +220,11 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (centred * group_size / (group_size - 1)).reshape(-1)
 
 
-def _legacy_call(mask) -> bool:
-    """rl.py's current call is (rewards [B], group_size): the mask slot holds an int."""
-    return mask is not None and not torch.is_tensor(mask)
-
-
 @register(ADVANTAGE_ESTIMATORS, "grpo")
 @torch.no_grad()
 def grpo(token_rewards, mask, group_size=None, *, scale_rewards: str = "group", eps: float = EPS, **options):
     """GRPO: group-normalised outcome advantage, broadcast to the valid tokens. returns = advantages."""
     _check_options(options, ADVANTAGE_OPTIONS)
-    if _legacy_call(mask):
-        return grpo_advantages(token_rewards, int(mask), scale_rewards, eps)
     advantages = _broadcast(grpo_advantages(_scores(token_rewards, mask), group_size, scale_rewards, eps), mask)
     return advantages, advantages
 
@@ -242,8 +234,6 @@ def grpo(token_rewards, mask, group_size=None, *, scale_rewards: str = "group", 
 def rloo(token_rewards, mask, group_size=None, **options):
     """RLOO: leave-one-out baseline, broadcast to the valid tokens. returns = advantages."""
     _check_options(options, ADVANTAGE_OPTIONS)
-    if _legacy_call(mask):
-        return rloo_advantages(token_rewards, int(mask))
     advantages = _broadcast(rloo_advantages(_scores(token_rewards, mask), group_size), mask)
     return advantages, advantages
 

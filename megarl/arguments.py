@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 
 from megarl import algorithms
+from megarl.placement import ROLES, Placement, PlacementError
 
-ROLES = ("train", "rollout", "teacher")
 DEFAULT_MODEL = "artifacts/tiny-qwen2"
 
 
@@ -68,6 +68,11 @@ def _add_parallelism_args(parser):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="trainer PP size (conversion supports it; the RL trainer needs 1 for now)")
     g.add_argument("--context-parallel-size", type=int, default=1, help="trainer CP size (1 for now)")
+    g.add_argument("--offload-model", action="store_true",
+                   help="move the trainer's parameters and gradient buffers (policy, critic) to host memory "
+                        "while the rollout generates; back before they are needed")
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="move the optimizer states to host memory while the rollout generates")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
 
@@ -81,6 +86,8 @@ def _add_placement_args(parser):
     g.add_argument("--rollout-gpus", type=int, default=None, help="ranks of the rollout role")
     g.add_argument("--teacher-gpus", type=int, default=0, help="ranks of a standalone teacher role")
     g.add_argument("--teacher-model", default=None, help="HF checkpoint of the teacher")
+    g.add_argument("--teacher-tensor-parallel-size", type=int, default=1,
+                   help="vLLM TP size per engine of a standalone teacher")
 
 
 def _add_rollout_args(parser):
@@ -446,45 +453,6 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     return args
 
 
-def _resolve_rank_counts(args, world_size: int) -> None:
-    colocated = {role for group in args.colocate_groups for role in group}
-    for group in args.colocate_groups:
-        for role in group:
-            if role not in ROLES:
-                raise ConfigError(f"colocate_groups: unknown role '{role}'{_closest(role, ROLES)}")
-        if "train" in group and "rollout" in group:
-            counts = {role: getattr(args, f"{role}_gpus") for role in group}
-            given = {c for c in counts.values() if c}
-            if len(given) > 1:
-                listed = ", ".join(f"{r}.gpus={c}" for r, c in counts.items())
-                raise ConfigError(f"colocate_groups {group}: members ask for different rank counts "
-                                  f"({listed}); colocated roles share the same ranks")
-            shared = given.pop() if given else world_size
-            for role in group:
-                setattr(args, f"{role}_gpus", shared)
-    if "train" not in colocated or "rollout" not in colocated:
-        if args.rollout_gpus is None and args.train_gpus is None:
-            raise ConfigError("separate placement needs train.gpus or rollout.gpus "
-                              "(--train-gpus / --rollout-gpus)")
-        separate_teacher = args.teacher_gpus if "teacher" not in colocated else 0
-        if args.train_gpus is None:
-            args.train_gpus = world_size - args.rollout_gpus - separate_teacher
-        if args.rollout_gpus is None:
-            args.rollout_gpus = world_size - args.train_gpus - separate_teacher
-
-
-def placement_rank_count(args) -> int:
-    """Ranks the placement uses: one per rank of each separate role."""
-    if any("train" in g and "rollout" in g for g in args.colocate_groups):
-        total = args.train_gpus
-    else:
-        total = args.train_gpus + args.rollout_gpus
-    colocated = {role for group in args.colocate_groups for role in group}
-    if "teacher" not in colocated:
-        total += args.teacher_gpus
-    return total
-
-
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """The one place that turns impossible combinations into one-line errors."""
     if args.tokenizer is None:
@@ -493,47 +461,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.rollout_model = args.model
     if args.ref_model is None:
         args.ref_model = args.model
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "rollout_tensor_parallel_size", "num_generations", "micro_batch_size",
-                 "prompts_per_step", "max_new_tokens", "ppo_epochs"):
+    for name in ("num_generations", "micro_batch_size", "prompts_per_step", "max_new_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("train_gpus", "rollout_gpus"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.teacher_gpus < 0:
-        raise ConfigError(f"--teacher-gpus must be >= 0, got {args.teacher_gpus}")
+    try:
+        placement = Placement.from_args(args, world_size)
+    except PlacementError as error:
+        raise ConfigError(str(error)) from None
+    # Resolved counts, for the checkpoint's record and the config reference.
+    args.train_gpus, args.rollout_gpus = len(placement.train_ranks), len(placement.rollout_ranks)
+    from megarl import accelerator
 
-    _resolve_rank_counts(args, world_size)
-    if args.train_gpus < 1 or args.rollout_gpus < 1:
-        raise ConfigError(f"placement leaves train.gpus={args.train_gpus}, rollout.gpus={args.rollout_gpus} "
-                          f"of {world_size} launched ranks; each role needs at least one")
-    needed = placement_rank_count(args)
-    if needed > world_size:
-        raise ConfigError(f"placement needs {needed} ranks (train.gpus={args.train_gpus}, "
-                          f"rollout.gpus={args.rollout_gpus}, teacher.gpus={args.teacher_gpus}) "
-                          f"but {world_size} were launched")
-    if needed < world_size:
-        raise ConfigError(f"{world_size} ranks were launched but the placement uses {needed} "
-                          f"(train.gpus={args.train_gpus}, rollout.gpus={args.rollout_gpus}, "
-                          f"teacher.gpus={args.teacher_gpus}); idle ranks would hang")
-
-    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-                      * args.context_parallel_size)
-    if args.train_gpus % model_parallel:
-        raise ConfigError(f"train.gpus={args.train_gpus} is not divisible by tensor_model_parallel_size * "
-                          f"pipeline_model_parallel_size * context_parallel_size = {args.tensor_model_parallel_size}"
-                          f"*{args.pipeline_model_parallel_size}*{args.context_parallel_size}")
-    if args.rollout_gpus % args.rollout_tensor_parallel_size:
-        raise ConfigError(f"rollout.gpus={args.rollout_gpus} is not divisible by "
-                          f"rollout.tensor_parallel_size={args.rollout_tensor_parallel_size}")
-    from megarl import platform
-
-    unsupported = platform.check_supported(args)
+    unsupported = accelerator.check_supported(args)
     if unsupported:
         raise ConfigError(unsupported)
-    _validate_batch_geometry(args, data_parallel=args.train_gpus // model_parallel)
+    _validate_batch_geometry(args, data_parallel=placement.dp)
     _validate_kl_and_critic(args)
     _validate_data_and_eval(args)
     _validate_checkpointing(args)

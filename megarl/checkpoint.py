@@ -8,8 +8,8 @@ Layout of --save-dir:
                               at any other TP/PP size (Megatron reshards on load)
         rng/rank_00000.pt     each rank's torch / Python / numpy RNG states
         hf_config/            the policy's HF config and tokenizer (for tools/export_hf.py)
-        state.json            step, LR schedules, KL controller, data position,
-                              seeds, written last
+        state.json            step, each role's state (LR schedule), the run's (KL
+                              controller, data position), seeds; written last
     .partial_step_00000012/   a checkpoint being written
 
 Publishing: every rank writes into `.partial_step_N`, all ranks meet, then rank 0
@@ -65,24 +65,10 @@ def resolve_resume(resume: str | None, save_dir: str | None) -> str | None:
     return resume
 
 
-def _trainables(rl) -> dict:
-    """name -> (Megatron module, optimizer, scheduler) of what this rank trains."""
-    from megarl.models.convert import unwrap
-
-    items = {}
-    if rl.trainer is not None:
-        items["policy"] = (unwrap(rl.trainer.model), rl.trainer.optimizer, rl.trainer.scheduler)
-    if rl.critic is not None:
-        items["critic"] = (unwrap(rl.critic.model), rl.critic.optimizer, rl.critic.scheduler)
-    return items
-
-
-def _sharded_state_dict(rl, is_loading: bool) -> dict:
+def _sharded_state_dict(run, is_loading: bool) -> dict:
     state = {}
-    for name, (module, optimizer, _) in _trainables(rl).items():
-        model_state = module.sharded_state_dict(prefix=f"{name}.")
-        state[f"{name}_model"] = model_state
-        state[f"{name}_optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    for name, role in run.trainables().items():
+        state.update(role.sharded_state_dict(name, is_loading=is_loading))
     return state
 
 
@@ -110,11 +96,11 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def save(rl, completed_steps: int, save_dir: str, keep: int) -> str:
+def save(run, completed_steps: int, save_dir: str, keep: int) -> str:
     """Write a checkpoint of the run after `completed_steps` steps; collective over every rank."""
     from megatron.core import dist_checkpointing
 
-    context, rank = rl.context, rl.context.env.rank
+    context, rank = run.context, run.context.rank
     final = os.path.join(save_dir, step_dir_name(completed_steps))
     partial = os.path.join(save_dir, "." + step_dir_name(completed_steps).replace("step_", "partial_step_"))
     if rank == 0:
@@ -122,16 +108,16 @@ def save(rl, completed_steps: int, save_dir: str, keep: int) -> str:
         os.makedirs(os.path.join(partial, "rng"))
         os.makedirs(os.path.join(partial, "dist"))
     distributed.all_gather_objects(None, context)  # the directory exists for everyone
-    if rl.trainer is not None:
+    if run.trainables():
         _use_in_process_results_queue()
         # Collective over the train ranks (the train world).
-        dist_checkpointing.save(_sharded_state_dict(rl, is_loading=False), os.path.join(partial, "dist"))
+        dist_checkpointing.save(_sharded_state_dict(run, is_loading=False), os.path.join(partial, "dist"))
     torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
-        _save_hf_config(rl, os.path.join(partial, "hf_config"))
+        _save_hf_config(run, os.path.join(partial, "hf_config"))
     distributed.all_gather_objects(None, context)  # every rank's part is on disk
     if rank == 0:
-        _write_json(os.path.join(partial, "state.json"), _run_state(rl, completed_steps))
+        _write_json(os.path.join(partial, "state.json"), _run_state(run, completed_steps))
         if os.path.exists(final):  # a re-save of the same step (e.g. preemption right after a save)
             shutil.rmtree(final)
         os.rename(partial, final)
@@ -140,25 +126,24 @@ def save(rl, completed_steps: int, save_dir: str, keep: int) -> str:
     return final
 
 
-def load(rl, path: str) -> int:
+def load(run, path: str) -> int:
     """Restore the run from checkpoint `path`; returns the number of completed steps."""
     from megatron.core import dist_checkpointing
 
     with open(os.path.join(path, "state.json")) as f:
         state = json.load(f)
-    if rl.trainer is not None:
-        loaded = dist_checkpointing.load(_sharded_state_dict(rl, is_loading=True), os.path.join(path, "dist"))
-        for name, (module, optimizer, scheduler) in _trainables(rl).items():
-            if f"{name}_model" not in loaded:
+    trainables = run.trainables()
+    if trainables:
+        saved = state["roles"]
+        for name in trainables:
+            if name not in saved:
                 raise ValueError(f"{path}: the checkpoint has no {name} (was it saved by a run without one?)")
-            module.load_state_dict(_strip_prefix(loaded[f"{name}_model"], name))
-            optimizer.load_state_dict(loaded[f"{name}_optimizer"])
-            scheduler.load_state_dict(state["schedulers"][name])
-    if rl.kl_controller is not None and state.get("kl_controller"):
-        rl.kl_controller.load_state_dict(state["kl_controller"])
-    if hasattr(rl.prompts, "load_state_dict") and state.get("data"):
-        rl.prompts.load_state_dict(state["data"])
-    rng_file = os.path.join(path, "rng", f"rank_{rl.context.env.rank:05d}.pt")
+        loaded = dist_checkpointing.load(_sharded_state_dict(run, is_loading=True), os.path.join(path, "dist"))
+        for name, role in trainables.items():
+            role.load_sharded_state_dict(loaded, name)
+            role.load_state_dict(saved[name])
+    run.load_state_dict(state["run"])
+    rng_file = os.path.join(path, "rng", f"rank_{run.context.rank:05d}.pt")
     if os.path.exists(rng_file):  # absent when resuming on more ranks than saved
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return int(state["completed_steps"])
@@ -179,13 +164,13 @@ def _strip_prefix(state: dict, name: str) -> dict:
     return {key.removeprefix(f"{name}."): value for key, value in state.items()}
 
 
-def _run_state(rl, completed_steps: int) -> dict:
-    args = rl.args
+def _run_state(run, completed_steps: int) -> dict:
+    """state.json: written by rank 0, which trains (train ranks come first), so it sees the roles."""
+    args = run.args
     return {
         "completed_steps": completed_steps,
-        "schedulers": {name: scheduler.state_dict() for name, (_, _, scheduler) in _trainables(rl).items()},
-        "kl_controller": rl.kl_controller.state_dict() if rl.kl_controller is not None else None,
-        "data": rl.prompts.state_dict() if hasattr(rl.prompts, "state_dict") else None,
+        "roles": {name: role.state_dict() for name, role in run.trainables().items()},
+        "run": run.state_dict(),
         "seed": args.seed,
         "parallel": {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
@@ -193,9 +178,9 @@ def _run_state(rl, completed_steps: int) -> dict:
     }
 
 
-def _save_hf_config(rl, directory: str) -> None:
-    rl.hf_config.save_pretrained(directory)
-    rl.tokenizer.save_pretrained(directory)
+def _save_hf_config(run, directory: str) -> None:
+    run.hf_config.save_pretrained(directory)
+    run.tokenizer.save_pretrained(directory)
 
 
 def _write_json(path: str, value) -> None:

@@ -28,12 +28,11 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
 from megarl.algorithms import value_loss
+from megarl.model_runner import MicroBatch, TrainableModel, response_aligned
 from megarl.models.convert import HFCheckpoint, load_hf_weights, unwrap
 from megarl.models.megatron_gpt import DTYPES, build_gpt_model
-from megarl.trainer import MicroBatch, build_trainable, forward_backward, optimizer_step
 
 
 class ValueHead(torch.nn.Module):
@@ -69,7 +68,7 @@ def attach_value_head(model, hf_config, checkpoint_path: str, seed: int) -> None
     gpt.share_embeddings_and_output_weights = False  # the forward must not pass the embedding as weight
 
 
-class Critic:
+class Critic(TrainableModel):
     def __init__(self, args, hf_config):
         self.args = args
         # Tied layout: only the trunk is read from the checkpoint (no lm_head needed), so a
@@ -80,45 +79,25 @@ class Critic:
                                  calculate_per_token_loss=True)
         load_hf_weights(module, args.critic_model, trunk_config)
         attach_value_head(module, hf_config, args.critic_model, args.seed)
-        self.model, self.optimizer, self.scheduler = build_trainable(module, args, args.critic_lr,
-                                                                     args.weight_decay)
+        super().__init__(module, args, args.critic_lr, args.offload_model, args.offload_optimizer)
 
-    def _run(self, micro_batches, loss_fn, forward_only: bool):
-        return forward_backward(self.model, micro_batches, loss_fn, forward_only, self.args.micro_batch_size)
-
-    @torch.no_grad()
-    def compute_values(self, micro_batches: list[MicroBatch]) -> None:
-        """Fill `old_values` (masked like the loss) of each micro-batch."""
-        self.model.eval()
-
-        def keep(batch, output, ref_logits=None):
-            batch.old_values = output.squeeze(-1).float() * batch.loss_mask
-            return output.sum() * 0, torch.tensor(1, dtype=torch.int), {}
-
-        self._run(micro_batches, keep, forward_only=True)
+    def values(self, micro_batches: list[MicroBatch], width: int) -> torch.Tensor:
+        """Response-aligned [n, width] values before the update."""
+        outputs = self.forward_only(micro_batches, lambda batch, output: output.squeeze(-1).float())
+        return response_aligned(micro_batches, outputs, width)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         """One optimizer step of the value loss over these micro-batches."""
-        from megatron.core import parallel_state
-
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
-        def loss(batch, output, ref_logits=None):
+        def loss(batch, output, companion_output=None):
             values = output.squeeze(-1).float()
             mask = batch.loss_mask
             token_loss, metrics = value_loss(values, batch.old_values, batch.returns, mask, self.args.value_clip)
-            with torch.no_grad():
-                sums = torch.stack([token_loss.sum(), metrics["clipped"].sum(), (values * mask).sum(),
-                                    (batch.returns * mask).sum(), mask.sum()])
-            return token_loss.sum(), mask.sum().round().to(torch.int), {"sums": sums}
+            sums = {"value_loss": token_loss.sum(), "clipped": metrics["clipped"].sum(),
+                    "values": (values * mask).sum(), "returns": (batch.returns * mask).sum(), "tokens": mask.sum()}
+            return token_loss.sum(), mask.sum().round().to(torch.int), {"sums": {k: v.detach() for k, v in sums.items()}}
 
-        outputs = self._run(micro_batches, loss, forward_only=False)
-        grad_norm = optimizer_step(self.optimizer, self.scheduler)
-        sums = torch.stack([o["sums"] for o in outputs]).sum(dim=0)
-        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        tokens = max(sums[4].item(), 1.0)
-        return {"value_loss": sums[0].item() / tokens, "value_clip_fraction": sums[1].item() / tokens,
-                "value_mean": sums[2].item() / tokens, "returns_mean": sums[3].item() / tokens,
-                "critic_grad_norm": grad_norm, "critic_lr": self.optimizer.param_groups[0]["lr"]}
+        sums, grad_norm = self.optimizer_step(micro_batches, loss)
+        tokens = max(sums["tokens"], 1.0)
+        return {"value_loss": sums["value_loss"] / tokens, "value_clip_fraction": sums["clipped"] / tokens,
+                "value_mean": sums["values"] / tokens, "returns_mean": sums["returns"] / tokens,
+                "critic_grad_norm": grad_norm, "critic_lr": self.lr}

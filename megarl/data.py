@@ -1,31 +1,16 @@
-"""Prompt sources. Each step's prompts are a pure function of (seed, step), so
-every rank builds the same list without communication and a resumed run sees
-the same prompts."""
+"""Prompt sources: the training prompts of each step and the evaluation sets.
+
+Each step's prompts are a pure function of (seed, step) (plus, for files, the
+data position a checkpoint restores), so every rank builds the same list without
+communication and a resumed run sees the same prompts. Imports go one way:
+data -> datasets (files and layouts) -> prompts (the Prompt record, chat rendering).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from megarl.datasets import PromptDataset, load_eval_dataset, load_rows, make_prompts
+from megarl.prompts import Prompt, render_chat
 from megarl.tasks import arithmetic
-
-
-@dataclass
-class Prompt:
-    index: int  # position in this step's list
-    ids: list[int]
-    metadata: dict  # what the reward needs, e.g. {"answer": "85"}
-
-
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The tokenizer's chat template applied to `messages`, ending with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
-
-
-def render_chat(tokenizer, user_text: str, system_prompt: str | None = None) -> list[int]:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-        [{"role": "user", "content": user_text}]
-    return chat_token_ids(tokenizer, messages)
 
 
 class ArithmeticPrompts:
@@ -47,13 +32,18 @@ class ArithmeticPrompts:
             prompts.append(Prompt(index, ids, {"answer": problem["answer"]}))
         return prompts
 
+    def state_dict(self) -> dict:
+        """Nothing to keep: a step's problems are a function of (seed, step, attempt)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
 
 def prompt_source(args, tokenizer, system_prompt: str | None):
     """Training prompts: --train-data files (megarl/datasets.py), else the built-in arithmetic task."""
     if not args.train_data:
         return ArithmeticPrompts(args, tokenizer)
-    from megarl.datasets import PromptDataset, load_rows
-
     rows = load_rows(args.train_data, format=args.data_format, prompt_key=args.prompt_key,
                      preprocessor=args.preprocessor)
     return PromptDataset(rows, tokenizer, prompts_per_step=args.prompts_per_step, seed=args.seed,
@@ -63,8 +53,6 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
 
 def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[Prompt]]:
     """Every --eval-dataset, rendered once: {name: prompts in file order}."""
-    from megarl.datasets import load_eval_dataset, make_prompts
-
     return {name: make_prompts(load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
                                                  preprocessor=args.preprocessor),
                                tokenizer, system_prompt, args.max_prompt_length, args.truncation)

@@ -97,7 +97,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from megarl.arguments import ConfigError
-from megarl.data import Prompt, chat_token_ids
+from megarl.prompts import Prompt, chat_token_ids
 
 FORMATS = ("auto", "colossalchat", "verl", "swift")
 TRUNCATIONS = ("error", "left", "right")

@@ -4,15 +4,15 @@ Launch: torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, and the
 agent's TCPStore), or plain `srun` (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and
 the first host of SLURM_JOB_NODELIST; rank 0 then serves the TCPStore itself).
 Either way, init_distributed leaves torchrun's variables set (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/PORT): vLLM's external launcher and platform.device() read them.
+LOCAL_RANK, MASTER_ADDR/PORT): vLLM's external launcher and accelerator.device() read them.
 
-Placement (DESIGN.md, "Placements"): vLLM and Megatron both assume they own the
+Worlds (docs/design.md, "Placements"): vLLM and Megatron both assume they own the
 whole default world, so
-  * colocate: one world of all ranks; every rank trains and generates;
+  * colocate: one world of the train (= rollout) ranks; they train and generate;
   * separate: each role gets a world of its own (`init_process_group` on a
     PrefixStore of the launcher's store, with the rank and size inside the role),
     and cross-role traffic uses one extra group over all launched ranks, built
-    directly on the same store.
+    directly on the same store. A standalone teacher's ranks are a world of their own.
 Megatron's parallel state is built over the train world only.
 """
 
@@ -27,8 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megarl import platform
+from megarl import accelerator
 from megarl.arguments import ConfigError
+from megarl.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def export_launch_env(env: LaunchEnv, environ=os.environ) -> None:
 
     vLLM's external launcher reads LOCAL_RANK (and RANK) from the environment
     (`int(os.environ["LOCAL_RANK"])`: a KeyError under plain srun), and
-    `platform.device()` picks `cuda:$LOCAL_RANK` (else every rank of a node would
+    `accelerator.device()` picks `cuda:$LOCAL_RANK` (else every rank of a node would
     use GPU 0). Values a launcher already set are kept.
     """
     for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
@@ -89,70 +90,20 @@ def export_launch_env(env: LaunchEnv, environ=os.environ) -> None:
         environ.setdefault(key, str(value))
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Which global ranks play which role, and the train role's parallel sizes."""
-
-    world_size: int
-    colocated: bool
-    train_ranks: tuple[int, ...]
-    rollout_ranks: tuple[int, ...]
-    teacher_ranks: tuple[int, ...]
-    tp: int
-    pp: int
-    cp: int
-    rollout_tp: int
-
-    @property
-    def dp(self) -> int:
-        return len(self.train_ranks) // (self.tp * self.pp * self.cp)
-
-    def roles_of(self, rank: int) -> tuple[str, ...]:
-        return tuple(role for role, ranks in (("train", self.train_ranks), ("rollout", self.rollout_ranks),
-                                              ("teacher", self.teacher_ranks)) if rank in ranks)
-
-    def world_of(self, rank: int) -> tuple[str, tuple[int, ...]]:
-        """The (name, global ranks) of the world this rank initialises as its default group."""
-        if self.colocated:
-            return "all", tuple(range(self.world_size))
-        role = self.roles_of(rank)[0]
-        return role, getattr(self, f"{role}_ranks")
-
-    def describe(self) -> str:
-        def span(ranks):
-            return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
-
-        lines = [f"placement: {'colocate' if self.colocated else 'separate'}, {self.world_size} ranks"]
-        lines.append(f"  train   ranks {span(self.train_ranks)}: TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp}")
-        lines.append(f"  rollout ranks {span(self.rollout_ranks)}: TP={self.rollout_tp}, "
-                     f"{len(self.rollout_ranks) // self.rollout_tp} vLLM engine(s)")
-        if self.teacher_ranks:
-            lines.append(f"  teacher ranks {span(self.teacher_ranks)}")
-        return "\n".join(lines)
-
-
-def build_layout(args, world_size: int) -> Layout:
-    colocated = any("train" in g and "rollout" in g for g in args.colocate_groups)
-    train = tuple(range(args.train_gpus))
-    rollout = train if colocated else tuple(range(args.train_gpus, args.train_gpus + args.rollout_gpus))
-    next_free = max(train + rollout) + 1
-    teacher_colocated = any("teacher" in g for g in args.colocate_groups)
-    teacher = () if teacher_colocated or not args.teacher_gpus else tuple(
-        range(next_free, next_free + args.teacher_gpus))
-    return Layout(world_size, colocated, train, rollout, teacher, args.tensor_model_parallel_size,
-                  args.pipeline_model_parallel_size, args.context_parallel_size,
-                  args.rollout_tensor_parallel_size)
-
-
 @dataclass
 class DistContext:
     env: LaunchEnv
-    layout: Layout
+    placement: Placement
     store: dist.Store
-    world_name: str  # "all" when colocated, else this rank's role
+    world_name: str  # "train+rollout" when colocated, else this rank's role
     timeout: timedelta
-    cross_role_group: object | None = None  # over all launched ranks; None when colocated
+    cross_role_group: object | None = None  # over all launched ranks; None with a single world
     roles: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def rank(self) -> int:
+        """This process's launch rank."""
+        return self.env.rank
 
     @property
     def is_train(self) -> bool:
@@ -173,36 +124,36 @@ def init_distributed(args, env: LaunchEnv | None = None) -> DistContext:
     """Create the default (per-role or shared) world and the cross-role group."""
     env = env or launch_env()
     export_launch_env(env)
-    layout = build_layout(args, env.world_size)
+    placement = Placement.from_args(args, env.world_size)
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    platform.set_device(env.local_rank)
+    accelerator.set_device(env.local_rank)
     store = _connect_store(env, timeout)
-    world_name, world_ranks = layout.world_of(env.rank)
+    world_name, world_ranks = placement.world_of(env.rank)
     dist.init_process_group(
-        backend=platform.backend(), store=dist.PrefixStore(f"megarl/world/{world_name}/", store),
+        backend=accelerator.backend(), store=dist.PrefixStore(f"megarl/world/{world_name}/", store),
         rank=world_ranks.index(env.rank), world_size=len(world_ranks), timeout=timeout)
-    context = DistContext(env, layout, store, world_name, timeout, roles=layout.roles_of(env.rank))
-    if not layout.colocated:
+    context = DistContext(env, placement, store, world_name, timeout, roles=placement.roles_of(env.rank))
+    if placement.needs_cross_role_group:
         context.cross_role_group = new_store_group("cross-role", context)
     if env.rank == 0:
-        print(f"[megarl] {layout.describe()}", flush=True)
+        print(f"[megarl] {placement.describe()}", flush=True)
     return context
 
 
-def new_store_group(name: str, context: DistContext, members: tuple[int, ...] | None = None):
-    """A gloo group over `members` (default: every launched rank), outside the default world.
+def new_store_group(name: str, context: DistContext, members: tuple[int, ...] | None = None,
+                    carries_device_tensors: bool = False):
+    """A group over `members` (default: every launched rank), outside the default world.
 
     Built directly on the launcher's store, so it can span roles that live in
     different worlds. Call only on member ranks, and use its own collectives
     (`group.broadcast(tensor, root).wait()`), since torch.distributed's
-    helpers only know groups of the default world.
+    helpers only know groups of the default world. gloo for objects and CPU
+    tensors; NCCL on GPU hosts when it carries device tensors (accelerator.store_group).
     """
     members = tuple(range(context.env.world_size)) if members is None else members
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = context.timeout
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"megarl/group/{name}/", context.store),
-                                 members.index(context.env.rank), len(members), options)
+    return accelerator.store_group(dist.PrefixStore(f"megarl/group/{name}/", context.store),
+                                   members.index(context.env.rank), len(members), context.timeout,
+                                   carries_device_tensors)
 
 
 def init_megatron_parallel(context: DistContext, seed: int) -> None:
@@ -211,18 +162,18 @@ def init_megatron_parallel(context: DistContext, seed: int) -> None:
         return
     from megatron.core import parallel_state, tensor_parallel
 
-    platform.apply_megatron_shims()
-    layout = context.layout
+    accelerator.apply_megatron_shims()
+    placement = context.placement
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp)
+        tensor_model_parallel_size=placement.tp, pipeline_model_parallel_size=placement.pp,
+        context_parallel_size=placement.cp)
+    expected = (placement.dp, placement.data_parallel_rank(context.rank))
+    actual = (parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
+    if expected != actual:
+        raise RuntimeError(f"Megatron's data-parallel (size, rank) {actual} differs from the placement's "
+                           f"{expected}: the rank order assumed in megarl/placement.py is out of date")
     # Megatron's RNG tracker (dropout, init) needs its per-TP-rank states.
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def rank0_print(*args) -> None:
-    if not dist.is_initialized() or int(os.environ.get("RANK", dist.get_rank())) == 0:
-        print(*args, flush=True)
 
 
 def all_gather_objects(obj, context: DistContext) -> list:

@@ -1,12 +1,13 @@
 """Per-step metrics: one progress line, TensorBoard scalars (and wandb when asked), from rank 0.
 
 `accuracy` is the fraction of samples whose reward reaches 1.0 (the built-in
-rewards give 1.0 for a correct answer). Seconds per phase: rollout (generation),
-reward (scoring, the slowest rollout rank), logprobs (old / reference logprobs
-and values before the update), train (optimizer steps), sync (weights to the
-rollout engines). tokens_per_second counts prompt and response tokens of the
-step's samples over the whole step; rollout_tokens_per_second counts the
-generated tokens over the rollout phase.
+rewards give 1.0 for a correct answer). Each phase of the step (megarl/phases.py)
+reports its own seconds and metrics: `<phase>_seconds` (generate, score,
+prepare, advantages, update, sync), `step_seconds` their sum, and
+`reward_seconds` the scoring inside generate (the slowest rollout rank).
+tokens_per_second counts prompt and response tokens of the step's samples over
+the whole step; rollout_tokens_per_second counts the generated tokens over
+generation without scoring.
 """
 
 from __future__ import annotations
@@ -37,11 +38,18 @@ class MetricsLogger:
             self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_name,
                                     config={k: v for k, v in vars(args).items() if _plain(v)})
 
-    def log_step(self, step: int, samples, metrics: dict) -> dict:
+    def log_step(self, step: int, batch, reports: dict) -> dict:
+        """reports: phase name -> phases.PhaseReport. Returns the flat metrics written."""
+        samples = batch.samples
+        metrics = {}
+        for name, report in reports.items():
+            metrics.update(report.metrics)
+            metrics[f"{name}_seconds"] = report.seconds
+        metrics["step_seconds"] = sum(report.seconds for report in reports.values())
         rewards = torch.tensor([s.reward for s in samples])
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
         prompt_tokens = sum(len(s.prompt_ids) for s in samples)
-        metrics = dict(metrics)
+        generation_seconds = metrics.get("generate_seconds", 0.0) - metrics.get("reward_seconds", 0.0)
         metrics.update(
             reward_mean=rewards.mean().item(),
             reward_std=rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -50,7 +58,7 @@ class MetricsLogger:
             response_length_max=lengths.max().item(),
             truncated_fraction=sum(s.truncated for s in samples) / len(samples),
             tokens_per_second=(prompt_tokens + lengths.sum().item()) / max(metrics["step_seconds"], 1e-9),
-            rollout_tokens_per_second=lengths.sum().item() / max(metrics.get("rollout_seconds", 0.0), 1e-9),
+            rollout_tokens_per_second=lengths.sum().item() / max(generation_seconds, 1e-9),
         )
         self.rewards.append(metrics["reward_mean"])
         if not self.is_main:

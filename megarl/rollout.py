@@ -25,7 +25,7 @@ import os
 import torch
 from dataclasses import dataclass, field
 
-from megarl import platform
+from megarl import accelerator
 
 log = logging.getLogger("megarl.rollout")
 
@@ -49,12 +49,14 @@ class Sample:
 
 
 class RolloutEngine:
-    def __init__(self, args, role_rank: int, role_size: int):
+    def __init__(self, args, engines, rank: int):
+        """One engine of the vLLM role whose ranks are `engines` (placement.EngineGroup),
+        on launch rank `rank`."""
         from vllm import LLM
 
         # vLLM's external launcher reads the torch world from the environment:
         # in separate placement that is this role's world, not the launch's.
-        os.environ.update(RANK=str(role_rank), WORLD_SIZE=str(role_size))
+        os.environ.update(RANK=str(engines.role_rank(rank)), WORLD_SIZE=str(len(engines.ranks)))
         # A run that ended hard (SIGKILL, os._exit) leaves vLLM's CPU shared-memory
         # segments behind under fixed names, and the next engine then fails with
         # "create shm in SHMManager failed. errno: 17". Clear them while no engine
@@ -62,9 +64,10 @@ class RolloutEngine:
         release_shared_memory()
         torch.distributed.barrier()
         self.args = args
-        self.tp = args.rollout_tensor_parallel_size
-        self.engine_index = role_rank // self.tp
-        self.num_engines = role_size // self.tp
+        self.tp = engines.tp
+        self.engine_index = engines.engine_index(rank)
+        self.num_engines = engines.num_engines
+        self.is_leader = engines.is_engine_leader(rank)  # contributes this engine's samples
         engine_kwargs = dict(
             model=args.rollout_model,
             tokenizer=args.tokenizer,
@@ -74,9 +77,11 @@ class RolloutEngine:
             seed=args.seed + self.engine_index,
             max_model_len=args.max_prompt_length + args.max_new_tokens,
             logprobs_mode="processed_logprobs",
-            **platform.vllm_engine_kwargs(args),
+            **accelerator.vllm_engine_kwargs(args),
         )
         engine_kwargs.update(args.rollout_engine_kwargs)
+        from megarl.vllm_logging import quiet_expected_reload_warnings
+        quiet_expected_reload_warnings()
         self.llm = LLM(**engine_kwargs)
         self.sleeping = False
 

@@ -1,14 +1,23 @@
-"""Trainer -> rollout weight sync, after every optimizer step.
+"""Trainer -> rollout weight sync, after every optimizer step: strategies behind one verb.
 
-Two strategies, chosen by placement:
+    strategy.sync(actor, engine) -> SyncStats
+
+`actor` is this rank's Actor (None on rollout-only ranks), `engine` its
+RolloutEngine (None on train-only ranks). Every launched rank calls it; the
+strategy decides who does what. `build_weight_sync` picks the strategy the
+placement needs from `WEIGHT_SYNC_STRATEGIES`:
 
   colocated  every rank trains and generates: the train world streams the model
-             out of Megatron (`iter_hf_weights`: TP all-gather per bucket, PP
-             broadcast) and each rank loads the stream into its own engine.
+             out of Megatron (`Actor.hf_weights`: TP all-gather per bucket, PP
+             broadcast) and each rank loads the stream into its own engine. It
+             owns the engine's wake order on GPU: weights, then the load, then
+             the KV cache (the KV cache must not take the memory first).
   broadcast  separate ranks: the train ranks stream the model the same way and
              train rank 0 packs it into flat buckets of `--sync-bucket-mb`,
-             broadcast over a group of {train rank 0} + rollout ranks; each
-             rollout rank unpacks and streams the tensors into its engine.
+             broadcast over a group of {train rank 0} + rollout ranks (NCCL on
+             GPU hosts, gloo on CPU: accelerator.store_group); each rollout rank
+             unpacks and streams the tensors into its engine. Rollout engines of
+             a separate placement never sleep, so there is nothing to wake.
 
 Nothing about names, shapes or buckets is cached between syncs: the metadata
 travels with every bucket. vLLM shards what it receives for its own TP size,
@@ -23,7 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.models.convert import iter_hf_weights
+from megarl import accelerator, distributed
+
+WEIGHT_SYNC_STRATEGIES = {}
+
+
+def register_strategy(name: str):
+    def wrap(cls):
+        WEIGHT_SYNC_STRATEGIES[name] = cls
+        return cls
+    return wrap
 
 
 @dataclass
@@ -44,30 +62,50 @@ class _Counted:
             yield name, tensor
 
 
+def build_weight_sync(context: distributed.DistContext, bucket_bytes: int):
+    """The strategy this placement needs; collective: call on every launched rank."""
+    name = "colocated" if context.placement.colocated else "broadcast"
+    return WEIGHT_SYNC_STRATEGIES[name](context, bucket_bytes)
+
+
+@register_strategy("colocated")
 class ColocatedSync:
-    def __init__(self, bucket_bytes: int):
+    def __init__(self, context: distributed.DistContext, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
 
-    def sync(self, model, hf_config, engine) -> SyncStats:
+    def sync(self, actor, engine) -> SyncStats:
         start = time.perf_counter()
-        stream = _Counted(iter_hf_weights(model, hf_config, self.bucket_bytes))
+        engine.wake_up(tags=["weights"])
+        stream = _Counted(actor.hf_weights(self.bucket_bytes))
         engine.load_weights(iter(stream))
+        engine.wake_up(tags=["kv_cache"])
         return SyncStats(time.perf_counter() - start, stream.bytes)
 
 
+@register_strategy("broadcast")
 class BroadcastSync:
-    """Separate placement. `group` spans train rank 0 (member 0) and every rollout rank."""
+    """Separate placement. The group spans train rank 0 (member 0, the sender) and every rollout rank."""
 
-    def __init__(self, bucket_bytes: int, group, is_sender: bool):
+    def __init__(self, context: distributed.DistContext, bucket_bytes: int):
+        members = context.placement.weight_sync_members
         self.bucket_bytes = bucket_bytes
-        self.group = group
-        self.is_sender = is_sender
+        self.group = distributed.new_store_group("weight-sync", context, members, carries_device_tensors=True) \
+            if context.rank in members else None
+        self.is_sender = context.rank == members[0]
+        self.device = accelerator.device()
 
-    def send(self, model, hf_config) -> SyncStats:
-        """Called on every train rank (they all take part in the gathers); rank 0 sends."""
+    def sync(self, actor, engine) -> SyncStats:
+        if actor is not None:
+            return self._send(actor)
+        if self.group is not None:
+            return self._receive_into(engine)
+        return SyncStats()
+
+    def _send(self, actor) -> SyncStats:
+        """Every train rank takes part in the gathers; train rank 0 sends."""
         start, sent = time.perf_counter(), 0
         bucket, size = [], 0
-        for name, tensor in iter_hf_weights(model, hf_config, self.bucket_bytes):
+        for name, tensor in actor.hf_weights(self.bucket_bytes):
             if not self.is_sender:
                 continue
             bucket.append((name, tensor))
@@ -81,7 +119,7 @@ class BroadcastSync:
             self._send_bucket([])  # end of stream
         return SyncStats(time.perf_counter() - start, sent)
 
-    def receive_into(self, engine) -> SyncStats:
+    def _receive_into(self, engine) -> SyncStats:
         start = time.perf_counter()
         stream = _Counted(self._receive_stream())
         engine.load_weights(iter(stream))
@@ -93,7 +131,7 @@ class BroadcastSync:
         if not bucket:
             return 0
         dtype = bucket[0][1].dtype
-        flat = torch.cat([t.reshape(-1).to(dtype) for _, t in bucket])
+        flat = torch.cat([t.reshape(-1).to(device=self.device, dtype=dtype) for _, t in bucket])
         self.group.broadcast(flat, 0).wait()
         return flat.numel() * flat.element_size()
 
@@ -103,7 +141,7 @@ class BroadcastSync:
             if not meta:
                 return
             total = sum(torch.Size(shape).numel() for _, shape, _ in meta)
-            flat = torch.empty(total, dtype=meta[0][2])
+            flat = torch.empty(total, dtype=meta[0][2], device=self.device)
             self.group.broadcast(flat, 0).wait()
             offset = 0
             for name, shape, dtype in meta:
@@ -112,14 +150,14 @@ class BroadcastSync:
                 offset += numel
 
     def _broadcast_object(self, obj):
-        """Pickled object from member 0: a length, then the bytes."""
+        """Pickled object from member 0: a length, then the bytes (on the group's device)."""
         if self.is_sender:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            length = torch.tensor([payload.numel()], dtype=torch.int64)
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+            length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         else:
-            length = torch.zeros(1, dtype=torch.int64)
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.group.broadcast(length, 0).wait()
         if not self.is_sender:
-            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+            payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.group.broadcast(payload, 0).wait()
-        return obj if self.is_sender else pickle.loads(payload.numpy().tobytes())
+        return obj if self.is_sender else pickle.loads(payload.cpu().numpy().tobytes())

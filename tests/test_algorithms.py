@@ -158,13 +158,6 @@ def test_group_baselines_edge_cases(name):
     assert advantages[:4].abs().min() > 0 and advantages[4:].abs().max() < 1e-3
 
 
-def test_grpo_legacy_float32_call_matches_rl_py():
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # as rl.py builds them
-    advantages = A.ADVANTAGE_ESTIMATORS["grpo"](rewards, 3)
-    assert advantages.shape == (6,) and advantages.dtype == torch.float32
-    assert_close(advantages.double(), grpo_reference(rewards.tolist(), 3, "group"), rtol=1e-6, atol=1e-6)
-
-
 # --------------------------------------------------------------- REINFORCE++ ----
 def discounted_rows(token_rewards, lengths, gamma):
     rows = []
@@ -320,7 +313,7 @@ def test_ppo_clip(seed, low, high, c):
 
 
 def test_ppo_clip_positional_call_as_trainer():
-    """trainer.py's call: (logprobs, old, advantages, low, high) -> (loss, metrics with "clipped")."""
+    """actor.py's call: (logprobs, old, advantages, low, high) -> (loss, metrics with "clipped")."""
     _, _, logp, old, advantages = policy_batch(4)
     loss, metrics = A.POLICY_LOSSES["ppo_clip"](t(logp).float(), t(old).float(), t(advantages).float(), 0.2, 0.28)
     assert loss.dtype == torch.float32 and metrics["clipped"].shape == loss.shape

@@ -15,7 +15,7 @@ def test_colocate_tp2(tmp_path):
     ranks, stdout = _layout(tmp_path, "--tensor-model-parallel-size", "2")
     for rank, report in enumerate(ranks):
         assert report["roles"] == ["train", "rollout"]
-        assert (report["world_name"], report["world_rank"], report["world_size"]) == ("all", rank, 2)
+        assert (report["world_name"], report["world_rank"], report["world_size"]) == ("train+rollout", rank, 2)
         assert report["megatron"] == {"tp": 2, "tp_rank": rank, "pp": 1, "dp": 1, "dp_rank": 0}
         assert "cross_role_broadcast" not in report
     assert "placement: colocate, 2 ranks" in stdout

@@ -249,9 +249,9 @@ def _gather_tp_shards(bucket, tp_group, tp_size: int) -> list[list[torch.Tensor]
 
 def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group) -> torch.Tensor:
     """Broadcast a tensor whose shape only the source knows (dtype: the model's)."""
-    from megarl import platform
+    from megarl import accelerator
 
-    shape = torch.zeros(5, dtype=torch.int64, device=platform.device())
+    shape = torch.zeros(5, dtype=torch.int64, device=accelerator.device())
     if tensor is not None:
         shape[0] = tensor.dim()
         shape[1: 1 + tensor.dim()] = torch.tensor(tensor.shape)
@@ -259,7 +259,7 @@ def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group) -> torch.Ten
     dist.broadcast(shape, src, group=group)
     if tensor is None:
         dims = shape.tolist()
-        tensor = torch.empty(dims[1: 1 + dims[0]], dtype=_DTYPE_CODES[dims[4]], device=platform.device())
+        tensor = torch.empty(dims[1: 1 + dims[0]], dtype=_DTYPE_CODES[dims[4]], device=accelerator.device())
     tensor = tensor.contiguous()
     dist.broadcast(tensor, src, group=group)
     return tensor

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megarl import platform
+from megarl import accelerator
 from megarl.models.families import Family, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,7 +142,7 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        use_cpu_initialization=not platform.ON_CUDA,
+        use_cpu_initialization=not accelerator.ON_CUDA,
         # Weights come from a checkpoint right after construction.
         perform_initialization=False,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -160,7 +160,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    platform.apply_megatron_shims()
+    accelerator.apply_megatron_shims()
     family = family_of(hf_config)
     check_supported(hf_config, family)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -171,7 +171,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     rope_kwargs, late_llama3_scaling = rope_arguments(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=platform.gpt_layer_spec(qk_layernorm=family.qk_layernorm),
+        transformer_layer_spec=accelerator.gpt_layer_spec(qk_layernorm=family.qk_layernorm),
         vocab_size=padded_vocab_size(hf_config.vocab_size, divisible_by, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -184,4 +184,4 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
         rotary = model.rotary_pos_emb
         rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **late_llama3_scaling)
-    return model.to(platform.device())
+    return model.to(accelerator.device())

@@ -80,10 +80,12 @@ def main():
                        # Random checkpoints have no tokenizer; prompts are token ids.
                        "--rollout-engine-kwargs", json.dumps({"skip_tokenizer_init": True})])
     context = distributed.init_distributed(args)
-    engine = RolloutEngine(args, dist.get_rank(), dist.get_world_size())
+    engine = RolloutEngine(args, context.placement.rollout, context.rank)
     distributed.init_megatron_parallel(context, args.seed)  # after the engine (colocated order)
 
-    from megarl.models.convert import load_hf_weights
+    from types import SimpleNamespace
+
+    from megarl.models.convert import iter_hf_weights, load_hf_weights
     from megarl.models.megatron_gpt import build_gpt_model
     from megarl.weight_sync import ColocatedSync
 
@@ -94,7 +96,9 @@ def main():
 
     model = build_gpt_model(hf_config)
     load_hf_weights(model, mine.synced, hf_config)
-    stats = ColocatedSync(bucket_bytes=64 * 2**10).sync(model, hf_config, engine)
+    # A bare GPTModel stands in for the Actor: the sync only asks it for its HF weights.
+    actor = SimpleNamespace(hf_weights=lambda bucket_bytes: iter_hf_weights(model, hf_config, bucket_bytes))
+    stats = ColocatedSync(context, bucket_bytes=64 * 2**10).sync(actor, engine)
     report["synced"] = {**check_engine(engine, mine.synced, prompts), "sync_bytes": stats.bytes}
     if dist.get_rank() == 0:
         with open(mine.out, "w") as f:

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from megarl import checkpoint, rl, train
+from megarl import checkpoint, phases, train
 
 WHERE, AT = os.environ["MEGARL_TEST_KILL"].split(":")
 AT = int(AT)
@@ -21,13 +21,13 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-original_train, original_run_state = rl.RLRun.train, checkpoint._run_state
+original_update, original_run_state = phases.update, checkpoint._run_state
 
 
-def train_then_die(self, samples, step):
+def update_then_die(run, batch, step):
     if WHERE == "train" and IS_RANK_0 and step + 1 == AT:
         die()
-    return original_train(self, samples, step)
+    return original_update(run, batch, step)
 
 
 def run_state_then_die(run, completed_steps):
@@ -36,6 +36,6 @@ def run_state_then_die(run, completed_steps):
     return original_run_state(run, completed_steps)
 
 
-rl.RLRun.train = train_then_die
+phases.update = update_then_die
 checkpoint._run_state = run_state_then_die
 train.main(sys.argv[1:])

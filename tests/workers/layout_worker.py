@@ -21,7 +21,7 @@ def main():
         "world_name": context.world_name,
         "world_rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
-        "describe": context.layout.describe(),
+        "describe": context.placement.describe(),
     }
     if context.is_train:
         from megatron.core import parallel_state as ps

@@ -17,7 +17,7 @@ from megarl.models.families import family_of
 from megarl.models.megatron_gpt import build_gpt_model, rope_parameters
 from megarl.algorithms import kl_full
 from megarl.critic import attach_value_head
-from megarl.trainer import vocab_parallel_entropy, vocab_parallel_full_kl, vocab_parallel_logprobs
+from megarl import vocab_parallel
 
 
 def _full_kl_parity(shard_logits, reference, vocab_size) -> dict:
@@ -26,7 +26,7 @@ def _full_kl_parity(shard_logits, reference, vocab_size) -> dict:
     from megatron.core import parallel_state
 
     shard = shard_logits.detach().clone().requires_grad_(True)
-    kl = vocab_parallel_full_kl(shard, 0.5 * shard.detach(), vocab_size, 0.7)
+    kl = vocab_parallel.full_kl(shard, 0.5 * shard.detach(), vocab_size, 0.7)
     kl.sum().backward()
     full = reference.detach().clone().requires_grad_(True)
     expected = kl_full(torch.log_softmax(full / 0.7, -1), torch.log_softmax(0.5 * full.detach() / 0.7, -1))
@@ -109,8 +109,8 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
             # against a full-vocabulary softmax of the HF logits.
             labels = torch.roll(tokens, -1, dims=1)
             full = torch.log_softmax(reference / 0.7, dim=-1)
-            logprobs = vocab_parallel_logprobs(shard_logits, labels, hf_config.vocab_size, 0.7)
-            entropy = vocab_parallel_entropy(shard_logits, hf_config.vocab_size, 0.7)
+            logprobs = vocab_parallel.logprobs(shard_logits, labels, hf_config.vocab_size, 0.7)
+            entropy = vocab_parallel.entropy(shard_logits, hf_config.vocab_size, 0.7)
         report["max_abs_logit_diff"] = (logits - reference).abs().max().item()
         report["max_abs_logprob_diff"] = (logprobs - full.gather(-1, labels[..., None])[..., 0]).abs().max().item()
         report["max_abs_entropy_diff"] = (entropy + (full.exp() * full).sum(-1)).abs().max().item()

@@ -13,54 +13,48 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
-from megarl import distributed
+from megarl import distributed, phases
 from megarl.arguments import parse_args
-from megarl.models.convert import save_hf_checkpoint
-from megarl.rl import RLRun, _mismatch
+from megarl.batch import mismatch_metrics
 from megarl.rollout import release_shared_memory
-from megarl.trainer import make_micro_batches
+from megarl.run import build_run
 
 GREEDY_PROMPTS = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "What is 3 + 9?"]
 
 
-def measure(rl, step):
-    samples, _ = rl.generate(step)
-    micro_batches = make_micro_batches(samples, 32, 0) if rl.trainer else []
-    if rl.trainer is None:
+def measure(run, step):
+    samples, _ = phases.generate(run, step)
+    batch, _ = phases.score_and_filter(run, samples)
+    batch, _ = phases.prepare(run, batch)
+    if run.actor is None:
         return None
-    rl.trainer.compute_logprobs(micro_batches)
-    width = max(len(s.response_ids) for s in samples)
-    old, rollout, mask = (torch.cat([b.response_aligned(getattr(b, name), width) for b in micro_batches])
-                          for name in ("old_logprobs", "rollout_logprobs", "loss_mask"))
-    return _mismatch(old, rollout, mask)
+    return mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
 
 
 def main():
     out, argv = sys.argv[1], sys.argv[2:]
     args = parse_args(argv)
     context = distributed.init_distributed(args)
-    rl = RLRun(args, context)
-    report = {"before": measure(rl, 0)}
+    run = build_run(args, context)
+    report = {"before": measure(run, 0)}
 
-    if rl.trainer is not None:
+    if run.actor is not None:
         generator = torch.Generator().manual_seed(7)
         with torch.no_grad():
-            for param in rl.trainer.model.parameters():
+            for param in run.actor.model.parameters():
                 param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    report["sync"] = rl.sync_weights()
-    report["after"] = measure(rl, 1)
+    synced = phases.sync(run)
+    report["sync"] = {"sync_seconds": synced.seconds, **synced.metrics}
+    report["after"] = measure(run, 1)
 
-    if rl.engine is not None:
-        from megarl.data import render_chat
+    if run.rollout is not None:
+        from megarl.prompts import render_chat
 
-        prompts = [render_chat(rl.tokenizer, text) for text in GREEDY_PROMPTS]
-        greedy = rl.engine.generate(prompts, list(range(len(prompts))), step=0, greedy=True)
+        prompts = [render_chat(run.tokenizer, text) for text in GREEDY_PROMPTS]
+        greedy = run.rollout.generate(prompts, list(range(len(prompts))), step=0, greedy=True)
         report["greedy"] = [s.response_ids for s in greedy]
-    if rl.trainer is not None:
-        save_hf_checkpoint(rl.trainer.model, rl.hf_config, f"{out}_hf", tokenizer=rl.tokenizer,
-                           is_writer=dist.get_rank() == 0, source_dir=args.model)
+    phases.save_hf(run, f"{out}_hf")
     reports = distributed.all_gather_objects(report, context)
     if context.env.rank == 0:
         with open(f"{out}.json", "w") as f:

@@ -3,13 +3,16 @@
 Everything device- or backend-dependent is decided here: the torch device, the
 collective backend, the Megatron layer spec, and -- only when CUDA is absent --
 the shims that let Megatron-core 0.16 run on CPU. Megatron-core hard-codes CUDA in
-a handful of places (DESIGN.md lists them); rather than fork it, we rebind those
+a handful of places (docs/design.md lists them); rather than fork it, we rebind those
 names to CPU equivalents once, at start-up, before any Megatron object exists.
 With CUDA present `apply_megatron_shims()` does nothing.
 
 GPU-only code paths in megarl (all of them live here or are selected here):
-  * NCCL process groups and `cuda:<local_rank>` devices;
+  * NCCL process groups (`backend()`, `store_group`) and `cuda:<local_rank>` devices;
   * the Transformer Engine layer spec, when transformer_engine is importable;
+  * pinned host memory for offloaded tensors and handing freed memory back
+    (`host_buffer`, `release_cached_memory`; the offload bookkeeping itself,
+    megarl/offload.py, runs the same on CPU);
   * vLLM sleep/wake (see megarl.rollout) -- a logged no-op on CPU.
 """
 
@@ -21,6 +24,7 @@ import os
 import warnings
 
 import torch
+import torch.distributed as dist
 
 ON_CUDA = torch.cuda.is_available()
 
@@ -60,15 +64,29 @@ def gpt_layer_spec(qk_layernorm: bool = False):
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
-def offload(module: torch.nn.Module) -> None:
-    """Move an idle model's weights to host memory (GPU); nothing to free on CPU ranks."""
-    if ON_CUDA:
-        module.to("cpu")
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """Host bytes for an offloaded tensor: pinned on GPU hosts (the copy back is a DMA)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=ON_CUDA)
 
 
-def onload(module: torch.nn.Module) -> None:
+def release_cached_memory() -> None:
+    """Hand freed device memory back (GPU: the caching allocator keeps it otherwise)."""
     if ON_CUDA:
-        module.to(device())
+        torch.cuda.empty_cache()
+
+
+def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool):
+    """A process group built directly on a store, outside the default world (it may span roles
+    that live in different worlds). NCCL when it carries GPU tensors (weights), gloo for CPU
+    tensors and pickled objects. Use its own collectives (`group.broadcast(t, root).wait()`)."""
+    if ON_CUDA and carries_device_tensors:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def vllm_engine_kwargs(args) -> dict:

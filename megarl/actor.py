@@ -1,0 +1,119 @@
+"""Actor role: the policy being trained (Megatron GPTModel + DDP + Adam), on the train ranks.
+
+Verbs: `logprobs` (before the update, with the exact KL to the reference when
+--kl-estimator full), `train_step` (one optimizer step of the composed loss),
+`hf_weights` (the weights in HF names and layout, for the sync and exports),
+and from `TrainableModel` offload/onload and checkpoint state.
+
+The loss per token is composed from the algorithm registries' functions, the
+ones the formula tests check:
+
+    POLICY_LOSSES[--policy-loss]  (x importance weight with TIS)
+    + kl_penalty_in_loss(KL(pi || ref), coef)      when --kl-placement loss
+    + entropy_bonus(entropy, --entropy-coef)
+    -> LOSS_AGGREGATIONS[--loss-agg] -> (numerator, units)
+
+Logprobs, entropy and the full KL are computed vocabulary-parallel
+(megarl/vocab_parallel.py): the full vocabulary is never gathered on one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl import vocab_parallel
+from megarl.algorithms import (KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, entropy_bonus,
+                               kl_penalty_in_loss)
+from megarl.model_runner import MicroBatch, TrainableModel, response_aligned
+from megarl.models.convert import iter_hf_weights, load_hf_weights
+from megarl.models.megatron_gpt import DTYPES, build_gpt_model
+
+
+class Actor(TrainableModel):
+    def __init__(self, args, hf_config):
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("pipeline_model_parallel_size > 1 is supported by HF<->Megatron "
+                                      "conversion but not yet by the RL trainer; use tensor parallelism")
+        self.args, self.hf_config = args, hf_config
+        module = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
+                                 calculate_per_token_loss=True)
+        load_hf_weights(module, args.model, hf_config)
+        super().__init__(module, args, args.lr, args.offload_model, args.offload_optimizer)
+        self.policy_loss = POLICY_LOSSES[args.policy_loss]
+        self.aggregate = LOSS_AGGREGATIONS[args.loss_agg]
+        self.full_kl = args.kl_estimator == "full"
+        self.kl_estimator = None if self.full_kl else KL_ESTIMATORS[args.kl_estimator]
+
+    def _logprobs(self, batch: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel.logprobs(logits, batch.labels, self.hf_config.vocab_size, self.args.temperature)
+
+    def _full_kl(self, logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel.full_kl(logits, ref_logits, self.hf_config.vocab_size, self.args.temperature)
+
+    def logprobs(self, micro_batches: list[MicroBatch], width: int,
+                 full_kl_to=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned [n, width] logprobs of the sampled tokens under the current policy; with
+        `full_kl_to` (the Reference) also the exact per-token KL(pi || ref) over the vocabulary."""
+        if full_kl_to is None:
+            outputs = self.forward_only(micro_batches, lambda batch, logits: self._logprobs(batch, logits))
+            return response_aligned(micro_batches, outputs, width), None
+
+        def both(batch, logits, ref_logits):
+            return torch.stack([self._logprobs(batch, logits), self._full_kl(logits, ref_logits)])
+
+        with full_kl_to.resident():
+            outputs = self.forward_only(micro_batches, both, companion=full_kl_to.logits)
+        return (response_aligned(micro_batches, [o[0] for o in outputs], width),
+                response_aligned(micro_batches, [o[1] for o in outputs], width))
+
+    def train_step(self, micro_batches: list[MicroBatch], kl_coef: float = 0.0, reference=None) -> dict:
+        """One optimizer step over these micro-batches (this rank's share of a mini-batch).
+
+        kl_coef > 0 (with the reference) adds kl_coef * KL(pi || ref) per token to the loss.
+        """
+        args = self.args
+        kl_in_loss = kl_coef > 0 and reference is not None
+        full_kl_reference = reference if kl_in_loss and self.full_kl else None
+
+        def loss(batch, logits, companion_output=None):
+            logprobs = self._logprobs(batch, logits)
+            mask = batch.loss_mask
+            token_loss, pg_metrics = self.policy_loss(
+                logprobs, batch.old_logprobs, batch.advantages, args.clip_eps_low, args.clip_eps_high,
+                mask=mask, clip_ratio_c=args.dual_clip_c, skip_threshold=args.skip_threshold)
+            if batch.is_weights is not None:
+                token_loss = token_loss * batch.is_weights
+            kl = torch.zeros_like(token_loss)
+            if kl_in_loss:
+                kl = self._full_kl(logits, companion_output) if self.full_kl else \
+                    self.kl_estimator(logprobs, batch.ref_logprobs)
+                token_loss = token_loss + kl_penalty_in_loss(kl, kl_coef)
+            with torch.set_grad_enabled(bool(args.entropy_coef)):
+                entropy = vocab_parallel.entropy(logits, self.hf_config.vocab_size, args.temperature)
+            if args.entropy_coef:
+                token_loss = token_loss + entropy_bonus(entropy, args.entropy_coef)
+            numerator, units = self.aggregate(token_loss, mask, max_len=args.max_new_tokens)
+            units = torch.as_tensor(units, dtype=torch.float32, device=logits.device)
+            sums = {"loss": numerator, "loss_units": units, "clipped": (pg_metrics["clipped"] * mask).sum(),
+                    "kl_old_new": ((batch.old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new) estimate
+                    "kl_loss": (kl * mask).sum(), "entropy": (entropy * mask).sum(), "tokens": mask.sum()}
+            return numerator, units.round().to(torch.int), {"sums": {k: v.detach() for k, v in sums.items()}}
+
+        if full_kl_reference is not None:
+            with full_kl_reference.resident():
+                sums, grad_norm = self.optimizer_step(micro_batches, loss, companion=full_kl_reference.logits)
+        else:
+            sums, grad_norm = self.optimizer_step(micro_batches, loss)
+        tokens = max(sums["tokens"], 1.0)
+        metrics = {"loss": sums["loss"] / max(sums["loss_units"], 1.0), "clip_fraction": sums["clipped"] / tokens,
+                   "kl_old_new": sums["kl_old_new"] / tokens, "entropy": sums["entropy"] / tokens,
+                   "grad_norm": grad_norm, "lr": self.lr}
+        if kl_in_loss:
+            metrics["kl_loss"] = sums["kl_loss"] / tokens
+        return metrics
+
+    def hf_weights(self, bucket_bytes: int):
+        """(HF name, tensor) pairs of the whole policy; collective over the train ranks."""
+        return iter_hf_weights(self.model, self.hf_config, bucket_bytes)

@@ -1,0 +1,156 @@
+"""The typed batch of one step, and the pure functions that cut it.
+
+`Batch` carries a step's samples and their per-token tensors between the phases
+(score and filter -> prepare -> advantages -> update). Per-token tensors are
+*response-aligned* [N, R]: column j is response token j of sample i, R the
+longest response of the step, zero past a sample's end. Position-aligned
+copies for a forward pass are made per micro-batch (`model_runner.MicroBatch`).
+
+Every function here is pure (no ranks, no models): tested without torchrun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megarl.algorithms import soft_overlong_penalty, truncated_importance_weights, truncation_keep
+
+# The per-token fields of a Batch a micro-batch can carry, in a fixed order.
+TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "ref_kl", "old_values", "advantages",
+                "returns", "is_weights")
+
+
+@dataclass
+class Batch:
+    samples: list  # rollout.Sample, ordered by prompt (groups of num_generations)
+    scores: torch.Tensor  # [N] sequence scores: reward (+ overlong penalty)
+    response_mask: torch.Tensor  # [N, R] 1 on each sample's response tokens
+    loss_mask: torch.Tensor  # [N, R] response tokens left in the loss (filters, TIS masking)
+    rollout_logprobs: torch.Tensor  # [N, R] the engines' logprobs of the sampled tokens
+    old_logprobs: torch.Tensor | None = None  # trainer logprobs before the update
+    ref_logprobs: torch.Tensor | None = None  # reference policy's (sampled-token KL estimators)
+    ref_kl: torch.Tensor | None = None  # per-token KL(old policy || reference)
+    old_values: torch.Tensor | None = None  # critic values before the update (gae)
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None  # critic targets
+    is_weights: torch.Tensor | None = None  # rollout -> trainer importance weights (TIS)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def width(self) -> int:
+        return self.response_mask.shape[1]
+
+    def select(self, indices) -> Batch:
+        """The samples at `indices` (a list or 1-D tensor), with every tensor's rows."""
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        picked = {field.name: (value[indices] if torch.is_tensor(value) else value)
+                  for field in dataclasses.fields(self) for value in [getattr(self, field.name)]}
+        picked["samples"] = [self.samples[i] for i in indices.tolist()]
+        return Batch(**picked)
+
+    def token_fields(self) -> dict[str, torch.Tensor]:
+        """The per-token fields that are set, by name (what a micro-batch carries)."""
+        return {name: getattr(self, name) for name in TOKEN_FIELDS if getattr(self, name) is not None}
+
+
+def response_lengths(samples) -> torch.Tensor:
+    return torch.tensor([len(s.response_ids) for s in samples])
+
+
+def response_aligned(rows: list[list[float]], width: int) -> torch.Tensor:
+    """Ragged per-token lists as a zero-padded [N, width] float32 tensor."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def score_and_filter(samples, max_new_tokens: int, overlong_buffer_len: int = 0,
+                     filter_truncated: bool = False) -> tuple[Batch, dict]:
+    """The step's Batch: scores (reward, minus DAPO's soft overlong penalty when its buffer is set)
+    and masks (responses that hit max_new_tokens leave the loss with --filter-truncated; they
+    keep their reward in the group statistics). Also the filters' metrics."""
+    lengths = response_lengths(samples)
+    width = max(int(lengths.max()), 1)
+    response_mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    loss_mask = response_mask
+    scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    metrics = {}
+    if overlong_buffer_len:
+        penalty = soft_overlong_penalty(lengths, max_new_tokens, overlong_buffer_len)
+        scores = scores + penalty
+        metrics["overlong_penalty_mean"] = penalty.mean().item()
+    if filter_truncated:
+        keep = truncation_keep(lengths, max_new_tokens)
+        loss_mask = loss_mask * keep[:, None].float()
+        metrics["truncated_filtered"] = 1.0 - keep.float().mean().item()
+    rollout = response_aligned([s.logprobs for s in samples], width)
+    return Batch(samples, scores, response_mask, loss_mask, rollout), metrics
+
+
+def contiguous_shard(count: int, index: int, parts: int) -> slice:
+    """Part `index` of `count` items cut into `parts` contiguous pieces, sizes differing by at most one."""
+    per, extra = divmod(count, parts)
+    start = index * per + min(index, extra)
+    return slice(start, start + per + (1 if index < extra else 0))
+
+
+def data_parallel_shard(count: int, dp: int, dp_rank: int) -> slice:
+    """This data-parallel rank's contiguous share of `count` samples (count must divide evenly)."""
+    if count % dp:
+        raise ValueError(f"{count} samples do not split evenly over {dp} data-parallel ranks")
+    return contiguous_shard(count, dp_rank, dp)
+
+
+def mini_batch_indices(count: int, global_batch_size: int, dp: int, dp_rank: int,
+                       shuffle_seed: int | None = None) -> list[torch.Tensor]:
+    """This data-parallel rank's sample indices of each mini-batch of one epoch.
+
+    Mini-batches are consecutive runs of `global_batch_size` samples of the (optionally
+    permuted) order; each data-parallel rank takes its contiguous share of each. With
+    `shuffle_seed` the order is a permutation seeded by it, the same on every rank.
+    """
+    if count % global_batch_size:
+        raise ValueError(f"{count} samples do not split into mini-batches of {global_batch_size}")
+    order = torch.arange(count)
+    if shuffle_seed is not None:
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(shuffle_seed))
+    return [order[start:][data_parallel_shard(global_batch_size, dp, dp_rank)]
+            for start in range(0, count, global_batch_size)]
+
+
+def shuffle_seed(seed: int, step: int, epoch: int) -> int:
+    """The mini-batch permutation's seed for (--seed, step, epoch)."""
+    return seed * 1_000_003 + step * 1_009 + epoch
+
+
+def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Rollout vs trainer logprobs of the sampled tokens, over the whole batch.
+
+    mismatch: mean |trainer - rollout|; mismatch_kl: mean k3 estimate of
+    KL(rollout || trainer) from the rollout's samples; ratio_dev_max: max
+    |exp(trainer - rollout) - 1|, the importance ratio's distance from 1.
+    """
+    diff = (old_logprobs - rollout_logprobs) * mask
+    tokens = mask.sum().clamp(min=1)
+    return {"mismatch": (diff.abs().sum() / tokens).item(), "mismatch_max": diff.abs().max().item(),
+            "mismatch_kl": ((torch.exp(diff) - diff - 1.0) * mask).sum().item() / tokens.item(),
+            "ratio_dev_max": ((diff.exp() - 1) * mask).abs().max().item()}
+
+
+def importance_weights(batch: Batch, level: str, mode: str, threshold: float) -> dict:
+    """Set the batch's rollout -> trainer importance weights (TIS); in mask mode the rejected
+    tokens also leave the loss. The clipped and masked token fractions."""
+    weights, stats = truncated_importance_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                                  level=level, mode=mode, threshold=threshold)
+    batch.is_weights = weights
+    if mode == "mask":  # rejected tokens leave the aggregation's units too
+        batch.loss_mask = batch.loss_mask * (1.0 - stats["masked"])
+    tokens = batch.response_mask.sum().clamp(min=1).item()
+    return {"tis_clipped_fraction": stats["clipped"].sum().item() / tokens,
+            "tis_masked_fraction": stats["masked"].sum().item() / tokens}

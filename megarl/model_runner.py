@@ -1,0 +1,244 @@
+"""Running a Megatron GPTModel over micro-batches: the skeleton the actor, critic and reference share.
+
+Samples arrive as token ids; a micro-batch is right-padded to its longest
+sequence, so causal attention needs no mask. Position t's output scores token
+t+1: the response tokens of a sample with prompt length p and response length r
+sit at positions p-1 .. p+r-2. `make_micro_batches` turns a `batch.Batch`
+(response-aligned [N, R]) into position-aligned micro-batches; `response_aligned`
+turns per-micro-batch outputs back.
+
+`TrainableModel` owns one model under Megatron DDP with its optimizer and LR
+schedule: a forward-only pass, one optimizer step over micro-batches, offload
+and onload, and the state a checkpoint saves. Roles supply only their loss.
+
+Loss normalisation: a loss function returns (numerator, units, {"sums": ...})
+and the model is built with `calculate_per_token_loss`, so Megatron divides the
+accumulated gradients by the units summed over micro-batches and data-parallel
+ranks: the exact mean over the mini-batch. The named metric sums are summed the
+same way (`sum_over_data_parallel`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megarl import accelerator
+from megarl.batch import TOKEN_FIELDS, Batch
+from megarl.offload import Offloader, model_tensors, optimizer_tensors
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded sequences; every per-token field is position-aligned [b, L]."""
+
+    tokens: torch.Tensor  # [b, L]
+    labels: torch.Tensor  # [b, L], tokens shifted left
+    loss_mask: torch.Tensor  # [b, L], 1 on positions scoring a response token left in the loss
+    spans: list[tuple[int, int]]  # (prompt length, response length) per row
+    fields: dict[str, torch.Tensor]  # Batch's per-token fields (TOKEN_FIELDS), position-aligned
+
+    def __getattr__(self, name):  # batch.advantages etc.: the field, or None when the batch has none
+        if name in TOKEN_FIELDS:
+            return self.__dict__["fields"].get(name)
+        raise AttributeError(name)
+
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(self.tokens)
+
+    def response_aligned(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """[b, width] with column j = response token j of each row (0 past the response)."""
+        out = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
+        for row, (p, r) in enumerate(self.spans):
+            out[row, :r] = x[row, p - 1: p + r - 1]
+        return out
+
+
+def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
+    """Right-padded micro-batches of the batch's samples, carrying every per-token field it has."""
+    device = accelerator.device()
+    fields = batch.token_fields()
+    micro_batches = []
+    for start in range(0, len(batch), micro_batch_size):
+        rows = range(start, min(start + micro_batch_size, len(batch)))
+        chunk = [batch.samples[i] for i in rows]
+        length = max(len(s.prompt_ids) + len(s.response_ids) for s in chunk)
+        tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+        labels = torch.full_like(tokens, pad_id)
+        per_token = {name: torch.zeros(len(chunk), length) for name in ("loss_mask", *fields)}
+        spans = []
+        for row, (i, sample) in enumerate(zip(rows, chunk)):
+            p, r = len(sample.prompt_ids), len(sample.response_ids)
+            spans.append((p, r))
+            sequence = torch.tensor(sample.prompt_ids + sample.response_ids)
+            tokens[row, : p + r] = sequence
+            labels[row, : p + r - 1] = sequence[1:]
+            response = slice(p - 1, p + r - 1)
+            per_token["loss_mask"][row, response] = batch.loss_mask[i, :r].float()
+            for name, values in fields.items():
+                per_token[name][row, response] = values[i, :r].float()
+        per_token = {name: value.to(device) for name, value in per_token.items()}
+        loss_mask = per_token.pop("loss_mask")
+        micro_batches.append(MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token))
+    return micro_batches
+
+
+def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Position-aligned outputs, one per micro-batch, as one response-aligned [N, width] tensor."""
+    return torch.cat([b.response_aligned(x, width) for b, x in zip(micro_batches, outputs)])
+
+
+def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_only: bool,
+                     micro_batch_size: int, companion=None) -> list[dict]:
+    """Megatron's forward-backward schedule over the micro-batches.
+
+    loss_fn(batch, output, companion_output=None) -> (numerator, units, dict); the dicts are
+    returned, one per micro-batch. `companion(tokens, positions)`, when given, runs a second
+    model on the same batch under no_grad (the reference's logits for a full-vocabulary KL).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        positions = batch.positions()
+        output = model(batch.tokens, positions, attention_mask=None)
+        companion_output = None
+        if companion is not None:
+            with torch.no_grad():
+                companion_output = companion(batch.tokens, positions)
+        return output, partial(loss_fn, batch, companion_output=companion_output)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+        num_microbatches=len(micro_batches), seq_length=max(b.tokens.shape[1] for b in micro_batches),
+        micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+
+def keep_output(transform):
+    """A forward-only loss function that keeps transform(batch, output) per micro-batch."""
+    def loss_fn(batch, output, companion_output=None):
+        kept = transform(batch, output) if companion_output is None else transform(batch, output, companion_output)
+        return output.sum() * 0, torch.tensor(1, dtype=torch.int), {"kept": kept}
+
+    return loss_fn
+
+
+def sum_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Named metric sums, summed over micro-batches and then over the data-parallel ranks."""
+    from megatron.core import parallel_state
+
+    names = sorted(per_micro_batch[0])
+    sums = torch.stack([torch.stack([m[name].float() for name in names]) for m in per_micro_batch]).sum(dim=0)
+    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    return dict(zip(names, sums.tolist()))
+
+
+def build_trainable(module, args, lr: float, weight_decay: float):
+    """Megatron DDP, Adam and the LR schedule around `module` (policy or critic)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megarl.models.megatron_gpt import DTYPES
+
+    dtype = DTYPES[args.params_dtype]
+    config = module.config
+    model = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                 use_distributed_optimizer=False),
+        module=module)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(args.min_lr, lr), weight_decay=weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+                        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype),
+        [model])
+    total_updates = max(args.train_steps * args.steps_per_generation * args.ppo_epochs, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_steps else lr, max_lr=lr,
+        min_lr=min(args.min_lr, lr), lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=max(total_updates, args.lr_warmup_steps + 1), lr_decay_style=args.lr_decay_style,
+        start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_updates, wd_incr_style="constant")
+    return model, optimizer, scheduler
+
+
+class TrainableModel:
+    """One Megatron model under DDP with its optimizer and LR schedule.
+
+    Offload (`offload_model`, `offload_optimizer`): parameters and gradient buffers, and
+    the optimizer's states, leave the device between updates (megarl/offload.py).
+    """
+
+    def __init__(self, module, args, lr: float, offload_model: bool = False, offload_optimizer: bool = False):
+        self.micro_batch_size = args.micro_batch_size
+        self.model, self.optimizer, self.scheduler = build_trainable(module, args, lr, args.weight_decay)
+        self.offloaders = []
+        if offload_model:
+            self.offloaders.append(Offloader(lambda: model_tensors(self.model)))
+        if offload_optimizer:
+            self.offloaders.append(Offloader(lambda: (optimizer_tensors(self.optimizer), [])))
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[MicroBatch], transform, companion=None) -> list[torch.Tensor]:
+        """transform(batch, output[, companion_output]) of each micro-batch, in eval mode."""
+        self.model.eval()
+        outputs = forward_backward(self.model, micro_batches, keep_output(transform), True, self.micro_batch_size,
+                                   companion=companion)
+        return [o["kept"] for o in outputs]
+
+    def optimizer_step(self, micro_batches: list[MicroBatch], loss_fn, companion=None) -> tuple[dict, float]:
+        """Forward and backward over the micro-batches, then one optimizer step (the LR schedule
+        advances when the step was taken). The loss's named sums, over all data-parallel ranks,
+        and the gradient norm."""
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = forward_backward(self.model, micro_batches, loss_fn, False, self.micro_batch_size,
+                                   companion=companion)
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+        return sum_over_data_parallel([o["sums"] for o in outputs]), grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ------------------------------------------------------------ memory ----
+    def offload(self) -> None:
+        for offloader in self.offloaders:
+            offloader.offload()
+
+    def onload(self) -> None:
+        for offloader in self.offloaders:
+            offloader.onload()
+
+    # -------------------------------------------------------- checkpoint ----
+    def sharded_state_dict(self, prefix: str, is_loading: bool) -> dict:
+        """Megatron's sharded model and optimizer state (dist_checkpointing), keys under `prefix`."""
+        from megarl.models.convert import unwrap
+
+        model_state = unwrap(self.model).sharded_state_dict(prefix=f"{prefix}.")
+        return {f"{prefix}_model": model_state,
+                f"{prefix}_optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+
+    def load_sharded_state_dict(self, loaded: dict, prefix: str) -> None:
+        from megarl.models.convert import unwrap
+
+        model_state = {key.removeprefix(f"{prefix}."): value for key, value in loaded[f"{prefix}_model"].items()}
+        unwrap(self.model).load_state_dict(model_state)
+        self.optimizer.load_state_dict(loaded[f"{prefix}_optimizer"])
+
+    def state_dict(self) -> dict:
+        """What is not in the sharded state: the LR schedule."""
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])

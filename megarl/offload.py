@@ -1,0 +1,115 @@
+"""Offload and onload: a role's tensors leave the device while another role uses it.
+
+Colocated roles take turns on the same devices. While vLLM generates, the
+trainer's parameters, gradient buffers and optimizer states can go to host
+memory (`--offload-model`, `--offload-optimizer`), and the frozen reference
+model always waits there between its forwards.
+
+Bookkeeping, the same on CPU and GPU: each distinct storage behind the role's
+tensors gets a host copy (pinned on GPU, `accelerator.host_buffer`), then the
+storage is resized to 0 bytes. That frees the memory while every tensor object
+and view stays valid (Megatron's `param.main_grad` views into the DDP gradient
+buffer, the optimizer's references to its parameters), so nothing needs
+rebinding. Onload resizes each storage back and copies the bytes in:
+parameters and optimizer states come back bit-identical. verl offloads its
+Megatron workers the same way.
+
+Gradient buffers hold nothing between steps (every update starts by zeroing
+them), so they are released without a host copy and come back as zeros.
+
+On CPU ranks the "device" is host memory too, so the move saves nothing there;
+it runs anyway, so the bookkeeping is exercised by the tests on these machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl import accelerator
+
+
+@dataclass
+class _Held:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor | None  # None: restored as zeros (gradient buffers)
+
+
+class Offloader:
+    """Moves a role's tensors off the device and back.
+
+    `collect()` returns (keep, scratch): `keep` tensors are copied to host, `scratch`
+    tensors (gradient buffers) are released and come back zeroed. It is called at each
+    offload, since some tensors appear later (Adam's states exist after the first step).
+    """
+
+    def __init__(self, collect):
+        self.collect = collect
+        self._held: list[_Held] = []
+        self._tensors: list[torch.Tensor] = []
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._held)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the last offload moved."""
+        return list(self._tensors)
+
+    def offload(self) -> None:
+        if self._held:
+            return
+        keep, scratch = self.collect()
+        self._tensors = list(keep) + list(scratch)
+        seen = set()
+        for tensors, copy in ((keep, True), (scratch, False)):
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                host = None
+                if copy:
+                    host = accelerator.host_buffer(storage.nbytes())
+                    host.untyped_storage().copy_(storage)
+                self._held.append(_Held(storage, storage.nbytes(), host))
+        for held in self._held:
+            held.storage.resize_(0)
+        accelerator.release_cached_memory()
+
+    def onload(self) -> None:
+        for held in self._held:
+            held.storage.resize_(held.nbytes)
+            if held.host is None:
+                torch.empty(0, dtype=torch.uint8, device=held.storage.device).set_(held.storage).zero_()
+            else:
+                held.storage.copy_(held.host.untyped_storage())
+        self._held = []
+
+
+def model_tensors(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters, gradient buffers) of a Megatron DDP-wrapped or plain module."""
+    params = list(model.parameters())
+    grads = []
+    # Megatron DDP's gradient buffers (on a plain module `buffers` is nn.Module's method).
+    ddp_buffers = getattr(model, "buffers", None)
+    ddp_buffers = list(ddp_buffers) + list(model.expert_parallel_buffers) if isinstance(ddp_buffers, list) else []
+    for buffer in ddp_buffers:
+        grads.append(buffer.grad_data)
+        if buffer.param_data is not None:  # distributed optimizer: parameters are views of it
+            params.append(buffer.param_data)
+    return params, grads
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """A Megatron optimizer's states (Adam moments, steps) and fp32 main copies of low-precision
+    parameters; not the model's own parameters."""
+    tensors = []
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in part.optimizer.state.values():
+            tensors += [value for value in state.values() if torch.is_tensor(value)]
+        for group in getattr(part, "fp32_from_float16_groups", []):
+            tensors += list(group)
+    return tensors

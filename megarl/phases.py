@@ -1,0 +1,317 @@
+"""The phases of one RL step, in the order `train.py` calls them, one call each.
+
+  generate          rollout ranks: each engine takes a contiguous shard of the step's
+                    prompts, samples n responses per prompt and scores them where they
+                    were generated (a reward model lives on the rollout ranks); every
+                    rank receives all samples, ordered by prompt. DAPO's dynamic
+                    sampling lives here, since it decides how much to generate.
+  score_and_filter  every rank: the typed Batch, with sequence scores (overlong penalty)
+                    and the masks of what stays in the loss (truncation filter).
+  prepare           train ranks, before any update: old logprobs, reference logprobs /
+                    KL and critic values, each data-parallel rank its contiguous shard,
+                    then gathered so every rank holds the whole batch; the rollout vs
+                    trainer mismatch and, with TIS, importance weights.
+  compute_advantages  train ranks: advantages and returns over the whole batch (the KL
+                    penalty enters the token rewards first when placed there).
+  update            train ranks: --ppo-epochs passes over mini-batches of
+                    --global-batch-size samples, each data-parallel rank its share; one
+                    critic and one policy optimizer step per mini-batch.
+  sync              every rank: trainer -> rollout weights (a weight_sync strategy).
+
+Each phase returns a PhaseReport (its own seconds and metrics), after its output
+when it has one. No phase reads another's metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megarl import accelerator, batch as batching, distributed
+from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, dynamic_sampling_keep, kl_penalty_in_reward,
+                               sequence_rewards_to_tokens)
+from megarl.batch import Batch
+from megarl.dumps import write_samples
+from megarl.model_runner import make_micro_batches
+from megarl.rewards import score_all
+from megarl.run import Run
+
+
+@dataclass
+class PhaseReport:
+    seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def phase(fn):
+    """Time a phase. It returns its metrics dict, or (output, metrics); the caller gets
+    a PhaseReport in the metrics' place."""
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        if isinstance(result, tuple):
+            output, metrics = result
+            return output, PhaseReport(time.perf_counter() - start, metrics)
+        return PhaseReport(time.perf_counter() - start, result)
+
+    return timed
+
+
+# ------------------------------------------------------------------ generate ----
+@phase
+def generate(run: Run, step: int):
+    """This step's samples (ordered by prompt), with DAPO dynamic sampling when enabled.
+
+    Dynamic sampling generates up to --max-num-gen-batches batches and keeps the
+    groups whose success rate lies strictly inside the range, until prompts_per_step
+    groups are kept; if the batches run out first it tops up with dropped groups
+    (advantage 0 under grpo) and says so in the metrics.
+    """
+    args = run.args
+    with run.train_roles_offloaded():
+        if args.dynamic_sampling is None:
+            samples, reward_seconds = _rollout(run, run.prompts.batch(step, 0), step, seed_key=("train", 0))
+            metrics = {}
+        else:
+            samples, reward_seconds, metrics = _dynamic_sampling(run, step)
+        _sleep_colocated_rollout(run)
+    metrics.update(_reward_errors(samples, f"step {step + 1}", run.is_main))
+    # Rollout ranks score their own samples; the slowest one bounds the step.
+    metrics["reward_seconds"] = max(distributed.all_gather_objects(reward_seconds, run.context))
+    if args.rollout_save_dir and run.is_main:
+        write_samples(args.rollout_save_dir, f"train_step{step + 1}.jsonl", samples, run.tokenizer, step + 1)
+    return samples, metrics
+
+
+def _dynamic_sampling(run: Run, step: int):
+    args = run.args
+    kept, dropped, generated, all_rewards, reward_seconds = [], [], 0, [], 0.0
+    for attempt in range(args.max_num_gen_batches):
+        samples, seconds = _rollout(run, run.prompts.batch(step, attempt), step, seed_key=("train", attempt))
+        reward_seconds += seconds
+        generated += 1
+        all_rewards += [s.reward for s in samples]
+        groups = [samples[i: i + args.num_generations] for i in range(0, len(samples), args.num_generations)]
+        scores = torch.tensor([[s.reward for s in group] for group in groups])
+        keep = dynamic_sampling_keep(scores, *args.dynamic_sampling)
+        for group, keep_group in zip(groups, keep.tolist()):
+            (kept if keep_group else dropped).append(group)
+        if len(kept) >= args.prompts_per_step:
+            break
+    topped_up = max(args.prompts_per_step - len(kept), 0)
+    groups = kept[: args.prompts_per_step] + dropped[:topped_up]
+    samples = [s for group in groups for s in group]
+    return samples, reward_seconds, {
+        "dapo_gen_batches": generated, "dapo_groups_kept": min(len(kept), args.prompts_per_step),
+        "dapo_groups_dropped": len(dropped), "dapo_groups_topped_up": topped_up,
+        "dapo_reward_all_mean": sum(all_rewards) / len(all_rewards)}
+
+
+def _rollout(run: Run, prompts, step: int, n: int | None = None, temperature: float | None = None,
+             seed_key: tuple = ()):
+    """n samples for each prompt, scored, gathered to every rank in prompt order; and the
+    seconds this rank spent scoring. Each engine takes a contiguous shard of the prompts;
+    rewards are scored on the rollout rank that generated them (one batch call per engine)."""
+    n = n or run.args.num_generations
+    mine, reward_seconds = [], 0.0
+    engine = run.rollout
+    if engine is not None:
+        shard = prompts[batching.contiguous_shard(len(prompts), engine.engine_index, engine.num_engines)]
+        samples = engine.generate([p.ids for p in shard], [p.index for p in shard], step,
+                                  n=n, temperature=temperature, seed_key=seed_key)
+        by_index = {p.index: p for p in shard}
+        for sample in samples:
+            sample.metadata = by_index[sample.prompt_index].metadata
+        scoring = time.perf_counter()
+        outputs = score_all(run.reward, [s.response_text for s in samples], [s.metadata for s in samples])
+        reward_seconds = time.perf_counter() - scoring
+        for sample, output in zip(samples, outputs):
+            sample.reward, sample.reason = output.score, output.reason
+        if engine.is_leader:  # the ranks of one TP engine hold identical samples
+            mine = samples
+    gathered = distributed.all_gather_objects(mine, run.context)
+    samples = sorted((s for part in gathered for s in part), key=lambda s: s.prompt_index)
+    expected = len(prompts) * (1 if temperature == 0 else n)
+    if len(samples) != expected:
+        raise RuntimeError(f"step {step}: expected {expected} samples, got {len(samples)}")
+    return samples, reward_seconds
+
+
+def _sleep_colocated_rollout(run: Run) -> None:
+    """Colocated: the engine gives its memory back to the trainer until the next sync wakes it."""
+    if run.rollout is not None and run.context.placement.colocated:
+        run.rollout.sleep(level=run.args.rollout_sleep_level)
+
+
+def _reward_errors(samples, where: str, report: bool) -> dict:
+    """Count samples whose reward raised (they scored 0) and warn once for the batch."""
+    failed = [s for s in samples if "error:" in s.reason]
+    if failed and report:
+        print(f"megarl: warning: {where}: the reward raised on {len(failed)} of {len(samples)} samples, "
+              f"which score 0 (first: {failed[0].reason})", flush=True)
+    return {"reward_errors": len(failed)}
+
+
+# ---------------------------------------------------------- score and filter ----
+@phase
+def score_and_filter(run: Run, samples):
+    args = run.args
+    return batching.score_and_filter(samples, args.max_new_tokens, args.overlong_buffer_len, args.filter_truncated)
+
+
+# ------------------------------------------------------------------- prepare ----
+@phase
+def prepare(run: Run, batch: Batch):
+    """Old logprobs (reference logprobs / KL, critic values when used) of every sample."""
+    if run.actor is None:
+        return batch, {}
+    args, placement = run.args, run.context.placement
+    mine = batch.select(torch.arange(len(batch))[batching.data_parallel_shard(
+        len(batch), placement.dp, placement.data_parallel_rank(run.context.rank))])
+    micro_batches = make_micro_batches(mine, args.micro_batch_size, _pad_id(run))
+    width = batch.width
+    full_kl_to = run.reference if run.reference is not None and args.kl_estimator == "full" else None
+    old_logprobs, ref_kl = run.actor.logprobs(micro_batches, width, full_kl_to=full_kl_to)
+    computed = {"old_logprobs": old_logprobs}
+    if run.reference is not None and full_kl_to is None:
+        computed["ref_logprobs"] = run.reference.logprobs(micro_batches, width)
+        ref_kl = KL_ESTIMATORS[args.kl_estimator](old_logprobs, computed["ref_logprobs"])
+    if ref_kl is not None:
+        computed["ref_kl"] = ref_kl
+    if run.critic is not None:
+        computed["old_values"] = run.critic.values(micro_batches, width)
+    for name, value in _gather_over_data_parallel(computed).items():
+        setattr(batch, name, value * batch.response_mask)
+    metrics = batching.mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
+    if args.tis_level != "none":
+        metrics.update(batching.importance_weights(batch, args.tis_level, args.tis_mode, args.tis_threshold))
+    return batch, metrics
+
+
+def _gather_over_data_parallel(computed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each data-parallel rank's contiguous shard [share, R] of each field -> the whole batch [N, R]
+    on every rank (on the accelerator: NCCL gathers device tensors only), back in host memory."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    local = torch.stack([value.to(accelerator.device(), torch.float32) for value in computed.values()])
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    gathered = torch.cat(parts, dim=1).cpu()
+    return {name: gathered[i] for i, name in enumerate(computed)}
+
+
+def _pad_id(run: Run) -> int:
+    return run.tokenizer.pad_token_id or 0
+
+
+# ---------------------------------------------------------------- advantages ----
+@phase
+def compute_advantages(run: Run, batch: Batch):
+    """Advantages and returns [N, R] over the whole batch; with a reference, the KL to it is
+    measured and adapts the controller, and enters the token rewards when placed there."""
+    if run.actor is None:
+        return batch, {}
+    args, mask = run.args, batch.response_mask
+    token_rewards = sequence_rewards_to_tokens(batch.scores, mask)
+    metrics = {}
+    if batch.ref_kl is not None:
+        kl = batch.ref_kl * mask
+        per_sample = kl.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        metrics["kl_ref"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+        if args.kl_placement == "reward":
+            token_rewards = kl_penalty_in_reward(token_rewards, kl, run.kl_controller.value, mask)
+        # verl: current KL = batch mean of each sample's token-mean KL, n_steps = batch size.
+        run.kl_controller.update(per_sample.mean().item(), n_steps=len(batch))
+        metrics["kl_coef"] = run.kl_controller.value
+    values = batch.old_values if batch.old_values is not None else torch.zeros_like(token_rewards)
+    batch.advantages, batch.returns = ADVANTAGE_ESTIMATORS[args.advantage_estimator](
+        token_rewards, mask, args.num_generations, scale_rewards=args.scale_rewards, gamma=args.gamma,
+        lam=args.lam, values=values * mask)
+    loss_mask = batch.loss_mask
+    metrics["advantage_mean"] = ((batch.advantages * loss_mask).sum() / loss_mask.sum().clamp(min=1)).item()
+    return batch, metrics
+
+
+# -------------------------------------------------------------------- update ----
+@phase
+def update(run: Run, batch: Batch, step: int) -> dict:
+    """--ppo-epochs passes of optimizer steps over mini-batches of --global-batch-size samples.
+    Metrics are means over the optimizer steps (verl's convention); with one step,
+    kl_old_new and clip_fraction are exactly 0: the ratio starts at 1."""
+    if run.actor is None:
+        return {}
+    args, placement = run.args, run.context.placement
+    dp, dp_rank = placement.dp, placement.data_parallel_rank(run.context.rank)
+    update_actor = step >= args.critic_warmup
+    kl_coef = run.kl_controller.value if run.kl_controller is not None and args.kl_placement == "loss" else 0.0
+    policy_updates, critic_updates = [], []
+    for epoch in range(args.ppo_epochs):
+        seed = batching.shuffle_seed(args.seed, step, epoch) if args.shuffle else None
+        for mine in batching.mini_batch_indices(len(batch), args.global_batch_size, dp, dp_rank, seed):
+            micro_batches = make_micro_batches(batch.select(mine), args.micro_batch_size, _pad_id(run))
+            if run.critic is not None:
+                critic_updates.append(run.critic.train_step(micro_batches))
+            if update_actor:
+                policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference))
+    metrics = {}
+    for updates in (policy_updates, critic_updates):
+        if updates:
+            metrics.update({key: sum(u[key] for u in updates) / len(updates) for key in updates[0]})
+    return metrics
+
+
+# ---------------------------------------------------------------------- sync ----
+@phase
+def sync(run: Run) -> dict:
+    stats = run.weight_sync.sync(run.actor, run.rollout)
+    return {"sync_bytes": stats.bytes}
+
+
+# ------------------------------------------------------------------ evaluate ----
+def should_evaluate(run: Run, completed_steps: int) -> bool:
+    """Before the first step (0), every --eval-interval steps and after the last, with eval sets."""
+    args = run.args
+    if not run.eval_sets:
+        return False
+    return completed_steps in (0, args.train_steps) or bool(
+        args.eval_interval and completed_steps % args.eval_interval == 0)
+
+
+def evaluate(run: Run, completed_steps: int) -> dict:
+    """Each eval set at --eval-temperature with --eval-samples k per prompt:
+    pass@1 = fraction of samples scoring >= 1 (the unbiased pass@1 estimate from k samples),
+    mean@k = mean score, and with k > 1 pass@k = fraction of prompts with a sample scoring >= 1."""
+    args = run.args
+    k = 1 if args.eval_temperature == 0 else args.eval_samples
+    metrics = {}
+    for name, prompts in run.eval_sets.items():
+        with run.train_roles_offloaded():
+            samples, _ = _rollout(run, prompts, completed_steps, n=k, temperature=args.eval_temperature,
+                                  seed_key=("eval", name))
+        scores = torch.tensor([s.reward for s in samples]).view(len(prompts), k)
+        correct = scores >= 1.0
+        metrics[f"eval/{name}/pass@1"] = correct.float().mean().item()
+        metrics[f"eval/{name}/mean@{k}"] = scores.mean().item()
+        if k > 1:
+            metrics[f"eval/{name}/pass@{k}"] = correct.any(dim=1).float().mean().item()
+        metrics.update({f"eval/{name}/{key}": value for key, value in
+                        _reward_errors(samples, f"eval {name}", run.is_main).items()})
+        if args.rollout_save_dir and run.is_main:
+            write_samples(args.rollout_save_dir, f"eval_{name}_step{completed_steps}.jsonl", samples,
+                          run.tokenizer, completed_steps)
+    return metrics
+
+
+def save_hf(run: Run, out_dir: str) -> None:
+    """The current policy as an HF checkpoint, written by train rank 0."""
+    if run.actor is not None:
+        from megarl.models.convert import save_hf_checkpoint
+
+        save_hf_checkpoint(run.actor.model, run.hf_config, out_dir, tokenizer=run.tokenizer,
+                           is_writer=run.is_main, source_dir=run.args.model)

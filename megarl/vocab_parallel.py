@@ -1,0 +1,85 @@
+"""Vocabulary-parallel math on logits sharded over tensor-parallel ranks.
+
+Each TP rank holds logits for V/TP vocabulary entries. Everything here reduces
+partial sums across the shards *before* combining them (global max, global sum
+of exponentials, global weighted sums), so the full vocabulary is never gathered
+on one rank and every shard's gradient is exact. (A per-shard log_softmax whose
+reductions have an identity backward gives wrong gradients at TP > 1.)
+Megatron pads the vocabulary to a multiple of 128 * TP: the padding columns are
+masked out (set to the dtype's minimum) before any softmax.
+
+This is the module the fused kernels replace: same signatures, chunked or Triton
+implementations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def scaled_logits(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """logits / T in fp32, with Megatron's vocabulary-padding columns of this shard set to -inf (finite min)."""
+    from megatron.core import parallel_state
+
+    z = logits.float() / temperature
+    shard = z.shape[-1]
+    first_padded = vocab_size - parallel_state.get_tensor_model_parallel_rank() * shard
+    if first_padded < shard:
+        z[..., max(first_padded, 0):] = torch.finfo(z.dtype).min
+    return z
+
+
+def logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                            temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[label] from this TP rank's vocabulary shard, [b, L]."""
+    from megatron.core import tensor_parallel
+
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled_logits(logits, vocab_size, temperature), labels)
+
+
+def _shifted_exp_sum(z: torch.Tensor):
+    """(exp(z - m), m, sum_v exp(z_v - m) over the whole TP-sharded vocabulary), m the global max.
+
+    The sum is all-reduced with an identity backward: every rank then combines the
+    global sums into the same loss, so each shard's share of the gradient is exact.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    z_max = z.detach().max(dim=-1, keepdim=True).values
+    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    exp = torch.exp(z - z_max)
+    return exp, z_max.squeeze(-1), reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+
+
+def _weighted_vocab_sum(exp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_v exp_v x_v over the whole vocabulary; padding columns (exp exactly 0, x possibly
+    huge) contribute 0 and no NaN."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region((exp * torch.where(exp > 0, x, 0.0)).sum(dim=-1))
+
+
+def entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(logits / T) per position, [b, L], from this TP rank's vocabulary shard:
+    H = log Z - sum_v p_v z_v, from global sums."""
+    z = scaled_logits(logits, vocab_size, temperature)
+    exp, z_max, sum_exp = _shifted_exp_sum(z)
+    return torch.log(sum_exp) + z_max - _weighted_vocab_sum(exp, z) / sum_exp
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int,
+                           temperature: float) -> torch.Tensor:
+    """Exact KL(pi || ref) per position over the full vocabulary, [b, L], shard by shard.
+
+    The formula of algorithms.kl_full, sum_v p (log p - log q), rewritten over global sums:
+    KL = sum_v p_v (z_v - z'_v) - log Z + log Z' with z, z' the scaled logits of the
+    policy and the reference. Differentiable in `logits`; ref_logits are constants.
+    """
+    z = scaled_logits(logits, vocab_size, temperature)
+    z_ref = scaled_logits(ref_logits.detach(), vocab_size, temperature)
+    exp, z_max, sum_exp = _shifted_exp_sum(z)
+    _, ref_max, ref_sum_exp = _shifted_exp_sum(z_ref)
+    cross = _weighted_vocab_sum(exp, z - z_ref) / sum_exp
+    return cross - (torch.log(sum_exp) + z_max) + (torch.log(ref_sum_exp) + ref_max)
