@@ -1,6 +1,7 @@
 """Checkpoints: exact resume after SIGKILL, SIGTERM saves and exits, a checkpoint cut short is never
 resumed from, resume and HF export at another TP size (real torchrun, 2 ranks, the tiny model)."""
 
+import pytest
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import ROOT, torchrun
+
+pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
 SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
          "--max-new-tokens", "12", "--micro-batch-size", "8", "--lr", "1e-3"]

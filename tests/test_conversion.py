@@ -34,6 +34,7 @@ SEQ_LEN = {"qwen2": 17, "qwen3": 17, "llama": 1024}
 MATRIX = [(family, tp, pp) for family, layouts in LAYOUTS.items() for tp, pp in layouts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,tp,pp", MATRIX, ids=[f"{f}-tp{tp}-pp{pp}" for f, tp, pp in MATRIX])
 def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
     paths = [request.getfixturevalue(name) for name in FAMILY_CHECKPOINTS[family]]

@@ -11,6 +11,8 @@ import pytest
 
 from helpers import make_random_model, read_json, torchrun
 
+pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
+
 CASES = {  # family: (tied, Llama-3 RoPE)
     "qwen3": (True, None),
     "llama": (False, "custom"),

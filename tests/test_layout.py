@@ -1,5 +1,6 @@
 """Rank/role layouts on 2 real torchrun ranks, and launch-environment parsing."""
 
+import pytest
 from helpers import read_json, torchrun
 
 from megarl.distributed import first_slurm_host, launch_env
@@ -11,6 +12,7 @@ def _layout(tmp_path, *argv):
     return [read_json(f"{out}.{rank}.json") for rank in range(2)], result.stdout
 
 
+@pytest.mark.slow
 def test_colocate_tp2(tmp_path):
     ranks, stdout = _layout(tmp_path, "--tensor-model-parallel-size", "2")
     for rank, report in enumerate(ranks):
@@ -23,12 +25,14 @@ def test_colocate_tp2(tmp_path):
     assert stdout.count("placement:") == 1  # printed once, by rank 0
 
 
+@pytest.mark.slow
 def test_colocate_data_parallel(tmp_path):
     ranks, _ = _layout(tmp_path)
     assert [r["megatron"]["dp_rank"] for r in ranks] == [0, 1]
     assert all(r["megatron"]["dp"] == 2 and r["megatron"]["tp"] == 1 for r in ranks)
 
 
+@pytest.mark.slow
 def test_separate_one_train_one_rollout(tmp_path, ):
     ranks, stdout = _layout(tmp_path, "--colocate-groups", "none", "--train-gpus", "1", "--rollout-gpus", "1")
     train, rollout = ranks
@@ -42,6 +46,7 @@ def test_separate_one_train_one_rollout(tmp_path, ):
     assert "placement: separate, 2 ranks" in stdout and "rollout ranks 1: TP=1" in stdout
 
 
+@pytest.mark.slow
 def test_separate_from_yaml(tmp_path):
     config = tmp_path / "separate.yaml"
     config.write_text("colocate_groups: []\ntrain: {gpus: 1}\nrollout: {gpus: 1}\n")

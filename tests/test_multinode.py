@@ -104,6 +104,7 @@ def srun_nodes(config: str, model: str, tmp_path) -> list[tuple[list[str], dict]
              {**clean_env(), **slurm, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node)}) for node in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
 @pytest.mark.parametrize("placement", list(CONFIGS))
 def test_two_nodes_train(launcher, placement, tiny_model, tmp_path):
@@ -259,6 +260,7 @@ def run_job_until(env: dict, log, marker: str) -> tuple[int, str]:
     return job.returncode, log.read_text()
 
 
+@pytest.mark.slow
 def test_slurm_script_stops_on_the_time_limit_signal_and_resumes(tiny_model, tmp_path):
     """run_slurm.sh's torchrun line for real, on one node (an srun stand-in runs the task here).
     At SIGUSR1 the agent survives, the ranks save and stop, the job ends with 0; the same job

@@ -25,6 +25,7 @@ def tool():
     return module
 
 
+@pytest.mark.slow
 def test_plots_a_real_run(tiny_model, tmp_path):
     import matplotlib.image
 

@@ -12,6 +12,8 @@ import pytest
 
 from helpers import torchrun
 
+pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
+
 PRESETS = ["grpo", "dapo", "drgrpo", "ppo"]
 
 

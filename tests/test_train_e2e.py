@@ -8,6 +8,8 @@ from safetensors.torch import load_file
 
 from helpers import torchrun
 
+pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
+
 SMALL = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12", "--micro-batch-size", "8",
          "--lr", "1e-3", "--rollout-kv-cache-gb", "1"]
 PLACEMENTS = {

@@ -9,6 +9,8 @@ import pytest
 
 from helpers import ROOT, WORKERS, read_json, torchrun
 
+pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
+
 PLACEMENTS = {
     # name: flags; the train/rollout TP sizes differ in the last two
     "colocate-dp2": ["--tensor-model-parallel-size", "1", "--rollout-tensor-parallel-size", "1"],
