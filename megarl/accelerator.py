@@ -29,10 +29,6 @@ import torch.distributed as dist
 ON_CUDA = torch.cuda.is_available()
 
 
-def device_type() -> str:
-    return "cuda" if ON_CUDA else "cpu"
-
-
 def backend() -> str:
     """Backend for process groups that carry tensors of `device()`."""
     return "nccl" if ON_CUDA else "gloo"

@@ -130,11 +130,6 @@ def _floating(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ helpers ----
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the positions where mask is 1 (0 if there are none)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = WHITEN_EPS) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the valid positions, unbiased var; 0 on padding."""
     x = _floating(x)

@@ -94,7 +94,8 @@ class Critic(TrainableModel):
             token_loss, metrics = value_loss(values, batch.old_values, batch.returns, mask, self.args.value_clip)
             sums = {"value_loss": token_loss.sum(), "clipped": metrics["clipped"].sum(),
                     "values": (values * mask).sum(), "returns": (batch.returns * mask).sum(), "tokens": mask.sum()}
-            return token_loss.sum(), mask.sum().round().to(torch.int), {"sums": {k: v.detach() for k, v in sums.items()}}
+            sums = {name: value.detach() for name, value in sums.items()}
+            return token_loss.sum(), mask.sum().round().to(torch.int), {"sums": sums}
 
         sums, grad_norm = self.optimizer_step(micro_batches, loss)
         tokens = max(sums["tokens"], 1.0)

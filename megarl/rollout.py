@@ -83,7 +83,6 @@ class RolloutEngine:
         from megarl.vllm_logging import quiet_expected_reload_warnings
         quiet_expected_reload_warnings()
         self.llm = LLM(**engine_kwargs)
-        self.sleeping = False
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
@@ -141,19 +140,17 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        if not platform.ON_CUDA:
+        if not accelerator.ON_CUDA:
             log.debug("vLLM sleep is not supported on CPU: no-op")
             return
         self.llm.sleep(level=level)
-        self.sleeping = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake `weights` before a sync and `kv_cache` after it (GPU); no-op on CPU."""
-        if not platform.ON_CUDA:
+        if not accelerator.ON_CUDA:
             log.debug("vLLM wake_up is not supported on CPU: no-op")
             return
         self.llm.wake_up(tags=tags)
-        self.sleeping = tags is not None and "kv_cache" not in tags
 
 
 def _refresh_tied_output_layer(worker) -> None:
@@ -180,7 +177,7 @@ def release_shared_memory() -> None:
     (its instance identifier is empty), the same in every run, and nothing
     unlinks them when a process exits hard.
     """
-    if platform.ON_CUDA or not os.path.isdir("/dev/shm"):
+    if accelerator.ON_CUDA or not os.path.isdir("/dev/shm"):
         return
     for name in os.listdir("/dev/shm"):
         if name.startswith("-") and "-cpushm" in name:

@@ -678,9 +678,7 @@ def test_registry_rejects_duplicates():
         A.register(A.POLICY_LOSSES, "ppo_clip")(lambda *a: None)
 
 
-def test_masked_mean_and_whiten_edges():
-    x, mask = t([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]]), t([[1, 1, 0], [1, 0, 0]])
-    assert A.masked_mean(x, mask).item() == pytest.approx(2.0)
-    assert A.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+def test_masked_whiten_edges():
+    x = t([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]])
     one = A.masked_whiten(x, t([[0, 1, 0], [0, 0, 0]]))  # a single valid token: 0, not nan
     assert torch.equal(one, torch.zeros_like(one))
