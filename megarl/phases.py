@@ -145,7 +145,7 @@ def _rollout(run: Run, prompts, step: int, n: int | None = None, temperature: fl
 def _sleep_colocated_rollout(run: Run) -> None:
     """Colocated: the engine gives its memory back to the trainer until the next sync wakes it."""
     if run.rollout is not None and run.context.placement.colocated:
-        run.rollout.sleep(level=run.args.rollout_sleep_level)
+        run.rollout.offload()
 
 
 def _reward_errors(samples, where: str, report: bool) -> dict:

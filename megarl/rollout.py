@@ -152,6 +152,14 @@ class RolloutEngine:
             return
         self.llm.wake_up(tags=tags)
 
+    # The role verbs the loop uses; a weight sync wakes the engine in its own order.
+    def offload(self) -> None:
+        """Give the device back to the colocated trainer (--rollout-sleep-level)."""
+        self.sleep(level=self.args.rollout_sleep_level)
+
+    def onload(self) -> None:
+        self.wake_up()
+
 
 def _refresh_tied_output_layer(worker) -> None:
     """Re-derive the tied LM head's kernel weights after a reload.
