@@ -12,21 +12,49 @@ minute on two CPU cores:
      steep part of the learning curve (pass@1 at temperature 1 aimed at 25-50%),
      so that RL has room to lift it.
 It ends by measuring pass@1 at T=1 and greedy accuracy on held-out problems and
-writes them, with the settings, to <out>/megarl_tiny.json (written last: its
-presence marks a complete model).
-"""
-import argparse
-import json
-import os
-import shutil
-import sys
-import time
-from pathlib import Path
+writes them, the settings and the sha256 of the weights to <out>/megarl_tiny.json
+(written last: its presence marks a complete model), and prints them.
 
-import torch
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+Reproducibility: one thread, fixed seeds, problems drawn from --seed alone, and,
+set below before torch is imported, the CPU code paths pinned so that the
+floating-point result does not depend on the machine's instruction set or
+vendor: torch's own kernels run their AVX2 build (not AVX-512, whose wider
+vectors change reduction orders), MKL's sgemm runs its conditional numerical
+reproducibility branch COMPATIBLE (the only branch MKL honours on non-Intel
+CPUs: AVX2/AVX512 fall back to AUTO there) and oneDNN is capped at AVX2. Each
+pin changes the weights (measured on one AVX-512 machine: pass@1 0.31-0.41 over
+the four torch x MKL combinations). Two builds on one machine print the same
+weights hash; an x86-64 machine with AVX2 and the same pinned packages is
+expected to print it too (see the README for what was measured).
+"""
+import os
+import sys
+
+# CPU code-path pins; they only act if set before torch is first imported, so
+# only when this file runs as a script (importing it, e.g. for build_tokenizer,
+# must not change the importing process's environment).
+PINNED_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",   # torch's vectorized kernels: the AVX2 build on every machine
+    "MKL_CBWR": "COMPATIBLE",        # MKL sgemm: one code branch, deterministic reductions
+    "ONEDNN_MAX_CPU_ISA": "AVX2",    # oneDNN (not on this path today; pinned in case a torch routes through it)
+    "DNNL_MAX_CPU_ISA": "AVX2",      # the same for older oneDNN spellings
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+if __name__ == "__main__":
+    os.environ.update(PINNED_ENV)
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megarl.tasks import arithmetic  # noqa: E402
@@ -44,7 +72,8 @@ CHAT_TEMPLATE = (
 # of the sizes vLLM's CPU attention supports.
 MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-# Warm-up, measured to land pass@1 at T=1 near 40% (greedy a little higher).
+# Warm-up, measured to land pass@1 at T=1 between 30% and 40% (greedy a little
+# higher): 0.312 on the pinned code path, 0.31-0.41 over the unpinned ones.
 # Clipping and beta2 0.95 matter: without them the same run is under 10%.
 TRAIN = dict(steps=400, batch=32, lr=3e-3, warmup=50, beta2=0.95, clip=1.0,
              weight_decay=0.0, threads=1)
@@ -142,8 +171,30 @@ def accuracy(model, tokenizer, problems, temperature, seed, max_new_tokens):
     return sum(arithmetic.score(t, p["answer"]) for t, p in zip(texts, problems)) / len(problems)
 
 
+def weights_sha256(model_dir):
+    """sha256 of a checkpoint's weights, independent of file layout and metadata.
+
+    Over every tensor of the directory's *.safetensors files in sorted-name order:
+    the name, the dtype, the shape and the raw (little-endian) bytes.
+    """
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous().reshape(-1)
+        digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
 def save(model, tokenizer, out, report):
-    """Write into a temporary sibling, then swap it in: a killed build leaves no half model."""
+    """Write into a temporary sibling, then swap it in: a killed build leaves no half model.
+
+    Adds the weights' hash, as written, to ``report``.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -151,6 +202,7 @@ def save(model, tokenizer, out, report):
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    report["weights_sha256"] = weights_sha256(tmp)
     (tmp / "megarl_tiny.json").write_text(json.dumps(report, indent=2) + "\n")
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -175,8 +227,14 @@ def main():
     if args.quiet:
         transformers.utils.logging.disable_progress_bar()
     start = time.time()
-    # A fixed thread count keeps float reductions, hence the result, reproducible.
+    # A fixed thread count keeps float reductions, hence the result, reproducible;
+    # the CPU code paths are pinned by PINNED_ENV at the top of this file.
     torch.set_num_threads(TRAIN["threads"])
+    torch.use_deterministic_algorithms(True)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        print(f"note: torch runs its {capability} kernels here (no AVX2, or {PINNED_ENV['ATEN_CPU_CAPABILITY']} "
+              "not pinned): the weights will differ from an AVX2 machine's", file=sys.stderr)
     settings = dict(TRAIN, steps=args.steps)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.seed)
@@ -189,10 +247,11 @@ def main():
     report = dict(seed=args.seed, params=n_params, model=MODEL, train=settings, eval=EVAL,
                   max_operand=arithmetic.MAX_OPERAND, pass_at_1_t1=pass1, greedy_accuracy=greedy,
                   build_seconds=round(time.time() - start, 1),
-                  torch=torch.__version__, transformers=transformers.__version__)
+                  torch=torch.__version__, transformers=transformers.__version__,
+                  cpu_capability=capability, pinned_env={k: os.environ.get(k) for k in PINNED_ENV})
     save(model, tokenizer, args.out, report)
     print(f"{args.out}: {n_params} params, pass@1 (T=1) {pass1:.3f}, greedy {greedy:.3f}, "
-          f"{report['build_seconds']}s")
+          f"{report['build_seconds']}s\nweights sha256 {report['weights_sha256']}")
 
 
 if __name__ == "__main__":
