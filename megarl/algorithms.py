@@ -11,6 +11,7 @@ Registries (flag value -> function):
   LOSS_AGGREGATIONS     token_level, sample_level, seq_mean_token_sum_norm
   KL_ESTIMATORS         k1, abs, mse (= k2), low_var_kl (= k3), full
   KL_CONTROLLERS        fixed, adaptive
+  GKD_TOPK_MODES        renorm, tail  (see Distillation below)
 
 Tensor layout
   Per-token tensors are [B, L], *response-aligned and right-padded*: column 0 is
@@ -89,9 +90,84 @@ Loss aggregation: LOSS_AGGREGATIONS[name](token_loss, mask, max_len=None)
   the gradient is divided by the summed units).
 
 Off-policy correction and the DAPO pieces are plain helpers documented below.
+
+Distillation (GKD, Agarwal et al. 2024; as TRL's GKDTrainer and ms-swift's Megatron GKD)
+  Losses between the student's and the teacher's next-token distributions on
+  the student's responses. Flags -> functions: --gkd-logits-topk 0 (full
+  vocabulary) -> distill_full; --gkd-logits-topk K > 0 -> GKD_TOPK_MODES[mode]
+  with mode = --gkd-topk-mode (renorm or tail). distill_support(topk, mode)
+  returns that function; --gkd-beta and --gkd-temperature are its beta and
+  temperature arguments.
+
+  Calling conventions, all per position (per token), shape [...] (the vocabulary /
+  support is summed, nothing else is reduced: the trainer masks and aggregates
+  with LOSS_AGGREGATIONS):
+    distill_full(student_logits [..., V], teacher_logits [..., V], beta, temperature) -> [...]
+    GKD_TOPK_MODES[mode](student_logits [..., V], teacher_topk_ids [..., K] long,
+                         teacher_topk_logprobs [..., K], beta, temperature) -> [...]
+    generalized_jsd(student_logprobs [..., N], teacher_logprobs [..., N], beta) -> [...]
+      the divergence over any N bins of already-normalised log-probs (the building
+      block: a vocabulary-parallel caller passes its shard's log-probs to
+      generalized_jsd_terms, sums its shard and all-reduces over the TP group, as
+      with kl_full).
+    student_topk_mass(student_logits, teacher_topk_ids, temperature) -> [...]  (metric, no grad)
+    distill_token_rewards(student_logprobs [B, L], teacher_logprobs [B, L]) -> [B, L]  (no grad)
+
+  Conventions (each chosen on purpose):
+    * beta (--gkd-beta) has TRL's / ms-swift's meaning exactly: beta == 0 is the
+      forward KL(teacher || student) (mode covering, classic KD), beta == 1 the
+      reverse KL(student || teacher) (mode seeking, on-policy distillation); in
+      between, M = beta P_teacher + (1 - beta) P_student (formed in log space with
+      logaddexp) and the loss is beta KL(P_teacher || M) + (1 - beta) KL(P_student || M).
+      (This generalised JSD tends to 0, not to a KL, as beta -> 0 or 1: the two
+      endpoints are special-cased, as in TRL.)
+    * temperature T (--gkd-temperature, > 0): both distributions are
+      softmax(logits / T). No T^2 factor (TRL and ms-swift have none).
+    * top-k input: teacher_topk_logprobs are log softmax(teacher_logits / T) of the
+      FULL teacher vocabulary at the ids teacher_topk_ids (the caller scales by T
+      before taking the top-k; at T = 1 these are vLLM's prompt logprobs). The
+      renorm mode renormalises them over the K ids, so for it log-probs taken at
+      T = 1 divided by T give the same loss (ms-swift's convention); the tail mode
+      needs the tail mass at T, i.e. the full distribution at T.
+      Top-k ids are distinct; K == V means they cover the vocabulary.
+    * renorm: teacher q = softmax over the K teacher log-probs, student p =
+      log_softmax(s / T) at the ids renormalised over them (= log_softmax(s_I / T));
+      loss = JSD_beta(q || p) over K bins. This is ms-swift's top-k GKD. Reverse KL
+      over these bins cannot see the mass the student puts outside the teacher's
+      top-k and is known to let it grow: log student_topk_mass every step.
+    * tail: K + 1 bins, no renormalisation: the K top-k bins (teacher exp(lt),
+      student exp(log_softmax(s / T)[I])) and one tail bin holding each side's
+      remaining mass. The student's tail log-mass is logsumexp of s / T over the
+      ids not in the top-k minus logsumexp over all (exact, with its gradient);
+      the teacher's is log(1 - sum exp(lt)) (summed in float64). Both tail
+      masses are floored at GKD_TAIL_MASS_FLOOR = 1e-7, the student's in value
+      only (straight-through gradient): the teacher's tail is known only to
+      about float32 resolution (rounding can make it 0 or negative), and an
+      equal floor on both sides keeps two negligible tails from producing a
+      spurious term (a tail of 1e-7 against one of exactly 0). With K == V the
+      tail bin is empty on both sides and dropped, so both modes equal
+      distill_full.
+    * numerics: computed in float32 (float64 kept), in log space (log_softmax,
+      logsumexp, logaddexp), never exp of a positive number. A bin with
+      probability 0 contributes 0 (0 log 0 = 0) with gradient 0. Log-probs are
+      floored at LOGPROB_FLOOR = -1e4 (exp of it is 0 in float32): the teacher's
+      (constant) by clamping, the student's in value only, its gradient staying the
+      unfloored one (straight-through) where it is finite, so a student logit of
+      -inf or -1e30 gives finite values and gradients. A divergence that is
+      mathematically infinite (reverse KL where the teacher's probability is exactly
+      0 and the student's is not; forward KL with the roles swapped) is therefore
+      finite and large, about p * 1e4.
+    * the teacher is a constant: its inputs are detached.
+    * policy-gradient form (distill_token_rewards): the token reward
+      -(log pi_student(y_t) - log pi_teacher(y_t)) of the sampled tokens, the
+      negative k1 estimate of the per-token reverse KL (its expectation under the
+      student's samples is -KL(student || teacher)); detached, for any advantage
+      estimator (add it to token_rewards, or use it alone).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -598,3 +674,144 @@ def truncated_importance_weights(old_logprobs, rollout_logprobs, mask, level: st
                    "ratio": ratio * mask, "clipped": clipped * mask, "masked": masked * mask}
         return weights * mask, metrics
 
+
+
+# -------------------------------------------------------------- distillation ----
+# Conventions: the module docstring, section Distillation.
+
+GKD_TOPK_MODES = {}
+
+LOGPROB_FLOOR = -1e4  # log-probs below this are floored (exp(-1e4) == 0 in float32)
+GKD_TAIL_MASS_FLOOR = 1e-7  # tail-bin masses are at least this (about float32 resolution of 1 - sum)
+
+
+def _check_gkd(beta: float, temperature: float) -> None:
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"gkd beta must be in [0, 1], got {beta}")
+    if not temperature > 0.0:
+        raise ValueError(f"gkd temperature must be > 0, got {temperature}")
+
+
+def _floor_student(logprobs: torch.Tensor, floor: float = LOGPROB_FLOOR) -> torch.Tensor:
+    """max(logprobs, floor) in value; the gradient of logprobs where it is finite (straight-through), 0 at -inf."""
+    floored = logprobs.clamp(min=floor)
+    straight = torch.where(torch.isfinite(logprobs), logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+    return floored.detach() + straight
+
+
+def _floor_teacher(logprobs: torch.Tensor) -> torch.Tensor:
+    return _floating(logprobs.detach()).clamp(min=LOGPROB_FLOOR)
+
+
+def _kl_terms(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Per-bin p (log p - log q) for finite (floored) log-probs; p == 0 gives 0 and gradient 0."""
+    return torch.exp(logp) * (logp - logq)
+
+
+def generalized_jsd_terms(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                          beta: float) -> torch.Tensor:
+    """Per-bin terms [..., N] of the generalised JSD (see the section's conventions); sum them for the loss.
+
+    beta == 0: KL(teacher || student); beta == 1: KL(student || teacher); else
+    beta KL(teacher || M) + (1 - beta) KL(student || M), M = beta P_t + (1 - beta) P_s.
+    Both inputs are normalised log-probs over the same bins (a shard of them for
+    a vocabulary-parallel caller).
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"gkd beta must be in [0, 1], got {beta}")
+    ls = _floor_student(_floating(student_logprobs))
+    lt = _floor_teacher(teacher_logprobs).to(ls.dtype)
+    if beta == 0:
+        return _kl_terms(lt, ls)
+    if beta == 1:
+        return _kl_terms(ls, lt)
+    lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+    return beta * _kl_terms(lt, lm) + (1.0 - beta) * _kl_terms(ls, lm)
+
+
+def generalized_jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, beta: float) -> torch.Tensor:
+    """JSD_beta over the last dimension's bins: [..., N] log-probs -> [...]."""
+    return generalized_jsd_terms(student_logprobs, teacher_logprobs, beta).sum(dim=-1)
+
+
+def distill_full(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocabulary GKD loss per position [...] from logits [..., V]: JSD_beta of softmax(logits / T)."""
+    _check_gkd(beta, temperature)
+    ls = torch.log_softmax(_floating(student_logits) / temperature, dim=-1)
+    lt = torch.log_softmax(_floating(teacher_logits.detach()) / temperature, dim=-1)
+    return generalized_jsd(ls, lt, beta)
+
+
+@register(GKD_TOPK_MODES, "renorm")
+def distill_topk_renorm(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor,
+                        teacher_topk_logprobs: torch.Tensor, beta: float, temperature: float = 1.0) -> torch.Tensor:
+    """Top-k GKD loss [...] over the K teacher ids, both sides renormalised over them (ms-swift)."""
+    _check_gkd(beta, temperature)
+    ids = teacher_topk_ids.long()
+    ls = torch.log_softmax(torch.gather(_floating(student_logits), -1, ids) / temperature, dim=-1)
+    lt = torch.log_softmax(_floor_teacher(teacher_topk_logprobs), dim=-1)
+    return generalized_jsd(ls, lt, beta)
+
+
+def teacher_tail_logprob(teacher_topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum exp(lt)) [..., 1], the teacher's mass outside its top-k, floored at GKD_TAIL_MASS_FLOOR."""
+    lt = teacher_topk_logprobs.detach().to(torch.float64)
+    mass = -torch.expm1(torch.logsumexp(lt, dim=-1, keepdim=True).clamp(max=0.0))
+    out_dtype = torch.promote_types(teacher_topk_logprobs.dtype, torch.float32)
+    return torch.log(mass.clamp(min=GKD_TAIL_MASS_FLOOR)).to(out_dtype)
+
+
+@register(GKD_TOPK_MODES, "tail")
+def distill_topk_tail(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor,
+                      teacher_topk_logprobs: torch.Tensor, beta: float, temperature: float = 1.0) -> torch.Tensor:
+    """Top-k GKD loss [...] over K + 1 bins: the teacher's K ids unrenormalised, plus a tail bin per side."""
+    _check_gkd(beta, temperature)
+    ids = teacher_topk_ids.long()
+    scaled = _floating(student_logits) / temperature
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    ls = torch.gather(scaled, -1, ids) - lse
+    lt = _floor_teacher(teacher_topk_logprobs)
+    if ids.shape[-1] < scaled.shape[-1]:
+        in_topk = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, ids, True)
+        # finfo.min, not -inf (also for -inf logits): a remainder with no finite logit gives a finite
+        # (then floored) log-mass and no NaN gradient from logsumexp's backward
+        lowest = torch.finfo(scaled.dtype).min
+        rest = scaled.clamp(min=lowest).masked_fill(in_topk, lowest)
+        tail = _floor_student(torch.logsumexp(rest, dim=-1, keepdim=True) - lse, math.log(GKD_TAIL_MASS_FLOOR))
+        ls = torch.cat([ls, tail], dim=-1)
+        lt = torch.cat([lt, teacher_tail_logprob(teacher_topk_logprobs).to(lt.dtype)], dim=-1)
+    return generalized_jsd(ls, lt, beta)
+
+
+def distill_support(topk: int, mode: str = "renorm"):
+    """The loss function for --gkd-logits-topk topk (0 = full vocabulary) and --gkd-topk-mode mode."""
+    if topk < 0:
+        raise ValueError(f"gkd_logits_topk must be >= 0 (0 = full vocabulary), got {topk}")
+    if topk == 0:
+        return distill_full
+    if mode not in GKD_TOPK_MODES:
+        raise ValueError(f"unknown gkd top-k mode {mode!r} ({', '.join(sorted(GKD_TOPK_MODES))})")
+    return GKD_TOPK_MODES[mode]
+
+
+@torch.no_grad()
+def student_topk_mass(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """The student's probability mass [...] on the teacher's top-k ids, at temperature T (a metric)."""
+    scaled = _floating(student_logits) / temperature
+    top = torch.gather(scaled, -1, teacher_topk_ids.long())
+    return torch.exp(torch.logsumexp(top, dim=-1) - torch.logsumexp(scaled, dim=-1))
+
+
+@torch.no_grad()
+def distill_token_rewards(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Token rewards -(log pi_s(y_t) - log pi_t(y_t)) of the sampled tokens (negative k1 reverse KL).
+
+    Detached; multiplied by mask when given (0 on padding).
+    """
+    rewards = _floating(teacher_logprobs) - _floating(student_logprobs)
+    if mask is not None:
+        rewards = rewards * mask.to(rewards.dtype)
+    return rewards
