@@ -743,15 +743,32 @@ def distill_full(student_logits: torch.Tensor, teacher_logits: torch.Tensor, bet
     return generalized_jsd(ls, lt, beta)
 
 
+def topk_renorm_bins(student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor):
+    """(student, teacher) log-probs over the K teacher ids, each renormalised over them. The student's
+    may be normalised over the whole vocabulary or not: renormalising removes the difference."""
+    return (torch.log_softmax(_floating(student_topk_logprobs), dim=-1),
+            torch.log_softmax(_floor_teacher(teacher_topk_logprobs), dim=-1))
+
+
+def topk_tail_bins(student_topk_logprobs: torch.Tensor, student_tail_logprob: torch.Tensor | None,
+                   teacher_topk_logprobs: torch.Tensor):
+    """(student, teacher) log-probs over K + 1 bins: the K teacher ids (normalised over the whole
+    vocabulary) and each side's tail [..., 1]; student_tail_logprob None means K == V (no tail bin)."""
+    ls, lt = _floating(student_topk_logprobs), _floor_teacher(teacher_topk_logprobs)
+    if student_tail_logprob is None:
+        return ls, lt.to(ls.dtype)
+    tail = _floor_student(_floating(student_tail_logprob), math.log(GKD_TAIL_MASS_FLOOR))
+    return (torch.cat([ls, tail], dim=-1),
+            torch.cat([lt, teacher_tail_logprob(teacher_topk_logprobs).to(lt.dtype)], dim=-1).to(ls.dtype))
+
+
 @register(GKD_TOPK_MODES, "renorm")
 def distill_topk_renorm(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor,
                         teacher_topk_logprobs: torch.Tensor, beta: float, temperature: float = 1.0) -> torch.Tensor:
     """Top-k GKD loss [...] over the K teacher ids, both sides renormalised over them (ms-swift)."""
     _check_gkd(beta, temperature)
-    ids = teacher_topk_ids.long()
-    ls = torch.log_softmax(torch.gather(_floating(student_logits), -1, ids) / temperature, dim=-1)
-    lt = torch.log_softmax(_floor_teacher(teacher_topk_logprobs), dim=-1)
-    return generalized_jsd(ls, lt, beta)
+    student = torch.gather(_floating(student_logits), -1, teacher_topk_ids.long()) / temperature
+    return generalized_jsd(*topk_renorm_bins(student, teacher_topk_logprobs), beta)
 
 
 def teacher_tail_logprob(teacher_topk_logprobs: torch.Tensor) -> torch.Tensor:
@@ -770,18 +787,16 @@ def distill_topk_tail(student_logits: torch.Tensor, teacher_topk_ids: torch.Tens
     ids = teacher_topk_ids.long()
     scaled = _floating(student_logits) / temperature
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    ls = torch.gather(scaled, -1, ids) - lse
-    lt = _floor_teacher(teacher_topk_logprobs)
+    tail = None
     if ids.shape[-1] < scaled.shape[-1]:
         in_topk = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, ids, True)
         # finfo.min, not -inf (also for -inf logits): a remainder with no finite logit gives a finite
         # (then floored) log-mass and no NaN gradient from logsumexp's backward
         lowest = torch.finfo(scaled.dtype).min
         rest = scaled.clamp(min=lowest).masked_fill(in_topk, lowest)
-        tail = _floor_student(torch.logsumexp(rest, dim=-1, keepdim=True) - lse, math.log(GKD_TAIL_MASS_FLOOR))
-        ls = torch.cat([ls, tail], dim=-1)
-        lt = torch.cat([lt, teacher_tail_logprob(teacher_topk_logprobs).to(lt.dtype)], dim=-1)
-    return generalized_jsd(ls, lt, beta)
+        tail = torch.logsumexp(rest, dim=-1, keepdim=True) - lse
+    bins = topk_tail_bins(torch.gather(scaled, -1, ids) - lse, tail, teacher_topk_logprobs)
+    return generalized_jsd(*bins, beta)
 
 
 def distill_support(topk: int, mode: str = "renorm"):

@@ -30,8 +30,7 @@ def scaled_logits(logits: torch.Tensor, vocab_size: int, temperature: float) -> 
     return z
 
 
-def logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                            temperature: float) -> torch.Tensor:
+def logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
     """log softmax(logits / T)[label] from this TP rank's vocabulary shard, [b, L]."""
     from megatron.core import tensor_parallel
 
@@ -69,8 +68,7 @@ def entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.
     return torch.log(sum_exp) + z_max - _weighted_vocab_sum(exp, z) / sum_exp
 
 
-def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int,
-                           temperature: float) -> torch.Tensor:
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
     """Exact KL(pi || ref) per position over the full vocabulary, [b, L], shard by shard.
 
     The formula of algorithms.kl_full, sum_v p (log p - log q), rewritten over global sums:
@@ -83,3 +81,95 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int,
     _, ref_max, ref_sum_exp = _shifted_exp_sum(z_ref)
     cross = _weighted_vocab_sum(exp, z - z_ref) / sum_exp
     return cross - (torch.log(sum_exp) + z_max) + (torch.log(ref_sum_exp) + ref_max)
+
+
+def _shard_start(shard: int) -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() * shard
+
+
+@torch.no_grad()
+def topk_logprobs(logits: torch.Tensor, k: int, vocab_size: int, temperature: float):
+    """The top-k of log softmax(logits / T) over the whole sharded vocabulary: (global ids, logprobs),
+    each [..., k], best first. Each shard proposes its own top-k; the TP ranks exchange
+    only those k candidates (never the vocabulary) and keep the best k."""
+    from megatron.core import parallel_state
+
+    z = scaled_logits(logits, vocab_size, temperature)
+    _, z_max, sum_exp = _shifted_exp_sum(z)
+    log_normalizer = torch.log(sum_exp) + z_max
+    values, ids = z.topk(min(k, z.shape[-1]), dim=-1)
+    ids = ids + _shard_start(z.shape[-1])
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        values = _all_gather_last_dim(values, group)
+        ids = _all_gather_last_dim(ids, group)
+        values, best = values.topk(k, dim=-1)
+        ids = ids.gather(-1, best)
+    return ids, values - log_normalizer[..., None]
+
+
+def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at global vocabulary `ids` [..., k], differentiable in this shard's
+    logits: each shard fills the ids it owns, the shards' parts are summed (identity
+    backward: every shard gets the gradient of the ids it owns)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    z = scaled_logits(logits, vocab_size, temperature)
+    _, z_max, sum_exp = _shifted_exp_sum(z)
+    shard = z.shape[-1]
+    local = ids - _shard_start(shard)
+    owned = (local >= 0) & (local < shard)
+    picked = torch.where(owned, z.gather(-1, local.clamp(0, shard - 1)), 0.0)
+    return reduce_from_tensor_model_parallel_region(picked) - (torch.log(sum_exp) + z_max)[..., None]
+
+
+
+def _tail_logprob(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """log of softmax(logits / T)'s mass outside `ids` [..., k] -> [..., 1], from global sums (exact,
+    with its gradient): sum of exp over this shard's columns not in `ids`, all-reduced."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    z = scaled_logits(logits, vocab_size, temperature)
+    exp, _, sum_exp = _shifted_exp_sum(z)
+    shard = z.shape[-1]
+    local = ids - _shard_start(shard)
+    owned = (local >= 0) & (local < shard)
+    # Ids of other shards are marked in a spare last column, then dropped.
+    in_ids = torch.zeros(*z.shape[:-1], shard + 1, dtype=torch.bool, device=z.device)
+    in_ids = in_ids.scatter(-1, torch.where(owned, local, shard), True)[..., :shard]
+    rest = reduce_from_tensor_model_parallel_region(exp.masked_fill(in_ids, 0.0).sum(dim=-1))
+    # A tail of exactly 0 must give a floored log-mass, not log(0) with an infinite gradient.
+    rest = rest.clamp(min=torch.finfo(rest.dtype).tiny)
+    return (torch.log(rest) - torch.log(sum_exp))[..., None]
+
+
+def distill_topk(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab_size: int,
+                 beta: float, temperature: float, mode: str) -> torch.Tensor:
+    """algorithms.GKD_TOPK_MODES[mode] per position from this shard's student logits: the student's
+    log-probs at the teacher's ids (and its tail mass) come from global sums, then the same
+    bins and generalized JSD as the pure functions."""
+    from megarl.algorithms import generalized_jsd, topk_renorm_bins, topk_tail_bins
+
+    student = gather_logprobs(logits, teacher_ids, vocab_size, temperature)
+    if mode == "renorm":
+        return generalized_jsd(*topk_renorm_bins(student, teacher_logprobs), beta)
+    if mode != "tail":
+        raise ValueError(f"unknown gkd top-k mode {mode!r} (renorm, tail)")
+    tail = None
+    if teacher_ids.shape[-1] < vocab_size:  # K == V leaves no tail bin
+        tail = _tail_logprob(logits, teacher_ids, vocab_size, temperature)
+    return generalized_jsd(*topk_tail_bins(student, tail, teacher_logprobs), beta)
+
+
+@torch.no_grad()
+def topk_mass(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """The probability mass of softmax(logits / T) on `ids` [..., k] -> [...] (a metric)."""
+    return gather_logprobs(logits, ids, vocab_size, temperature).exp().sum(dim=-1)

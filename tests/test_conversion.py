@@ -55,6 +55,14 @@ def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
             assert report["full_kl_mean"] > 1e-3, report
             assert report["max_abs_full_kl_diff"] <= 1e-5 and report["max_abs_full_kl_grad_diff"] <= 1e-5, report
             assert report["padding_grad_max"] == 0.0, report
+            # Teacher top-k over vocabulary shards, and the student's top-k GKD losses (renorm, tail)
+            # with their gradients, against the pure full-vocabulary functions.
+            assert report["topk_clear_positions"] > 0 and report["topk_ids_differ_where_clear"] == 0, report
+            assert report["max_abs_topk_logprob_diff"] <= 1e-4 and report["max_abs_topk_mass_diff"] <= 1e-5, report
+            for mode in ("renorm", "tail"):
+                assert report[f"gkd_{mode}_mean"] > 1e-5, report  # random models: near-uniform logits
+                assert report[f"max_abs_gkd_{mode}_diff"] <= 1e-5, report
+                assert report[f"max_abs_gkd_{mode}_grad_diff"] <= 1e-5, report
             # Critic: the value head on the trunk equals HF's final hidden states times the head.
             assert report["value_std"] > 1e-3 and report["max_abs_value_diff"] <= 1e-4, report
             # RoPE: HF's frequencies; where scaled, the scaling moves HF's logits far more than

@@ -40,6 +40,43 @@ def _full_kl_parity(shard_logits, reference, vocab_size) -> dict:
             if real < width else 0.0}
 
 
+def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
+    """Vocabulary-parallel teacher top-k and the student's top-k GKD losses (renorm and tail, beta 0.5,
+    T = 0.7) with their gradients, against the pure full-vocabulary functions (algorithms); the
+    teacher's logits are the student's scaled by 0.5."""
+    from megatron.core import parallel_state
+
+    from megarl.algorithms import GKD_TOPK_MODES, student_topk_mass
+
+    k, temperature, report = 8, 0.7, {}
+    teacher = 0.5 * reference.detach()
+    ids, logprobs = vocab_parallel.topk_logprobs(0.5 * shard_logits.detach(), k, vocab_size, temperature)
+    expected_logprobs, expected_ids = torch.log_softmax(teacher / temperature, -1).topk(k, dim=-1)
+    # Megatron's and HF's logits differ by ~1e-5: ids may swap only where the ranking is that close.
+    ranked = torch.log_softmax(teacher / temperature, -1).topk(k + 1, dim=-1).values
+    clear = (ranked[..., :-1] - ranked[..., 1:]).min(dim=-1).values > 1e-3
+    report["topk_ids_differ_where_clear"] = int((ids != expected_ids).any(dim=-1)[clear].sum())
+    report["topk_clear_positions"] = int(clear.sum())
+    report["max_abs_topk_logprob_diff"] = (logprobs - expected_logprobs).abs().max().item()
+    width = shard_logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    real = max(min(vocab_size - start, width), 0)
+    for mode in ("renorm", "tail"):
+        shard = shard_logits.detach().clone().requires_grad_(True)
+        loss = vocab_parallel.distill_topk(shard, expected_ids, expected_logprobs, vocab_size, 0.5, temperature, mode)
+        loss.sum().backward()
+        full = reference.detach().clone().requires_grad_(True)
+        expected = GKD_TOPK_MODES[mode](full, expected_ids, expected_logprobs, 0.5, temperature)
+        expected.sum().backward()
+        report[f"max_abs_gkd_{mode}_diff"] = (loss - expected).abs().max().item()
+        report[f"max_abs_gkd_{mode}_grad_diff"] = (shard.grad[..., :real] - full.grad[..., start: start + real]
+                                                   ).abs().max().item()
+        report[f"gkd_{mode}_mean"] = expected.mean().item()
+    mass = vocab_parallel.topk_mass(shard_logits, expected_ids, vocab_size, temperature)
+    report["max_abs_topk_mass_diff"] = (mass - student_topk_mass(reference, expected_ids, temperature)).abs().max().item()
+    return report
+
+
 def _value_head_parity(hf_path, hf_config, tokens, positions, seed) -> dict:
     """Critic values (trunk loaded tied-style, fresh value head) against HF's final hidden states @ head."""
     import copy
@@ -115,6 +152,7 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
         report["max_abs_logprob_diff"] = (logprobs - full.gather(-1, labels[..., None])[..., 0]).abs().max().item()
         report["max_abs_entropy_diff"] = (entropy + (full.exp() * full).sum(-1)).abs().max().item()
         report.update(_full_kl_parity(shard_logits, reference, hf_config.vocab_size))
+        report.update(_distill_topk_parity(shard_logits, reference, hf_config.vocab_size))
         report.update(_value_head_parity(hf_path, hf_config, tokens, positions, seed))
         report.update(_rope_parity(model, hf_model, reference, hf_path, hf_config, tokens))
 
