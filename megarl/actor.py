@@ -9,6 +9,8 @@ The loss per token is composed from the algorithm registries' functions, the
 ones the formula tests check:
 
     POLICY_LOSSES[--policy-loss]  (x importance weight with TIS)
+    x --policy-loss-coef
+    + --distill-coef x GKD (algorithms GKD_TOPK_MODES / distill_full)  with a teacher
     + kl_penalty_in_loss(KL(pi || ref), coef)      when --kl-placement loss
     + entropy_bonus(entropy, --entropy-coef)
     -> LOSS_AGGREGATIONS[--loss-agg] -> (numerator, units)
@@ -18,6 +20,8 @@ Logprobs, entropy and the full KL are computed vocabulary-parallel
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -57,27 +61,34 @@ class Actor(TrainableModel):
         """Response-aligned [n, width] logprobs of the sampled tokens under the current policy; with
         `full_kl_to` (the Reference) also the exact per-token KL(pi || ref) over the vocabulary."""
         if full_kl_to is None:
-            outputs = self.forward_only(micro_batches, lambda batch, logits: self._logprobs(batch, logits))
+            outputs = self.forward_only(micro_batches, lambda batch, logits, _: self._logprobs(batch, logits))
             return response_aligned(micro_batches, outputs, width), None
 
-        def both(batch, logits, ref_logits):
-            return torch.stack([self._logprobs(batch, logits), self._full_kl(logits, ref_logits)])
+        def both(batch, logits, companion_outputs):
+            return torch.stack([self._logprobs(batch, logits), self._full_kl(logits, companion_outputs["ref"])])
 
         with full_kl_to.resident():
-            outputs = self.forward_only(micro_batches, both, companion=full_kl_to.logits)
+            outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to.logits})
         return (response_aligned(micro_batches, [o[0] for o in outputs], width),
                 response_aligned(micro_batches, [o[1] for o in outputs], width))
 
-    def train_step(self, micro_batches: list[MicroBatch], kl_coef: float = 0.0, reference=None) -> dict:
+    def train_step(self, micro_batches: list[MicroBatch], kl_coef: float = 0.0, reference=None,
+                   teacher=None) -> dict:
         """One optimizer step over these micro-batches (this rank's share of a mini-batch).
 
-        kl_coef > 0 (with the reference) adds kl_coef * KL(pi || ref) per token to the loss.
+        kl_coef > 0 (with the reference) adds kl_coef * KL(pi || ref) per token to the loss;
+        a teacher adds --distill-coef times the GKD loss (top-k from the batch's teacher
+        fields, or full vocabulary from the teacher's logits beside each micro-batch).
         """
         args = self.args
         kl_in_loss = kl_coef > 0 and reference is not None
-        full_kl_reference = reference if kl_in_loss and self.full_kl else None
+        companions = {}
+        if kl_in_loss and self.full_kl:
+            companions["ref"] = reference
+        if teacher is not None and not args.gkd_logits_topk:
+            companions["teacher"] = teacher
 
-        def loss(batch, logits, companion_output=None):
+        def loss(batch, logits, companion_outputs):
             logprobs = self._logprobs(batch, logits)
             mask = batch.loss_mask
             token_loss, pg_metrics = self.policy_loss(
@@ -85,9 +96,17 @@ class Actor(TrainableModel):
                 mask=mask, clip_ratio_c=args.dual_clip_c, skip_threshold=args.skip_threshold)
             if batch.is_weights is not None:
                 token_loss = token_loss * batch.is_weights
+            token_loss = args.policy_loss_coef * token_loss
+            sums = {}
+            if teacher is not None:
+                distill, topk_mass = self._distill(batch, logits, companion_outputs)
+                token_loss = token_loss + args.distill_coef * distill
+                sums["distill_loss"] = (distill * mask).sum()
+                if topk_mass is not None:
+                    sums["teacher_topk_mass"] = (topk_mass * mask).sum()
             kl = torch.zeros_like(token_loss)
             if kl_in_loss:
-                kl = self._full_kl(logits, companion_output) if self.full_kl else \
+                kl = self._full_kl(logits, companion_outputs["ref"]) if self.full_kl else \
                     self.kl_estimator(logprobs, batch.ref_logprobs)
                 token_loss = token_loss + kl_penalty_in_loss(kl, kl_coef)
             with torch.set_grad_enabled(bool(args.entropy_coef)):
@@ -96,23 +115,36 @@ class Actor(TrainableModel):
                 token_loss = token_loss + entropy_bonus(entropy, args.entropy_coef)
             numerator, units = self.aggregate(token_loss, mask, max_len=args.max_new_tokens)
             units = torch.as_tensor(units, dtype=torch.float32, device=logits.device)
-            sums = {"loss": numerator, "loss_units": units, "clipped": (pg_metrics["clipped"] * mask).sum(),
-                    "kl_old_new": ((batch.old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new) estimate
-                    "kl_loss": (kl * mask).sum(), "entropy": (entropy * mask).sum(), "tokens": mask.sum()}
+            sums.update({"loss": numerator, "loss_units": units, "clipped": (pg_metrics["clipped"] * mask).sum(),
+                         "kl_old_new": ((batch.old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new)
+                         "kl_loss": (kl * mask).sum(), "entropy": (entropy * mask).sum(), "tokens": mask.sum()})
             return numerator, units.round().to(torch.int), {"sums": {k: v.detach() for k, v in sums.items()}}
 
-        if full_kl_reference is not None:
-            with full_kl_reference.resident():
-                sums, grad_norm = self.optimizer_step(micro_batches, loss, companion=full_kl_reference.logits)
-        else:
-            sums, grad_norm = self.optimizer_step(micro_batches, loss)
+        with contextlib.ExitStack() as stack:
+            for role in companions.values():
+                stack.enter_context(role.resident())
+            sums, grad_norm = self.optimizer_step(
+                micro_batches, loss, companions={name: role.logits for name, role in companions.items()})
         tokens = max(sums["tokens"], 1.0)
         metrics = {"loss": sums["loss"] / max(sums["loss_units"], 1.0), "clip_fraction": sums["clipped"] / tokens,
                    "kl_old_new": sums["kl_old_new"] / tokens, "entropy": sums["entropy"] / tokens,
                    "grad_norm": grad_norm, "lr": self.lr}
         if kl_in_loss:
             metrics["kl_loss"] = sums["kl_loss"] / tokens
+        for name in ("distill_loss", "teacher_topk_mass"):
+            if name in sums:
+                metrics[name] = sums[name] / tokens
         return metrics
+
+    def _distill(self, batch: MicroBatch, logits: torch.Tensor, companion_outputs: dict):
+        """Per-token GKD loss and (top-k) the student's mass on the teacher's top-k ids."""
+        args, vocab_size = self.args, self.hf_config.vocab_size
+        if not args.gkd_logits_topk:
+            return vocab_parallel.distill_full(logits, companion_outputs["teacher"], vocab_size, args.gkd_beta,
+                                               args.gkd_temperature), None
+        distill = vocab_parallel.distill_topk(logits, batch.teacher_topk_ids, batch.teacher_topk_logprobs,
+                                              vocab_size, args.gkd_beta, args.gkd_temperature, args.gkd_topk_mode)
+        return distill, vocab_parallel.topk_mass(logits, batch.teacher_topk_ids, vocab_size, args.gkd_temperature)
 
     def hf_weights(self, bucket_bytes: int):
         """(HF name, tensor) pairs of the whole policy; collective over the train ranks."""

@@ -85,7 +85,8 @@ def _add_placement_args(parser):
                    help="ranks of the train role (default: all ranks, or what the other roles leave)")
     g.add_argument("--rollout-gpus", type=int, default=None, help="ranks of the rollout role")
     g.add_argument("--teacher-gpus", type=int, default=0, help="ranks of a standalone teacher role")
-    g.add_argument("--teacher-model", default=None, help="HF checkpoint of the teacher")
+    g.add_argument("--teacher-model", default=None,
+                   help="HF checkpoint of a distillation teacher colocated on the train ranks (turns GKD on)")
     g.add_argument("--teacher-tensor-parallel-size", type=int, default=1,
                    help="vLLM TP size per engine of a standalone teacher")
 
@@ -145,6 +146,24 @@ def _add_algorithm_args(parser):
     g.add_argument("--kl-target", type=float, default=0.1, help="adaptive KL controller: target KL per token")
     g.add_argument("--kl-horizon", type=float, default=10000.0, help="adaptive KL controller: horizon in samples")
     g.add_argument("--ref-model", default=None, help="reference checkpoint (default: --model)")
+
+
+def _add_distillation_args(parser):
+    g = parser.add_argument_group("distillation (GKD, with --teacher-model)")
+    g.add_argument("--gkd-logits-topk", type=int, default=0,
+                   help="distil over the teacher's top-K tokens per position (0: the full vocabulary)")
+    g.add_argument("--gkd-topk-mode", default="renorm", choices=sorted(algorithms.GKD_TOPK_MODES),
+                   help="top-k support: renormalised over the K ids (ms-swift), or K ids plus a tail bin")
+    g.add_argument("--gkd-beta", type=float, default=0.5,
+                   help="generalized JSD: 0 forward KL(teacher || student), 1 reverse KL(student || teacher)")
+    g.add_argument("--gkd-temperature", type=float, default=1.0,
+                   help="teacher and student distributions are softmax(logits / T) in the distillation loss")
+    g.add_argument("--distill-coef", type=float, default=1.0, help="weight of the distillation loss per token")
+    g.add_argument("--policy-loss-coef", type=float, default=1.0,
+                   help="weight of the RL policy loss (0: distillation alone; rewards are still scored for "
+                        "metrics and evaluation)")
+    g.add_argument("--offload-teacher-model", action="store_true",
+                   help="keep the colocated teacher in host memory between its forwards")
 
 
 def _add_batch_args(parser):
@@ -282,10 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--external-plugins", nargs="*", default=[],
                         help="Python files imported before the options are checked; they register algorithms "
                              "with megarl.algorithms.register(REGISTRY, name)")
-    for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args,
-                _add_algorithm_args, _add_batch_args, _add_critic_args, _add_dapo_and_off_policy_args,
-                _add_data_args, _add_reward_args, _add_eval_args, _add_optimizer_args, _add_checkpoint_args,
-                _add_logging_args):
+    for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args, _add_algorithm_args,
+                _add_distillation_args, _add_batch_args, _add_critic_args,
+                _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_eval_args, _add_optimizer_args,
+                _add_checkpoint_args, _add_logging_args):
         add(parser)
     return parser
 
@@ -490,10 +509,41 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if not 0 <= args.overlong_buffer_len <= args.max_new_tokens:
         raise ConfigError(f"--overlong-buffer-len must be in [0, max_new_tokens={args.max_new_tokens}], "
                           f"got {args.overlong_buffer_len}")
-    if args.teacher_gpus or args.teacher_model:
-        raise ConfigError("the teacher role (teacher.gpus / --teacher-model) is not implemented yet")
+    _validate_distillation(args)
     if args.context_parallel_size > 1:
         raise ConfigError("context_parallel_size > 1 is not supported yet (set --context-parallel-size 1)")
+
+
+def _validate_distillation(args) -> None:
+    if args.teacher_gpus:
+        raise ConfigError(f"teacher.gpus={args.teacher_gpus}: standalone teacher ranks are not implemented yet; "
+                          f"set teacher_model at the top level for a teacher colocated on the train ranks")
+    if not 0.0 <= args.gkd_beta <= 1.0 or args.gkd_temperature <= 0 or args.gkd_logits_topk < 0:
+        raise ConfigError(f"--gkd-beta must be in [0, 1], --gkd-temperature > 0 and --gkd-logits-topk >= 0; got "
+                          f"{args.gkd_beta}, {args.gkd_temperature}, {args.gkd_logits_topk}")
+    if args.distill_coef < 0 or args.policy_loss_coef < 0:
+        raise ConfigError(f"--distill-coef and --policy-loss-coef must be >= 0, got {args.distill_coef} and "
+                          f"{args.policy_loss_coef}")
+    if not args.teacher_model:
+        if args.gkd_logits_topk or args.policy_loss_coef == 0:
+            flag = "--gkd-logits-topk" if args.gkd_logits_topk else "--policy-loss-coef 0"
+            raise ConfigError(f"{flag} needs a teacher: set --teacher-model")
+        return
+    if (args.gkd_logits_topk == 0 and args.tensor_model_parallel_size > 1
+            and args.gkd_beta not in (0.0, 1.0)):
+        raise ConfigError(f"full-vocabulary GKD with --gkd-beta {args.gkd_beta} at tensor_model_parallel_size="
+                          f"{args.tensor_model_parallel_size} is not implemented yet: use --gkd-logits-topk K, "
+                          f"or --gkd-beta 0 or 1")
+    from transformers import AutoConfig
+
+    try:
+        student, teacher = (AutoConfig.from_pretrained(path) for path in (args.model, args.teacher_model))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--teacher-model {args.teacher_model} / --model {args.model}: cannot read the config "
+                          f"({str(error).splitlines()[0]})") from None
+    if student.vocab_size != teacher.vocab_size:
+        raise ConfigError(f"--teacher-model {args.teacher_model} has vocab_size={teacher.vocab_size} but the "
+                          f"student --model {args.model} has {student.vocab_size}; distillation needs one vocabulary")
 
 
 def _validate_batch_geometry(args, data_parallel: int) -> None:

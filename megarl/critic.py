@@ -83,12 +83,12 @@ class Critic(TrainableModel):
 
     def values(self, micro_batches: list[MicroBatch], width: int) -> torch.Tensor:
         """Response-aligned [n, width] values before the update."""
-        outputs = self.forward_only(micro_batches, lambda batch, output: output.squeeze(-1).float())
+        outputs = self.forward_only(micro_batches, lambda batch, output, _: output.squeeze(-1).float())
         return response_aligned(micro_batches, outputs, width)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         """One optimizer step of the value loss over these micro-batches."""
-        def loss(batch, output, companion_output=None):
+        def loss(batch, output, companion_outputs):
             values = output.squeeze(-1).float()
             mask = batch.loss_mask
             token_loss, metrics = value_loss(values, batch.old_values, batch.returns, mask, self.args.value_clip)

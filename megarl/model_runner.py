@@ -20,6 +20,7 @@ same way (`sum_over_data_parallel`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -52,7 +53,7 @@ class MicroBatch:
 
     def response_aligned(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """[b, width] with column j = response token j of each row (0 past the response)."""
-        out = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
+        out = torch.zeros(x.shape[0], width, *x.shape[2:], dtype=x.dtype, device=x.device)
         for row, (p, r) in enumerate(self.spans):
             out[row, :r] = x[row, p - 1: p + r - 1]
         return out
@@ -69,7 +70,9 @@ def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int) -> list
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in chunk)
         tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
         labels = torch.full_like(tokens, pad_id)
-        per_token = {name: torch.zeros(len(chunk), length) for name in ("loss_mask", *fields)}
+        per_token = {"loss_mask": torch.zeros(len(chunk), length)}
+        per_token.update({name: torch.zeros(len(chunk), length, *values.shape[2:], dtype=values.dtype)
+                          for name, values in fields.items()})
         spans = []
         for row, (i, sample) in enumerate(zip(rows, chunk)):
             p, r = len(sample.prompt_ids), len(sample.response_ids)
@@ -80,7 +83,7 @@ def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int) -> list
             response = slice(p - 1, p + r - 1)
             per_token["loss_mask"][row, response] = batch.loss_mask[i, :r].float()
             for name, values in fields.items():
-                per_token[name][row, response] = values[i, :r].float()
+                per_token[name][row, response] = values[i, :r]
         per_token = {name: value.to(device) for name, value in per_token.items()}
         loss_mask = per_token.pop("loss_mask")
         micro_batches.append(MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token))
@@ -93,12 +96,14 @@ def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor
 
 
 def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_only: bool,
-                     micro_batch_size: int, companion=None) -> list[dict]:
+                     micro_batch_size: int, companions: dict | None = None) -> list[dict]:
     """Megatron's forward-backward schedule over the micro-batches.
 
-    loss_fn(batch, output, companion_output=None) -> (numerator, units, dict); the dicts are
-    returned, one per micro-batch. `companion(tokens, positions)`, when given, runs a second
-    model on the same batch under no_grad (the reference's logits for a full-vocabulary KL).
+    loss_fn(batch, output, companion_outputs) -> (numerator, units, dict); the dicts are
+    returned, one per micro-batch. `companions` maps names to frozen models'
+    `logits(tokens, positions)`, run on the same batch under no_grad (the reference's
+    logits for a full-vocabulary KL, the teacher's for full-vocabulary distillation):
+    only one micro-batch of their logits exists at a time.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -106,11 +111,9 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
         batch = next(data_iterator)
         positions = batch.positions()
         output = model(batch.tokens, positions, attention_mask=None)
-        companion_output = None
-        if companion is not None:
-            with torch.no_grad():
-                companion_output = companion(batch.tokens, positions)
-        return output, partial(loss_fn, batch, companion_output=companion_output)
+        with torch.no_grad():
+            outputs = {name: logits(batch.tokens, positions) for name, logits in (companions or {}).items()}
+        return output, partial(loss_fn, batch, companion_outputs=outputs)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
@@ -119,9 +122,9 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
 
 
 def keep_output(transform):
-    """A forward-only loss function that keeps transform(batch, output) per micro-batch."""
-    def loss_fn(batch, output, companion_output=None):
-        kept = transform(batch, output) if companion_output is None else transform(batch, output, companion_output)
+    """A forward-only loss function that keeps transform(batch, output, companion_outputs) per micro-batch."""
+    def loss_fn(batch, output, companion_outputs):
+        kept = transform(batch, output, companion_outputs)
         return output.sum() * 0, torch.tensor(1, dtype=torch.int), {"kept": kept}
 
     return loss_fn
@@ -185,14 +188,14 @@ class TrainableModel:
             self.offloaders.append(Offloader(lambda: (optimizer_tensors(self.optimizer), [])))
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: list[MicroBatch], transform, companion=None) -> list[torch.Tensor]:
-        """transform(batch, output[, companion_output]) of each micro-batch, in eval mode."""
+    def forward_only(self, micro_batches: list[MicroBatch], transform, companions=None) -> list[torch.Tensor]:
+        """transform(batch, output, companion_outputs) of each micro-batch, in eval mode."""
         self.model.eval()
         outputs = forward_backward(self.model, micro_batches, keep_output(transform), True, self.micro_batch_size,
-                                   companion=companion)
+                                   companions=companions)
         return [o["kept"] for o in outputs]
 
-    def optimizer_step(self, micro_batches: list[MicroBatch], loss_fn, companion=None) -> tuple[dict, float]:
+    def optimizer_step(self, micro_batches: list[MicroBatch], loss_fn, companions=None) -> tuple[dict, float]:
         """Forward and backward over the micro-batches, then one optimizer step (the LR schedule
         advances when the step was taken). The loss's named sums, over all data-parallel ranks,
         and the gradient norm."""
@@ -200,7 +203,7 @@ class TrainableModel:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = forward_backward(self.model, micro_batches, loss_fn, False, self.micro_batch_size,
-                                   companion=companion)
+                                   companions=companions)
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
@@ -242,3 +245,50 @@ class TrainableModel:
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+class FrozenModel:
+    """A frozen Megatron GPTModel on the train ranks with the trainer's TP (no DDP, no optimizer),
+    loaded from an HF checkpoint; with `offload`, it waits in host memory between its forwards."""
+
+    def __init__(self, args, hf_config, checkpoint: str, offload: bool):
+        from megarl.models.convert import load_hf_weights
+        from megarl.models.megatron_gpt import DTYPES, build_gpt_model
+
+        self.args, self.hf_config = args, hf_config
+        self.model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by)
+        load_hf_weights(self.model, checkpoint, hf_config)
+        self.model.requires_grad_(False).eval()
+        self.offloader = Offloader(lambda: model_tensors(self.model)) if offload else None
+        self.offload()
+
+    def offload(self) -> None:
+        if self.offloader is not None:
+            self.offloader.offload()
+
+    def onload(self) -> None:
+        if self.offloader is not None:
+            self.offloader.onload()
+
+    @contextlib.contextmanager
+    def resident(self):
+        """On the device for the duration (back in host memory after, when offloading)."""
+        self.onload()
+        try:
+            yield self
+        finally:
+            self.offload()
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This TP rank's vocabulary shard of the logits (call while resident)."""
+        return self.model(tokens, positions, attention_mask=None)
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[MicroBatch], transform) -> list[torch.Tensor]:
+        """transform(batch, logits, {}) of each micro-batch, while resident."""
+        with self.resident():
+            outputs = forward_backward(self.model, micro_batches, keep_output(transform), True,
+                                       self.args.micro_batch_size)
+        return [o["kept"] for o in outputs]
+

@@ -8,7 +8,8 @@
   score_and_filter  every rank: the typed Batch, with sequence scores (overlong penalty)
                     and the masks of what stays in the loss (truncation filter).
   prepare           train ranks, before any update: old logprobs, reference logprobs /
-                    KL and critic values, each data-parallel rank its contiguous shard,
+                    KL, critic values and the teacher's top-k (GKD), each data-parallel
+                    rank its contiguous shard,
                     then gathered so every rank holds the whole batch; the rollout vs
                     trainer mismatch and, with TIS, importance weights.
   compute_advantages  train ranks: advantages and returns over the whole batch (the KL
@@ -167,7 +168,7 @@ def score_and_filter(run: Run, samples):
 # ------------------------------------------------------------------- prepare ----
 @phase
 def prepare(run: Run, batch: Batch):
-    """Old logprobs (reference logprobs / KL, critic values when used) of every sample."""
+    """Old logprobs (reference logprobs / KL, critic values, teacher top-k when used) of every sample."""
     if run.actor is None:
         return batch, {}
     args, placement = run.args, run.context.placement
@@ -187,23 +188,33 @@ def prepare(run: Run, batch: Batch):
         computed["old_values"] = run.critic.values(micro_batches, width)
     for name, value in _gather_over_data_parallel(computed).items():
         setattr(batch, name, value * batch.response_mask)
-    metrics = batching.mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
+    metrics = {}
+    if run.teacher is not None and args.gkd_logits_topk:
+        started = time.perf_counter()
+        ids, logprobs = run.teacher.topk(micro_batches, width, args.gkd_logits_topk)
+        gathered = _gather_over_data_parallel({"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs})
+        batch.teacher_topk_ids, batch.teacher_topk_logprobs = gathered.values()
+        metrics["teacher_seconds"] = time.perf_counter() - started
+    metrics.update(batching.mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask))
     if args.tis_level != "none":
         metrics.update(batching.importance_weights(batch, args.tis_level, args.tis_mode, args.tis_threshold))
     return batch, metrics
 
 
 def _gather_over_data_parallel(computed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each data-parallel rank's contiguous shard [share, R] of each field -> the whole batch [N, R]
-    on every rank (on the accelerator: NCCL gathers device tensors only), back in host memory."""
+    """Each data-parallel rank's contiguous shard [share, R, ...] of each field -> the whole batch
+    [N, R, ...] on every rank (on the accelerator: NCCL gathers device tensors only), back in
+    host memory."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group()
-    local = torch.stack([value.to(accelerator.device(), torch.float32) for value in computed.values()])
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
-    gathered = torch.cat(parts, dim=1).cpu()
-    return {name: gathered[i] for i, name in enumerate(computed)}
+    gathered = {}
+    for name, value in computed.items():
+        local = value.to(accelerator.device()).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
+        gathered[name] = torch.cat(parts).cpu()
+    return gathered
 
 
 def _pad_id(run: Run) -> int:
@@ -258,7 +269,7 @@ def update(run: Run, batch: Batch, step: int) -> dict:
             if run.critic is not None:
                 critic_updates.append(run.critic.train_step(micro_batches))
             if update_actor:
-                policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference))
+                policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference, run.teacher))
     metrics = {}
     for updates in (policy_updates, critic_updates):
         if updates:

@@ -13,8 +13,9 @@ then the ranks of a standalone teacher:
     colocate  [[train, rollout]]   train = rollout = ranks 0..T-1; teacher ranks T..
     separate  []                   train 0..T-1, rollout T..T+R-1, teacher T+R..
 
-A teacher listed in a colocate group with train lives on the train ranks and
-has no ranks of its own.
+A teacher listed in a colocate group with train, or given as a top-level
+teacher_model without teacher ranks, lives on the train ranks and has no ranks
+of its own.
 
 Trainer parallelism follows Megatron's default rank order (tp-cp-ep-dp-pp, TP
 fastest): within the train ranks, rank r has TP rank r % TP and data-parallel
@@ -147,6 +148,8 @@ class Placement:
         """
         groups = [list(group) for group in args.colocate_groups]
         colocated, teacher_colocated = _check_groups(groups)
+        # A top-level teacher_model without teacher ranks is a teacher on the train ranks.
+        teacher_colocated = teacher_colocated or bool(args.teacher_model and not args.teacher_gpus)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "rollout_tensor_parallel_size", "teacher_tensor_parallel_size"):
             if getattr(args, name) < 1:

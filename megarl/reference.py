@@ -8,53 +8,19 @@ forwards (megarl/offload.py) and is not checkpointed: it is rebuilt exactly from
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from megarl import vocab_parallel
-from megarl.model_runner import MicroBatch, forward_backward, keep_output, response_aligned
-from megarl.models.convert import load_hf_weights
-from megarl.models.megatron_gpt import DTYPES, build_gpt_model
-from megarl.offload import Offloader, model_tensors
+from megarl.model_runner import FrozenModel, MicroBatch, response_aligned
 
 
-class Reference:
+class Reference(FrozenModel):
     def __init__(self, args, hf_config):
-        self.args, self.hf_config = args, hf_config
-        self.model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by)
-        load_hf_weights(self.model, args.ref_model, hf_config)
-        self.model.requires_grad_(False).eval()
-        self.offloader = Offloader(lambda: model_tensors(self.model))
-        self.offload()
+        super().__init__(args, hf_config, args.ref_model, offload=True)
 
-    def offload(self) -> None:
-        self.offloader.offload()
-
-    def onload(self) -> None:
-        self.offloader.onload()
-
-    @contextlib.contextmanager
-    def resident(self):
-        """On the device for the duration, back in host memory after."""
-        self.onload()
-        try:
-            yield self
-        finally:
-            self.offload()
-
-    @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """This TP rank's vocabulary shard of the logits (call while resident)."""
-        return self.model(tokens, positions, attention_mask=None)
-
-    @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch], width: int) -> torch.Tensor:
         """Response-aligned [n, width] logprobs of the sampled tokens under the reference."""
-        def logprobs_of(batch, logits):
+        def logprobs_of(batch, logits, _):
             return vocab_parallel.logprobs(logits, batch.labels, self.hf_config.vocab_size, self.args.temperature)
 
-        with self.resident():
-            outputs = forward_backward(self.model, micro_batches, keep_output(logprobs_of), True,
-                                       self.args.micro_batch_size)
-        return response_aligned(micro_batches, [o["kept"] for o in outputs], width)
+        return response_aligned(micro_batches, self.forward_only(micro_batches, logprobs_of), width)

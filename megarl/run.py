@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play
     from megarl.reference import Reference
     from megarl.rewards import RewardSpec
     from megarl.rollout import RolloutEngine
+    from megarl.teacher import Teacher
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Run:
     actor: Actor | None  # on train ranks
     critic: Critic | None  # on train ranks with --advantage-estimator gae
     reference: Reference | None  # on train ranks when a KL term needs one
+    teacher: Teacher | None  # on train ranks with --teacher-model (GKD)
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
     weight_sync: object  # a weight_sync.WEIGHT_SYNC_STRATEGIES entry
 
@@ -85,7 +87,7 @@ def build_run(args, context: distributed.DistContext) -> Run:
     hf_config = AutoConfig.from_pretrained(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
-    rollout = actor = critic = reference = None
+    rollout = actor = critic = reference = teacher = None
     if context.is_rollout:  # engines before Megatron's parallel state (the measured order)
         from megarl.rollout import RolloutEngine
 
@@ -103,6 +105,10 @@ def build_run(args, context: distributed.DistContext) -> Run:
             from megarl.reference import Reference
 
             reference = Reference(args, hf_config)
+        if args.teacher_model:
+            from megarl.teacher import Teacher
+
+            teacher = Teacher(args)
     kl_controller = None
     if args.kl_coef > 0:
         kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \
@@ -112,5 +118,6 @@ def build_run(args, context: distributed.DistContext) -> Run:
         prompts=prompt_source(args, tokenizer, system_prompt or None),
         eval_sets=eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {},
         reward=build_reward(args.reward, args.reward_model) if context.is_rollout else None,
-        rollout=rollout, actor=actor, critic=critic, reference=reference, kl_controller=kl_controller,
+        rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
+        kl_controller=kl_controller,
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))

@@ -173,3 +173,28 @@ def distill_topk(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logpro
 def topk_mass(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
     """The probability mass of softmax(logits / T) on `ids` [..., k] -> [...] (a metric)."""
     return gather_logprobs(logits, ids, vocab_size, temperature).exp().sum(dim=-1)
+
+
+def distill_full(logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_size: int, beta: float,
+                 temperature: float) -> torch.Tensor:
+    """algorithms.distill_full per position from vocabulary shards. At TP = 1 the pure function on
+    the real vocabulary; at TP > 1 the two KLs from global sums (beta 1: KL(student || teacher),
+    beta 0: KL(teacher || student) = sum_v q_v (z'_v - z_v) - log Z' + log Z); the mixture of
+    0 < beta < 1 is not written shard-wise yet (arguments.py refuses it)."""
+    from megatron.core import parallel_state
+
+    from megarl.algorithms import distill_full as full_vocabulary
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return full_vocabulary(logits[..., :vocab_size], teacher_logits[..., :vocab_size], beta, temperature)
+    if beta == 1.0:
+        return full_kl(logits, teacher_logits, vocab_size, temperature)
+    if beta != 0.0:
+        raise NotImplementedError("full-vocabulary GKD with 0 < beta < 1 at TP > 1")
+    z = scaled_logits(logits, vocab_size, temperature)
+    z_teacher = scaled_logits(teacher_logits.detach(), vocab_size, temperature)
+    _, z_max, sum_exp = _shifted_exp_sum(z)
+    exp_teacher, teacher_max, teacher_sum_exp = _shifted_exp_sum(z_teacher)
+    cross = _weighted_vocab_sum(exp_teacher, z_teacher - z) / teacher_sum_exp
+    return cross - (torch.log(teacher_sum_exp) + teacher_max) + (torch.log(sum_exp) + z_max)
+

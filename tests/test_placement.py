@@ -10,7 +10,7 @@ from megarl.placement import Placement, PlacementError
 def args(**overrides):
     values = dict(colocate_groups=[["train", "rollout"]], train_gpus=None, rollout_gpus=None, teacher_gpus=0,
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                  rollout_tensor_parallel_size=1, teacher_tensor_parallel_size=1)
+                  rollout_tensor_parallel_size=1, teacher_tensor_parallel_size=1, teacher_model=None)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -62,6 +62,8 @@ def test_colocated_teacher_lives_on_the_train_ranks():
     placement = Placement.from_args(args(colocate_groups=[["train", "rollout", "teacher"]]), 2)
     assert placement.teacher_colocated and placement.teacher is None and placement.teacher_ranks == ()
     assert placement.roles_of(1) == ("train", "rollout", "teacher")
+    top_level = Placement.from_args(args(teacher_model="teacher/"), 2)  # teacher_model alone: on the train ranks
+    assert top_level.teacher_colocated and top_level.roles_of(0) == ("train", "rollout", "teacher")
     separate_rollout = Placement.from_args(args(colocate_groups=[["train", "teacher"]], train_gpus=1), 2)
     assert not separate_rollout.colocated and separate_rollout.roles_of(0) == ("train", "teacher")
     assert separate_rollout.roles_of(1) == ("rollout",)

@@ -1,0 +1,83 @@
+"""GKD with a teacher colocated on the train ranks, end to end on 2 real torchrun ranks, and its
+one-line configuration errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, torchrun
+
+from megarl.arguments import ConfigError, parse_args
+
+SMALL = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12", "--micro-batch-size", "8",
+         "--rollout-kv-cache-gb", "1", "--train-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def teacher_model(tmp_path_factory) -> str:
+    """Another tiny model with the built-in tokenizer: same vocabulary, different weights."""
+    out = tmp_path_factory.mktemp("teacher") / "tiny-teacher"
+    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(out), "--seed", "1", "--steps", "150",
+                    "--quiet"], cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                   timeout=600)
+    return str(out)
+
+
+def _scalars(log_dir, tags) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(log_dir.glob("events.out.tfevents.*"))))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in tags if tag in events.Tags()["scalars"]}
+
+
+LAYOUTS = {
+    # name: (config, extra flags, distillation loss tags expected)
+    "rollout-colocate-topk-renorm": ("examples/gkd/rollout_colocate_teacher_colocate.yaml", [], True),
+    "rollout-separate-topk-tail-rl": ("examples/gkd/rollout_separate_teacher_colocate.yaml", [], True),
+    "colocate-full-vocabulary-tp2": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
+                                     ["--gkd-logits-topk", "0", "--gkd-beta", "1", "--tensor-model-parallel-size", "2"],
+                                     False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_few_distillation_steps(layout, tiny_model, teacher_model, tmp_path):
+    config, extra, topk = LAYOUTS[layout]
+    result = torchrun("../../megarl/train.py", "--config", config, "--model", tiny_model, "--teacher-model",
+                      teacher_model, *SMALL, *extra, "--log-dir", tmp_path / "tb", timeout=900)
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3, result.stdout[-3000:]
+    series = _scalars(tmp_path / "tb", ["distill_loss", "teacher_topk_mass", "teacher_seconds"])
+    # Two different models: the divergence is positive from the first step on.
+    assert len(series["distill_loss"]) == 3 and min(series["distill_loss"]) > 0, series
+    if topk:
+        assert all(0.0 < mass <= 1.0 for mass in series["teacher_topk_mass"]), series
+        assert len(series["teacher_seconds"]) == 3, series
+    else:
+        assert "teacher_topk_mass" not in series
+
+
+BAD = [
+    (["--gkd-logits-topk", "8"], ["--gkd-logits-topk needs a teacher", "--teacher-model"]),
+    (["--policy-loss-coef", "0"], ["--policy-loss-coef 0 needs a teacher"]),
+    (["--teacher-model", "{model}", "--teacher-gpus", "1"], ["teacher.gpus=1", "not implemented yet"]),
+    (["--teacher-model", "{model}", "--gkd-beta", "1.5"], ["--gkd-beta must be in [0, 1]"]),
+    (["--teacher-model", "{random}"], ["vocab_size=250", "vocab_size", "one vocabulary"]),
+    (["--teacher-model", "{model}", "--tensor-model-parallel-size", "2"],
+     ["full-vocabulary GKD with --gkd-beta 0.5", "tensor_model_parallel_size=2", "--gkd-logits-topk"]),
+]
+
+
+@pytest.mark.parametrize("flags,words", BAD)
+def test_distillation_configuration_errors_are_one_line(flags, words, tiny_model, random_qwen2_tied):
+    argv = ["--model", tiny_model] + [f.format(model=tiny_model, random=random_qwen2_tied) for f in flags]
+    with pytest.raises(ConfigError) as error:
+        parse_args(argv, world_size=2)
+    message = str(error.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, (word, message)
