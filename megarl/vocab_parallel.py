@@ -75,12 +75,17 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, tem
     KL = sum_v p_v (z_v - z'_v) - log Z + log Z' with z, z' the scaled logits of the
     policy and the reference. Differentiable in `logits`; ref_logits are constants.
     """
-    z = scaled_logits(logits, vocab_size, temperature)
-    z_ref = scaled_logits(ref_logits.detach(), vocab_size, temperature)
-    exp, z_max, sum_exp = _shifted_exp_sum(z)
-    _, ref_max, ref_sum_exp = _shifted_exp_sum(z_ref)
-    cross = _weighted_vocab_sum(exp, z - z_ref) / sum_exp
-    return cross - (torch.log(sum_exp) + z_max) + (torch.log(ref_sum_exp) + ref_max)
+    return _kl_over_shards(scaled_logits(logits, vocab_size, temperature),
+                           scaled_logits(ref_logits.detach(), vocab_size, temperature))
+
+
+def _kl_over_shards(z_p: torch.Tensor, z_q: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(z_p) || softmax(z_q)) per position from scaled logit shards, differentiable in
+    whichever side is not detached: sum_v p_v (z_v - z'_v) - log Z + log Z', from global sums."""
+    exp_p, p_max, p_sum_exp = _shifted_exp_sum(z_p)
+    _, q_max, q_sum_exp = _shifted_exp_sum(z_q)
+    cross = _weighted_vocab_sum(exp_p, z_p - z_q) / p_sum_exp
+    return cross - (torch.log(p_sum_exp) + p_max) + (torch.log(q_sum_exp) + q_max)
 
 
 def _shard_start(shard: int) -> int:
@@ -191,10 +196,6 @@ def distill_full(logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_size:
         return full_kl(logits, teacher_logits, vocab_size, temperature)
     if beta != 0.0:
         raise NotImplementedError("full-vocabulary GKD with 0 < beta < 1 at TP > 1")
-    z = scaled_logits(logits, vocab_size, temperature)
-    z_teacher = scaled_logits(teacher_logits.detach(), vocab_size, temperature)
-    _, z_max, sum_exp = _shifted_exp_sum(z)
-    exp_teacher, teacher_max, teacher_sum_exp = _shifted_exp_sum(z_teacher)
-    cross = _weighted_vocab_sum(exp_teacher, z_teacher - z) / teacher_sum_exp
-    return cross - (torch.log(teacher_sum_exp) + teacher_max) + (torch.log(sum_exp) + z_max)
+    return _kl_over_shards(scaled_logits(teacher_logits.detach(), vocab_size, temperature),
+                           scaled_logits(logits, vocab_size, temperature))
 

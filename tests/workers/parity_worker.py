@@ -46,7 +46,7 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
     teacher's logits are the student's scaled by 0.5."""
     from megatron.core import parallel_state
 
-    from megarl.algorithms import GKD_TOPK_MODES, student_topk_mass
+    from megarl.algorithms import GKD_TOPK_MODES, distill_full, student_topk_mass
 
     k, temperature, report = 8, 0.7, {}
     teacher = 0.5 * reference.detach()
@@ -72,6 +72,16 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
         report[f"max_abs_gkd_{mode}_grad_diff"] = (shard.grad[..., :real] - full.grad[..., start: start + real]
                                                    ).abs().max().item()
         report[f"gkd_{mode}_mean"] = expected.mean().item()
+    for beta in (0.0, 1.0):  # full vocabulary: the two KLs from global sums (the mixture is TP=1 only)
+        shard = shard_logits.detach().clone().requires_grad_(True)
+        loss = vocab_parallel.distill_full(shard, 0.5 * shard.detach(), vocab_size, beta, temperature)
+        loss.sum().backward()
+        full = reference.detach().clone().requires_grad_(True)
+        expected = distill_full(full, 0.5 * full.detach(), beta, temperature)
+        expected.sum().backward()
+        report[f"max_abs_gkd_full_beta{beta:g}_diff"] = (loss - expected).abs().max().item()
+        report[f"max_abs_gkd_full_beta{beta:g}_grad_diff"] = (shard.grad[..., :real]
+                                                              - full.grad[..., start: start + real]).abs().max().item()
     mass = vocab_parallel.topk_mass(shard_logits, expected_ids, vocab_size, temperature)
     report["max_abs_topk_mass_diff"] = (mass - student_topk_mass(reference, expected_ids, temperature)).abs().max().item()
     return report
