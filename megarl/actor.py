@@ -82,6 +82,8 @@ class Actor(TrainableModel):
         """
         args = self.args
         kl_in_loss = kl_coef > 0 and reference is not None
+        if not args.distill_coef:  # no distillation term (e.g. only its policy-gradient form)
+            teacher = None
         companions = {}
         if kl_in_loss and self.full_kl:
             companions["ref"] = reference

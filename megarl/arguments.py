@@ -159,6 +159,9 @@ def _add_distillation_args(parser):
     g.add_argument("--gkd-temperature", type=float, default=1.0,
                    help="teacher and student distributions are softmax(logits / T) in the distillation loss")
     g.add_argument("--distill-coef", type=float, default=1.0, help="weight of the distillation loss per token")
+    g.add_argument("--distill-reward-coef", type=float, default=0.0,
+                   help="policy-gradient form: add coef * -(log pi_student - log pi_teacher) of each sampled token "
+                        "to the token rewards, for any advantage estimator (0: off)")
     g.add_argument("--policy-loss-coef", type=float, default=1.0,
                    help="weight of the RL policy loss (0: distillation alone; rewards are still scored for "
                         "metrics and evaluation)")
@@ -521,12 +524,15 @@ def _validate_distillation(args) -> None:
     if not 0.0 <= args.gkd_beta <= 1.0 or args.gkd_temperature <= 0 or args.gkd_logits_topk < 0:
         raise ConfigError(f"--gkd-beta must be in [0, 1], --gkd-temperature > 0 and --gkd-logits-topk >= 0; got "
                           f"{args.gkd_beta}, {args.gkd_temperature}, {args.gkd_logits_topk}")
-    if args.distill_coef < 0 or args.policy_loss_coef < 0:
-        raise ConfigError(f"--distill-coef and --policy-loss-coef must be >= 0, got {args.distill_coef} and "
-                          f"{args.policy_loss_coef}")
+    if min(args.distill_coef, args.policy_loss_coef, args.distill_reward_coef) < 0:
+        raise ConfigError(f"--distill-coef, --policy-loss-coef and --distill-reward-coef must be >= 0, got "
+                          f"{args.distill_coef}, {args.policy_loss_coef} and {args.distill_reward_coef}")
     if not args.teacher_model:
-        if args.gkd_logits_topk or args.policy_loss_coef == 0:
-            flag = "--gkd-logits-topk" if args.gkd_logits_topk else "--policy-loss-coef 0"
+        needs_teacher = [flag for flag, used in (("--gkd-logits-topk", args.gkd_logits_topk),
+                                                 ("--policy-loss-coef 0", args.policy_loss_coef == 0),
+                                                 ("--distill-reward-coef", args.distill_reward_coef)) if used]
+        if needs_teacher:
+            flag = needs_teacher[0]
             raise ConfigError(f"{flag} needs a teacher: set --teacher-model")
         return
     if (args.gkd_logits_topk == 0 and args.tensor_model_parallel_size > 1

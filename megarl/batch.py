@@ -20,7 +20,7 @@ from megarl.algorithms import soft_overlong_penalty, truncated_importance_weight
 
 # The per-token fields of a Batch a micro-batch can carry, in a fixed order.
 TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "ref_kl", "old_values", "advantages",
-                "returns", "is_weights", "teacher_topk_ids", "teacher_topk_logprobs")
+                "returns", "is_weights", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Batch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None  # critic targets
     is_weights: torch.Tensor | None = None  # rollout -> trainer importance weights (TIS)
+    teacher_logprobs: torch.Tensor | None = None  # the teacher's logprobs of the sampled tokens (GKD)
     teacher_topk_ids: torch.Tensor | None = None  # [N, R, K] long: the teacher's top-k next tokens (GKD)
     teacher_topk_logprobs: torch.Tensor | None = None  # [N, R, K] their logprobs at --gkd-temperature
 

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megarl import accelerator, batch as batching, distributed
-from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, dynamic_sampling_keep, kl_penalty_in_reward,
-                               sequence_rewards_to_tokens)
+from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, distill_token_rewards, dynamic_sampling_keep,
+                               kl_penalty_in_reward, sequence_rewards_to_tokens)
 from megarl.batch import Batch
 from megarl.dumps import write_samples
 from megarl.model_runner import make_micro_batches
@@ -189,12 +189,16 @@ def prepare(run: Run, batch: Batch):
     for name, value in _gather_over_data_parallel(computed).items():
         setattr(batch, name, value * batch.response_mask)
     metrics = {}
-    if run.teacher is not None and args.gkd_logits_topk:
+    if run.teacher is not None:
         started = time.perf_counter()
-        ids, logprobs = run.teacher.topk(micro_batches, width, args.gkd_logits_topk)
-        gathered = _gather_over_data_parallel({"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs})
-        batch.teacher_topk_ids, batch.teacher_topk_logprobs = gathered.values()
+        for name, value in _gather_over_data_parallel(run.teacher.score(micro_batches, width,
+                                                                         args.gkd_logits_topk)).items():
+            setattr(batch, name, value)
+        batch.teacher_logprobs = batch.teacher_logprobs * batch.response_mask
         metrics["teacher_seconds"] = time.perf_counter() - started
+        # k1 estimate of KL(student || teacher) on the student's own samples, per token.
+        gap = (batch.old_logprobs - batch.teacher_logprobs) * batch.response_mask
+        metrics["teacher_kl"] = (gap.sum() / batch.response_mask.sum().clamp(min=1)).item()
     metrics.update(batching.mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask))
     if args.tis_level != "none":
         metrics.update(batching.importance_weights(batch, args.tis_level, args.tis_mode, args.tis_threshold))
@@ -225,7 +229,8 @@ def _pad_id(run: Run) -> int:
 @phase
 def compute_advantages(run: Run, batch: Batch):
     """Advantages and returns [N, R] over the whole batch; with a reference, the KL to it is
-    measured and adapts the controller, and enters the token rewards when placed there."""
+    measured and adapts the controller, and enters the token rewards when placed there; with
+    --distill-reward-coef, -(log pi_student - log pi_teacher) of each sampled token joins them."""
     if run.actor is None:
         return batch, {}
     args, mask = run.args, batch.response_mask
@@ -240,6 +245,9 @@ def compute_advantages(run: Run, batch: Batch):
         # verl: current KL = batch mean of each sample's token-mean KL, n_steps = batch size.
         run.kl_controller.update(per_sample.mean().item(), n_steps=len(batch))
         metrics["kl_coef"] = run.kl_controller.value
+    if args.distill_reward_coef:  # on-policy distillation in policy-gradient form
+        token_rewards = token_rewards + args.distill_reward_coef * distill_token_rewards(
+            batch.old_logprobs, batch.teacher_logprobs, mask)
     values = batch.old_values if batch.old_values is not None else torch.zeros_like(token_rewards)
     batch.advantages, batch.returns = ADVANTAGE_ESTIMATORS[args.advantage_estimator](
         token_rewards, mask, args.num_generations, scale_rewards=args.scale_rewards, gamma=args.gamma,

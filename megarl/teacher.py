@@ -6,10 +6,10 @@ by the same HF -> Megatron conversion as the policy, kept in host memory between
 its forwards with --offload-teacher-model, not checkpointed (rebuilt from its
 checkpoint).
 
-Verbs: `topk` (the teacher's top-K token ids and logprobs per response
-position, at --gkd-temperature, taken over the vocabulary shards without
-gathering the vocabulary on a rank) for top-k distillation, computed once per
-step before the update; `logits` (this rank's vocabulary shard) for
+Verbs: `score` (the sampled tokens' logprobs and, for top-k distillation, the
+teacher's top-K token ids and logprobs per response position at
+--gkd-temperature, taken over the vocabulary shards without gathering the
+vocabulary on a rank), computed once per step before the update; `logits` (this rank's vocabulary shard) for
 full-vocabulary distillation, run beside each student micro-batch so that only
 one micro-batch of teacher logits exists at a time.
 """
@@ -29,12 +29,19 @@ class Teacher(FrozenModel):
         super().__init__(args, AutoConfig.from_pretrained(args.teacher_model), args.teacher_model,
                          offload=args.offload_teacher_model)
 
-    def topk(self, micro_batches: list[MicroBatch], width: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-aligned (ids [n, width, k] long, logprobs [n, width, k]) of the teacher's top-k
-        next tokens at each position that scores a response token."""
-        def topk_of(batch, logits, _):
-            return vocab_parallel.topk_logprobs(logits, k, self.hf_config.vocab_size, self.args.gkd_temperature)
+    def score(self, micro_batches: list[MicroBatch], width: int, k: int) -> dict[str, torch.Tensor]:
+        """One teacher forward over the student's sequences, response-aligned: `teacher_logprobs`
+        [n, width], the sampled tokens' logprobs at the sampling --temperature (the teacher-student
+        KL and the policy-gradient form of distillation); with k > 0 also `teacher_topk_ids`
+        [n, width, k] (long) and `teacher_topk_logprobs` [n, width, k], the teacher's top-k next
+        tokens at --gkd-temperature."""
+        args, vocab_size = self.args, self.hf_config.vocab_size
 
-        outputs = self.forward_only(micro_batches, topk_of)
-        return (response_aligned(micro_batches, [ids for ids, _ in outputs], width),
-                response_aligned(micro_batches, [logprobs for _, logprobs in outputs], width))
+        def score_of(batch, logits, _):
+            sampled = vocab_parallel.logprobs(logits, batch.labels, vocab_size, args.temperature)
+            return (sampled,) + (vocab_parallel.topk_logprobs(logits, k, vocab_size, args.gkd_temperature) if k else ())
+
+        outputs = self.forward_only(micro_batches, score_of)
+        names = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")[: len(outputs[0])]
+        return {name: response_aligned(micro_batches, [output[i] for output in outputs], width)
+                for i, name in enumerate(names)}

@@ -40,6 +40,10 @@ LAYOUTS = {
     "colocate-full-vocabulary-tp2": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
                                      ["--gkd-logits-topk", "0", "--gkd-beta", "1", "--tensor-model-parallel-size", "2"],
                                      False),
+    # The policy-gradient form alone: the teacher's per-token reverse KL as a negative reward.
+    "policy-gradient-form": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
+                             ["--gkd-logits-topk", "0", "--distill-coef", "0", "--policy-loss-coef", "1",
+                              "--distill-reward-coef", "1", "--reward", "arithmetic"], False),
 }
 
 
@@ -51,8 +55,13 @@ def test_a_few_distillation_steps(layout, tiny_model, teacher_model, tmp_path):
                       teacher_model, *SMALL, *extra, "--log-dir", tmp_path / "tb", timeout=900)
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3, result.stdout[-3000:]
-    series = _scalars(tmp_path / "tb", ["distill_loss", "teacher_topk_mass", "teacher_seconds"])
-    # Two different models: the divergence is positive from the first step on.
+    series = _scalars(tmp_path / "tb", ["distill_loss", "teacher_topk_mass", "teacher_seconds", "teacher_kl",
+                                        "advantage_mean"])
+    # Two different models: the divergences are positive from the first step on.
+    assert len(series["teacher_kl"]) == 3 and min(series["teacher_kl"]) > 0, series
+    if "--distill-coef" in extra:  # the policy-gradient form only: no distillation loss term
+        assert "distill_loss" not in series, series
+        return
     assert len(series["distill_loss"]) == 3 and min(series["distill_loss"]) > 0, series
     if topk:
         assert all(0.0 < mass <= 1.0 for mass in series["teacher_topk_mass"]), series
@@ -64,6 +73,7 @@ def test_a_few_distillation_steps(layout, tiny_model, teacher_model, tmp_path):
 BAD = [
     (["--gkd-logits-topk", "8"], ["--gkd-logits-topk needs a teacher", "--teacher-model"]),
     (["--policy-loss-coef", "0"], ["--policy-loss-coef 0 needs a teacher"]),
+    (["--distill-reward-coef", "1"], ["--distill-reward-coef needs a teacher"]),
     (["--teacher-model", "{model}", "--teacher-gpus", "1"], ["teacher.gpus=1", "not implemented yet"]),
     (["--teacher-model", "{model}", "--gkd-beta", "1.5"], ["--gkd-beta must be in [0, 1]"]),
     (["--teacher-model", "{random}"], ["vocab_size=250", "vocab_size", "one vocabulary"]),
