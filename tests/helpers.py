@@ -25,6 +25,20 @@ def torchrun(worker: str, *args: str, nproc: int = 2, timeout: float = 600, env:
     return result
 
 
+def scalars(log_dir, tags) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of TensorBoard scalars over every events file in `log_dir` (a resumed
+    run writes a second file); tags that were never logged are absent."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series = {}
+    for events_file in sorted(Path(log_dir).glob("events.out.tfevents.*")):
+        events = EventAccumulator(str(events_file))
+        events.Reload()
+        for tag in set(tags) & set(events.Tags()["scalars"]):
+            series.setdefault(tag, {}).update({event.step: event.value for event in events.Scalars(tag)})
+    return series
+
+
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)

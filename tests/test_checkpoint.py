@@ -11,26 +11,13 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, torchrun
+from helpers import ROOT, scalars, torchrun
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
 SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
          "--max-new-tokens", "12", "--micro-batch-size", "8", "--lr", "1e-3"]
 COMPARED = ("reward_mean", "loss", "grad_norm", "entropy", "mismatch", "response_length_mean")
-
-
-def _scalars(log_dir) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    series = {}
-    for events_file in sorted(log_dir.glob("events.out.tfevents.*")):
-        events = EventAccumulator(str(events_file))
-        events.Reload()
-        for tag in COMPARED:
-            for event in events.Scalars(tag):
-                series.setdefault(tag, {})[event.step] = event.value
-    return series
 
 
 def _run(tiny_model, tmp_path, name, *extra, worker="../../megarl/train.py", env=None, check=True):
@@ -47,7 +34,7 @@ def test_exact_resume_after_sigkill_mid_step(tiny_model, tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002"]
     resumed = _run(tiny_model, tmp_path, "resumed", *steps, "--save-dir", tmp_path / "ckpt", "--resume", "auto")
     assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} after step 2" in resumed.stdout
-    straight, killed_log, resumed_log = (_scalars(tmp_path / f"tb_{n}") for n in ("straight", "killed", "resumed"))
+    straight, killed_log, resumed_log = (scalars(tmp_path / f"tb_{n}", COMPARED) for n in ("straight", "killed", "resumed"))
     for tag in COMPARED:
         assert [killed_log[tag][s] for s in (0, 1)] == [straight[tag][s] for s in (0, 1)], tag
         # Steps 3 and 4 after the resume are those of the uninterrupted run, bit for bit.

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import torchrun
+from helpers import scalars, torchrun
 
 from megarl.tasks import arithmetic
 
@@ -47,21 +47,8 @@ def test_train_on_files_with_evaluation_and_dumps(tiny_model, tmp_path):
     # The dumped evaluation is the one whose pass@1 was logged: TensorBoard holds the logged value
     # (a float32) and the console prints it to three decimals.
     dumped_mean = sum(r["reward"] for r in evaluated) / 12
-    assert _scalars(tmp_path / "tb", "eval/sums/pass@1")[0] == pytest.approx(dumped_mean, abs=1e-6)
+    assert scalars(tmp_path / "tb", ["eval/sums/pass@1"])["eval/sums/pass@1"][0] == pytest.approx(dumped_mean, abs=1e-6)
     assert evals[0].split("sums/pass@1 ")[1].split()[0] == f"{dumped_mean:.3f}", evals[0]
-
-
-def _scalars(log_dir, tag) -> dict:
-    """{step: value} of one TensorBoard scalar, over every events file in `log_dir`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    series = {}
-    for events_file in sorted(log_dir.glob("events.out.tfevents.*")):
-        events = EventAccumulator(str(events_file))
-        events.Reload()
-        if tag in events.Tags()["scalars"]:
-            series.update({event.step: event.value for event in events.Scalars(tag)})
-    return series
 
 
 FLAKY = '''

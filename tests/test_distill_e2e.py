@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, torchrun
+from helpers import ROOT, scalars, torchrun
 
 from megarl.arguments import ConfigError, parse_args
 
@@ -23,14 +23,6 @@ def teacher_model(tmp_path_factory) -> str:
                     "--quiet"], cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                    timeout=600)
     return str(out)
-
-
-def _scalars(log_dir, tags) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(next(log_dir.glob("events.out.tfevents.*"))))
-    events.Reload()
-    return {tag: [e.value for e in events.Scalars(tag)] for tag in tags if tag in events.Tags()["scalars"]}
 
 
 LAYOUTS = {
@@ -55,8 +47,8 @@ def test_a_few_distillation_steps(layout, tiny_model, teacher_model, tmp_path):
                       teacher_model, *SMALL, *extra, "--log-dir", tmp_path / "tb", timeout=900)
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3, result.stdout[-3000:]
-    series = _scalars(tmp_path / "tb", ["distill_loss", "teacher_topk_mass", "teacher_seconds", "teacher_kl",
-                                        "advantage_mean"])
+    series = {tag: list(values.values()) for tag, values in scalars(
+        tmp_path / "tb", ["distill_loss", "teacher_topk_mass", "teacher_seconds", "teacher_kl"]).items()}
     # Two different models: the divergences are positive from the first step on.
     assert len(series["teacher_kl"]) == 3 and min(series["teacher_kl"]) > 0, series
     if "--distill-coef" in extra:  # the policy-gradient form only: no distillation loss term
