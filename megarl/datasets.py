@@ -413,7 +413,21 @@ def _teacher_prompt(value, where: str) -> str | list | None:
 def render(row: Row, tokenizer, system_prompt: str | None = None, max_prompt_length: int | None = None,
            truncation: str = "error") -> list[int]:
     """Token ids of the row's chat, ending with the generation prompt; see the system prompt rule."""
-    messages = row.messages
+    return _render_messages(row.messages, row, tokenizer, system_prompt, max_prompt_length, truncation)
+
+
+def render_teacher_prompt(row: Row, tokenizer, system_prompt: str | None = None,
+                          max_prompt_length: int | None = None, truncation: str = "error") -> list[int] | None:
+    """OPSD: token ids of the row's privileged `teacher_prompt` (a user message, or a chat), rendered
+    like the student's prompt; None when the row has none (plain GKD)."""
+    prompt = row.teacher_prompt
+    if not prompt:
+        return None
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return _render_messages(messages, row, tokenizer, system_prompt, max_prompt_length, truncation)
+
+
+def _render_messages(messages, row: Row, tokenizer, system_prompt, max_prompt_length, truncation) -> list[int]:
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
     if not getattr(tokenizer, "chat_template", None):
@@ -436,7 +450,8 @@ def fit_length(ids: list[int], limit: int | None, truncation: str, where: str) -
 def make_prompts(rows: Iterable[Row], tokenizer, system_prompt: str | None = None,
                  max_prompt_length: int | None = None, truncation: str = "error") -> list[Prompt]:
     """Rendered prompts, indexed 0.. in order, each carrying its row as metadata."""
-    return [Prompt(index, render(row, tokenizer, system_prompt, max_prompt_length, truncation), row.as_metadata())
+    options = (tokenizer, system_prompt, max_prompt_length, truncation)
+    return [Prompt(index, render(row, *options), row.as_metadata(), render_teacher_prompt(row, *options))
             for index, row in enumerate(rows)]
 
 

@@ -25,6 +25,7 @@ when it has one. No phase reads another's metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -127,7 +128,8 @@ def _rollout(run: Run, prompts, step: int, n: int | None = None, temperature: fl
                                   n=n, temperature=temperature, seed_key=seed_key)
         by_index = {p.index: p for p in shard}
         for sample in samples:
-            sample.metadata = by_index[sample.prompt_index].metadata
+            prompt = by_index[sample.prompt_index]
+            sample.metadata, sample.teacher_prompt_ids = prompt.metadata, prompt.teacher_ids
         scoring = time.perf_counter()
         outputs = score_all(run.reward, [s.response_text for s in samples], [s.metadata for s in samples])
         reward_seconds = time.perf_counter() - scoring
@@ -191,8 +193,8 @@ def prepare(run: Run, batch: Batch):
     metrics = {}
     if run.teacher is not None:
         started = time.perf_counter()
-        for name, value in _gather_over_data_parallel(run.teacher.score(micro_batches, width,
-                                                                         args.gkd_logits_topk)).items():
+        scored = run.teacher.score(_teacher_micro_batches(run, mine, micro_batches), width, args.gkd_logits_topk)
+        for name, value in _gather_over_data_parallel(scored).items():
             setattr(batch, name, value)
         batch.teacher_logprobs = batch.teacher_logprobs * batch.response_mask
         metrics["teacher_seconds"] = time.perf_counter() - started
@@ -203,6 +205,20 @@ def prepare(run: Run, batch: Batch):
     if args.tis_level != "none":
         metrics.update(batching.importance_weights(batch, args.tis_level, args.tis_mode, args.tis_threshold))
     return batch, metrics
+
+
+def _teacher_micro_batches(run: Run, mine: Batch, micro_batches):
+    """OPSD: samples whose row has a teacher prompt are scored after it, with the same response; the
+    outputs are response-aligned, so they line up with the student's by response token. Rows without
+    one fall back to plain GKD (the student's micro-batches)."""
+    if not any(s.teacher_prompt_ids for s in mine.samples):
+        return micro_batches
+    if not run.args.gkd_logits_topk:
+        raise ValueError("rows with a teacher_prompt (OPSD) need top-k distillation (--gkd-logits-topk K): "
+                         "full-vocabulary OPSD is not implemented yet")
+    privileged = [dataclasses.replace(s, prompt_ids=s.teacher_prompt_ids) if s.teacher_prompt_ids else s
+                  for s in mine.samples]
+    return make_micro_batches(dataclasses.replace(mine, samples=privileged), run.args.micro_batch_size, _pad_id(run))
 
 
 def _gather_over_data_parallel(computed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

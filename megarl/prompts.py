@@ -10,6 +10,7 @@ class Prompt:
     index: int  # position in this step's list
     ids: list[int]
     metadata: dict  # what the reward needs, e.g. {"answer": "85"}
+    teacher_ids: list[int] | None = None  # OPSD: the row's privileged teacher prompt, rendered
 
 
 def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -46,6 +46,7 @@ class Sample:
     reward: float = 0.0
     reason: str = ""  # the reward's short explanation ("wrong answer", "timeout", "error: ...")
     metadata: dict = field(default_factory=dict)  # the prompt's dataset row
+    teacher_prompt_ids: list[int] | None = None  # OPSD: the teacher scores the response after this prompt
 
 
 class RolloutEngine:

@@ -10,7 +10,7 @@ import pytest
 from helpers import ROOT
 from megarl.arguments import ConfigError
 from megarl.datasets import (DATASET_PREPROCESSORS, DatasetError, PromptDataset, load_eval_dataset, load_rows,
-                             register_preprocessor, render, shard)
+                             make_prompts, register_preprocessor, render, shard)
 
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 
@@ -150,6 +150,21 @@ def test_system_prompt_rule(tmp_path, tokenizer):
     assert tokenizer.decode(render(plain, tokenizer, "Box it.")) == chat_text(("system", "Box it."), ("user", "Q1"))
     # The row's own system message wins over the configured one.
     assert tokenizer.decode(render(own, tokenizer, "Box it.")) == chat_text(("system", "Own."), ("user", "Q2"))
+
+
+def test_teacher_prompt_is_rendered_like_the_prompt(tmp_path, tokenizer):
+    """OPSD: a row's teacher_prompt (a user message, or a chat) is rendered with the same template and
+    system-prompt rule; rows without one have none (plain GKD)."""
+    path = write_jsonl(tmp_path / "o.jsonl", [
+        {"messages": user("1+1?"), "solution": "2", "teacher_prompt": "The answer is 2. 1+1?"},
+        {"messages": user("2+2?"), "solution": "4",
+         "teacher_prompt": [{"role": "system", "content": "Hint: 4."}, *user("2+2?")]},
+        {"messages": user("3+3?"), "solution": "6"}])
+    with_text, with_chat, without = make_prompts(load_rows(path), tokenizer, system_prompt="Box it.")
+    assert tokenizer.decode(with_text.teacher_ids) == chat_text(("system", "Box it."), ("user", "The answer is 2. 1+1?"))
+    assert tokenizer.decode(with_chat.teacher_ids) == chat_text(("system", "Hint: 4."), ("user", "2+2?"))
+    assert tokenizer.decode(with_text.ids) == chat_text(("system", "Box it."), ("user", "1+1?"))
+    assert without.teacher_ids is None
 
 
 def test_truncation(tmp_path, tokenizer):

@@ -83,3 +83,39 @@ def test_distillation_configuration_errors_are_one_line(flags, words, tiny_model
     assert "\n" not in message
     for word in words:
         assert word in message, (word, message)
+
+
+def _arithmetic_rows(path, teacher_prompts: bool) -> str:
+    """The built-in task in ms-swift's layout; with teacher_prompts, every other row carries a
+    privileged teacher prompt that states the answer (OPSD), the others fall back to plain GKD."""
+    import json
+
+    from megarl.tasks import arithmetic
+
+    rows = []
+    for i, problem in enumerate(arithmetic.make_problems(16, seed=3)):
+        row = {"id": f"p{i}", "messages": [{"role": "user", "content": problem["prompt"]}],
+               "solution": problem["answer"]}
+        if teacher_prompts and i % 2 == 0:
+            row["teacher_prompt"] = f"The answer is {problem['answer']}. {problem['prompt']}"
+        rows.append(row)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_opsd_rows_are_scored_after_the_teacher_prompt(tiny_model, teacher_model, tmp_path):
+    """Same student samples (same seeds, prompts and weights) with and without teacher prompts: the
+    teacher's view of them changes only through its privileged prompt."""
+    kl = {}
+    for opsd in (False, True):
+        log_dir = tmp_path / f"tb_{opsd}"
+        torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_colocate.yaml",
+                 "--model", tiny_model, "--teacher-model", teacher_model, *SMALL, "--train-steps", "2",
+                 "--train-data", _arithmetic_rows(tmp_path / f"rows_{opsd}.jsonl", opsd), "--reward", "boxed",
+                 "--system-prompt", "", "--log-dir", log_dir, timeout=900)
+        series = scalars(log_dir, ["teacher_kl", "reward_mean", "distill_loss"])
+        assert len(series["distill_loss"]) == 2 and min(series["distill_loss"].values()) > 0, series
+        kl[opsd] = series
+    assert kl[True]["reward_mean"][0] == kl[False]["reward_mean"][0]  # the student sampled the same responses
+    assert kl[True]["teacher_kl"][0] != kl[False]["teacher_kl"][0], kl
