@@ -48,12 +48,14 @@ def median_seconds(fn, repeats):
 def worker(model_dir, placement, repeats, out):
     import torch
 
+    from types import SimpleNamespace
+
     from megarl import distributed
     from megarl.arguments import parse_args
-    from megarl.models.convert import load_hf_weights
+    from megarl.models.convert import iter_hf_weights, load_hf_weights
     from megarl.models.megatron_gpt import build_gpt_model
     from megarl.rollout import RolloutEngine, release_shared_memory
-    from megarl.weight_sync import BroadcastSync, ColocatedSync
+    from megarl.weight_sync import build_weight_sync
     from transformers import AutoConfig
 
     flags = ["--model", model_dir, "--rollout-kv-cache-gb", "1", "--max-new-tokens", "8", "--log-dir", "",
@@ -65,20 +67,20 @@ def worker(model_dir, placement, repeats, out):
     hf_config = AutoConfig.from_pretrained(model_dir)
     engine = None
     if context.is_rollout:
-        roles = context.layout.rollout_ranks
-        engine = RolloutEngine(args, roles.index(context.env.rank), len(roles))
+        engine = RolloutEngine(args, context.placement.rollout, context.rank)
     distributed.init_megatron_parallel(context, args.seed)
-    model = None
+    model = actor = None
     if context.is_train:
         model = build_gpt_model(hf_config)
         load_hf_weights(model, model_dir, hf_config)
+        # A bare GPTModel stands in for the Actor: the sync only asks it for its HF weights.
+        actor = SimpleNamespace(hf_weights=lambda bucket_bytes: iter_hf_weights(model, hf_config, bucket_bytes))
     bucket = int(args.sync_bucket_mb * 2**20)
-    result = {}
+    sync = build_weight_sync(context, bucket)  # the strategy the placement picks, as in train.py
+    stats = []
+    result = {"sync_s": median_seconds(lambda: stats.append(sync.sync(actor, engine)), repeats)}
+    nbytes = stats[-1].bytes
     if placement == "colocate":
-        sync = ColocatedSync(bucket)
-        stats = []
-        result["sync_s"] = median_seconds(lambda: stats.append(sync.sync(model, hf_config, engine)), repeats)
-        nbytes = stats[-1].bytes
         params = [p.detach() for p in model.parameters()]
         buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
 
@@ -91,14 +93,7 @@ def worker(model_dir, placement, repeats, out):
         result["baseline_s"] = median_seconds(plain_copy, repeats)
         result["baseline"] = "plain copy of the model's bytes"
     else:
-        members = (0, 1)
-        group = distributed.new_store_group("bench", context, members)
-        sync = BroadcastSync(bucket, group, is_sender=context.is_train)
-        stats = []
-        run = (lambda: stats.append(sync.send(model, hf_config))) if context.is_train \
-            else (lambda: stats.append(sync.receive_into(engine)))
-        result["sync_s"] = median_seconds(run, repeats)
-        nbytes = stats[-1].bytes
+        group = distributed.new_store_group("bench", context, (0, 1))
         sizes = [torch.tensor([nbytes], dtype=torch.int64)]
         group.broadcast(sizes[0], 0).wait()
         nbytes = int(sizes[0].item())
@@ -107,7 +102,7 @@ def worker(model_dir, placement, repeats, out):
         result["baseline"] = "raw gloo broadcast of the same bytes"
     result["bytes"] = nbytes
     gathered = distributed.all_gather_objects(result, context)
-    if context.env.rank == 0:
+    if context.rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
     release_shared_memory()
