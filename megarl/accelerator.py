@@ -85,14 +85,14 @@ def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bo
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-def vllm_engine_kwargs(args) -> dict:
+def vllm_engine_kwargs(kv_cache_gb: float, gpu_memory_utilization: float, sleep_mode: bool) -> dict:
     """Memory and execution settings for an in-rank vLLM engine."""
     if ON_CUDA:
-        # Sleep mode lets the colocated trainer have the memory back between rollouts.
-        return dict(gpu_memory_utilization=args.rollout_gpu_memory_utilization, enable_sleep_mode=True)
+        # Sleep mode lets a colocated trainer have the memory back between rollouts.
+        return dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
     # CPU: the KV cache must be sized explicitly (the default fails at start-up);
     # there is no CUDA graph to capture, and no sleep mode.
-    return dict(kv_cache_memory_bytes=int(args.rollout_kv_cache_gb * 2**30), enforce_eager=True)
+    return dict(kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=True)
 
 
 class _TorchWithCpuFactories:

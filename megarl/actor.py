@@ -68,7 +68,7 @@ class Actor(TrainableModel):
             return torch.stack([self._logprobs(batch, logits), self._full_kl(logits, companion_outputs["ref"])])
 
         with full_kl_to.resident():
-            outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to.logits})
+            outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to.companion_logits})
         return (response_aligned(micro_batches, [o[0] for o in outputs], width),
                 response_aligned(micro_batches, [o[1] for o in outputs], width))
 
@@ -77,17 +77,19 @@ class Actor(TrainableModel):
         """One optimizer step over these micro-batches (this rank's share of a mini-batch).
 
         kl_coef > 0 (with the reference) adds kl_coef * KL(pi || ref) per token to the loss;
-        a teacher adds --distill-coef times the GKD loss (top-k from the batch's teacher
-        fields, or full vocabulary from the teacher's logits beside each micro-batch).
+        distillation adds --distill-coef times the GKD loss (top-k from the batch's teacher
+        fields, or full vocabulary from the colocated teacher's logits beside each micro-batch).
         """
         args = self.args
         kl_in_loss = kl_coef > 0 and reference is not None
-        if not args.distill_coef:  # no distillation term (e.g. only its policy-gradient form)
-            teacher = None
+        # A distillation term (not only its policy-gradient form): top-k from the batch's teacher
+        # fields (either teacher placement), full vocabulary from the colocated teacher's logits.
+        distill = bool(args.distill_coef) and (micro_batches[0].teacher_topk_ids is not None or
+                                                (teacher is not None and not args.gkd_logits_topk))
         companions = {}
         if kl_in_loss and self.full_kl:
             companions["ref"] = reference
-        if teacher is not None and not args.gkd_logits_topk:
+        if distill and not args.gkd_logits_topk:
             companions["teacher"] = teacher
 
         def loss(batch, logits, companion_outputs):
@@ -100,10 +102,10 @@ class Actor(TrainableModel):
                 token_loss = token_loss * batch.is_weights
             token_loss = args.policy_loss_coef * token_loss
             sums = {}
-            if teacher is not None:
-                distill, topk_mass = self._distill(batch, logits, companion_outputs)
-                token_loss = token_loss + args.distill_coef * distill
-                sums["distill_loss"] = (distill * mask).sum()
+            if distill:
+                distill_loss, topk_mass = self._distill(batch, logits, companion_outputs)
+                token_loss = token_loss + args.distill_coef * distill_loss
+                sums["distill_loss"] = (distill_loss * mask).sum()
                 if topk_mass is not None:
                     sums["teacher_topk_mass"] = (topk_mass * mask).sum()
             kl = torch.zeros_like(token_loss)
@@ -126,7 +128,7 @@ class Actor(TrainableModel):
             for role in companions.values():
                 stack.enter_context(role.resident())
             sums, grad_norm = self.optimizer_step(
-                micro_batches, loss, companions={name: role.logits for name, role in companions.items()})
+                micro_batches, loss, companions={name: role.companion_logits for name, role in companions.items()})
         tokens = max(sums["tokens"], 1.0)
         metrics = {"loss": sums["loss"] / max(sums["loss_units"], 1.0), "clip_fraction": sums["clipped"] / tokens,
                    "kl_old_new": sums["kl_old_new"] / tokens, "entropy": sums["entropy"] / tokens,

@@ -92,7 +92,8 @@ def score_and_filter(samples, max_new_tokens: int, overlong_buffer_len: int = 0,
         keep = truncation_keep(lengths, max_new_tokens)
         loss_mask = loss_mask * keep[:, None].float()
         metrics["truncated_filtered"] = 1.0 - keep.float().mean().item()
-    rollout = response_aligned([s.logprobs for s in samples], width)
+    # Dataset and teacher responses have no rollout logprobs (0 here; `prepare` gives them the trainer's).
+    rollout = response_aligned([s.logprobs if s.logprobs is not None else [] for s in samples], width)
     return Batch(samples, scores, response_mask, loss_mask, rollout), metrics
 
 

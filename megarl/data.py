@@ -8,9 +8,15 @@ data -> datasets (files and layouts) -> prompts (the Prompt record, chat renderi
 
 from __future__ import annotations
 
-from megarl.datasets import PromptDataset, load_eval_dataset, load_rows, make_prompts
+from megarl.datasets import DatasetError, PromptDataset, load_eval_dataset, load_rows, make_prompts
 from megarl.prompts import Prompt, render_chat
 from megarl.tasks import arithmetic
+
+
+# `--eval-dataset NAME=builtin[:N]`: N held-out problems of the built-in task (default 200), drawn
+# from a seed no training step uses (training seeds are seed * 1_000_003 + step + ...).
+BUILTIN_EVAL = "builtin"
+BUILTIN_EVAL_SEED = -1
 
 
 class ArithmeticPrompts:
@@ -22,15 +28,8 @@ class ArithmeticPrompts:
     def batch(self, step: int, attempt: int = 0) -> list[Prompt]:
         """The prompts of `step`; attempt > 0 gives fresh ones for DAPO's extra generation batches."""
         seed = self.args.seed * 1_000_003 + step + attempt * 7_919_993
-        problems = arithmetic.make_problems(self.args.prompts_per_step, seed=seed)
-        prompts = []
-        for index, problem in enumerate(problems):
-            ids = render_chat(self.tokenizer, problem["prompt"])
-            if len(ids) > self.args.max_prompt_length:
-                raise ValueError(f"prompt {index} of step {step} has {len(ids)} tokens, over "
-                                 f"--max-prompt-length {self.args.max_prompt_length}")
-            prompts.append(Prompt(index, ids, {"answer": problem["answer"]}))
-        return prompts
+        return arithmetic_prompts(arithmetic.make_problems(self.args.prompts_per_step, seed=seed), self.tokenizer,
+                                  self.args.max_prompt_length, f"step {step}")
 
     def state_dict(self) -> dict:
         """Nothing to keep: a step's problems are a function of (seed, step, attempt)."""
@@ -40,20 +39,48 @@ class ArithmeticPrompts:
         pass
 
 
+def arithmetic_prompts(problems, tokenizer, max_prompt_length: int, where: str) -> list[Prompt]:
+    prompts = []
+    for index, problem in enumerate(problems):
+        ids = render_chat(tokenizer, problem["prompt"])
+        if len(ids) > max_prompt_length:
+            raise ValueError(f"prompt {index} of {where} has {len(ids)} tokens, over "
+                             f"--max-prompt-length {max_prompt_length}")
+        # The chat and reference response serve GKD's off-policy steps (--gkd-lmbda < 1).
+        prompts.append(Prompt(index, ids, {"answer": problem["answer"],
+                                           "messages": [{"role": "user", "content": problem["prompt"]}],
+                                           "reference_solution": arithmetic.format_response(problem["answer"])}))
+    return prompts
+
+
 def prompt_source(args, tokenizer, system_prompt: str | None):
     """Training prompts: --train-data files (megarl/datasets.py), else the built-in arithmetic task."""
     if not args.train_data:
         return ArithmeticPrompts(args, tokenizer)
     rows = load_rows(args.train_data, format=args.data_format, prompt_key=args.prompt_key,
                      preprocessor=args.preprocessor)
+    if args.gkd_lmbda < 1.0 and not args.seq_kd:  # some steps train on the rows' own responses
+        missing = next((row for row in rows if not (row.extra.get("reference_solution") or row.extra.get("response"))),
+                       None)
+        if missing is not None:
+            raise DatasetError(f"{missing.origin}: --gkd-lmbda {args.gkd_lmbda} trains some steps on the dataset's "
+                               f"responses, but this row has none (a final assistant message or a 'response' field)")
     return PromptDataset(rows, tokenizer, prompts_per_step=args.prompts_per_step, seed=args.seed,
                          system_prompt=system_prompt, max_prompt_length=args.max_prompt_length,
                          truncation=args.truncation)
 
 
 def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[Prompt]]:
-    """Every --eval-dataset, rendered once: {name: prompts in file order}."""
-    return {name: make_prompts(load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
-                                                 preprocessor=args.preprocessor),
-                               tokenizer, system_prompt, args.max_prompt_length, args.truncation)
-            for name, path in args.eval_datasets.items()}
+    """Every --eval-dataset, rendered once: {name: prompts in file order}; `builtin[:N]` is N held-out
+    problems of the built-in arithmetic task."""
+    sets = {}
+    for name, path in args.eval_datasets.items():
+        if path.split(":")[0] == BUILTIN_EVAL:
+            count = int(path.split(":")[1]) if ":" in path else 200
+            sets[name] = arithmetic_prompts(arithmetic.make_problems(count, seed=BUILTIN_EVAL_SEED), tokenizer,
+                                            args.max_prompt_length, f"--eval-dataset {name}")
+        else:
+            sets[name] = make_prompts(load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
+                                                        preprocessor=args.preprocessor),
+                                      tokenizer, system_prompt, args.max_prompt_length, args.truncation)
+    return sets

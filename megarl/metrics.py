@@ -23,6 +23,7 @@ class MetricsLogger:
     def __init__(self, args, is_main: bool):
         self.args, self.is_main = args, is_main
         self.rewards: list[float] = []
+        self.pass_at_1: dict[str, dict[str, list[float]]] = {}  # eval set -> "student"/"teacher" -> values
         self.writer = self.wandb = None
         self.started, self.first_step = time.monotonic(), None
         if not is_main:
@@ -82,6 +83,11 @@ class MetricsLogger:
                  if not key.endswith("reward_errors")]
         print(f"eval after {completed_steps} steps | " + " | ".join(parts), flush=True)
         self._write(metrics, completed_steps)
+        for key, value in metrics.items():
+            name, _, metric = key.removeprefix("eval/").rpartition("/")
+            if metric in ("pass@1", "teacher_pass@1"):
+                policy = "teacher" if metric.startswith("teacher") else "student"
+                self.pass_at_1.setdefault(name, {}).setdefault(policy, []).append(value)
 
     def _write(self, metrics: dict, step: int) -> None:
         scalars = {key: value for key, value in metrics.items()
@@ -108,6 +114,15 @@ class MetricsLogger:
             first = sum(self.rewards[:window]) / window
             last = sum(self.rewards[-window:]) / window
             print(f"reward: {first:.3f} -> {last:.3f}", flush=True)
+        if self.is_main:
+            for name, series in self.pass_at_1.items():  # first and last evaluation, and the teacher's mark
+                student, teacher = series.get("student", []), series.get("teacher", [])
+                where = f" ({name})" if len(self.pass_at_1) > 1 else ""
+                if student and teacher:
+                    print(f"pass@1{where}: student {student[0]:.3f} -> {student[-1]:.3f}, teacher {teacher[0]:.3f}",
+                          flush=True)
+                elif student:
+                    print(f"pass@1{where}: {student[0]:.3f} -> {student[-1]:.3f}", flush=True)
 
 
 def _plain(value) -> bool:

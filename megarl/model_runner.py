@@ -42,6 +42,9 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [b, L], 1 on positions scoring a response token left in the loss
     spans: list[tuple[int, int]]  # (prompt length, response length) per row
     fields: dict[str, torch.Tensor]  # Batch's per-token fields (TOKEN_FIELDS), position-aligned
+    # OPSD: the same rows as the teacher sees them (its privileged prompt, then the same response);
+    # None when no row of this micro-batch has a teacher prompt.
+    teacher_view: MicroBatch | None = None
 
     def __getattr__(self, name):  # batch.advantages etc.: the field, or None when the batch has none
         if name in TOKEN_FIELDS:
@@ -60,34 +63,48 @@ class MicroBatch:
 
 
 def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-    """Right-padded micro-batches of the batch's samples, carrying every per-token field it has."""
-    device = accelerator.device()
+    """Right-padded micro-batches of the batch's samples, carrying every per-token field it has
+    (and, for OPSD rows, the teacher's view of them)."""
     fields = batch.token_fields()
     micro_batches = []
     for start in range(0, len(batch), micro_batch_size):
         rows = range(start, min(start + micro_batch_size, len(batch)))
         chunk = [batch.samples[i] for i in rows]
-        length = max(len(s.prompt_ids) + len(s.response_ids) for s in chunk)
-        tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        labels = torch.full_like(tokens, pad_id)
-        per_token = {"loss_mask": torch.zeros(len(chunk), length)}
-        per_token.update({name: torch.zeros(len(chunk), length, *values.shape[2:], dtype=values.dtype)
-                          for name, values in fields.items()})
-        spans = []
-        for row, (i, sample) in enumerate(zip(rows, chunk)):
-            p, r = len(sample.prompt_ids), len(sample.response_ids)
-            spans.append((p, r))
-            sequence = torch.tensor(sample.prompt_ids + sample.response_ids)
-            tokens[row, : p + r] = sequence
-            labels[row, : p + r - 1] = sequence[1:]
-            response = slice(p - 1, p + r - 1)
-            per_token["loss_mask"][row, response] = batch.loss_mask[i, :r].float()
-            for name, values in fields.items():
-                per_token[name][row, response] = values[i, :r]
-        per_token = {name: value.to(device) for name, value in per_token.items()}
-        loss_mask = per_token.pop("loss_mask")
-        micro_batches.append(MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token))
+        micro_batch = _micro_batch([s.prompt_ids for s in chunk], chunk, pad_id,
+                                   batch.loss_mask[list(rows)], {name: values[list(rows)]
+                                                                 for name, values in fields.items()})
+        if any(s.teacher_prompt_ids for s in chunk):
+            micro_batch.teacher_view = _micro_batch([s.teacher_prompt_ids or s.prompt_ids for s in chunk], chunk,
+                                                    pad_id, batch.loss_mask[list(rows)], {})
+        micro_batches.append(micro_batch)
     return micro_batches
+
+
+def _micro_batch(prompts: list[list[int]], samples, pad_id: int, loss_mask: torch.Tensor,
+                 fields: dict[str, torch.Tensor]) -> MicroBatch:
+    """Rows prompt + response, right-padded; response-aligned `loss_mask` and `fields` placed at the
+    positions that score each response token."""
+    device = accelerator.device()
+    length = max(len(prompt) + len(s.response_ids) for prompt, s in zip(prompts, samples))
+    tokens = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    labels = torch.full_like(tokens, pad_id)
+    per_token = {"loss_mask": torch.zeros(len(samples), length)}
+    per_token.update({name: torch.zeros(len(samples), length, *values.shape[2:], dtype=values.dtype)
+                      for name, values in fields.items()})
+    spans = []
+    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
+        p, r = len(prompt), len(sample.response_ids)
+        spans.append((p, r))
+        sequence = torch.tensor(prompt + sample.response_ids)
+        tokens[row, : p + r] = sequence
+        labels[row, : p + r - 1] = sequence[1:]
+        response = slice(p - 1, p + r - 1)
+        per_token["loss_mask"][row, response] = loss_mask[row, :r].float()
+        for name, values in fields.items():
+            per_token[name][row, response] = values[row, :r]
+    per_token = {name: value.to(device) for name, value in per_token.items()}
+    loss_mask = per_token.pop("loss_mask")
+    return MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token)
 
 
 def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -101,7 +118,7 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
 
     loss_fn(batch, output, companion_outputs) -> (numerator, units, dict); the dicts are
     returned, one per micro-batch. `companions` maps names to frozen models'
-    `logits(tokens, positions)`, run on the same batch under no_grad (the reference's
+    `companion_logits(micro_batch)`, run on the same batch under no_grad (the reference's
     logits for a full-vocabulary KL, the teacher's for full-vocabulary distillation):
     only one micro-batch of their logits exists at a time.
     """
@@ -112,7 +129,7 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
         positions = batch.positions()
         output = model(batch.tokens, positions, attention_mask=None)
         with torch.no_grad():
-            outputs = {name: logits(batch.tokens, positions) for name, logits in (companions or {}).items()}
+            outputs = {name: logits(batch) for name, logits in (companions or {}).items()}
         return output, partial(loss_fn, batch, companion_outputs=outputs)
 
     return get_forward_backward_func()(
@@ -283,6 +300,10 @@ class FrozenModel:
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This TP rank's vocabulary shard of the logits (call while resident)."""
         return self.model(tokens, positions, attention_mask=None)
+
+    def companion_logits(self, batch: MicroBatch) -> torch.Tensor:
+        """Beside a student micro-batch (forward_backward's companions): the logits of the same tokens."""
+        return self.logits(batch.tokens, batch.positions())
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch], transform) -> list[torch.Tensor]:

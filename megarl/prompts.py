@@ -23,3 +23,19 @@ def render_chat(tokenizer, user_text: str, system_prompt: str | None = None) -> 
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
         [{"role": "user", "content": user_text}]
     return chat_token_ids(tokenizer, messages)
+
+
+def reference_response_ids(tokenizer, messages: list[dict], response_text: str) -> list[int]:
+    """The tokens of `response_text` as the assistant's reply to `messages`: the chat template's
+    rendering of the whole exchange after the generation prompt, up to and including its first
+    special token (the end of the turn, where the model's own generation stops)."""
+    prompt = chat_token_ids(tokenizer, messages)
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response_text}],
+                                         add_generation_prompt=False, tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    if full[: len(prompt)] != prompt:
+        raise ValueError("the chat template renders an assistant turn that does not start with its own "
+                         "generation prompt; cannot cut the reference response out of it")
+    response, special = full[len(prompt):], set(tokenizer.all_special_ids)
+    end = next((i + 1 for i, token in enumerate(response) if token in special), len(response))
+    return response[:end]

@@ -1,5 +1,9 @@
 """Rollout role: a vLLM engine inside this rank (`distributed_executor_backend="external_launcher"`).
 
+`VllmEngine` is one in-rank engine of a vLLM role (start-up, seeded generation);
+`RolloutEngine` adds what the rollout needs (weight loading, sleep/wake). The
+standalone teacher's engine (megarl/teacher.py) is the other kind.
+
 Every rank of one engine's tensor-parallel group must call `generate` with the
 same prompts and seeds (vLLM runs SPMD over them). Samples carry what training
 needs: prompt and response token ids, the sampled tokens' logprobs, the text and
@@ -41,7 +45,8 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     response_text: str
-    logprobs: list[float]  # rollout logprob of each response token
+    logprobs: list[float] | None  # rollout logprob of each response token; None: not the student's sample
+    # (a dataset or teacher response, GKD's --gkd-lmbda / --seq-kd)
     truncated: bool  # hit max_new_tokens instead of ending
     reward: float = 0.0
     reason: str = ""  # the reward's short explanation ("wrong answer", "timeout", "error: ...")
@@ -49,10 +54,12 @@ class Sample:
     teacher_prompt_ids: list[int] | None = None  # OPSD: the teacher scores the response after this prompt
 
 
-class RolloutEngine:
-    def __init__(self, args, engines, rank: int):
-        """One engine of the vLLM role whose ranks are `engines` (placement.EngineGroup),
-        on launch rank `rank`."""
+class VllmEngine:
+    """One in-rank vLLM engine of a vLLM role (rollout, or standalone teacher ranks)."""
+
+    def __init__(self, args, engines, rank: int, model: str, seed: int, max_model_len: int, engine_kwargs: dict):
+        """Engine `engines.engine_index(rank)` of the role whose ranks are `engines`
+        (placement.EngineGroup), on launch rank `rank`, serving `model`."""
         from vllm import LLM
 
         # vLLM's external launcher reads the torch world from the environment:
@@ -68,22 +75,14 @@ class RolloutEngine:
         self.tp = engines.tp
         self.engine_index = engines.engine_index(rank)
         self.num_engines = engines.num_engines
-        self.is_leader = engines.is_engine_leader(rank)  # contributes this engine's samples
-        engine_kwargs = dict(
-            model=args.rollout_model,
-            tokenizer=args.tokenizer,
-            distributed_executor_backend="external_launcher",
-            tensor_parallel_size=self.tp,
-            dtype=args.params_dtype,
-            seed=args.seed + self.engine_index,
-            max_model_len=args.max_prompt_length + args.max_new_tokens,
-            logprobs_mode="processed_logprobs",
-            **accelerator.vllm_engine_kwargs(args),
-        )
-        engine_kwargs.update(args.rollout_engine_kwargs)
+        self.is_leader = engines.is_engine_leader(rank)  # contributes this engine's outputs
+        kwargs = dict(model=model, tokenizer=args.tokenizer, distributed_executor_backend="external_launcher",
+                      tensor_parallel_size=self.tp, dtype=args.params_dtype, seed=seed + self.engine_index,
+                      max_model_len=max_model_len, logprobs_mode="processed_logprobs")
+        kwargs.update(engine_kwargs)
         from megarl.vllm_logging import quiet_expected_reload_warnings
         quiet_expected_reload_warnings()
-        self.llm = LLM(**engine_kwargs)
+        self.llm = LLM(**kwargs)
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
@@ -105,20 +104,11 @@ class RolloutEngine:
         args = self.args
         temperature = 0.0 if greedy else (args.temperature if temperature is None else temperature)
         n = 1 if temperature == 0.0 else (args.num_generations if n is None else n)
-        params = []
-        for _ in prompt_indices:
-            params.append(SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                max_tokens=args.max_new_tokens,
-                stop=args.stop or None,
-                logprobs=0,
-            ))
+        params = [SamplingParams(n=n, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+                                 max_tokens=args.max_new_tokens, stop=args.stop or None, logprobs=0)
+                  for _ in prompts]
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         samples = []
         for index, prompt, output in zip(prompt_indices, prompts, outputs):
             for completion in output.outputs:
@@ -128,6 +118,17 @@ class RolloutEngine:
                 samples.append(Sample(index, list(prompt), token_ids, completion.text, logprobs,
                                       truncated=completion.finish_reason == "length"))
         return samples
+
+
+class RolloutEngine(VllmEngine):
+    """The rollout role: generates the student's samples and takes the trainer's weights."""
+
+    def __init__(self, args, engines, rank: int):
+        super().__init__(args, engines, rank, args.rollout_model, args.seed,
+                         args.max_prompt_length + args.max_new_tokens,
+                         {**accelerator.vllm_engine_kwargs(args.rollout_kv_cache_gb,
+                                                           args.rollout_gpu_memory_utilization, sleep_mode=True),
+                          **args.rollout_engine_kwargs})
 
     def load_weights(self, weights) -> None:
         """Stream (hf_name, tensor) pairs into the engine (any TP: vLLM shards them itself).

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play
     from megarl.reference import Reference
     from megarl.rewards import RewardSpec
     from megarl.rollout import RolloutEngine
-    from megarl.teacher import Teacher
+    from megarl.teacher import Teacher, TeacherEngine
 
 
 @dataclass
@@ -37,7 +37,8 @@ class Run:
     actor: Actor | None  # on train ranks
     critic: Critic | None  # on train ranks with --advantage-estimator gae
     reference: Reference | None  # on train ranks when a KL term needs one
-    teacher: Teacher | None  # on train ranks with --teacher-model (GKD)
+    teacher: Teacher | TeacherEngine | None  # distillation: on the train ranks with --teacher-model
+    # (a frozen Megatron model), or on the standalone teacher ranks (a vLLM engine)
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
     weight_sync: object  # a weight_sync.WEIGHT_SYNC_STRATEGIES entry
 
@@ -92,6 +93,10 @@ def build_run(args, context: distributed.DistContext) -> Run:
         from megarl.rollout import RolloutEngine
 
         rollout = RolloutEngine(args, placement.rollout, rank)
+    if rank in placement.teacher_ranks:
+        from megarl.teacher import TeacherEngine
+
+        teacher = TeacherEngine(args, placement.teacher, rank)
     distributed.init_megatron_parallel(context, args.seed)
     if context.is_train:
         from megarl.actor import Actor
@@ -106,7 +111,7 @@ def build_run(args, context: distributed.DistContext) -> Run:
 
             reference = Reference(args, hf_config)
         if args.teacher_model:
-            from megarl.teacher import Teacher
+            from megarl.teacher import Teacher, TeacherEngine
 
             teacher = Teacher(args)
     kl_controller = None

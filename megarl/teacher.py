@@ -1,4 +1,9 @@
-"""Teacher role, colocated: a frozen Megatron GPTModel on the train ranks for distillation (GKD).
+"""Teacher role for distillation (GKD, OPSD), in either placement:
+
+`Teacher`, colocated: a frozen Megatron GPTModel on the train ranks.
+`TeacherEngine`, standalone: a vLLM engine on ranks of its own (after the colocated part below).
+
+Colocated:
 
 Built from --teacher-model with the trainer's TP (the teacher may be larger than
 the student; it must share the student's vocabulary, checked at start), loaded
@@ -18,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from megarl import vocab_parallel
+from megarl import accelerator, vocab_parallel
 from megarl.model_runner import FrozenModel, MicroBatch, response_aligned
+from megarl.rollout import VllmEngine
 
 
 class Teacher(FrozenModel):
@@ -41,7 +47,74 @@ class Teacher(FrozenModel):
             sampled = vocab_parallel.logprobs(logits, batch.labels, vocab_size, args.temperature)
             return (sampled,) + (vocab_parallel.topk_logprobs(logits, k, vocab_size, args.gkd_temperature) if k else ())
 
-        outputs = self.forward_only(micro_batches, score_of)
+        # OPSD rows are run after their teacher prompt; response-aligned, they line up with the student's.
+        views = [batch.teacher_view or batch for batch in micro_batches]
+        outputs = self.forward_only(views, score_of)
         names = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")[: len(outputs[0])]
-        return {name: response_aligned(micro_batches, [output[i] for output in outputs], width)
+        return {name: response_aligned(views, [output[i] for output in outputs], width)
                 for i, name in enumerate(names)}
+
+    def companion_logits(self, batch: MicroBatch) -> torch.Tensor:
+        """This rank's vocabulary shard of the teacher's logits, laid out like the student's micro-batch
+        (full-vocabulary distillation). OPSD rows are run after their teacher prompt and their response
+        positions moved to the student's; other positions are 0 (outside the loss)."""
+        view = batch.teacher_view
+        if view is None:
+            return self.logits(batch.tokens, batch.positions())
+        logits = self.logits(view.tokens, view.positions())
+        aligned = logits.new_zeros(*batch.tokens.shape, logits.shape[-1])
+        for row, ((p, r), (p_teacher, _)) in enumerate(zip(batch.spans, view.spans)):
+            aligned[row, p - 1: p + r - 1] = logits[row, p_teacher - 1: p_teacher + r - 1]
+        return aligned
+
+
+class TeacherEngine(VllmEngine):
+    """Standalone teacher: one vLLM engine of the teacher ranks (own world, own TP), serving
+    teacher.model. `score` gives, per response position of each sample, the teacher's top-K ids
+    and logprobs from vLLM's `prompt_logprobs=K` over prompt + response (the teacher prompt for
+    OPSD rows), and the sampled token's logprob; `generate` (the base class's) serves --seq-kd.
+
+    vLLM computes prompt logprobs from the raw logits (T = 1; its sampling processors do
+    not apply to prompt tokens): for --gkd-temperature T != 1 the top-k logprobs are
+    rescaled by 1/T and renormalised over the K ids, which is exact for the renormalised
+    top-k support (arguments.py refuses the tail bin then); the sampled tokens' logprobs
+    are returned only at --temperature 1.
+    """
+
+    def __init__(self, args, engines, rank: int):
+        super().__init__(args, engines, rank, args.standalone_teacher_model, args.seed + 7_919,
+                         args.max_prompt_length + args.max_new_tokens + 1,
+                         {**accelerator.vllm_engine_kwargs(args.teacher_kv_cache_gb,
+                                                           args.teacher_gpu_memory_utilization, sleep_mode=False),
+                          **args.teacher_engine_kwargs})
+
+    def score(self, samples, width: int, k: int) -> dict[str, torch.Tensor]:
+        """Response-aligned `teacher_topk_ids` [n, width, k] (long), `teacher_topk_logprobs` [n, width, k]
+        (at --gkd-temperature) and, at --temperature 1, `teacher_logprobs` [n, width] of `samples`."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sequences = [(s.teacher_prompt_ids or s.prompt_ids) + s.response_ids for s in samples]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences],
+                                    [params] * len(sequences), use_tqdm=False)
+        n = len(samples)
+        ids = torch.zeros(n, width, k, dtype=torch.long)
+        logprobs = torch.zeros(n, width, k)
+        sampled = torch.zeros(n, width)
+        for i, (sample, sequence, output) in enumerate(zip(samples, sequences, outputs)):
+            start = len(sequence) - len(sample.response_ids)  # position of response token 0
+            for j, token in enumerate(sample.response_ids):
+                # Entry t of prompt_logprobs is the distribution of token t given the tokens before it:
+                # the top K by rank, plus token t itself when it ranks lower.
+                candidates = output.prompt_logprobs[start + j]
+                best = sorted(candidates.items(), key=lambda item: item[1].rank)[:k]
+                ids[i, j] = torch.tensor([token_id for token_id, _ in best])
+                logprobs[i, j] = torch.tensor([entry.logprob for _, entry in best])
+                sampled[i, j] = candidates[token].logprob
+        if self.args.gkd_temperature != 1.0:  # exact for the renormalised top-k support only
+            logprobs = torch.log_softmax(logprobs / self.args.gkd_temperature, dim=-1)
+        scored = {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
+        if self.args.temperature == 1.0:
+            scored["teacher_logprobs"] = sampled
+        return scored

@@ -31,11 +31,13 @@ def train(args) -> None:
         samples, generated = phases.generate(run, step)
         batch, scored = phases.score_and_filter(run, samples)
         batch, prepared = phases.prepare(run, batch)
+        batch, taught = phases.teach(run, batch)
         batch, advantaged = phases.compute_advantages(run, batch)
         updated = phases.update(run, batch, step)
         synced = phases.sync(run)
         logger.log_step(step, batch, {"generate": generated, "score": scored, "prepare": prepared,
-                                      "advantages": advantaged, "update": updated, "sync": synced})
+                                      "teacher": taught, "advantages": advantaged, "update": updated,
+                                      "sync": synced})
         completed = step + 1
         if phases.should_evaluate(run, completed):
             logger.log_eval(completed, phases.evaluate(run, completed))

@@ -180,22 +180,59 @@ def topk_mass(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperat
     return gather_logprobs(logits, ids, vocab_size, temperature).exp().sum(dim=-1)
 
 
+class _GlobalLogNormalizer(torch.autograd.Function):
+    """log Z = log sum_v exp(z_v) over the whole sharded vocabulary, per position, on every TP rank.
+
+    For losses that are summed shard by shard and then all-reduced: every shard's terms
+    depend on log Z, so its gradient is the sum of the shards' parts (an all-reduce in
+    backward), spread back over this shard's columns by softmax(z).
+    """
+
+    @staticmethod
+    def forward(ctx, z, group):
+        z_max = z.max(dim=-1, keepdim=True).values
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        exp = torch.exp(z - z_max)
+        total = exp.sum(dim=-1, keepdim=True)
+        dist.all_reduce(total, group=group)
+        ctx.save_for_backward(exp / total)
+        ctx.group = group
+        return (torch.log(total) + z_max).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (softmax,) = ctx.saved_tensors
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[..., None] * softmax, None
+
+
+def log_softmax(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) on this shard's columns, normalised over the whole vocabulary, for
+    losses summed over this shard's columns and then all-reduced (the normaliser's gradient
+    collects every shard's part); padding columns are hugely negative."""
+    from megatron.core import parallel_state
+
+    z = scaled_logits(logits, vocab_size, temperature)
+    return z - _GlobalLogNormalizer.apply(z, parallel_state.get_tensor_model_parallel_group())[..., None]
+
+
 def distill_full(logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_size: int, beta: float,
                  temperature: float) -> torch.Tensor:
     """algorithms.distill_full per position from vocabulary shards. At TP = 1 the pure function on
-    the real vocabulary; at TP > 1 the two KLs from global sums (beta 1: KL(student || teacher),
-    beta 0: KL(teacher || student) = sum_v q_v (z'_v - z_v) - log Z' + log Z); the mixture of
-    0 < beta < 1 is not written shard-wise yet (arguments.py refuses it)."""
+    the real vocabulary; at TP > 1 each shard computes the generalized JSD's per-token terms
+    (algorithms.generalized_jsd_terms, every beta) from log-probs normalised over the whole
+    vocabulary (`log_softmax`), drops its padding columns, and the shards' sums are all-reduced
+    (identity backward: each shard's direct terms are its own; the normaliser gathers the rest)."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    from megarl.algorithms import distill_full as full_vocabulary
+    from megarl.algorithms import distill_full as full_vocabulary, generalized_jsd_terms
 
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return full_vocabulary(logits[..., :vocab_size], teacher_logits[..., :vocab_size], beta, temperature)
-    if beta == 1.0:
-        return full_kl(logits, teacher_logits, vocab_size, temperature)
-    if beta != 0.0:
-        raise NotImplementedError("full-vocabulary GKD with 0 < beta < 1 at TP > 1")
-    return _kl_over_shards(scaled_logits(teacher_logits.detach(), vocab_size, temperature),
-                           scaled_logits(logits, vocab_size, temperature))
-
+    terms = generalized_jsd_terms(log_softmax(logits, vocab_size, temperature),
+                                  log_softmax(teacher_logits.detach(), vocab_size, temperature), beta)
+    shard = terms.shape[-1]
+    real = torch.arange(shard, device=terms.device) + _shard_start(shard) < vocab_size
+    return reduce_from_tensor_model_parallel_region(torch.where(real, terms, 0.0).sum(dim=-1))

@@ -74,6 +74,8 @@ class ColocatedSync:
         self.bucket_bytes = bucket_bytes
 
     def sync(self, actor, engine) -> SyncStats:
+        if actor is None:  # a standalone teacher's rank: no policy here
+            return SyncStats()
         start = time.perf_counter()
         engine.wake_up(tags=["weights"])
         stream = _Counted(actor.hf_weights(self.bucket_bytes))

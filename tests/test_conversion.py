@@ -59,8 +59,12 @@ def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
             # with their gradients, against the pure full-vocabulary functions.
             assert report["topk_clear_positions"] > 0 and report["topk_ids_differ_where_clear"] == 0, report
             assert report["max_abs_topk_logprob_diff"] <= 1e-4 and report["max_abs_topk_mass_diff"] <= 1e-5, report
-            for beta in ("0", "1"):
-                assert report[f"max_abs_gkd_full_beta{beta}_diff"] <= 1e-5, report
+            for beta in ("0", "0.5", "1"):
+                # Far from 0: the teacher is another distribution.
+                assert report[f"gkd_full_beta{beta}_mean"] > 1e-2, report
+                # fp32: the rolled teacher's KLs are ~25 nats, so the value tolerance is relative.
+                scale = max(1.0, report[f"gkd_full_beta{beta}_mean"])
+                assert report[f"max_abs_gkd_full_beta{beta}_diff"] <= 1e-5 * scale, report
                 assert report[f"max_abs_gkd_full_beta{beta}_grad_diff"] <= 1e-5, report
             for mode in ("renorm", "tail"):
                 assert report[f"gkd_{mode}_mean"] > 1e-5, report  # random models: near-uniform logits

@@ -4,10 +4,11 @@ one-line configuration errors."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from helpers import ROOT, scalars, torchrun
+from helpers import ROOT, read_json, scalars, torchrun
 
 from megarl.arguments import ConfigError, parse_args
 
@@ -26,16 +27,23 @@ def teacher_model(tmp_path_factory) -> str:
 
 
 LAYOUTS = {
-    # name: (config, extra flags, distillation loss tags expected)
-    "rollout-colocate-topk-renorm": ("examples/gkd/rollout_colocate_teacher_colocate.yaml", [], True),
-    "rollout-separate-topk-tail-rl": ("examples/gkd/rollout_separate_teacher_colocate.yaml", [], True),
+    # name: (config, extra flags, distillation loss tags expected); "{teacher}" is the teacher checkpoint
+    "rollout-colocate-topk-renorm": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
+                                     ["--teacher-model", "{teacher}"], True),
+    "rollout-separate-topk-tail-rl": ("examples/gkd/rollout_separate_teacher_colocate.yaml",
+                                      ["--teacher-model", "{teacher}"], True),
+    # The third seed layout: rank 0 trains and generates, rank 1 is a vLLM teacher engine.
+    "rollout-colocate-teacher-standalone": ("examples/gkd/rollout_colocate_teacher_standalone.yaml",
+                                            ["--standalone-teacher-model", "{teacher}"], True),
+    # Full vocabulary at TP=2 with the JSD mixture (beta 0.5): vocabulary-parallel, never gathered.
     "colocate-full-vocabulary-tp2": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
-                                     ["--gkd-logits-topk", "0", "--gkd-beta", "1", "--tensor-model-parallel-size", "2"],
-                                     False),
+                                     ["--teacher-model", "{teacher}", "--gkd-logits-topk", "0", "--gkd-beta", "0.5",
+                                      "--tensor-model-parallel-size", "2"], False),
     # The policy-gradient form alone: the teacher's per-token reverse KL as a negative reward.
     "policy-gradient-form": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
-                             ["--gkd-logits-topk", "0", "--distill-coef", "0", "--policy-loss-coef", "1",
-                              "--distill-reward-coef", "1", "--reward", "arithmetic"], False),
+                             ["--teacher-model", "{teacher}", "--gkd-logits-topk", "0", "--distill-coef", "0",
+                              "--policy-loss-coef", "1", "--distill-reward-coef", "1", "--reward", "arithmetic"],
+                             False),
 }
 
 
@@ -43,8 +51,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_few_distillation_steps(layout, tiny_model, teacher_model, tmp_path):
     config, extra, topk = LAYOUTS[layout]
-    result = torchrun("../../megarl/train.py", "--config", config, "--model", tiny_model, "--teacher-model",
-                      teacher_model, *SMALL, *extra, "--log-dir", tmp_path / "tb", timeout=900)
+    extra = [flag.format(teacher=teacher_model) for flag in extra]
+    result = torchrun("../../megarl/train.py", "--config", config, "--model", tiny_model, *SMALL, *extra,
+                      "--log-dir", tmp_path / "tb", timeout=900)
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3, result.stdout[-3000:]
     series = {tag: list(values.values()) for tag, values in scalars(
@@ -66,11 +75,24 @@ BAD = [
     (["--gkd-logits-topk", "8"], ["--gkd-logits-topk needs a teacher", "--teacher-model"]),
     (["--policy-loss-coef", "0"], ["--policy-loss-coef 0 needs a teacher"]),
     (["--distill-reward-coef", "1"], ["--distill-reward-coef needs a teacher"]),
-    (["--teacher-model", "{model}", "--teacher-gpus", "1"], ["teacher.gpus=1", "not implemented yet"]),
+    (["--teacher-model", "{model}", "--teacher-gpus", "1"], ["teacher_model=", "teacher.gpus=1", "both set"]),
+    (["--teacher-gpus", "1", "--gkd-logits-topk", "8"], ["teacher.gpus=1 needs teacher.model"]),
+    (["--standalone-teacher-model", "{model}", "--gkd-logits-topk", "8"], ["teacher.model=", "needs teacher.gpus"]),
+    (["--teacher-gpus", "1", "--standalone-teacher-model", "{model}"],
+     ["teacher.gpus=1", "needs gkd_logits_topk"]),
+    (["--teacher-gpus", "1", "--standalone-teacher-model", "{model}", "--gkd-logits-topk", "16",
+      "--teacher-engine-kwargs", '{{"max_logprobs": 8}}'], ["teacher.engine_kwargs.max_logprobs=8 < gkd_logits_topk=16"]),
+    (["--teacher-gpus", "1", "--standalone-teacher-model", "{random}", "--gkd-logits-topk", "8"],
+     ["vocab_size=250", "one vocabulary"]),
+    (["--teacher-gpus", "1", "--standalone-teacher-model", "{model}", "--gkd-logits-topk", "8", "--train-gpus", "2"],
+     ["placement needs 3 ranks", "teacher.gpus=1", "but 2 were launched"]),
+    (["--teacher-gpus", "1", "--standalone-teacher-model", "{model}", "--gkd-logits-topk", "8",
+      "--gkd-topk-mode", "tail", "--gkd-temperature", "2"], ["gkd_temperature=2.0", "gkd_topk_mode=tail", "renorm"]),
+    (["--teacher-model", "{model}", "--seq-kd"], ["--seq-kd needs standalone teacher ranks"]),
+    (["--gkd-lmbda", "0.5"], ["--gkd-lmbda needs a teacher"]),
+    (["--teacher-model", "{model}", "--gkd-lmbda", "1.5"], ["--gkd-lmbda must be in [0, 1]"]),
     (["--teacher-model", "{model}", "--gkd-beta", "1.5"], ["--gkd-beta must be in [0, 1]"]),
     (["--teacher-model", "{random}"], ["vocab_size=250", "vocab_size", "one vocabulary"]),
-    (["--teacher-model", "{model}", "--tensor-model-parallel-size", "2"],
-     ["full-vocabulary GKD with --gkd-beta 0.5", "tensor_model_parallel_size=2", "--gkd-logits-topk"]),
 ]
 
 
@@ -104,14 +126,18 @@ def _arithmetic_rows(path, teacher_prompts: bool) -> str:
 
 
 @pytest.mark.slow
-def test_opsd_rows_are_scored_after_the_teacher_prompt(tiny_model, teacher_model, tmp_path):
+@pytest.mark.parametrize("support", ["topk", "full-vocabulary"])
+def test_opsd_rows_are_scored_after_the_teacher_prompt(support, tiny_model, teacher_model, tmp_path):
     """Same student samples (same seeds, prompts and weights) with and without teacher prompts: the
-    teacher's view of them changes only through its privileged prompt."""
+    teacher's view of them, and so the distillation loss, changes only through its privileged prompt.
+    (The standalone teacher's OPSD scoring is compared with the colocated one's in
+    test_standalone_teacher_topk_equals_the_colocated_teachers.)"""
     kl = {}
+    extra = ["--gkd-logits-topk", "0"] if support == "full-vocabulary" else []
     for opsd in (False, True):
         log_dir = tmp_path / f"tb_{opsd}"
         torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_colocate.yaml",
-                 "--model", tiny_model, "--teacher-model", teacher_model, *SMALL, "--train-steps", "2",
+                 "--model", tiny_model, "--teacher-model", teacher_model, *SMALL, "--train-steps", "2", *extra,
                  "--train-data", _arithmetic_rows(tmp_path / f"rows_{opsd}.jsonl", opsd), "--reward", "boxed",
                  "--system-prompt", "", "--log-dir", log_dir, timeout=900)
         series = scalars(log_dir, ["teacher_kl", "reward_mean", "distill_loss"])
@@ -119,3 +145,71 @@ def test_opsd_rows_are_scored_after_the_teacher_prompt(tiny_model, teacher_model
         kl[opsd] = series
     assert kl[True]["reward_mean"][0] == kl[False]["reward_mean"][0]  # the student sampled the same responses
     assert kl[True]["teacher_kl"][0] != kl[False]["teacher_kl"][0], kl
+    assert kl[True]["distill_loss"][0] != kl[False]["distill_loss"][0], kl
+
+
+@pytest.mark.slow
+def test_standalone_teacher_topk_equals_the_colocated_teachers(tiny_model, teacher_model, tmp_path):
+    """The vLLM teacher's top-k (prompt_logprobs) and the Megatron teacher's (top-k over vocabulary
+    shards) on the same student samples, half of them OPSD rows whose teacher prompt is longer."""
+    out = tmp_path / "report.json"
+    torchrun("teacher_parity_worker.py", out, "--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml",
+             "--model", tiny_model, "--standalone-teacher-model", teacher_model, *SMALL, "--gkd-logits-topk", "8",
+             timeout=900)
+    report = read_json(out)
+    assert report["opsd_rows"] > 0 and report["opsd_prompt_longer"], report
+    # Ids are compared where the teacher's ranking is not a near-tie (adjacent top-k logprobs > 1e-4 apart).
+    assert report["clear_positions"] >= 0.8 * report["positions"] and report["opsd_clear_positions"] > 0, report
+    assert report["ids_differ_where_clear"] == 0, report
+    assert report["max_abs_topk_logprob_diff"] <= 1e-4 and report["max_abs_sampled_logprob_diff"] <= 1e-4, report
+    assert report["opsd_vs_plain_max_diff"] > 1e-2, report  # the privileged prompt did change the teacher's view
+
+
+@pytest.mark.slow
+def test_a_crash_on_a_teacher_rank_ends_every_rank(tiny_model, teacher_model):
+    start = time.monotonic()
+    result = torchrun("crash_worker.py", "--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml",
+                      "--model", tiny_model, "--standalone-teacher-model", teacher_model, *SMALL, "--train-steps", "5",
+                      env={"MEGARL_TEST_FAIL_RANK": "1"}, check=False, timeout=600)
+    assert result.returncode != 0
+    assert "megarl: rank 1 failed: RuntimeError: injected teacher failure" in result.stderr, result.stderr[-3000:]
+    assert time.monotonic() - start < 300  # ended by the launcher, far inside the 10-minute collective timeout
+
+
+@pytest.mark.slow
+def test_gkd_lmbda_trains_some_steps_on_the_datasets_responses(tiny_model, teacher_model, tmp_path):
+    """--gkd-lmbda 0.5 on the built-in task: the steps response_source picks from (seed, step) train on the
+    reference responses (all correct, so reward 1 on those steps); the others on the student's samples."""
+    from megarl.phases import response_source
+
+    steps = 6
+    torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_colocate.yaml",
+             "--model", tiny_model, "--teacher-model", teacher_model, *SMALL, "--train-steps", steps,
+             "--gkd-lmbda", "0.5", "--log-dir", tmp_path / "tb", timeout=900)
+    series = scalars(tmp_path / "tb", ["on_policy", "reward_mean", "distill_loss", "mismatch"])
+    expected = [float(response_source(0.5, False, 1234, step) == "student") for step in range(steps)]
+    assert [series["on_policy"][step] for step in range(steps)] == expected, series
+    assert 0 < sum(expected) < steps  # both kinds of step happened (seed 1234)
+    for step in range(steps):
+        assert series["distill_loss"][step] > 0, series
+        if not expected[step]:
+            assert series["reward_mean"][step] == 1.0 and step not in series["mismatch"], series
+        else:
+            assert series["mismatch"][step] <= 1e-3, series
+
+
+@pytest.mark.slow
+def test_seq_kd_trains_on_the_teachers_samples(tiny_model, teacher_model, tmp_path):
+    """--seq-kd --gkd-lmbda 0 with a standalone teacher: every step's responses are sampled by the teacher's
+    vLLM engine (no rollout logprobs: no mismatch metric) and scored on the rollout ranks."""
+    torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml",
+             "--model", tiny_model, "--standalone-teacher-model", teacher_model, *SMALL, "--train-steps", "2",
+             "--seq-kd", "--gkd-lmbda", "0", "--rollout-save-dir", tmp_path / "dumps", "--log-dir", tmp_path / "tb",
+             timeout=900)
+    series = scalars(tmp_path / "tb", ["on_policy", "distill_loss", "mismatch", "teacher_kl"])
+    assert series["on_policy"] == {0: 0.0, 1: 0.0} and "mismatch" not in series, series
+    assert min(series["distill_loss"].values()) > 0, series
+    # On the teacher's own samples the student is the one that finds them unlikely: KL(student || teacher)
+    # estimated from them (k1) is negative.
+    assert max(series["teacher_kl"].values()) < 0, series
+    assert len((tmp_path / "dumps" / "train_step1.jsonl").read_text().splitlines()) == 16

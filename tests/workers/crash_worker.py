@@ -1,9 +1,10 @@
-"""torchrun worker: megarl/train.py with generation failing on one rank at step 2."""
+"""torchrun worker: megarl/train.py with generation (or a standalone teacher's scoring) failing on one
+rank at step 2."""
 
 import os
 import sys
 
-from megarl import rollout, train
+from megarl import rollout, teacher, train
 
 FAIL_RANK = int(os.environ["MEGARL_TEST_FAIL_RANK"])
 LAUNCH_RANK = int(os.environ["RANK"])  # read now: a rollout engine rewrites RANK to its role rank
@@ -16,5 +17,17 @@ def failing_generate(self, prompts, prompt_indices, step, **options):
     return original_generate(self, prompts, prompt_indices, step, **options)
 
 
+original_score = teacher.TeacherEngine.score
+scoring_calls = []
+
+
+def failing_score(self, samples, width, k):
+    scoring_calls.append(len(samples))
+    if LAUNCH_RANK == FAIL_RANK and len(scoring_calls) == 2:  # the teacher phase of step 2
+        raise RuntimeError("injected teacher failure")
+    return original_score(self, samples, width, k)
+
+
 rollout.RolloutEngine.generate = failing_generate
+teacher.TeacherEngine.score = failing_score
 train.main(sys.argv[1:])

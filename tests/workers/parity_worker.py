@@ -72,16 +72,23 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
         report[f"max_abs_gkd_{mode}_grad_diff"] = (shard.grad[..., :real] - full.grad[..., start: start + real]
                                                    ).abs().max().item()
         report[f"gkd_{mode}_mean"] = expected.mean().item()
-    for beta in (0.0, 1.0):  # full vocabulary: the two KLs from global sums (the mixture is TP=1 only)
+    # Full vocabulary: forward KL, the JSD mixture, reverse KL. The teacher is the student's logits
+    # rolled by half the vocabulary, so that its mass sits on the other shard at TP=2: a gradient
+    # that missed the other shard's share of a normaliser would show.
+    teacher_full = torch.roll(reference.detach(), shifts=vocab_size // 2, dims=-1)
+    teacher_shard = torch.zeros_like(shard_logits)
+    teacher_shard[..., :real] = teacher_full[..., start: start + real]
+    for beta in (0.0, 0.5, 1.0):
         shard = shard_logits.detach().clone().requires_grad_(True)
-        loss = vocab_parallel.distill_full(shard, 0.5 * shard.detach(), vocab_size, beta, temperature)
+        loss = vocab_parallel.distill_full(shard, teacher_shard, vocab_size, beta, temperature)
         loss.sum().backward()
         full = reference.detach().clone().requires_grad_(True)
-        expected = distill_full(full, 0.5 * full.detach(), beta, temperature)
+        expected = distill_full(full, teacher_full, beta, temperature)
         expected.sum().backward()
         report[f"max_abs_gkd_full_beta{beta:g}_diff"] = (loss - expected).abs().max().item()
         report[f"max_abs_gkd_full_beta{beta:g}_grad_diff"] = (shard.grad[..., :real]
                                                               - full.grad[..., start: start + real]).abs().max().item()
+        report[f"gkd_full_beta{beta:g}_mean"] = expected.mean().item()
     mass = vocab_parallel.topk_mass(shard_logits, expected_ids, vocab_size, temperature)
     expected_mass = student_topk_mass(reference, expected_ids, temperature)
     report["max_abs_topk_mass_diff"] = (mass - expected_mass).abs().max().item()

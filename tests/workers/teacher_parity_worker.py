@@ -1,0 +1,71 @@
+"""torchrun worker: the standalone vLLM teacher's top-k against the colocated Megatron teacher's.
+
+Two ranks: rank 0 trains and generates (and also builds a colocated Megatron teacher from the
+same checkpoint, for the comparison), rank 1 is the standalone teacher (a vLLM engine). The
+step-0 samples are scored by both; every other sample carries an OPSD teacher prompt that is
+longer than its student prompt. Rank 0 writes the comparison to <out>.
+"""
+
+import json
+import sys
+
+import torch
+
+from megarl import distributed, phases
+from megarl.arguments import parse_args
+from megarl.model_runner import make_micro_batches
+from megarl.prompts import render_chat
+from megarl.rollout import release_shared_memory
+from megarl.run import build_run
+
+
+def main():
+    out, argv = sys.argv[1], sys.argv[2:]
+    args = parse_args(argv)
+    context = distributed.init_distributed(args)
+    run = build_run(args, context)
+    samples, _ = phases.generate(run, 0)
+    for i, sample in enumerate(samples):  # OPSD rows: a privileged prompt, longer than the student's
+        if i % 2 == 0:
+            sample.teacher_prompt_ids = render_chat(
+                run.tokenizer, f"Hint: the answer is {sample.metadata['answer']}. Add the numbers carefully.",
+                system_prompt="You are a careful calculator.")
+    batch, _ = phases.score_and_filter(run, samples)
+    batch, _ = phases.prepare(run, batch)
+    batch, _ = phases.teach(run, batch)  # the standalone teacher ranks
+    if run.actor is not None:
+        from megarl.teacher import Teacher
+
+        args.teacher_model = args.standalone_teacher_model
+        teacher = Teacher(args)
+        colocated = teacher.score(make_micro_batches(batch, args.micro_batch_size, 0), batch.width,
+                                  args.gkd_logits_topk)
+        mask = batch.response_mask.bool()
+        ranked = colocated["teacher_topk_logprobs"]
+        # Megatron's and vLLM's logits differ by ~1e-6: ids may swap only where two ranks are that close.
+        clear = ((ranked[..., :-1] - ranked[..., 1:]).min(dim=-1).values > 1e-4) & mask
+        ids_differ = (colocated["teacher_topk_ids"] != batch.teacher_topk_ids).any(dim=-1)
+        opsd = torch.tensor([s.teacher_prompt_ids is not None for s in batch.samples])
+        report = {
+            "positions": int(mask.sum()), "clear_positions": int(clear.sum()), "opsd_rows": int(opsd.sum()),
+            "opsd_prompt_longer": all(len(s.teacher_prompt_ids) > len(s.prompt_ids)
+                                      for s in batch.samples if s.teacher_prompt_ids),
+            "ids_differ_where_clear": int((ids_differ & clear).sum()),
+            "opsd_clear_positions": int((clear & opsd[:, None]).sum()),
+            "max_abs_topk_logprob_diff": (ranked - batch.teacher_topk_logprobs)[mask].abs().max().item(),
+            "max_abs_sampled_logprob_diff": (colocated["teacher_logprobs"] * mask - batch.teacher_logprobs)
+            .abs().max().item(),
+        }
+        # The privileged prompt is what changes the teacher's view of the same responses.
+        for sample in batch.samples:
+            sample.teacher_prompt_ids = None
+        plain = teacher.score(make_micro_batches(batch, args.micro_batch_size, 0), batch.width, args.gkd_logits_topk)
+        report["opsd_vs_plain_max_diff"] = (plain["teacher_logprobs"] - colocated["teacher_logprobs"])[opsd].abs().max().item()
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+    distributed.all_gather_objects(None, context)
+    release_shared_memory()
+
+
+if __name__ == "__main__":
+    main()
