@@ -70,7 +70,9 @@ class MetricsLogger:
             print(f"step {step + 1}/{self.args.train_steps} | reward {metrics['reward_mean']:.3f} | "
                   f"acc {metrics['accuracy']:.3f} | mismatch {metrics.get('mismatch', math.nan):.2e} | "
                   f"kl {metrics.get('kl_old_new', math.nan):.1e} | clip {metrics.get('clip_fraction', math.nan):.3f} | "
-                  f"len {metrics['response_length_mean']:.1f} | sync {metrics.get('sync_seconds', 0):.2f}s | "
+                  f"len {metrics['response_length_mean']:.1f} | " +
+                  (f"teacher_kl {metrics['teacher_kl']:.3f} | " if "teacher_kl" in metrics else "") +
+                  f"sync {metrics.get('sync_seconds', 0):.2f}s | "
                   f"{metrics['step_seconds']:.1f}s | eta {self._eta(step)}", flush=True)
         self._write(metrics, step)
         return metrics
