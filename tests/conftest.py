@@ -41,3 +41,15 @@ def _random_model_fixture(name: str):
 
 for _name in RANDOM_MODELS:
     globals()[_name] = _random_model_fixture(_name)
+
+
+TINY_TEACHER = ROOT / "artifacts" / "tiny-qwen2-teacher"
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher() -> str:
+    """The distillation quickstart's teacher (the tiny model trained longer); built once if absent."""
+    if not (TINY_TEACHER / "megarl_tiny.json").exists():
+        subprocess.run([sys.executable, "tools/make_tiny_model.py", "--teacher", "--out", str(TINY_TEACHER),
+                        "--quiet"], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return str(TINY_TEACHER)

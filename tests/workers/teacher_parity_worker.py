@@ -1,7 +1,7 @@
 """torchrun worker: the standalone vLLM teacher's top-k against the colocated Megatron teacher's.
 
-Two ranks: rank 0 trains and generates (and also builds a colocated Megatron teacher from the
-same checkpoint, for the comparison), rank 1 is the standalone teacher (a vLLM engine). The
+Rank 0 trains and generates (and also builds a colocated Megatron teacher from the same
+checkpoint, for the comparison); the other ranks are the standalone teacher (vLLM engines). The
 step-0 samples are scored by both; every other sample carries an OPSD teacher prompt that is
 longer than its student prompt. Rank 0 writes the comparison to <out>.
 """
