@@ -1,6 +1,7 @@
 """Build megarl's tiny Qwen2 model and tokenizer for the arithmetic task, offline.
 
     python tools/make_tiny_model.py [--out artifacts/tiny-qwen2] [--seed 0] [--force]
+    python tools/make_tiny_model.py --teacher   # the distillation teacher, artifacts/tiny-qwen2-teacher
 
 Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
@@ -26,6 +27,14 @@ pin changes the weights (measured on one AVX-512 machine: pass@1 0.31-0.41 over
 the four torch x MKL combinations). Two builds on one machine print the same
 weights hash; an x86-64 machine with AVX2 and the same pinned packages is
 expected to print it too (see the README for what was measured).
+
+--teacher builds the stronger teacher of the distillation quickstart
+(examples/quickstart_gkd.yaml) into artifacts/tiny-qwen2-teacher: the same
+tokenizer (so the same vocabulary), the same architecture, seed and pins, and
+only a longer warm-up (1200 steps instead of 400: about three times the
+student's build time), which lifts pass@1 at T=1 to 0.888 (greedy 0.906) on the
+pinned code path. Without --teacher nothing changes: the default build's
+weights hash is the same as before the flag.
 """
 import os
 import sys
@@ -78,6 +87,8 @@ MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
 TRAIN = dict(steps=400, batch=32, lr=3e-3, warmup=50, beta2=0.95, clip=1.0,
              weight_decay=0.0, threads=1)
 EVAL = dict(num=500, seed_offset=10_000, max_new_tokens=16)
+# --teacher: the same recipe trained longer, into its own directory.
+TEACHER = dict(steps=1200, out="artifacts/tiny-qwen2-teacher")
 
 
 def build_tokenizer():
@@ -215,12 +226,20 @@ def save(model, tokenizer, out, report):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("artifacts/tiny-qwen2"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"default: artifacts/tiny-qwen2, or {TEACHER['out']} with --teacher")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=TRAIN["steps"])
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"warm-up steps (default: {TRAIN['steps']}, or {TEACHER['steps']} with --teacher)")
+    ap.add_argument("--teacher", action="store_true",
+                    help="build the stronger distillation teacher (same tokenizer, longer warm-up)")
     ap.add_argument("--force", action="store_true", help="rebuild over a complete model")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = Path(TEACHER["out"] if args.teacher else "artifacts/tiny-qwen2")
+    if args.steps is None:
+        args.steps = TEACHER["steps"] if args.teacher else TRAIN["steps"]
     if (args.out / "megarl_tiny.json").exists() and not args.force:
         sys.exit(f"{args.out} already holds a complete tiny model; pass --force to rebuild it")
 
