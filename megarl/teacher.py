@@ -1,22 +1,22 @@
-"""Teacher role for distillation (GKD, OPSD), in either placement:
+"""Teacher role for distillation (GKD, OPSD), in either placement.
 
-`Teacher`, colocated: a frozen Megatron GPTModel on the train ranks.
-`TeacherEngine`, standalone: a vLLM engine on ranks of its own (after the colocated part below).
+`Teacher`, colocated: a frozen Megatron GPTModel on the train ranks, built from
+--teacher-model with the trainer's TP (it may be larger than the student; it must
+share the student's vocabulary, checked at start), loaded by the same HF ->
+Megatron conversion as the policy, kept in host memory between its forwards with
+--offload-teacher-model, not checkpointed (rebuilt from its checkpoint). Verbs:
+`score` (the sampled tokens' logprobs and, for top-k distillation, the teacher's
+top-K token ids and logprobs per response position at --gkd-temperature, taken
+over the vocabulary shards without gathering the vocabulary on a rank), once per
+step before the update; `companion_logits` (this rank's vocabulary shard) for
+full-vocabulary distillation, beside each student micro-batch so that only one
+micro-batch of teacher logits exists at a time.
 
-Colocated:
+`TeacherEngine`, standalone: a vLLM engine on the teacher ranks (the `teacher:`
+group), with `score` from vLLM's prompt logprobs and `generate` for --seq-kd.
 
-Built from --teacher-model with the trainer's TP (the teacher may be larger than
-the student; it must share the student's vocabulary, checked at start), loaded
-by the same HF -> Megatron conversion as the policy, kept in host memory between
-its forwards with --offload-teacher-model, not checkpointed (rebuilt from its
-checkpoint).
-
-Verbs: `score` (the sampled tokens' logprobs and, for top-k distillation, the
-teacher's top-K token ids and logprobs per response position at
---gkd-temperature, taken over the vocabulary shards without gathering the
-vocabulary on a rank), computed once per step before the update; `logits` (this rank's vocabulary shard) for
-full-vocabulary distillation, run beside each student micro-batch so that only
-one micro-batch of teacher logits exists at a time.
+OPSD rows (a teacher prompt) are scored after that prompt; every output is
+response-aligned, so it lines up with the student's response token by token.
 """
 
 from __future__ import annotations
