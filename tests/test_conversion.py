@@ -61,7 +61,7 @@ def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
             assert report["max_abs_topk_logprob_diff"] <= 1e-4 and report["max_abs_topk_mass_diff"] <= 1e-5, report
             for beta in ("0", "0.5", "1"):
                 # Far from 0: the teacher is another distribution.
-                assert report[f"gkd_full_beta{beta}_mean"] > 1e-2, report
+                assert report[f"gkd_full_beta{beta}_mean"] > 1e-3, report
                 # fp32: the rolled teacher's KLs are ~25 nats, so the value tolerance is relative.
                 scale = max(1.0, report[f"gkd_full_beta{beta}_mean"])
                 assert report[f"max_abs_gkd_full_beta{beta}_diff"] <= 1e-5 * scale, report

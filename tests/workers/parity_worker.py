@@ -74,15 +74,18 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
         report[f"gkd_{mode}_mean"] = expected.mean().item()
     # Full vocabulary: forward KL, the JSD mixture, reverse KL. The teacher is the student's logits
     # rolled by half the vocabulary, so that its mass sits on the other shard at TP=2: a gradient
-    # that missed the other shard's share of a normaliser would show.
-    teacher_full = torch.roll(reference.detach(), shifts=vocab_size // 2, dims=-1)
+    # that missed the other shard's share of a normaliser would show. The pure function gets
+    # Megatron's own logits, gathered (HF's differ by ~5e-6, which these large gradients amplify).
+    gathered = vocab_parallel._all_gather_last_dim(shard_logits.detach(),
+                                                   parallel_state.get_tensor_model_parallel_group())[..., :vocab_size]
+    teacher_full = torch.roll(gathered, shifts=vocab_size // 2, dims=-1)
     teacher_shard = torch.zeros_like(shard_logits)
     teacher_shard[..., :real] = teacher_full[..., start: start + real]
     for beta in (0.0, 0.5, 1.0):
         shard = shard_logits.detach().clone().requires_grad_(True)
         loss = vocab_parallel.distill_full(shard, teacher_shard, vocab_size, beta, temperature)
         loss.sum().backward()
-        full = reference.detach().clone().requires_grad_(True)
+        full = gathered.clone().requires_grad_(True)
         expected = distill_full(full, teacher_full, beta, temperature)
         expected.sum().backward()
         report[f"max_abs_gkd_full_beta{beta:g}_diff"] = (loss - expected).abs().max().item()
