@@ -1,0 +1,131 @@
+"""megarl/kernels.py: the chunked implementations against the naive reference (today's
+vocab_parallel math), and both against a full-vocabulary torch reference, in fp32.
+
+The unit lane runs the cases in-process at TP=1 (a one-rank gloo world with Megatron's parallel
+state); the slow lane runs the same cases under real torchrun at TP=1 and TP=2, where the
+second shard is partly (V=250) or entirely (V=100) Megatron padding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import WORKERS, read_json, torchrun
+
+TOLERANCE = 1e-5
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("kernels_worker", WORKERS / "kernels_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load_worker()
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """A one-rank gloo world with Megatron's parallel state at TP=1, torn down afterwards.
+    (Megatron's CPU shims are not needed for its parallel state, so none is applied here.)"""
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _assert_close(report: dict, case: str = ""):
+    over = {metric: value for metric, value in report.items() if value > TOLERANCE}
+    assert not over, f"{case}: {over}"
+
+
+@pytest.mark.parametrize("vocab_size,temperature", worker.VOCABS)
+@pytest.mark.parametrize("chunk", worker.CHUNKS)
+def test_from_logits_tp1(tp1, vocab_size, temperature, chunk):
+    _assert_close(worker.check_from_logits(vocab_size, temperature, chunk))
+
+
+@pytest.mark.parametrize("vocab_size,temperature", worker.VOCABS)
+@pytest.mark.parametrize("chunk", worker.CHUNKS)
+def test_from_hidden_tp1(tp1, vocab_size, temperature, chunk):
+    _assert_close(worker.check_from_hidden(vocab_size, temperature, chunk))
+
+
+def test_one_output_and_unowned_labels(tp1):
+    """Backward through the logprob alone (the entropy's gradient is None), and labels that no
+    shard owns (-100: the largest logit, Megatron's vocab_parallel_cross_entropy's convention)."""
+    from megarl import kernels
+
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(2, 5, 128)
+    labels = torch.randint(0, 120, (2, 5))
+    labels[0, 1] = -100
+    grads, values = {}, {}
+    for impl in kernels.IMPLS:
+        x = logits.clone().requires_grad_(True)
+        values[impl], _ = kernels.logprobs_and_entropy(x, labels, 120, 0.9, impl, chunk_tokens=3)
+        values[impl].sum().backward()
+        grads[impl] = x.grad
+    assert (values["chunked"] - values["naive"]).abs().max() <= TOLERANCE
+    assert (grads["chunked"] - grads["naive"]).abs().max() <= TOLERANCE
+    with pytest.raises(ValueError, match="unknown kernel implementation"):
+        kernels.logprobs_and_entropy(logits, labels, 120, 0.9, "triton")
+
+
+def _saved_sizes(fn) -> list[tuple[int, int]]:
+    """(numel, data_ptr) of every tensor autograd saves for backward while `fn` runs."""
+    saved = []
+
+    def pack(tensor):
+        saved.append((tensor.numel(), tensor.data_ptr()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return saved
+
+
+def test_chunked_saves_no_vocabulary_sized_tensor(tp1):
+    """What backward keeps: from logits, the input logits themselves and per-token floats; from
+    hidden states, nothing of the logits' size at all. (The naive path keeps several.)"""
+    from megarl import kernels
+
+    tokens, width, hidden_size = 12, 256, 8
+    logits = torch.randn(3, 4, width, requires_grad=True)
+    hidden = torch.randn(3, 4, hidden_size, requires_grad=True)
+    weight = torch.randn(width, hidden_size, requires_grad=True)
+    labels = torch.randint(0, 250, (3, 4))
+
+    saved = _saved_sizes(lambda: kernels.logprobs_and_entropy(logits, labels, 250, 0.7, "chunked", chunk_tokens=5))
+    assert [ptr for numel, ptr in saved if numel >= tokens * width] == [logits.data_ptr()]
+    assert max(numel for numel, ptr in saved if ptr != logits.data_ptr()) <= tokens
+    saved = _saved_sizes(lambda: kernels.logprobs_and_entropy_from_hidden(hidden, weight, labels, 250, 0.7, "chunked",
+                                                                          chunk_tokens=5))
+    assert max(numel for numel, _ in saved) <= width * hidden_size < tokens * width
+    naive = _saved_sizes(lambda: kernels.logprobs_and_entropy(logits, labels, 250, 0.7, "naive"))
+    assert sum(numel >= tokens * width for numel, _ in naive) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kernels_under_torchrun(tmp_path, tp):
+    """Every case on real Megatron TP groups; each metric is the maximum over the ranks."""
+    out = tmp_path / "kernels.json"
+    torchrun("kernels_worker.py", "--out", out, nproc=tp, timeout=300)
+    report = read_json(out)
+    assert report["tp"] == tp
+    assert len(report["cases"]) == 2 * len(worker.VOCABS) * len(worker.CHUNKS)
+    for case, metrics in report["cases"].items():
+        _assert_close(metrics, case)
