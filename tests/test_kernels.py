@@ -78,10 +78,35 @@ def test_one_output_and_unowned_labels(tp1):
         values[impl], _ = kernels.logprobs_and_entropy(x, labels, 120, 0.9, impl, chunk_tokens=3)
         values[impl].sum().backward()
         grads[impl] = x.grad
+        assert torch.equal(x.detach(), logits)  # the chunks are scratch copies, never the input
     assert (values["chunked"] - values["naive"]).abs().max() <= TOLERANCE
     assert (grads["chunked"] - grads["naive"]).abs().max() <= TOLERANCE
     with pytest.raises(ValueError, match="unknown kernel implementation"):
         kernels.logprobs_and_entropy(logits, labels, 120, 0.9, "triton")
+
+
+def test_bf16_inputs_and_inputs_untouched(tp1):
+    """bf16 logits, hidden states and weights (the GPU dtypes) give bf16 gradients that agree with
+    the naive path to bf16 precision; the chunked path works in scratch buffers and leaves its
+    inputs unchanged (T = 1, where the scaling could have been skipped)."""
+    from megarl import kernels
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 6, 256)).bfloat16()
+    hidden, weight = torch.randn(2, 6, 16).bfloat16(), (0.75 * torch.randn(256, 16)).bfloat16()
+    labels = torch.randint(0, 250, (2, 6))
+    results = {}
+    for impl in kernels.IMPLS:
+        leaves = [t.clone().requires_grad_(True) for t in (logits, hidden, weight)]
+        from_logits = kernels.logprobs_and_entropy(leaves[0], labels, 250, 1.0, impl, chunk_tokens=5)
+        from_hidden = kernels.logprobs_and_entropy_from_hidden(leaves[1], leaves[2], labels, 250, 1.0, impl,
+                                                               chunk_tokens=5)
+        sum(o.sum() for o in (*from_logits, *from_hidden)).backward()
+        results[impl] = [*from_logits, *from_hidden, *(leaf.grad for leaf in leaves)]
+        assert all(torch.equal(leaf.detach(), t) for leaf, t in zip(leaves, (logits, hidden, weight)))
+    assert [r.dtype for r in results["chunked"][4:]] == [torch.bfloat16] * 3
+    for chunked, naive in zip(results["chunked"], results["naive"]):
+        torch.testing.assert_close(chunked.float(), naive.float(), rtol=2e-2, atol=2e-2)
 
 
 def _saved_sizes(fn) -> list[tuple[int, int]]:
