@@ -3,9 +3,9 @@ implementations selected by name (groundwork for fused kernels, issue 12).
 
     "naive"    today's math (megarl/vocab_parallel.py, Megatron's output layer): the reference.
     "chunked"  plain torch over chunks of tokens, with a custom autograd.Function that keeps only
-               per-token statistics for backward and recomputes each chunk there. It never holds
-               an fp32 [tokens, V/TP] intermediate beyond one chunk; from hidden states it never
-               holds the logits at all.
+               per-token statistics for backward and recomputes each chunk there. Besides the
+               gradient it returns, it never holds an fp32 [tokens, V/TP] intermediate beyond
+               one chunk; from hidden states it never holds the logits at all.
 
 Conventions shared with vocab_parallel.py: each TP rank holds V/TP columns of the (padded)
 vocabulary; partial sums are all-reduced over the TP group *before* they are combined; the
@@ -53,8 +53,9 @@ def logprobs_and_entropy_from_hidden(hidden: torch.Tensor, weight_shard: torch.T
     """`logprobs_and_entropy` of the logits hidden @ weight_shard.T (Megatron's column-parallel
     output layer, no bias), differentiable in `hidden` [b, L, H] and `weight_shard` [V/TP, H].
 
-    `hidden` is replicated over the TP ranks, as the output layer's input is: its gradient is the
-    sum of every shard's part, all-reduced here (Megatron's copy_to_tensor_model_parallel_region).
+    `hidden` is replicated over the TP ranks, as the output layer's input is without sequence
+    parallelism (which megarl does not turn on): its gradient is the sum of every shard's part,
+    all-reduced here (Megatron's copy_to_tensor_model_parallel_region).
     """
     if impl == "naive":
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -231,16 +232,20 @@ class _ChunkedFromHidden(torch.autograd.Function):
         h = hidden.reshape(-1, hidden.shape[-1])
         real, chunk = ctx.real, ctx.chunk
         w = weight[:real]
-        grad_hidden = torch.zeros_like(h)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros_like(h) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for i in range(0, h.shape[0], chunk):
             rows = slice(i, i + chunk)
             z = (h[rows] @ w.t()).float().div_(ctx.temperature)
             grad_z = _grad_z(z, local_labels[rows], m[rows], log_sum[rows], expected[rows],
                              None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows])
             grad_logits = grad_z.div_(ctx.temperature).to(h.dtype)
-            grad_hidden[rows] = grad_logits @ w
-            grad_weight[:real].addmm_(grad_logits.t().float(), h[rows].float())
-        if dist.get_world_size(ctx.group) > 1:  # every shard's logits depend on the replicated hidden
+            if want_hidden:
+                grad_hidden[rows] = grad_logits @ w
+            if want_weight:
+                grad_weight[:real].addmm_(grad_logits.t().float(), h[rows].float())
+        if want_hidden and dist.get_world_size(ctx.group) > 1:  # every shard's logits depend on the hidden
             dist.all_reduce(grad_hidden, group=ctx.group)
-        return (grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None, None, None)
+        return (grad_hidden.view_as(hidden) if want_hidden else None,
+                grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None)
