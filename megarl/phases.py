@@ -86,10 +86,15 @@ def generate(run: Run, step: int):
     """
     args = run.args
     source = response_source(args.gkd_lmbda, args.seq_kd, args.seed, step)
-    with run.train_roles_offloaded():
+    # --seq-kd with a colocated teacher: the rollout engines serve its weights for this generation.
+    with _serving(run, "teacher" if source == "teacher" else "student"), run.train_roles_offloaded():
         metrics = {}
-        if source == "teacher":
+        if source == "teacher" and run.context.placement.teacher is not None:
             samples, reward_seconds = _teacher_rollout(run, run.prompts.batch(step, 0), step)
+        elif source == "teacher":
+            samples, reward_seconds = _rollout(run, run.prompts.batch(step, 0), step, seed_key=("seq-kd",))
+            for sample in samples:
+                sample.logprobs = None  # the teacher's sample, not the student's
         elif source == "dataset" or args.dynamic_sampling is None:
             samples, reward_seconds = _rollout(run, run.prompts.batch(step, 0), step, seed_key=("train", 0),
                                                from_dataset=source == "dataset")
@@ -478,20 +483,20 @@ def _teacher_can_generate(run: Run) -> bool:
         return False
     from transformers import AutoConfig
 
-    teacher = AutoConfig.from_pretrained(args.teacher_model)
-    shape = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
-    differ = [key for key in shape if getattr(teacher, key, None) != getattr(run.hf_config, key, None)]
+    from megarl.models.families import shape_difference
+
+    differ = shape_difference(AutoConfig.from_pretrained(args.teacher_model), run.hf_config)
     if differ and run.is_main:
-        print(f"megarl: the teacher's pass@1 is not measured: its {differ[0]} differs from the student's, so the "
+        print(f"megarl: the teacher's pass@1 is not measured: its {differ} differs from the student's, so the "
               f"rollout engines cannot serve it (standalone teacher ranks can)", flush=True)
-    return not differ
+    return differ is None
 
 
 @contextlib.contextmanager
 def _serving(run: Run, policy: str):
-    """The rollout engines serve the colocated teacher's weights (read from --teacher-model) for the
-    duration, then get the student's back by a weight sync."""
+    """With policy "teacher" and a colocated teacher, the rollout engines serve the teacher's weights
+    (read from --teacher-model; it has the student's shapes) for the duration, then get the
+    student's back by a weight sync. Nothing to do otherwise."""
     if policy == "student" or run.context.placement.teacher is not None:
         yield
         return

@@ -28,6 +28,17 @@ def teacher_model(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def other_shape_teacher(tiny_model, tmp_path_factory) -> str:
+    """A random Qwen2 with the built-in vocabulary but other shapes (hidden size 64, not 128)."""
+    from transformers import AutoConfig
+
+    from helpers import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("other_shape"), "qwen2", True, seed=9,
+                             vocab_size=AutoConfig.from_pretrained(tiny_model).vocab_size)
+
+
 LAYOUTS = {
     # name: (config, extra flags, distillation loss tags expected); "{teacher}" is the teacher checkpoint
     "rollout-colocate-topk-renorm": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
@@ -90,7 +101,8 @@ BAD = [
      ["placement needs 3 ranks", "teacher.gpus=1", "but 2 were launched"]),
     (["--teacher-gpus", "1", "--standalone-teacher-model", "{model}", "--gkd-logits-topk", "8",
       "--gkd-topk-mode", "tail", "--gkd-temperature", "2"], ["gkd_temperature=2.0", "gkd_topk_mode=tail", "renorm"]),
-    (["--teacher-model", "{model}", "--seq-kd"], ["--seq-kd needs standalone teacher ranks"]),
+    (["--teacher-model", "{wide}", "--seq-kd"], ["--seq-kd with teacher_model=", "hidden_size differs",
+                                                   "standalone teacher ranks"]),
     (["--gkd-lmbda", "0.5"], ["--gkd-lmbda needs a teacher"]),
     (["--teacher-model", "{model}", "--gkd-lmbda", "1.5"], ["--gkd-lmbda must be in [0, 1]"]),
     (["--teacher-model", "{model}", "--gkd-beta", "1.5"], ["--gkd-beta must be in [0, 1]"]),
@@ -99,8 +111,10 @@ BAD = [
 
 
 @pytest.mark.parametrize("flags,words", BAD)
-def test_distillation_configuration_errors_are_one_line(flags, words, tiny_model, random_qwen2_tied):
-    argv = ["--model", tiny_model] + [f.format(model=tiny_model, random=random_qwen2_tied) for f in flags]
+def test_distillation_configuration_errors_are_one_line(flags, words, tiny_model, random_qwen2_tied,
+                                                       other_shape_teacher):
+    argv = ["--model", tiny_model] + [f.format(model=tiny_model, random=random_qwen2_tied, wide=other_shape_teacher)
+                                      for f in flags]
     with pytest.raises(ConfigError) as error:
         parse_args(argv, world_size=2)
     message = str(error.value)
@@ -205,11 +219,15 @@ def test_gkd_lmbda_trains_some_steps_on_the_datasets_responses(tiny_model, teach
 
 
 @pytest.mark.slow
-def test_seq_kd_trains_on_the_teachers_samples(tiny_model, teacher_model, tmp_path):
-    """--seq-kd --gkd-lmbda 0 with a standalone teacher: every step's responses are sampled by the teacher's
-    vLLM engine (no rollout logprobs: no mismatch metric) and scored on the rollout ranks."""
-    torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml",
-             "--model", tiny_model, "--standalone-teacher-model", teacher_model, *SMALL, "--train-steps", "2",
+@pytest.mark.parametrize("teacher", ["standalone", "colocated"])
+def test_seq_kd_trains_on_the_teachers_samples(teacher, tiny_model, teacher_model, tmp_path):
+    """--seq-kd --gkd-lmbda 0: every step's responses are sampled by the teacher (its standalone vLLM engine,
+    or the rollout engines serving a colocated teacher's weights), scored on the rollout ranks, with no
+    rollout logprobs (no mismatch metric)."""
+    placement = (["--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml", "--standalone-teacher-model",
+                  teacher_model] if teacher == "standalone" else
+                 ["--config", "examples/gkd/rollout_colocate_teacher_colocate.yaml", "--teacher-model", teacher_model])
+    torchrun("../../megarl/train.py", *placement, "--model", tiny_model, *SMALL, "--train-steps", "2",
              "--seq-kd", "--gkd-lmbda", "0", "--rollout-save-dir", tmp_path / "dumps", "--log-dir", tmp_path / "tb",
              timeout=900)
     series = scalars(tmp_path / "tb", ["on_policy", "distill_loss", "mismatch", "teacher_kl"])

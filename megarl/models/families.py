@@ -146,3 +146,15 @@ def family_of(hf_config) -> Family:
                           for arch in family.hf_architectures)
     raise ValueError(f"unsupported model: architectures {list(architectures)}, model_type "
                      f"{getattr(hf_config, 'model_type', None)!r}; supported: {supported}")
+
+
+# What must agree for one checkpoint's weights to load into an engine built for another.
+SHAPE_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def shape_difference(hf_config, other) -> str | None:
+    """The first config field (SHAPE_FIELDS) on which two models' shapes differ, or None: then the
+    weights of one load into an engine built for the other (a colocated teacher served by the
+    rollout engines)."""
+    return next((key for key in SHAPE_FIELDS if getattr(hf_config, key, None) != getattr(other, key, None)), None)
