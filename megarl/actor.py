@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 
-from megarl import vocab_parallel
+from megarl import kernels, vocab_parallel
 from megarl.algorithms import (KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, entropy_bonus,
                                kl_penalty_in_loss)
 from megarl.model_runner import MicroBatch, TrainableModel, response_aligned
@@ -52,6 +52,17 @@ class Actor(TrainableModel):
 
     def _logprobs(self, batch: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
         return vocab_parallel.logprobs(logits, batch.labels, self.hf_config.vocab_size, self.args.temperature)
+
+    def _logprobs_and_entropy(self, batch: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss's sampled-token logprobs and entropy by --kernels (megarl/kernels.py). The naive path
+        keeps the entropy out of autograd unless --entropy-coef puts it in the loss."""
+        args = self.args
+        if args.kernels != "naive":
+            return kernels.logprobs_and_entropy(logits, batch.labels, self.hf_config.vocab_size, args.temperature,
+                                                args.kernels)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(args.entropy_coef)):
+            entropy = vocab_parallel.entropy(logits, self.hf_config.vocab_size, args.temperature)
+        return self._logprobs(batch, logits), entropy
 
     def _full_kl(self, logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
         return vocab_parallel.full_kl(logits, ref_logits, self.hf_config.vocab_size, self.args.temperature)
@@ -93,7 +104,7 @@ class Actor(TrainableModel):
             companions["teacher"] = teacher
 
         def loss(batch, logits, companion_outputs):
-            logprobs = self._logprobs(batch, logits)
+            logprobs, entropy = self._logprobs_and_entropy(batch, logits)
             mask = batch.loss_mask
             token_loss, pg_metrics = self.policy_loss(
                 logprobs, batch.old_logprobs, batch.advantages, args.clip_eps_low, args.clip_eps_high,
@@ -113,8 +124,6 @@ class Actor(TrainableModel):
                 kl = self._full_kl(logits, companion_outputs["ref"]) if self.full_kl else \
                     self.kl_estimator(logprobs, batch.ref_logprobs)
                 token_loss = token_loss + kl_penalty_in_loss(kl, kl_coef)
-            with torch.set_grad_enabled(bool(args.entropy_coef)):
-                entropy = vocab_parallel.entropy(logits, self.hf_config.vocab_size, args.temperature)
             if args.entropy_coef:
                 token_loss = token_loss + entropy_bonus(entropy, args.entropy_coef)
             numerator, units = self.aggregate(token_loss, mask, max_len=args.max_new_tokens)

@@ -78,6 +78,9 @@ def _add_parallelism_args(parser):
                         "while the rollout generates; back before they are needed")
     g.add_argument("--offload-optimizer", action="store_true",
                    help="colocated: move the optimizer states to host memory while the rollout generates")
+    g.add_argument("--kernels", default="naive", choices=["naive", "chunked"],
+                   help="the policy loss's logprobs and entropy (megarl/kernels.py): naive (vocab_parallel, the "
+                        "reference) or chunked (recomputed per chunk of tokens in backward; issue 12, in progress)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
 
