@@ -1,7 +1,7 @@
 """Benchmark: megarl/kernels.py's naive vs chunked logprobs + entropy, forward + backward, at
 Qwen2's vocabulary (151,936) on one CPU process (TP=1).
 
-    python bench/kernels.py [--tokens 384 --hidden 896 --chunk-tokens N]
+    python bench/kernels.py [--tokens 128 --hidden 896 --chunk-tokens N]
 
 For each operation (1: from logits [tokens, V]; 2: from hidden states [tokens, H] and the output
 layer [V, H]) it measures, side by side in one run:
@@ -98,8 +98,8 @@ def main():
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=384,
-                        help="tokens per call (384: about a minute for the whole run on 2 cores)")
+    parser.add_argument("--tokens", type=int, default=128,
+                        help="tokens per call (128: measured 29-36 s for the whole run on 2 busy cores)")
     parser.add_argument("--hidden", type=int, default=896, help="hidden size of operation 2 (Qwen2.5-0.5B's)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="default: kernels.default_chunk_tokens")
     args = parser.parse_args()
