@@ -762,6 +762,19 @@ def topk_tail_bins(student_topk_logprobs: torch.Tensor, student_tail_logprob: to
             torch.cat([lt, teacher_tail_logprob(teacher_topk_logprobs).to(lt.dtype)], dim=-1).to(ls.dtype))
 
 
+def topk_divergence(student_topk_logprobs: torch.Tensor, student_tail_logprob: torch.Tensor | None,
+                    teacher_topk_logprobs: torch.Tensor, beta: float, mode: str) -> torch.Tensor:
+    """GKD_TOPK_MODES[mode]'s loss [...] from the student's log-probs at the teacher's ids (normalised
+    over the whole vocabulary) and its tail log-mass [...] (None when K == V): for callers that
+    compute those without the full logits (vocabulary-parallel, fused kernels)."""
+    if mode == "renorm":
+        return generalized_jsd(*topk_renorm_bins(student_topk_logprobs, teacher_topk_logprobs), beta)
+    if mode != "tail":
+        raise ValueError(f"unknown gkd top-k mode {mode!r} (renorm, tail)")
+    tail = None if student_tail_logprob is None else student_tail_logprob[..., None]
+    return generalized_jsd(*topk_tail_bins(student_topk_logprobs, tail, teacher_topk_logprobs), beta)
+
+
 @register(GKD_TOPK_MODES, "renorm")
 def distill_topk_renorm(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor,
                         teacher_topk_logprobs: torch.Tensor, beta: float, temperature: float = 1.0) -> torch.Tensor:

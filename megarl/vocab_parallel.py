@@ -161,17 +161,13 @@ def distill_topk(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logpro
     """algorithms.GKD_TOPK_MODES[mode] per position from this shard's student logits: the student's
     log-probs at the teacher's ids (and its tail mass) come from global sums, then the same
     bins and generalized JSD as the pure functions."""
-    from megarl.algorithms import generalized_jsd, topk_renorm_bins, topk_tail_bins
+    from megarl.algorithms import topk_divergence
 
     student = gather_logprobs(logits, teacher_ids, vocab_size, temperature)
-    if mode == "renorm":
-        return generalized_jsd(*topk_renorm_bins(student, teacher_logprobs), beta)
-    if mode != "tail":
-        raise ValueError(f"unknown gkd top-k mode {mode!r} (renorm, tail)")
     tail = None
-    if teacher_ids.shape[-1] < vocab_size:  # K == V leaves no tail bin
-        tail = _tail_logprob(logits, teacher_ids, vocab_size, temperature)
-    return generalized_jsd(*topk_tail_bins(student, tail, teacher_logprobs), beta)
+    if mode == "tail" and teacher_ids.shape[-1] < vocab_size:  # K == V leaves no tail bin
+        tail = _tail_logprob(logits, teacher_ids, vocab_size, temperature)[..., 0]
+    return topk_divergence(student, tail, teacher_logprobs, beta, mode)
 
 
 @torch.no_grad()

@@ -16,6 +16,12 @@ import torch.distributed as dist
 
 from megarl import kernels
 
+# The fused implementations checked against the naive one: Triton too where it can run (a GPU, or
+# its interpreter on CPU: TRITON_INTERPRET=1, set by tests/test_kernels.py's Triton tests).
+FUSED = ["chunked"]
+if kernels.triton_available():
+    FUSED.append("triton")
+
 # (vocab_size, temperature): 250 leaves 6 padding columns in the last shard; 100 at TP=2 leaves
 # the second shard all padding (Megatron pads 100 to 256).
 VOCABS = [(250, 0.7), (100, 1.3), (250, 1.0)]
@@ -78,17 +84,22 @@ def check_from_logits(vocab_size: int, temperature: float, chunk, seed: int = 0)
     expected = _reference(case, full, vocab_size, temperature)
     _loss(case, *expected).backward()
     results = {}
-    for impl in kernels.IMPLS:
+    for impl in ["naive", *FUSED]:
         shard = _shard(case["logits"], -1).clone().requires_grad_(True)
         results[impl] = (*kernels.logprobs_and_entropy(shard, case["labels"], vocab_size, temperature, impl,
                                                         chunk_tokens=chunk), shard)
         _loss(case, *results[impl][:2]).backward()
-    (lp_n, h_n, x_n), (lp_c, h_c, x_c) = results["naive"], results["chunked"]
-    return {"logprob": _max_diff(lp_c, lp_n), "entropy": _max_diff(h_c, h_n),
-            "grad_logits": _max_diff(x_c.grad, x_n.grad),
-            "naive_vs_full_logprob": _max_diff(lp_n, expected[0]), "naive_vs_full_entropy": _max_diff(h_n, expected[1]),
-            "naive_vs_full_grad_logits": _max_diff(x_n.grad, _shard(full.grad, -1)),
-            "masked_grad_max": x_c.grad[case["mask"] == 0].abs().max().item() if (case["mask"] == 0).any() else 0.0}
+    lp_n, h_n, x_n = results["naive"]
+    report = {"naive_vs_full_logprob": _max_diff(lp_n, expected[0]),
+              "naive_vs_full_entropy": _max_diff(h_n, expected[1]),
+              "naive_vs_full_grad_logits": _max_diff(x_n.grad, _shard(full.grad, -1))}
+    masked = case["mask"] == 0
+    for impl in FUSED:
+        lp, h, x = results[impl]
+        report.update({f"{impl}_logprob": _max_diff(lp, lp_n), f"{impl}_entropy": _max_diff(h, h_n),
+                       f"{impl}_grad_logits": _max_diff(x.grad, x_n.grad),
+                       f"{impl}_masked_grad_max": x.grad[masked].abs().max().item() if masked.any() else 0.0})
+    return report
 
 
 def check_from_hidden(vocab_size: int, temperature: float, chunk, seed: int = 0) -> dict:
@@ -101,16 +112,19 @@ def check_from_hidden(vocab_size: int, temperature: float, chunk, seed: int = 0)
     expected = _reference(case, hidden @ weight.t(), vocab_size, temperature)
     _loss(case, *expected).backward()
     results = {}
-    for impl in kernels.IMPLS:
+    for impl in ["naive", *FUSED]:
         h = case["hidden"].clone().requires_grad_(True)
         w = _shard(case["weight"], 0).clone().requires_grad_(True)
         results[impl] = (*kernels.logprobs_and_entropy_from_hidden(h, w, case["labels"], vocab_size, temperature,
                                                                     impl, chunk_tokens=chunk), h, w)
         _loss(case, *results[impl][:2]).backward()
-    (lp_n, h_n, hid_n, w_n), (lp_c, h_c, hid_c, w_c) = results["naive"], results["chunked"]
-    return {"logprob": _max_diff(lp_c, lp_n), "entropy": _max_diff(h_c, h_n),
-            "grad_hidden": _max_diff(hid_c.grad, hid_n.grad), "grad_weight": _max_diff(w_c.grad, w_n.grad),
-            **{f"{impl}_vs_full_{name}": _max_diff(value, reference)
+    lp_n, h_n, hid_n, w_n = results["naive"]
+    report = {f"{impl}_{name}": _max_diff(value, reference)
+              for impl in FUSED
+              for name, value, reference in zip(("logprob", "entropy", "grad_hidden", "grad_weight"),
+                                                (results[impl][0], results[impl][1], results[impl][2].grad,
+                                                 results[impl][3].grad), (lp_n, h_n, hid_n.grad, w_n.grad))}
+    return {**report, **{f"{impl}_vs_full_{name}": _max_diff(value, reference)
                for impl, (lp, h, hid, w) in results.items()
                for name, value, reference in (("logprob", lp, expected[0]), ("entropy", h, expected[1]),
                                               ("grad_hidden", hid.grad, hidden.grad),

@@ -1,0 +1,159 @@
+"""Fused vocabulary-parallel operations of the loss: one signature per operation, three
+implementations selected by name (--kernels; the platform layer picks the default,
+accelerator.default_kernels):
+
+    "naive"    the unfused math of megarl/vocab_parallel.py on full fp32 [tokens, V/TP] tensors:
+               the reference the others are tested against.
+    "chunked"  plain torch over chunks of token rows (kernels/torch_ops.py): besides the gradient
+               it returns, nothing of size [tokens, V/TP] is held beyond one chunk; from hidden
+               states the logits never exist beyond one chunk.
+    "triton"   the same chunk loop with the per-chunk math in Triton kernels
+               (kernels/triton_ops.py): one pass over each row's vocabulary, no [chunk, V/TP]
+               fp32 temporaries. GPU (or the Triton interpreter, TRITON_INTERPRET=1, for tests).
+
+Operations (every one correct at TP > 1; the outputs are the same on every TP rank):
+    logprobs_and_entropy[_from_hidden]   the label token's log-prob and the entropy
+    topk_logprobs[_from_hidden]          log-probs at the teacher's top-k ids and the tail log-mass
+    distill_topk                         the top-k GKD loss (algorithms.topk_divergence) on those
+    full_divergence / full_kl            full-vocabulary generalized JSD / KL(pi || ref) to logits
+All take z = logits / T: a temperature scales the logits before every softmax.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from megarl.kernels import fused
+
+IMPLS = ("naive", "chunked", "triton")
+
+# Tokens per chunk, when not given: as many as keep one fp32 [tokens, shard width] temporary
+# within this budget, so the peak follows the shard width (vocabulary / TP), not a fixed count.
+# 64 MiB is 110 tokens of Qwen2's 151,936-entry vocabulary at TP=1.
+CHUNK_BYTES = 64 * 2**20
+
+
+def default_chunk_tokens(shard_width: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * max(shard_width, 1)))
+
+
+def backend(impl: str):
+    """The per-chunk math module of a fused implementation."""
+    if impl == "chunked":
+        from megarl.kernels import torch_ops
+
+        return torch_ops
+    if impl == "triton":
+        return importlib.import_module("megarl.kernels.triton_ops")  # fails in one line without Triton
+    raise ValueError(f"unknown kernel implementation {impl!r} ({', '.join(IMPLS)})")
+
+
+def _chunk(chunk_tokens: int | None, shard_width: int) -> int:
+    return chunk_tokens or default_chunk_tokens(shard_width)
+
+
+def _copy_to_tp(hidden: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(hidden)
+
+
+def logits_from_hidden(hidden: torch.Tensor, weight_shard: torch.Tensor) -> torch.Tensor:
+    """Megatron's column-parallel output layer (no bias, no sequence parallelism): this shard's logits."""
+    return torch.matmul(_copy_to_tp(hidden), weight_shard.t())
+
+
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float,
+                         impl: str, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log softmax(z)[label], entropy of softmax(z)), each [b, L], from this TP rank's shard logits
+    [b, L, V/TP]; differentiable in `logits` through both. A label no shard owns (e.g. -100) gives
+    log p = M - log Z (M the largest z), as Megatron's vocab_parallel_cross_entropy."""
+    if impl == "naive":
+        from megarl import vocab_parallel
+
+        return (vocab_parallel.logprobs(logits, labels, vocab_size, temperature),
+                vocab_parallel.entropy(logits, vocab_size, temperature))
+    return fused.TokenLogprobEntropy.apply(backend(impl), fused.LogitsSource, vocab_size, temperature,
+                                           _chunk(chunk_tokens, logits.shape[-1]), labels, logits)
+
+
+def logprobs_and_entropy_from_hidden(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
+                                     vocab_size: int, temperature: float, impl: str,
+                                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logprobs_and_entropy` of the logits hidden @ weight_shard.T (Megatron's column-parallel output
+    layer), differentiable in `hidden` [b, L, H] (replicated over the TP ranks) and `weight_shard`
+    [V/TP, H]."""
+    if impl == "naive":
+        return logprobs_and_entropy(logits_from_hidden(hidden, weight_shard), labels, vocab_size, temperature, impl)
+    return fused.TokenLogprobEntropy.apply(backend(impl), fused.HiddenSource, vocab_size, temperature,
+                                           _chunk(chunk_tokens, weight_shard.shape[0]), labels, hidden, weight_shard)
+
+
+def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float, impl: str,
+                  weight_shard: torch.Tensor | None = None,
+                  chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log softmax(z) at the global vocabulary ids [..., K], log of the mass outside them [...], None
+    when K == V), differentiable in the student. With `weight_shard`, `logits` are the hidden states
+    [..., H] and the logits are hidden @ weight_shard.T, formed one chunk at a time."""
+    tail_wanted = ids.shape[-1] < vocab_size
+    if impl == "naive":
+        from megarl import vocab_parallel
+
+        if weight_shard is not None:
+            logits = logits_from_hidden(logits, weight_shard)
+        tail = vocab_parallel._tail_logprob(logits, ids, vocab_size, temperature)[..., 0] if tail_wanted else None
+        return vocab_parallel.gather_logprobs(logits, ids, vocab_size, temperature), tail
+    if weight_shard is None:
+        args = (fused.LogitsSource, vocab_size, temperature, _chunk(chunk_tokens, logits.shape[-1]), ids, logits)
+    else:
+        args = (fused.HiddenSource, vocab_size, temperature, _chunk(chunk_tokens, weight_shard.shape[0]), ids,
+                logits, weight_shard)
+    logprobs, tail = fused.TopkLogprobs.apply(backend(impl), *args)
+    return logprobs, tail if tail_wanted else None
+
+
+def distill_topk(student: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab_size: int,
+                 beta: float, temperature: float, mode: str, impl: str, weight_shard: torch.Tensor | None = None,
+                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(algorithms.GKD_TOPK_MODES[mode]'s loss per position, the student's probability mass on the
+    teacher's ids (a metric, detached)) from the student's logits, or hidden states with `weight_shard`."""
+    from megarl.algorithms import topk_divergence
+
+    logprobs, tail = topk_logprobs(student, teacher_ids, vocab_size, temperature, impl, weight_shard, chunk_tokens)
+    return (topk_divergence(logprobs, tail, teacher_logprobs, beta, mode),
+            logprobs.detach().exp().sum(dim=-1))
+
+
+def full_divergence(logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_size: int, beta: float,
+                    temperature: float, impl: str, chunk_tokens: int | None = None) -> torch.Tensor:
+    """algorithms.distill_full per position (the generalized JSD with beta over the whole vocabulary)
+    from both models' shard logits; differentiable in the student's, the teacher's are constants."""
+    if impl == "naive":
+        from megarl import vocab_parallel
+
+        return vocab_parallel.distill_full(logits, teacher_logits, vocab_size, beta, temperature)
+    return fused.FullDivergence.apply(backend(impl), vocab_size, temperature, beta,
+                                      _chunk(chunk_tokens, logits.shape[-1]), logits, teacher_logits.detach())
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, temperature: float, impl: str,
+            chunk_tokens: int | None = None) -> torch.Tensor:
+    """Exact KL(pi || ref) per position over the whole vocabulary (the reverse KL: beta = 1)."""
+    if impl == "naive":
+        from megarl import vocab_parallel
+
+        return vocab_parallel.full_kl(logits, ref_logits, vocab_size, temperature)
+    return full_divergence(logits, ref_logits, vocab_size, 1.0, temperature, impl, chunk_tokens)
+
+
+def triton_available() -> bool:
+    """Whether the Triton implementation can run here: Triton installed, and a CUDA device or the
+    Triton interpreter (TRITON_INTERPRET=1, which runs the kernels on CPU tensors, for tests)."""
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

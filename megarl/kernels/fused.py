@@ -1,0 +1,258 @@
+"""The fused operations: one autograd Function per operation, a chunk loop over token rows, and
+two sources of a chunk's logits (the logits themselves, or hidden states times the output-layer
+weight shard, formed one chunk at a time and never kept). The per-chunk math comes from a
+backend module (torch_ops or triton_ops, same contract); this module owns the TP reductions.
+
+Saved for backward: the inputs (the caller's tensors, alive anyway) and a few floats per token;
+backward recomputes each chunk's logits. The outputs are identical on every TP rank and each
+rank's backward gives the gradient of those replicated outputs w.r.t. its own shard (identity
+backward of the sums, as Megatron's vocab_parallel_cross_entropy), so a caller's loss needs no
+TP reduction. From hidden states, the hidden's gradient sums every shard's part (all-reduced
+here, Megatron's copy_to_tensor_model_parallel_region).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _tp_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _real_columns(shard_width: int, vocab_size: int, group) -> tuple[int, int]:
+    """(global index of this shard's first column, how many of its columns are real vocabulary).
+    Padding sits at the end of the global vocabulary, hence at the end of a shard (or is all of it)."""
+    start = dist.get_rank(group) * shard_width
+    return start, max(0, min(shard_width, vocab_size - start))
+
+
+# -------------------------------------------------------------------- sources ----
+class LogitsSource:
+    """Chunks of this shard's logits [*, V/TP]; the gradient goes into one [*, V/TP] buffer
+    (padding columns keep 0)."""
+
+    def __init__(self, logits: torch.Tensor, vocab_size: int, group):
+        self.logits = logits
+        self.x = logits.reshape(-1, logits.shape[-1])
+        self.start, self.real = _real_columns(self.x.shape[-1], vocab_size, group)
+        self.rows = self.x.shape[0]
+
+    def chunk(self, rows: slice) -> torch.Tensor:
+        return self.x[rows, :self.real]
+
+    def begin_backward(self, needs: tuple[bool, ...]) -> None:
+        self.grad = torch.zeros_like(self.x)
+
+    def grad_buffer(self, rows: slice) -> torch.Tensor:
+        return self.grad[rows, :self.real]
+
+    def add_grad(self, rows: slice, buffer: torch.Tensor) -> None:
+        pass  # written in place
+
+    def grads(self, group) -> tuple:
+        return (self.grad.view_as(self.logits),)
+
+
+class HiddenSource:
+    """Chunks of hidden [*, H] @ weight_shard[:real].T; the gradients of both are accumulated chunk by
+    chunk (the weight's in fp32)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, group):
+        self.hidden, self.weight = hidden, weight
+        self.h = hidden.reshape(-1, hidden.shape[-1])
+        self.start, self.real = _real_columns(weight.shape[0], vocab_size, group)
+        self.w = weight[:self.real]  # padding rows of the output layer take no part
+        self.rows = self.h.shape[0]
+
+    def chunk(self, rows: slice) -> torch.Tensor:
+        return self.h[rows] @ self.w.t()
+
+    def begin_backward(self, needs: tuple[bool, ...]) -> None:
+        self.want_hidden, self.want_weight = needs
+        self.grad_hidden = torch.zeros_like(self.h) if self.want_hidden else None
+        self.grad_weight = (torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+                            if self.want_weight else None)
+
+    def grad_buffer(self, rows: slice) -> torch.Tensor:
+        n = len(range(*rows.indices(self.rows)))
+        return torch.empty(n, self.real, dtype=torch.float32, device=self.h.device)
+
+    def add_grad(self, rows: slice, buffer: torch.Tensor) -> None:
+        grad_logits = buffer.to(self.h.dtype)
+        if self.want_hidden:
+            self.grad_hidden[rows] = grad_logits @ self.w
+        if self.want_weight:
+            self.grad_weight[:self.real].addmm_(grad_logits.t().float(), self.h[rows].float())
+
+    def grads(self, group) -> tuple:
+        if self.want_hidden and _tp_size(group) > 1:  # every shard's logits depend on the hidden
+            dist.all_reduce(self.grad_hidden, group=group)
+        return (self.grad_hidden.view_as(self.hidden) if self.want_hidden else None,
+                self.grad_weight.to(self.weight.dtype) if self.want_weight else None)
+
+
+def _chunks(total: int, chunk: int):
+    for i in range(0, max(total, 1), chunk):  # no rows: one empty chunk, so the shapes still work out
+        yield slice(i, min(i + chunk, total))
+
+
+# ------------------------------------------------------------- TP combination ----
+def _combine_max_and_sums(stats: torch.Tensor, group, sum_columns: list[int], exp_columns: list[int],
+                          weighted: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """stats[:, 0] is each shard's max m; `exp_columns` hold sums of exp(z - m) (rescaled to the global
+    max M), `weighted` = (its sum of exp(z - m)(z - m) column, the matching exp column), `sum_columns`
+    plain sums (z at owned columns). Returns (M, the summed columns in the order given)."""
+    m_local = stats[:, 0]
+    m = m_local.clone()
+    columns = exp_columns + ([weighted[0]] if weighted else []) + sum_columns
+    sums = stats[:, columns].clone()
+    if _tp_size(group) > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        scale = (m_local - m).exp()
+        n_exp = len(exp_columns)
+        if weighted:
+            # sum exp(z - M)(z - M) = scale (sum exp(z - m)(z - m) + (m - M) sum exp(z - m)), per shard.
+            sums[:, n_exp] = scale * (sums[:, n_exp] + (m_local - m) * stats[:, weighted[1]])
+        sums[:, :n_exp] *= scale[:, None]
+        dist.all_reduce(sums, group=group)
+    return m, sums
+
+
+def _run(op_forward, source, group, chunk: int):
+    return torch.cat([op_forward(source.chunk(rows), rows) for rows in _chunks(source.rows, chunk)])
+
+
+# ------------------------------------------------------------ the operations ----
+class TokenLogprobEntropy(torch.autograd.Function):
+    """(log softmax(z)[label], entropy of softmax(z)) per row, z = logits / T."""
+
+    @staticmethod
+    def forward(ctx, backend, source_cls, vocab_size, temperature, chunk, labels, *tensors):
+        ctx.set_materialize_grads(False)
+        group = tp_group()
+        source = source_cls(*tensors, vocab_size, group)
+        local = labels.reshape(-1) - source.start
+        stats = _run(lambda x, rows: backend.token_stats(x, local[rows], temperature), source, group, chunk)
+        m, sums = _combine_max_and_sums(stats, group, sum_columns=[3, 4], exp_columns=[1], weighted=(2, 1))
+        log_sum, expected = sums[:, 0].log(), sums[:, 1] / sums[:, 0]
+        # A label no shard owns (e.g. -100) gives z = M (vocab_parallel_cross_entropy's convention).
+        picked = torch.where(sums[:, 3] > 0, sums[:, 2], m)
+        ctx.save_for_backward(local, m, log_sum, expected, *tensors)
+        ctx.args = (backend, source_cls, vocab_size, temperature, chunk)
+        return (picked - m - log_sum).view(labels.shape), (log_sum - expected).view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        local, m, log_sum, expected, *tensors = ctx.saved_tensors
+        backend, source_cls, vocab_size, temperature, chunk = ctx.args
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * (6 + len(tensors))
+        g_lp, g_h = [None if g is None else g.reshape(-1).float() for g in (grad_logprob, grad_entropy)]
+        group = tp_group()
+        source = source_cls(*tensors, vocab_size, group)
+        source.begin_backward(ctx.needs_input_grad[6:])
+        for rows in _chunks(source.rows, chunk):
+            buffer = source.grad_buffer(rows)
+            backend.token_grad(source.chunk(rows), local[rows], temperature, m[rows], log_sum[rows], expected[rows],
+                               None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows], buffer)
+            source.add_grad(rows, buffer)
+        return (None,) * 6 + source.grads(group)
+
+
+# A tail mass below this is floored (vocab_parallel._tail_logprob clamps at the float's tiny).
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class TopkLogprobs(torch.autograd.Function):
+    """(log softmax(z) at the global ids [*, K], log of its mass outside them [*]) per row."""
+
+    @staticmethod
+    def forward(ctx, backend, source_cls, vocab_size, temperature, chunk, ids, *tensors):
+        ctx.set_materialize_grads(False)
+        group = tp_group()
+        source = source_cls(*tensors, vocab_size, group)
+        k = ids.shape[-1]
+        local = ids.reshape(-1, k) - source.start
+        stats = _run(lambda x, rows: backend.topk_stats(x, local[rows], temperature), source, group, chunk)
+        m, sums = _combine_max_and_sums(stats, group, sum_columns=list(range(3, 3 + k)), exp_columns=[1, 2])
+        log_sum = sums[:, 0].log()
+        rest_ok = sums[:, 1] >= _TINY
+        log_rest = sums[:, 1].clamp(min=_TINY).log()
+        ctx.save_for_backward(local, m, log_sum, torch.where(rest_ok, log_rest, torch.inf), *tensors)
+        ctx.args = (backend, source_cls, vocab_size, temperature, chunk)
+        logprobs = sums[:, 2:] - (m + log_sum)[:, None]
+        return logprobs.view(ids.shape), (log_rest - log_sum).view(ids.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_ids, grad_tail):
+        local, m, log_sum, log_rest, *tensors = ctx.saved_tensors
+        backend, source_cls, vocab_size, temperature, chunk = ctx.args
+        if grad_ids is None and grad_tail is None:
+            return (None,) * (6 + len(tensors))
+        g_ids = (torch.zeros(local.shape, device=m.device) if grad_ids is None
+                 else grad_ids.reshape(local.shape).float())
+        g_tail = None if grad_tail is None else grad_tail.reshape(-1).float()
+        group = tp_group()
+        source = source_cls(*tensors, vocab_size, group)
+        source.begin_backward(ctx.needs_input_grad[6:])
+        for rows in _chunks(source.rows, chunk):
+            buffer = source.grad_buffer(rows)
+            backend.topk_grad(source.chunk(rows), local[rows], temperature, m[rows], log_sum[rows], log_rest[rows],
+                              g_ids[rows], None if g_tail is None else g_tail[rows], buffer)
+            source.add_grad(rows, buffer)
+        return (None,) * 6 + source.grads(group)
+
+
+class FullDivergence(torch.autograd.Function):
+    """algorithms.generalized_jsd(log softmax(zs), log softmax(zt), beta) per row over the whole
+    vocabulary, differentiable in the student's logits (the teacher's are constants)."""
+
+    @staticmethod
+    def forward(ctx, backend, vocab_size, temperature, beta, chunk, logits, teacher_logits):
+        ctx.set_materialize_grads(False)
+        group = tp_group()
+        student = LogitsSource(logits, vocab_size, group)
+        teacher = LogitsSource(teacher_logits, vocab_size, group)
+        log_z = []
+        for source in (student, teacher):
+            stats = _run(lambda x, rows: backend.lse_stats(x, temperature), source, group, chunk)
+            m, sums = _combine_max_and_sums(stats, group, sum_columns=[], exp_columns=[1])
+            log_z.append(m + sums[:, 0].log())
+        loss = torch.cat([backend.full_terms(student.chunk(rows), teacher.chunk(rows), temperature, log_z[0][rows],
+                                             log_z[1][rows], beta) for rows in _chunks(student.rows, chunk)])
+        if _tp_size(group) > 1:
+            dist.all_reduce(loss, group=group)
+        ctx.save_for_backward(logits, teacher_logits, *log_z)
+        ctx.args = (backend, vocab_size, temperature, beta, chunk)
+        return loss.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * 7
+        logits, teacher_logits, log_zs, log_zt = ctx.saved_tensors
+        backend, vocab_size, temperature, beta, chunk = ctx.args
+        group = tp_group()
+        student = LogitsSource(logits, vocab_size, group)
+        teacher = LogitsSource(teacher_logits, vocab_size, group)
+        g = grad.reshape(-1).float()
+        # Every column's log-prob depends on log Zs: its share of the gradient needs the sum over the
+        # whole vocabulary of the direct derivatives, one pass and one all-reduce before the second.
+        direct_sum = torch.cat([backend.full_direct_sum(student.chunk(rows), teacher.chunk(rows), temperature,
+                                                        log_zs[rows], log_zt[rows], beta, g[rows])
+                                for rows in _chunks(student.rows, chunk)])
+        if _tp_size(group) > 1:
+            dist.all_reduce(direct_sum, group=group)
+        student.begin_backward((True,))
+        for rows in _chunks(student.rows, chunk):
+            backend.full_grad(student.chunk(rows), teacher.chunk(rows), temperature, log_zs[rows], log_zt[rows], beta,
+                              g[rows], direct_sum[rows], student.grad_buffer(rows))
+        return (None,) * 5 + (student.grads(group)[0], None)
