@@ -1,19 +1,27 @@
-"""Benchmark: megarl/kernels.py's naive vs chunked logprobs + entropy, forward + backward, at
-Qwen2's vocabulary (151,936) on one CPU process (TP=1).
+"""Benchmark: megarl/kernels' implementations side by side, forward + backward, at Qwen2's
+vocabulary (151,936) in one process (TP=1).
 
-    python bench/kernels.py [--tokens 128 --hidden 896 --chunk-tokens N]
+    python bench/kernels.py [--tokens 512 --hidden 896 --topk 20 --chunk-tokens N]
 
-For each operation (1: from logits [tokens, V]; 2: from hidden states [tokens, H] and the output
-layer [V, H]) it measures, side by side in one run:
-  time  wall seconds of one forward + backward (after one small warm-up call);
-  peak  the most bytes torch's CPU allocator held at once during a second forward + backward,
-        above what was allocated before it (the inputs), read from the profiler's memory events
-        (torch.profiler, profile_memory=True: every allocation and free, with a running total).
-        Not tracemalloc, which sees Python's allocator only, not tensor storage. The inputs'
-        gradients count, in both paths: for operation 1 a [tokens, V] fp32 tensor, for
-        operation 2 the output layer's [V, H] (printed as "grads MiB").
-and prints chunked / naive ratios, plus the largest difference of the two paths' outputs and
-gradients as a sanity check. It prints; it asserts nothing.
+Operations (each the loss's sum of outputs, then backward):
+  token/logits   logprob of the label + entropy, from fp32 logits [tokens, V]
+  token/hidden   the same from hidden states [tokens, H] and the output layer [V, H]
+  topk/hidden    the top-k GKD loss (tail mode, beta 0.5) from hidden states, K teacher ids
+  fullkl/logits  the exact KL(pi || ref) over the vocabulary, from both models' logits
+Implementations: naive (the reference), chunked, and triton where it can run at full speed (a CUDA
+device; the interpreter that runs it on CPU in the tests is far too slow for this size).
+
+Printed per operation and implementation, measured in one run:
+  seconds    wall time of one forward + backward (after a small warm-up call);
+  peak MiB   the most bytes torch's allocator held at once during a second forward + backward, above
+             what was allocated before it (the inputs); on CPU from the profiler's memory events
+             (torch.profiler, profile_memory=True), on CUDA from max_memory_allocated;
+  grads MiB  the inputs' gradients, which any implementation must return (a [tokens, V] fp32 tensor
+             from logits, the [V, H] output-layer gradient from hidden states): the floor of the peak;
+  work MiB   peak - grads: the implementation's own working memory;
+then the ratios to naive (time, peak, work) and max|err|, the largest absolute error of outputs and
+gradients against a float64 computation on the full vocabulary (megarl.algorithms' pure functions). It prints; it asserts nothing. The goals (issue 12): peak at most 1/8 of
+naive, max |diff| at most 1e-5 in fp32, not slower.
 """
 
 import argparse
@@ -29,10 +37,12 @@ sys.path.insert(0, ROOT)
 
 VOCAB = 151_936  # Qwen2's; a multiple of 128, so Megatron adds no padding at TP=1
 MIB = 2**20
+OPERATIONS = ("token/logits", "token/hidden", "topk/hidden", "fullkl/logits")
+TEMPERATURE = 0.7
 
 
 def init_tp1():
-    """A one-rank gloo world with Megatron's parallel state at TP=1 (the kernels read its TP group)."""
+    """A one-rank world with Megatron's parallel state at TP=1 (the kernels read its TP group)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -43,37 +53,78 @@ def init_tp1():
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
-def make_inputs(tokens: int, hidden: int, seed: int = 0) -> dict:
+def make_inputs(tokens: int, hidden: int, topk: int, device, seed: int = 0) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return {"logits": 3 * torch.randn(1, tokens, VOCAB, generator=g), "labels": torch.randint(0, VOCAB, (1, tokens)),
-            "hidden": torch.randn(1, tokens, hidden, generator=g),
-            "weight": 3 / hidden**0.5 * torch.randn(VOCAB, hidden, generator=g)}
+    teacher = 3 * torch.randn(1, tokens, VOCAB, generator=g)
+    teacher_logprobs, teacher_ids = torch.log_softmax(teacher / TEMPERATURE, dim=-1).topk(topk, dim=-1)
+    inputs = {"logits": 3 * torch.randn(1, tokens, VOCAB, generator=g), "ref_logits": teacher,
+              "labels": torch.randint(0, VOCAB, (1, tokens), generator=g),
+              "hidden": torch.randn(1, tokens, hidden, generator=g),
+              "weight": 3 / hidden**0.5 * torch.randn(VOCAB, hidden, generator=g),
+              "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs}
+    return {name: value.to(device) for name, value in inputs.items()}
 
 
-def forward_backward(op: str, impl: str, inputs: dict, chunk, temperature: float = 0.7):
-    """One forward + backward of logprob.sum() + entropy.sum(); (outputs, gradients)."""
+def forward_backward(op: str, impl: str, inputs: dict, chunk):
+    """One forward + backward of the operation's outputs summed; (outputs, gradients)."""
     from megarl import kernels
 
-    if op == "logits":
-        leaves = [inputs["logits"].requires_grad_(True)]
-        outputs = kernels.logprobs_and_entropy(leaves[0], inputs["labels"], VOCAB, temperature, impl,
+    leaves = [inputs[name].requires_grad_(True) for name in (("logits",) if op.endswith("logits")
+                                                             else ("hidden", "weight"))]
+    if op == "token/logits":
+        outputs = kernels.logprobs_and_entropy(leaves[0], inputs["labels"], VOCAB, TEMPERATURE, impl,
                                                chunk_tokens=chunk)
-    else:
-        leaves = [inputs["hidden"].requires_grad_(True), inputs["weight"].requires_grad_(True)]
-        outputs = kernels.logprobs_and_entropy_from_hidden(*leaves, inputs["labels"], VOCAB, temperature, impl,
+    elif op == "token/hidden":
+        outputs = kernels.logprobs_and_entropy_from_hidden(*leaves, inputs["labels"], VOCAB, TEMPERATURE, impl,
                                                            chunk_tokens=chunk)
-    (outputs[0].sum() + outputs[1].sum()).backward()
+    elif op == "topk/hidden":
+        outputs = kernels.distill_topk(leaves[0], inputs["teacher_ids"], inputs["teacher_logprobs"], VOCAB, 0.5,
+                                       TEMPERATURE, "tail", impl, weight_shard=leaves[1], chunk_tokens=chunk)[:1]
+    else:
+        outputs = (kernels.full_kl(leaves[0], inputs["ref_logits"], VOCAB, TEMPERATURE, impl, chunk_tokens=chunk),)
+    sum(o.sum() for o in outputs).backward()
     grads = [leaf.grad for leaf in leaves]
     for leaf in leaves:
         leaf.grad = None
+        leaf.requires_grad_(False)
     return [o.detach() for o in outputs], grads
 
 
-def peak_bytes(fn) -> int:
-    """Peak of torch's CPU allocations during fn() above the level before it, from the profiler's
-    memory events ("Total Allocated" counts from the start of profiling)."""
+def reference(op: str, inputs: dict):
+    """(outputs, gradients) of the operation in float64 with plain torch on the full vocabulary (the
+    pure functions of megarl.algorithms): what every implementation's error is measured against."""
+    import torch
+
+    from megarl.algorithms import GKD_TOPK_MODES, distill_full
+
+    names = ("logits",) if op.endswith("logits") else ("hidden", "weight")
+    leaves = [inputs[name].double().requires_grad_(True) for name in names]
+    logits = leaves[0] if op.endswith("logits") else leaves[0] @ leaves[1].t()
+    if op.startswith("token"):
+        log_p = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+        outputs = (log_p.gather(-1, inputs["labels"][..., None])[..., 0], -(log_p.exp() * log_p).sum(-1))
+    elif op == "topk/hidden":
+        outputs = (GKD_TOPK_MODES["tail"](logits, inputs["teacher_ids"], inputs["teacher_logprobs"].double(), 0.5,
+                                          TEMPERATURE),)
+    else:
+        outputs = (distill_full(logits, inputs["ref_logits"].double(), 1.0, TEMPERATURE),)
+    sum(o.sum() for o in outputs).backward()
+    return [o.detach() for o in outputs], [leaf.grad for leaf in leaves]
+
+
+def peak_bytes(fn, device) -> int:
+    """Peak of torch's allocations during fn() above the level before it."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -81,15 +132,21 @@ def peak_bytes(fn) -> int:
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max([0, *totals])
+    # "Total Allocated" counts from the start of profiling.
+    return max([0, *(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")])
 
 
-def measure(op: str, impl: str, inputs: dict, chunk) -> dict:
+def measure(op: str, impl: str, inputs: dict, chunk, device) -> dict:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     outputs, grads = forward_backward(op, impl, inputs, chunk)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = peak_bytes(lambda: forward_backward(op, impl, inputs, chunk))
+    peak = peak_bytes(lambda: forward_backward(op, impl, inputs, chunk), device)
     return {"seconds": seconds, "peak": peak, "values": outputs + grads,
             "grad_bytes": sum(g.numel() * g.element_size() for g in grads)}
 
@@ -98,32 +155,47 @@ def main():
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=128,
-                        help="tokens per call (128: measured 29-36 s for the whole run on 2 busy cores)")
-    parser.add_argument("--hidden", type=int, default=896, help="hidden size of operation 2 (Qwen2.5-0.5B's)")
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="default: kernels.default_chunk_tokens")
+    parser.add_argument("--tokens", type=int, default=512,
+                        help="tokens per call (512: about a minute for the whole run on 2 CPU cores)")
+    parser.add_argument("--hidden", type=int, default=896, help="hidden size (Qwen2.5-0.5B's)")
+    parser.add_argument("--topk", type=int, default=20, help="teacher ids per token of the top-k operation")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="default: kernels.default_chunk_tokens (its budget from logits, or from hidden states)")
+    parser.add_argument("--ops", default=",".join(OPERATIONS), help=f"comma-separated subset of {OPERATIONS}")
     args = parser.parse_args()
     from megarl import kernels
 
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     init_tp1()
-    chunk = args.chunk_tokens or kernels.default_chunk_tokens(VOCAB)
-    inputs = make_inputs(args.tokens, args.hidden)
-    warm = make_inputs(4, args.hidden, seed=1)
-    print(f"V={VOCAB} tokens={args.tokens} hidden={args.hidden} chunk_tokens={chunk} "
-          f"threads={torch.get_num_threads()}; full fp32 logits = {args.tokens * VOCAB * 4 / MIB:.0f} MiB")
-    # "grads MiB": the inputs' gradients, part of the peak in both paths (the floor of any implementation).
-    print(f"{'op':8} {'impl':8} {'seconds':>8} {'peak MiB':>9} {'grads MiB':>10}")
-    for op in ("logits", "hidden"):
+    impls = ["naive", "chunked"] + (["triton"] if device.type == "cuda" and kernels.triton_available() else [])
+    chunk = args.chunk_tokens
+    inputs = make_inputs(args.tokens, args.hidden, args.topk, device)
+    warm = make_inputs(4, args.hidden, args.topk, device, seed=1)
+    chunks = chunk or (f"{kernels.default_chunk_tokens(VOCAB)} from logits, "
+                       f"{kernels.default_chunk_tokens(VOCAB, kernels.HIDDEN_CHUNK_BYTES)} from hidden states")
+    print(f"V={VOCAB} tokens={args.tokens} hidden={args.hidden} topk={args.topk} chunk_tokens={chunks} "
+          f"device={device} threads={torch.get_num_threads()} impls={','.join(impls)}"
+          f"{'' if 'triton' in impls else ' (triton: no CUDA device here)'}; "
+          f"full fp32 logits = {args.tokens * VOCAB * 4 / MIB:.0f} MiB")
+    print(f"{'operation':14} {'impl':8} {'seconds':>8} {'peak MiB':>9} {'grads MiB':>10} {'work MiB':>9} "
+          f"{'time/naive':>10} {'peak/naive':>10} {'work/naive':>10} {'max|err|':>9}")
+    started = time.perf_counter()
+    for op in args.ops.split(","):
+        outputs, grads = reference(op, inputs)
+        exact = outputs + grads
+        del outputs, grads
         results = {}
-        for impl in kernels.IMPLS:
+        for impl in impls:
             forward_backward(op, impl, warm, chunk)
-            results[impl] = measure(op, impl, inputs, chunk)
-            print(f"{op:8} {impl:8} {results[impl]['seconds']:8.2f} {results[impl]['peak'] / MIB:9.1f} "
-                  f"{results[impl]['grad_bytes'] / MIB:10.1f}")
-        naive, chunked = results["naive"], results["chunked"]
-        diff = max((a - b).abs().max().item() for a, b in zip(naive["values"], chunked["values"]))
-        print(f"{op:8} chunked/naive: time {chunked['seconds'] / naive['seconds']:.2f}x, "
-              f"peak {chunked['peak'] / max(naive['peak'], 1):.3f}x; max |diff| of outputs and grads {diff:.1e}")
+            result = results[impl] = measure(op, impl, inputs, chunk, device)
+            result["work"] = max(result["peak"] - result["grad_bytes"], 0)
+            naive = results["naive"]
+            error = max((a.double() - b).abs().max().item() for a, b in zip(result["values"], exact))
+            print(f"{op:14} {impl:8} {result['seconds']:8.2f} {result['peak'] / MIB:9.1f} "
+                  f"{result['grad_bytes'] / MIB:10.1f} {result['work'] / MIB:9.1f} "
+                  f"{result['seconds'] / naive['seconds']:10.2f} {result['peak'] / max(naive['peak'], 1):10.3f} "
+                  f"{result['work'] / max(naive['work'], 1):10.3f} {error:9.1e}", flush=True)
+    print(f"total {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

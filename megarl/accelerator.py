@@ -13,7 +13,9 @@ GPU-only code paths in megarl (all of them live here or are selected here):
   * pinned host memory for offloaded tensors and handing freed memory back
     (`host_buffer`, `release_cached_memory`; the offload bookkeeping itself,
     megarl/offload.py, runs the same on CPU);
-  * vLLM sleep/wake (see megarl.rollout) -- a logged no-op on CPU.
+  * vLLM sleep/wake (see megarl.rollout) -- a logged no-op on CPU;
+  * the Triton kernels of megarl/kernels (`default_kernels`, `check_supported`): on CPU only
+    under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
 
 from __future__ import annotations
@@ -132,11 +134,24 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def default_kernels() -> str:
+    """--kernels auto: Triton's fused kernels on a GPU host that has Triton, the chunked torch ones otherwise."""
+    from megarl import kernels
+
+    return "triton" if ON_CUDA and kernels.triton_available() else "chunked"
+
+
 def check_supported(args) -> str | None:
     """Why this host cannot run `args`, or None. (Called by arguments.validate_args.)"""
     if not ON_CUDA and args.params_dtype != "float32":
         return (f"--params-dtype {args.params_dtype} needs a GPU host: Megatron's mixed-precision "
                 f"optimizer is CUDA-only; use float32 on CPU ranks")
+    if args.kernels == "triton":
+        from megarl import kernels
+
+        if not kernels.triton_available():
+            return ("--kernels triton needs Triton and a GPU (or Triton's interpreter, TRITON_INTERPRET=1, "
+                    "for tests); use --kernels chunked on this host")
     return None
 
 

@@ -15,8 +15,10 @@ ones the formula tests check:
     + entropy_bonus(entropy, --entropy-coef)
     -> LOSS_AGGREGATIONS[--loss-agg] -> (numerator, units)
 
-Logprobs, entropy and the full KL are computed vocabulary-parallel
-(megarl/vocab_parallel.py): the full vocabulary is never gathered on one rank.
+Logprobs, entropy, the full KL and the distillation losses go through the fused
+kernels (megarl/kernels, --kernels): vocabulary-parallel, and from the final hidden
+states and the output weight whenever no full-vocabulary companion (reference or
+teacher logits) is needed, so the [tokens, V/TP] logits are never formed.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ import torch
 from megarl import kernels, vocab_parallel
 from megarl.algorithms import (KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, entropy_bonus,
                                kl_penalty_in_loss)
-from megarl.model_runner import MicroBatch, TrainableModel, response_aligned
+from megarl.model_runner import MicroBatch, SampledLogprobs, TrainableModel, output_weight, response_aligned
 from megarl.models.convert import iter_hf_weights, load_hf_weights
 from megarl.models.megatron_gpt import DTYPES, build_gpt_model
 
 
-class Actor(TrainableModel):
+class Actor(TrainableModel, SampledLogprobs):
     def __init__(self, args, hf_config):
         from megatron.core import parallel_state
 
@@ -50,33 +52,35 @@ class Actor(TrainableModel):
         self.full_kl = args.kl_estimator == "full"
         self.kl_estimator = None if self.full_kl else KL_ESTIMATORS[args.kl_estimator]
 
-    def _logprobs(self, batch: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel.logprobs(logits, batch.labels, self.hf_config.vocab_size, self.args.temperature)
+    def _weight(self, hidden: bool) -> torch.Tensor | None:
+        return output_weight(self.model) if hidden else None
 
-    def _logprobs_and_entropy(self, batch: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss's sampled-token logprobs and entropy by --kernels (megarl/kernels.py). The naive path
-        keeps the entropy out of autograd unless --entropy-coef puts it in the loss."""
-        args = self.args
+    def _logprobs_and_entropy(self, batch: MicroBatch, output: torch.Tensor,
+                              hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss's sampled-token logprobs and entropy (from the final hidden states with `hidden`).
+        The naive path keeps the entropy out of autograd unless --entropy-coef puts it in the loss."""
+        args, vocab_size = self.args, self.hf_config.vocab_size
         if args.kernels != "naive":
-            return kernels.logprobs_and_entropy(logits, batch.labels, self.hf_config.vocab_size, args.temperature,
-                                                args.kernels)
+            return kernels.logprobs_and_entropy(output, batch.labels, vocab_size, args.temperature, args.kernels,
+                                                weight_shard=self._weight(hidden))
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(args.entropy_coef)):
-            entropy = vocab_parallel.entropy(logits, self.hf_config.vocab_size, args.temperature)
-        return self._logprobs(batch, logits), entropy
+            entropy = vocab_parallel.entropy(output, vocab_size, args.temperature)
+        return self.token_logprobs(batch, output), entropy
 
     def _full_kl(self, logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel.full_kl(logits, ref_logits, self.hf_config.vocab_size, self.args.temperature)
+        return kernels.full_kl(logits, ref_logits, self.hf_config.vocab_size, self.args.temperature, self.args.kernels)
 
     def logprobs(self, micro_batches: list[MicroBatch], width: int,
                  full_kl_to=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned [n, width] logprobs of the sampled tokens under the current policy; with
         `full_kl_to` (the Reference) also the exact per-token KL(pi || ref) over the vocabulary."""
         if full_kl_to is None:
-            outputs = self.forward_only(micro_batches, lambda batch, logits, _: self._logprobs(batch, logits))
-            return response_aligned(micro_batches, outputs, width), None
+            return self.sampled_logprobs(micro_batches, width), None
 
         def both(batch, logits, companion_outputs):
-            return torch.stack([self._logprobs(batch, logits), self._full_kl(logits, companion_outputs["ref"])])
+            return torch.stack([kernels.token_logprobs(logits, batch.labels, self.hf_config.vocab_size,
+                                                       self.args.temperature, self.args.kernels),
+                                self._full_kl(logits, companion_outputs["ref"])])
 
         with full_kl_to.resident():
             outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to.companion_logits})
@@ -102,9 +106,12 @@ class Actor(TrainableModel):
             companions["ref"] = reference
         if distill and not args.gkd_logits_topk:
             companions["teacher"] = teacher
+        # Without full-vocabulary companions the model's output is its final hidden states and the fused
+        # kernels form each chunk of logits from them: the logits are never held.
+        hidden = args.kernels != "naive" and not companions
 
-        def loss(batch, logits, companion_outputs):
-            logprobs, entropy = self._logprobs_and_entropy(batch, logits)
+        def loss(batch, output, companion_outputs):
+            logprobs, entropy = self._logprobs_and_entropy(batch, output, hidden)
             mask = batch.loss_mask
             token_loss, pg_metrics = self.policy_loss(
                 logprobs, batch.old_logprobs, batch.advantages, args.clip_eps_low, args.clip_eps_high,
@@ -114,20 +121,20 @@ class Actor(TrainableModel):
             token_loss = args.policy_loss_coef * token_loss
             sums = {}
             if distill:
-                distill_loss, topk_mass = self._distill(batch, logits, companion_outputs)
+                distill_loss, topk_mass = self._distill(batch, output, companion_outputs, hidden)
                 token_loss = token_loss + args.distill_coef * distill_loss
                 sums["distill_loss"] = (distill_loss * mask).sum()
                 if topk_mass is not None:
                     sums["teacher_topk_mass"] = (topk_mass * mask).sum()
             kl = torch.zeros_like(token_loss)
             if kl_in_loss:
-                kl = self._full_kl(logits, companion_outputs["ref"]) if self.full_kl else \
+                kl = self._full_kl(output, companion_outputs["ref"]) if self.full_kl else \
                     self.kl_estimator(logprobs, batch.ref_logprobs)
                 token_loss = token_loss + kl_penalty_in_loss(kl, kl_coef)
             if args.entropy_coef:
                 token_loss = token_loss + entropy_bonus(entropy, args.entropy_coef)
             numerator, units = self.aggregate(token_loss, mask, max_len=args.max_new_tokens)
-            units = torch.as_tensor(units, dtype=torch.float32, device=logits.device)
+            units = torch.as_tensor(units, dtype=torch.float32, device=output.device)
             sums.update({"loss": numerator, "loss_units": units, "clipped": (pg_metrics["clipped"] * mask).sum(),
                          "kl_old_new": ((batch.old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new)
                          "kl_loss": (kl * mask).sum(), "entropy": (entropy * mask).sum(), "tokens": mask.sum()})
@@ -137,7 +144,8 @@ class Actor(TrainableModel):
             for role in companions.values():
                 stack.enter_context(role.resident())
             sums, grad_norm = self.optimizer_step(
-                micro_batches, loss, companions={name: role.companion_logits for name, role in companions.items()})
+                micro_batches, loss, companions={name: role.companion_logits for name, role in companions.items()},
+                hidden=hidden)
         tokens = max(sums["tokens"], 1.0)
         metrics = {"loss": sums["loss"] / max(sums["loss_units"], 1.0), "clip_fraction": sums["clipped"] / tokens,
                    "kl_old_new": sums["kl_old_new"] / tokens, "entropy": sums["entropy"] / tokens,
@@ -149,15 +157,15 @@ class Actor(TrainableModel):
                 metrics[name] = sums[name] / tokens
         return metrics
 
-    def _distill(self, batch: MicroBatch, logits: torch.Tensor, companion_outputs: dict):
+    def _distill(self, batch: MicroBatch, output: torch.Tensor, companion_outputs: dict, hidden: bool):
         """Per-token GKD loss and (top-k) the student's mass on the teacher's top-k ids."""
         args, vocab_size = self.args, self.hf_config.vocab_size
         if not args.gkd_logits_topk:
-            return vocab_parallel.distill_full(logits, companion_outputs["teacher"], vocab_size, args.gkd_beta,
-                                               args.gkd_temperature), None
-        distill = vocab_parallel.distill_topk(logits, batch.teacher_topk_ids, batch.teacher_topk_logprobs,
-                                              vocab_size, args.gkd_beta, args.gkd_temperature, args.gkd_topk_mode)
-        return distill, vocab_parallel.topk_mass(logits, batch.teacher_topk_ids, vocab_size, args.gkd_temperature)
+            return kernels.full_divergence(output, companion_outputs["teacher"], vocab_size, args.gkd_beta,
+                                           args.gkd_temperature, args.kernels), None
+        return kernels.distill_topk(output, batch.teacher_topk_ids, batch.teacher_topk_logprobs, vocab_size,
+                                    args.gkd_beta, args.gkd_temperature, args.gkd_topk_mode, args.kernels,
+                                    weight_shard=self._weight(hidden))
 
     def hf_weights(self, bucket_bytes: int):
         """(HF name, tensor) pairs of the whole policy; collective over the train ranks."""

@@ -78,9 +78,11 @@ def _add_parallelism_args(parser):
                         "while the rollout generates; back before they are needed")
     g.add_argument("--offload-optimizer", action="store_true",
                    help="colocated: move the optimizer states to host memory while the rollout generates")
-    g.add_argument("--kernels", default="naive", choices=["naive", "chunked"],
-                   help="the policy loss's logprobs and entropy (megarl/kernels.py): naive (vocab_parallel, the "
-                        "reference) or chunked (recomputed per chunk of tokens in backward; issue 12, in progress)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "naive", "chunked", "triton"],
+                   help="logprobs, entropy, the KL to the reference and the distillation losses (megarl/kernels): "
+                        "naive (full fp32 logits; the reference), chunked (torch, per chunk of tokens, from the "
+                        "final hidden states), triton (the same with Triton kernels; GPU); auto: triton on a GPU "
+                        "host with Triton, chunked otherwise")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
 
@@ -525,6 +527,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     unsupported = accelerator.check_supported(args)
     if unsupported:
         raise ConfigError(unsupported)
+    if args.kernels == "auto":
+        args.kernels = accelerator.default_kernels()
     _validate_batch_geometry(args, data_parallel=placement.dp)
     _validate_kl_and_critic(args)
     _validate_data_and_eval(args)

@@ -28,7 +28,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megarl import accelerator
+from megarl import accelerator, kernels
 from megarl.batch import TOKEN_FIELDS, Batch
 from megarl.offload import Offloader, model_tensors, optimizer_tensors
 
@@ -112,12 +112,38 @@ def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor
     return torch.cat([b.response_aligned(x, width) for b, x in zip(micro_batches, outputs)])
 
 
+def output_weight(model) -> torch.Tensor:
+    """This TP rank's shard [V/TP, H] of the output layer's weight (the word embeddings when tied)."""
+    from megarl.models.convert import unwrap
+
+    module = unwrap(model)
+    if module.share_embeddings_and_output_weights:
+        return module.shared_embedding_or_output_weight()
+    return module.output_layer.weight
+
+
+@contextlib.contextmanager
+def final_hidden_states(model):
+    """The model returns its final hidden states [b, s, H] (after the last norm) where it returned
+    logits: the output layer is skipped, for the fused kernels that take hidden states and
+    `output_weight` and never form the [b, s, V/TP] logits (megarl/kernels)."""
+    from megarl.models.convert import unwrap
+
+    layer = unwrap(model).output_layer
+    layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+    try:
+        yield
+    finally:
+        del layer.forward  # the class's forward again
+
+
 def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_only: bool,
-                     micro_batch_size: int, companions: dict | None = None) -> list[dict]:
+                     micro_batch_size: int, companions: dict | None = None, hidden: bool = False) -> list[dict]:
     """Megatron's forward-backward schedule over the micro-batches.
 
     loss_fn(batch, output, companion_outputs) -> (numerator, units, dict); the dicts are
-    returned, one per micro-batch. `companions` maps names to frozen models'
+    returned, one per micro-batch. The output is the logits, or with `hidden` the final hidden
+    states (`final_hidden_states`). `companions` maps names to frozen models'
     `companion_logits(micro_batch)`, run on the same batch under no_grad (the reference's
     logits for a full-vocabulary KL, the teacher's for full-vocabulary distillation):
     only one micro-batch of their logits exists at a time.
@@ -127,7 +153,8 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         positions = batch.positions()
-        output = model(batch.tokens, positions, attention_mask=None)
+        with final_hidden_states(model) if hidden else contextlib.nullcontext():
+            output = model(batch.tokens, positions, attention_mask=None)
         with torch.no_grad():
             outputs = {name: logits(batch) for name, logits in (companions or {}).items()}
         return output, partial(loss_fn, batch, companion_outputs=outputs)
@@ -205,14 +232,17 @@ class TrainableModel:
             self.offloaders.append(Offloader(lambda: (optimizer_tensors(self.optimizer), [])))
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: list[MicroBatch], transform, companions=None) -> list[torch.Tensor]:
-        """transform(batch, output, companion_outputs) of each micro-batch, in eval mode."""
+    def forward_only(self, micro_batches: list[MicroBatch], transform, companions=None,
+                     hidden: bool = False) -> list[torch.Tensor]:
+        """transform(batch, output, companion_outputs) of each micro-batch, in eval mode (the output is
+        the final hidden states with `hidden`)."""
         self.model.eval()
         outputs = forward_backward(self.model, micro_batches, keep_output(transform), True, self.micro_batch_size,
-                                   companions=companions)
+                                   companions=companions, hidden=hidden)
         return [o["kept"] for o in outputs]
 
-    def optimizer_step(self, micro_batches: list[MicroBatch], loss_fn, companions=None) -> tuple[dict, float]:
+    def optimizer_step(self, micro_batches: list[MicroBatch], loss_fn, companions=None,
+                       hidden: bool = False) -> tuple[dict, float]:
         """Forward and backward over the micro-batches, then one optimizer step (the LR schedule
         advances when the step was taken). The loss's named sums, over all data-parallel ranks,
         and the gradient norm."""
@@ -220,7 +250,7 @@ class TrainableModel:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = forward_backward(self.model, micro_batches, loss_fn, False, self.micro_batch_size,
-                                   companions=companions)
+                                   companions=companions, hidden=hidden)
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
@@ -264,7 +294,26 @@ class TrainableModel:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-class FrozenModel:
+class SampledLogprobs:
+    """For a role with `model`, `args`, `hf_config` and `forward_only(micro_batches, transform, hidden=)`:
+    the sampled tokens' logprobs through the fused kernels (megarl/kernels, --kernels) from the final
+    hidden states, the output layer's logits never formed (the naive path: from the logits)."""
+
+    def sampled_logprobs(self, micro_batches: list[MicroBatch], width: int) -> torch.Tensor:
+        """Response-aligned [n, width] logprobs of the sampled tokens, through the fused kernels from the
+        final hidden states (--kernels; the naive path from the logits)."""
+        return response_aligned(micro_batches, self.forward_only(micro_batches, self.token_logprobs,
+                                                                 hidden=self.args.kernels != "naive"), width)
+
+    def token_logprobs(self, batch: MicroBatch, output: torch.Tensor, _=None) -> torch.Tensor:
+        """The labels' logprobs [b, L] from this model's output (hidden states unless --kernels naive)."""
+        args = self.args
+        weight = None if args.kernels == "naive" else output_weight(self.model)
+        return kernels.token_logprobs(output, batch.labels, self.hf_config.vocab_size, args.temperature, args.kernels,
+                                      weight_shard=weight)
+
+
+class FrozenModel(SampledLogprobs):
     """A frozen Megatron GPTModel on the train ranks with the trainer's TP (no DDP, no optimizer),
     loaded from an HF checkpoint; with `offload`, it waits in host memory between its forwards."""
 
@@ -306,10 +355,11 @@ class FrozenModel:
         return self.logits(batch.tokens, batch.positions())
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: list[MicroBatch], transform) -> list[torch.Tensor]:
-        """transform(batch, logits, {}) of each micro-batch, while resident."""
+    def forward_only(self, micro_batches: list[MicroBatch], transform, hidden: bool = False) -> list[torch.Tensor]:
+        """transform(batch, output, {}) of each micro-batch, while resident (the output is the final
+        hidden states with `hidden`, the logits otherwise)."""
         with self.resident():
             outputs = forward_backward(self.model, micro_batches, keep_output(transform), True,
-                                       self.args.micro_batch_size)
+                                       self.args.micro_batch_size, hidden=hidden)
         return [o["kept"] for o in outputs]
 

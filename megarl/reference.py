@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl import vocab_parallel
-from megarl.model_runner import FrozenModel, MicroBatch, response_aligned
+from megarl.model_runner import FrozenModel, MicroBatch
 
 
 class Reference(FrozenModel):
@@ -20,7 +19,4 @@ class Reference(FrozenModel):
 
     def logprobs(self, micro_batches: list[MicroBatch], width: int) -> torch.Tensor:
         """Response-aligned [n, width] logprobs of the sampled tokens under the reference."""
-        def logprobs_of(batch, logits, _):
-            return vocab_parallel.logprobs(logits, batch.labels, self.hf_config.vocab_size, self.args.temperature)
-
-        return response_aligned(micro_batches, self.forward_only(micro_batches, logprobs_of), width)
+        return self.sampled_logprobs(micro_batches, width)

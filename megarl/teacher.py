@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl import accelerator, vocab_parallel
+from megarl import accelerator, kernels, vocab_parallel
 from megarl.model_runner import FrozenModel, MicroBatch, response_aligned
 from megarl.rollout import VllmEngine
 
@@ -44,7 +44,7 @@ class Teacher(FrozenModel):
         args, vocab_size = self.args, self.hf_config.vocab_size
 
         def score_of(batch, logits, _):
-            sampled = vocab_parallel.logprobs(logits, batch.labels, vocab_size, args.temperature)
+            sampled = kernels.token_logprobs(logits, batch.labels, vocab_size, args.temperature, args.kernels)
             return (sampled,) + (vocab_parallel.topk_logprobs(logits, k, vocab_size, args.gkd_temperature) if k else ())
 
         # OPSD rows are run after their teacher prompt; response-aligned, they line up with the student's.

@@ -63,6 +63,19 @@ def test_from_hidden_tp1(tp1, vocab_size, temperature, chunk):
     _assert_close(worker.check_from_hidden(vocab_size, temperature, chunk))
 
 
+@pytest.mark.parametrize("mode,beta", worker.TOPK_CASES)
+@pytest.mark.parametrize("from_hidden", [False, True])
+@pytest.mark.parametrize("chunk", [5, None])
+def test_topk_distill_tp1(tp1, mode, beta, from_hidden, chunk):
+    _assert_close(worker.check_topk(250, 0.7, chunk, mode, beta, from_hidden))
+
+
+@pytest.mark.parametrize("beta", worker.FULL_BETAS)
+@pytest.mark.parametrize("vocab_size,temperature", worker.VOCABS)
+def test_full_vocabulary_divergence_tp1(tp1, beta, vocab_size, temperature):
+    _assert_close(worker.check_full(vocab_size, temperature, 5, beta))
+
+
 def test_one_output_and_unowned_labels(tp1):
     """Backward through the logprob alone (the entropy's gradient is None), and labels that no
     shard owns (-100: the largest logit, Megatron's vocab_parallel_cross_entropy's convention)."""
@@ -151,23 +164,38 @@ def test_kernels_under_torchrun(tmp_path, tp):
     torchrun("kernels_worker.py", "--out", out, nproc=tp, timeout=300)
     report = read_json(out)
     assert report["tp"] == tp
-    assert len(report["cases"]) == 2 * len(worker.VOCABS) * len(worker.CHUNKS)
+    per_setting = 2 + 2 * len(worker.TOPK_CASES) + len(worker.FULL_BETAS)
+    assert len(report["cases"]) == per_setting * len(worker.VOCABS) * len(worker.CHUNKS)
     for case, metrics in report["cases"].items():
         _assert_close(metrics, case)
 
 
+# Training runs compared step by step: (name, extra flags, the metrics compared beyond loss and grad_norm).
+# The policy loss with an entropy bonus (both kernel outputs carry gradient; hidden-state path); the
+# exact KL to the reference in the loss (logits path: the reference's logits are a companion); top-k
+# distillation in tail mode from a colocated teacher (hidden-state path).
+TRAINING_RUNS = [
+    ("entropy", ["--entropy-coef", "0.01"], ["entropy", "reward_mean"]),
+    ("full-kl", ["--kl-coef", "0.1", "--kl-estimator", "full", "--kl-placement", "loss"], ["kl_loss", "entropy"]),
+    ("gkd-topk", ["--teacher-model", "{model}", "--gkd-logits-topk", "8", "--gkd-topk-mode", "tail",
+                  "--gkd-beta", "0.5", "--policy-loss-coef", "0"], ["distill_loss", "teacher_topk_mass"]),
+]
+
+
 @pytest.mark.slow
-def test_a_training_run_with_chunked_kernels_matches_naive(tiny_model, tmp_path):
-    """Three GRPO steps with an entropy bonus (both outputs carry gradient), --kernels naive vs chunked:
-    the same per-step loss, entropy and gradient norm within 1e-5."""
-    series = {}
+@pytest.mark.parametrize("name,flags,tags", TRAINING_RUNS, ids=[run[0] for run in TRAINING_RUNS])
+def test_a_training_run_with_chunked_kernels_matches_naive(name, flags, tags, tiny_model, tmp_path):
+    """Three steps with --kernels naive vs chunked: the same per-step loss, gradient norm and the
+    run's own metrics within 1e-5."""
+    series, tags = {}, ["loss", "grad_norm", *tags]
     for impl in ("naive", "chunked"):
         torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
                  "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12",
-                 "--micro-batch-size", "8", "--lr", "1e-3", "--entropy-coef", "0.01", "--train-steps", "3",
+                 "--micro-batch-size", "8", "--lr", "1e-3", "--train-steps", "3",
+                 *[flag.format(model=tiny_model) for flag in flags],
                  "--kernels", impl, "--log-dir", tmp_path / impl, timeout=900)
-        series[impl] = scalars(tmp_path / impl, ["loss", "entropy", "grad_norm", "reward_mean"])
-    for tag in ("loss", "entropy", "grad_norm", "reward_mean"):
+        series[impl] = scalars(tmp_path / impl, tags)
+    for tag in tags:
         assert sorted(series["naive"][tag]) == sorted(series["chunked"][tag]) == [0, 1, 2], (tag, series)
         for step in range(3):
             assert abs(series["naive"][tag][step] - series["chunked"][tag][step]) <= 1e-5, (tag, step, series)

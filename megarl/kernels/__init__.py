@@ -31,13 +31,17 @@ from megarl.kernels import fused
 IMPLS = ("naive", "chunked", "triton")
 
 # Tokens per chunk, when not given: as many as keep one fp32 [tokens, shard width] temporary
-# within this budget, so the peak follows the shard width (vocabulary / TP), not a fixed count.
-# 64 MiB is 110 tokens of Qwen2's 151,936-entry vocabulary at TP=1.
-CHUNK_BYTES = 64 * 2**20
+# within a budget, so the peak follows the shard width (vocabulary / TP), not a fixed count.
+# From logits, 16 MiB (27 tokens of Qwen2's 151,936-entry vocabulary at TP=1): smaller chunks only
+# cost more loop steps. From hidden states, 64 MiB (110 tokens): every chunk's weight gradient is a
+# rank-`tokens` update of the whole [V/TP, H] fp32 buffer, memory-bound when the chunk is thin
+# (bench/kernels.py: 27-token chunks made the hidden-state path 2.1x naive's time, 110 about 1.3x).
+CHUNK_BYTES = 16 * 2**20
+HIDDEN_CHUNK_BYTES = 64 * 2**20
 
 
-def default_chunk_tokens(shard_width: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * max(shard_width, 1)))
+def default_chunk_tokens(shard_width: int, budget: int = CHUNK_BYTES) -> int:
+    return max(1, budget // (4 * max(shard_width, 1)))
 
 
 def backend(impl: str):
@@ -51,8 +55,8 @@ def backend(impl: str):
     raise ValueError(f"unknown kernel implementation {impl!r} ({', '.join(IMPLS)})")
 
 
-def _chunk(chunk_tokens: int | None, shard_width: int) -> int:
-    return chunk_tokens or default_chunk_tokens(shard_width)
+def _chunk(chunk_tokens: int | None, shard_width: int, from_hidden: bool = False) -> int:
+    return chunk_tokens or default_chunk_tokens(shard_width, HIDDEN_CHUNK_BYTES if from_hidden else CHUNK_BYTES)
 
 
 def _copy_to_tp(hidden: torch.Tensor) -> torch.Tensor:
@@ -67,10 +71,15 @@ def logits_from_hidden(hidden: torch.Tensor, weight_shard: torch.Tensor) -> torc
 
 
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float,
-                         impl: str, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         impl: str, chunk_tokens: int | None = None,
+                         weight_shard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log softmax(z)[label], entropy of softmax(z)), each [b, L], from this TP rank's shard logits
     [b, L, V/TP]; differentiable in `logits` through both. A label no shard owns (e.g. -100) gives
-    log p = M - log Z (M the largest z), as Megatron's vocab_parallel_cross_entropy."""
+    log p = M - log Z (M the largest z), as Megatron's vocab_parallel_cross_entropy. With
+    `weight_shard`, `logits` are the hidden states (`logprobs_and_entropy_from_hidden`)."""
+    if weight_shard is not None:
+        return logprobs_and_entropy_from_hidden(logits, weight_shard, labels, vocab_size, temperature, impl,
+                                                chunk_tokens)
     if impl == "naive":
         from megarl import vocab_parallel
 
@@ -89,7 +98,17 @@ def logprobs_and_entropy_from_hidden(hidden: torch.Tensor, weight_shard: torch.T
     if impl == "naive":
         return logprobs_and_entropy(logits_from_hidden(hidden, weight_shard), labels, vocab_size, temperature, impl)
     return fused.TokenLogprobEntropy.apply(backend(impl), fused.HiddenSource, vocab_size, temperature,
-                                           _chunk(chunk_tokens, weight_shard.shape[0]), labels, hidden, weight_shard)
+                                           _chunk(chunk_tokens, weight_shard.shape[0], True), labels, hidden, weight_shard)
+
+
+def token_logprobs(output: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float, impl: str,
+                   weight_shard: torch.Tensor | None = None) -> torch.Tensor:
+    """The labels' log softmax(z) [b, L] alone, from logits or (with `weight_shard`) hidden states."""
+    if impl == "naive" and weight_shard is None:
+        from megarl import vocab_parallel
+
+        return vocab_parallel.logprobs(output, labels, vocab_size, temperature)
+    return logprobs_and_entropy(output, labels, vocab_size, temperature, impl, weight_shard=weight_shard)[0]
 
 
 def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float, impl: str,
@@ -109,7 +128,7 @@ def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temp
     if weight_shard is None:
         args = (fused.LogitsSource, vocab_size, temperature, _chunk(chunk_tokens, logits.shape[-1]), ids, logits)
     else:
-        args = (fused.HiddenSource, vocab_size, temperature, _chunk(chunk_tokens, weight_shard.shape[0]), ids,
+        args = (fused.HiddenSource, vocab_size, temperature, _chunk(chunk_tokens, weight_shard.shape[0], True), ids,
                 logits, weight_shard)
     logprobs, tail = fused.TopkLogprobs.apply(backend(impl), *args)
     return logprobs, tail if tail_wanted else None

@@ -16,9 +16,11 @@ rescaled sums) into per-row globals: M (max of z over the whole vocabulary), log
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from megarl.algorithms import generalized_jsd_terms
+from megarl.algorithms import LOGPROB_FLOOR
 
 
 def _owned(local: torch.Tensor, width: int) -> torch.Tensor:
@@ -119,24 +121,46 @@ def lse_stats(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.cat([m, z.sub_(m).exp_().sum(-1, keepdim=True)], dim=-1)
 
 
-def _jsd_terms(xs, xt, temperature, log_zs, log_zt, beta, requires_grad=False):
-    ls = (xs.float() / temperature).sub_(log_zs[:, None]).requires_grad_(requires_grad)
-    lt = (xt.float() / temperature).sub_(log_zt[:, None])
-    return ls, generalized_jsd_terms(ls, lt, beta)
+def _log_probs(x, temperature, log_z):
+    return (x.float() / temperature).sub_(log_z[:, None])
+
+
+def _floored(ls: torch.Tensor, lt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """algorithms.generalized_jsd_terms' floors, in place: both log-probs at least LOGPROB_FLOOR (the
+    student's floor is straight-through, so its derivative is taken at the floored value)."""
+    return ls.clamp_(min=LOGPROB_FLOOR), lt.clamp_(min=LOGPROB_FLOOR)
+
+
+def _mixture(ls, lt, beta):
+    """log M = log(beta P_t + (1 - beta) P_s), as algorithms.generalized_jsd_terms forms it."""
+    return torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
 
 
 def full_terms(xs, xt, temperature, log_zs, log_zt, beta) -> torch.Tensor:
     """[n]: this shard's sum of algorithms.generalized_jsd_terms(ls, lt, beta), ls = zs - log Zs and
-    lt = zt - log Zt the student's and the teacher's global log-softmax (log_z* = M + log_sum)."""
-    return _jsd_terms(xs, xt, temperature, log_zs, log_zt, beta)[1].sum(-1)
+    lt = zt - log Zt the student's and the teacher's global log-softmax (log_z* = M + log_sum).
+    Written out per beta (the same formulas, fewer temporaries than the general function):
+    beta 1: p_s (ls - lt); beta 0: p_t (lt - ls); else beta p_t (lt - lm) + (1 - beta) p_s (ls - lm)."""
+    ls, lt = _floored(_log_probs(xs, temperature, log_zs), _log_probs(xt, temperature, log_zt))
+    if beta == 1:
+        return ls.exp().mul_(ls - lt).sum(-1)
+    if beta == 0:
+        return lt.exp().mul_(lt - ls).sum(-1)
+    lm = _mixture(ls, lt, beta)
+    return (lt.exp().mul_(lt - lm).mul_(beta) + ls.exp().mul_(ls - lm).mul_(1.0 - beta)).sum(-1)
 
 
-def _direct_grad(xs, xt, temperature, log_zs, log_zt, beta, g):
-    """d(sum_v g terms_v)/d ls_v at fixed normalisers, [n, r]."""
-    with torch.enable_grad():
-        ls, terms = _jsd_terms(xs, xt, temperature, log_zs, log_zt, beta, requires_grad=True)
-        (direct,) = torch.autograd.grad(terms, ls, g[:, None].expand_as(terms))
-    return direct
+def _direct_grad(xs, xt, temperature, log_zs, log_zt, beta, g) -> torch.Tensor:
+    """d(g sum_v terms_v)/d ls_v at fixed normalisers, [n, r]: beta 1: p_s (ls - lt + 1); beta 0: -p_t;
+    else (1 - beta) p_s (ls - lm) (the lm terms cancel: beta p_t + (1 - beta) p_s = M)."""
+    ls, lt = _floored(_log_probs(xs, temperature, log_zs), _log_probs(xt, temperature, log_zt))
+    if beta == 1:
+        direct = ls.exp().mul_(ls.sub_(lt).add_(1.0))
+    elif beta == 0:
+        direct = lt.exp_().neg_()
+    else:
+        direct = ls.exp().mul_(ls - _mixture(ls, lt, beta)).mul_(1.0 - beta)
+    return direct.mul_(g[:, None])
 
 
 def full_direct_sum(xs, xt, temperature, log_zs, log_zt, beta, g) -> torch.Tensor:
@@ -147,5 +171,5 @@ def full_direct_sum(xs, xt, temperature, log_zs, log_zt, beta, g) -> torch.Tenso
 def full_grad(xs, xt, temperature, log_zs, log_zt, beta, g, direct_sum, out) -> None:
     """out = d(g loss)/dxs = (d/dls - p_s * direct_sum) / T, direct_sum all-reduced over the shards."""
     direct = _direct_grad(xs, xt, temperature, log_zs, log_zt, beta, g)
-    p = (xs.float() / temperature).sub_(log_zs[:, None]).exp_()
+    p = _log_probs(xs, temperature, log_zs).exp_()
     out.copy_(direct.sub_(p.mul_(direct_sum[:, None])).div_(temperature))

@@ -131,6 +131,81 @@ def check_from_hidden(vocab_size: int, temperature: float, chunk, seed: int = 0)
                                               ("grad_weight", w.grad, _shard(weight.grad, 0)))}}
 
 
+def _teacher(case: dict, vocab_size: int, temperature: float, k: int, seed: int):
+    """Teacher logits [.., padded V] and their top-k (global ids, log softmax(logits / T) there)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    logits = 3 * torch.randn(case["logits"].shape, generator=g)
+    logprobs = torch.log_softmax(logits[..., :vocab_size] / temperature, dim=-1)
+    values, ids = logprobs.topk(k, dim=-1)
+    return logits, ids, values
+
+
+def check_topk(vocab_size: int, temperature: float, chunk, mode: str, beta: float, from_hidden: bool,
+               k: int = 5, seed: int = 0) -> dict:
+    """The top-k GKD loss (and the student's top-k mass) of each fused implementation against naive,
+    values and gradients, from logits or from hidden states; naive against algorithms'
+    full-vocabulary GKD_TOPK_MODES."""
+    from megatron.core import parallel_state
+
+    from megarl.algorithms import GKD_TOPK_MODES
+
+    case = inputs(vocab_size, parallel_state.get_tensor_model_parallel_world_size(), seed)
+    _, ids, teacher_logprobs = _teacher(case, vocab_size, temperature, k, seed)
+    full = (case["hidden"] @ case["weight"].t() if from_hidden else case["logits"])[..., :vocab_size]
+    expected = GKD_TOPK_MODES[mode](full, ids, teacher_logprobs, beta, temperature)
+    results = {}
+    for impl in ["naive", *FUSED]:
+        if from_hidden:
+            leaves = [case["hidden"].clone().requires_grad_(True), _shard(case["weight"], 0).clone().requires_grad_(True)]
+        else:
+            leaves = [_shard(case["logits"], -1).clone().requires_grad_(True)]
+        loss, mass = kernels.distill_topk(leaves[0], ids, teacher_logprobs, vocab_size, beta, temperature, mode, impl,
+                                          weight_shard=leaves[1] if from_hidden else None, chunk_tokens=chunk)
+        (case["mask"] * case["a"] * loss).sum().backward()
+        results[impl] = (loss, mass, [leaf.grad for leaf in leaves])
+    loss_n, mass_n, grads_n = results["naive"]
+    report = {"naive_vs_full_loss": _max_diff(loss_n, expected)}
+    for impl in FUSED:
+        loss, mass, grads = results[impl]
+        report.update({f"{impl}_loss": _max_diff(loss, loss_n), f"{impl}_mass": _max_diff(mass, mass_n),
+                       **{f"{impl}_grad{i}": _max_diff(g, g_n) for i, (g, g_n) in enumerate(zip(grads, grads_n))}})
+    return report
+
+
+def check_full(vocab_size: int, temperature: float, chunk, beta: float | None, seed: int = 0) -> dict:
+    """The full-vocabulary divergence (beta) or, with beta None, the KL to a reference, of each fused
+    implementation against naive; naive against algorithms.distill_full / kl_full."""
+    from megatron.core import parallel_state
+
+    from megarl.algorithms import distill_full
+
+    case = inputs(vocab_size, parallel_state.get_tensor_model_parallel_world_size(), seed)
+    teacher, _, _ = _teacher(case, vocab_size, temperature, 1, seed)
+    expected = distill_full(case["logits"][..., :vocab_size], teacher[..., :vocab_size], 1.0 if beta is None else beta,
+                            temperature)
+    results = {}
+    for impl in ["naive", *FUSED]:
+        shard = _shard(case["logits"], -1).clone().requires_grad_(True)
+        if beta is None:
+            loss = kernels.full_kl(shard, _shard(teacher, -1), vocab_size, temperature, impl, chunk_tokens=chunk)
+        else:
+            loss = kernels.full_divergence(shard, _shard(teacher, -1), vocab_size, beta, temperature, impl,
+                                           chunk_tokens=chunk)
+        (case["mask"] * case["a"] * loss).sum().backward()
+        results[impl] = (loss, shard.grad)
+    loss_n, grad_n = results["naive"]
+    report = {"naive_vs_full_loss": _max_diff(loss_n, expected)}
+    for impl in FUSED:
+        report.update({f"{impl}_loss": _max_diff(results[impl][0], loss_n),
+                       f"{impl}_grad": _max_diff(results[impl][1], grad_n)})
+    return report
+
+
+# (mode, beta) of the top-k cases and the betas of the full-vocabulary ones (None: the KL to a reference)
+TOPK_CASES = [("tail", 0.0), ("tail", 0.5), ("renorm", 1.0), ("tail", 1.0)]
+FULL_BETAS = [0.0, 0.5, 1.0, None]
+
+
 def all_cases() -> dict:
     report = {}
     for vocab_size, temperature in VOCABS:
@@ -138,6 +213,13 @@ def all_cases() -> dict:
             name = f"V{vocab_size}_T{temperature:g}_chunk{chunk}"
             report[f"logits_{name}"] = check_from_logits(vocab_size, temperature, chunk)
             report[f"hidden_{name}"] = check_from_hidden(vocab_size, temperature, chunk)
+            for mode, beta in TOPK_CASES:
+                for from_hidden in (False, True):
+                    report[f"topk_{mode}_b{beta:g}_{'hidden' if from_hidden else 'logits'}_{name}"] = check_topk(
+                        vocab_size, temperature, chunk, mode, beta, from_hidden)
+            for beta in FULL_BETAS:
+                report[f"full_{'kl' if beta is None else f'b{beta:g}'}_{name}"] = check_full(
+                    vocab_size, temperature, chunk, beta)
     return report
 
 
