@@ -1,0 +1,86 @@
+"""megarl/kernels/triton_ops.py on CPU under the Triton interpreter: each of the eight per-chunk
+functions against torch_ops.py (its contract), and impl="triton" against impl="naive" through the
+public API at TP=1, values and gradients within 1e-5 in fp32.
+
+The checks run in one subprocess (tests/workers/triton_kernels_worker.py) started with
+TRITON_INTERPRET=1: Triton reads the variable when its jit functions, its own standard library's
+included, are defined at import, and Megatron's parallel state imports Triton, so this process
+(which may already have imported both) cannot switch the interpreter on; setting it here would
+also leak into every later test's subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, WORKERS, read_json
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+
+def _load_worker():  # for its case list; importing it imports torch, not Triton
+    spec = importlib.util.spec_from_file_location("triton_kernels_worker", WORKERS / "triton_kernels_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load_worker()
+
+TOLERANCE = 1e-5
+FUNCTIONS = ["token_stats", "token_grad", "topk_stats", "topk_grad", "lse_stats", "full_terms", "full_direct_sum",
+             "full_grad"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("triton") / "report.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(WORKERS / "triton_kernels_worker.py"), "--out", str(out)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return read_json(out)
+
+
+def _cases(section: dict, what: str) -> dict:
+    return {case: error for case, error in section.items() if case.split("/")[0] == what}
+
+
+def _assert_close(cases: dict):
+    assert cases, "no case ran"
+    over = {case: error for case, error in cases.items() if not error <= TOLERANCE}  # NaN fails too
+    assert not over, over
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_function_matches_torch_ops(report, function):
+    """Rows 0, 1, 7; shards of 0 (padding only), 5, 37 and 130 columns in blocks of 16, strided views;
+    fp32, bf16 and fp16 logits; a bf16 gradient buffer; labels and ids partly outside the shard;
+    T = 0.7, 1, 1.3; every g_* None variant; a floored tail (log_rest = +inf); beta 0, 0.3, 1 with
+    -inf and floored log-probs. Gradients leave the buffer's margin columns untouched."""
+    cases = _cases(report["ops"], function)
+    _assert_close(cases)
+    for shape in worker.SHAPES:  # every shape ran
+        assert any(worker.shape_name(shape) in case for case in cases), worker.shape_name(shape)
+
+
+def test_inputs_untouched(report):
+    _assert_close(_cases(report["ops"], "inputs_untouched"))
+
+
+@pytest.mark.parametrize("op", list(worker.API_OPS))
+def test_api_matches_naive(report, op):
+    """impl="triton" against impl="naive" in a one-rank world: 7 tokens in chunks of 3 (not a divisor),
+    7 and the default; T = 0.7, 1, 1.3; an unowned label; a floored top-k tail; masked tokens (zero
+    upstream gradient) get exactly zero gradient; the inputs are left unchanged."""
+    cases = _cases(report["api"], op)
+    _assert_close(cases)
+    assert any(case.endswith("/masked_grad") for case in cases)
+    for temperature, chunk in worker.API_SETTINGS:  # every setting ran
+        assert any(f"/T{temperature:g}_chunk{chunk}/" in case for case in cases), (temperature, chunk)
