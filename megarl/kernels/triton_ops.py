@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from megarl.algorithms import LOGPROB_FLOOR
+from megarl.kernels.torch_ops import _empty_stats  # a shard of padding only: the same statistics
 
 # Columns per block: as wide as useful on a GPU (a row of a 150k vocabulary is ~37 blocks); under
 # the interpreter each block is a numpy step, so narrow blocks keep tests fast and still cover the
@@ -43,7 +44,9 @@ INTERPRETER_BLOCK_V = 64
 # so that K in the hundreds does not blow up a program's registers.
 MAX_K_BLOCK = 16
 
-_FLOAT32_MIN = torch.finfo(torch.float32).min  # torch_ops' max of a shard of padding only
+# The running max starts here, not at -inf (see _token_stats_kernel); also torch_ops' max of a shard
+# of padding only.
+_FLOAT32_MIN = torch.finfo(torch.float32).min
 
 # What _full_kernel produces (constexpr OUTPUT).
 _TERMS, _DIRECT_SUM, _GRAD = 0, 1, 2
@@ -304,13 +307,6 @@ def _full_kernel(xs_ptr, stride_sn, stride_sv, xt_ptr, stride_tn, stride_tv, log
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """A per-row vector [n] as contiguous fp32 (a few floats per row; the kernels index it by row)."""
     return None if t is None else t.float().contiguous()
-
-
-def _empty_stats(x: torch.Tensor, width: int) -> torch.Tensor:
-    """A shard of padding only contributes nothing: max is the dtype's min, sums are 0."""
-    stats = torch.zeros(x.shape[0], width, dtype=torch.float32, device=x.device)
-    stats[:, 0] = _FLOAT32_MIN
-    return stats
 
 
 def token_stats(x: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megarl import kernels
 
 # The fused implementations checked against the naive one: Triton too where it can run (a GPU, or
-# its interpreter on CPU: TRITON_INTERPRET=1, set by tests/test_kernels.py's Triton tests).
+# its interpreter on CPU: TRITON_INTERPRET=1 in the test run's environment, before Triton is imported).
 FUSED = ["chunked"]
 if kernels.triton_available():
     FUSED.append("triton")

@@ -6,10 +6,11 @@ Runs as its own process with TRITON_INTERPRET=1 set before Python starts: Triton
 jit functions (its own standard library included) are defined at import, and Megatron's parallel
 state imports Triton, so a test process that has imported Megatron cannot switch it on late.
 
-Writes {"ops": {case: error}, "api": {case: error}} as JSON, a case named "what/.../how"; every error must be <= 1e-5. An error
-is max |a - b| / max(1, |b|) (absolute on values of O(1), relative beyond); against a bf16 `out`
-it is what exceeds one bf16 ulp of the fp32 reference: the interpreter converts fp32 to bf16 by
-truncation (its create_fp_trunc), where a GPU rounds to nearest (half an ulp).
+Writes {"ops": {case: error}, "api": {case: error}} as JSON, cases named "function or op/.../what";
+every error must be <= 1e-5. An error is max |a - b| / max(1, |b|) (absolute on values of O(1),
+relative beyond); against a bf16 `out` it is what exceeds one bf16 ulp of the fp32 reference: the
+interpreter converts fp32 to bf16 by truncation (its create_fp_trunc), where a GPU rounds to
+nearest (half an ulp).
 """
 
 from __future__ import annotations
