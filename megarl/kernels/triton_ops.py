@@ -113,7 +113,8 @@ def _token_stats_kernel(x_ptr, stride_xn, stride_xv, labels_ptr, stride_l, stats
         cols = start + tl.arange(0, BLOCK_V)
         z, mask = _load_z(x_row, cols, r, stride_xv, temperature, float("-inf"))
         m_new, s_new, alpha, e = _online(m, s, z)
-        # Shifting the reference from m to m_new: sum e'(z - m_new) = alpha (w + (m - m_new) s).
+        # Shifting the reference from m to m_new: sum e'(z - m_new) = alpha (w + (m - m_new) s). Where
+        # e = 0 (past the row's end, or a -inf logit, where torch_ops gets 0 * -inf = NaN) it adds 0.
         w = alpha * (w + (m - m_new) * s) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), 0)
         m, s = m_new, s_new
     label = tl.load(labels_ptr + row * stride_l)
