@@ -84,3 +84,21 @@ def test_api_matches_naive(report, op):
     assert any(case.endswith("/masked_grad") for case in cases)
     for temperature, chunk in worker.API_SETTINGS:  # every setting ran
         assert any(f"/T{temperature:g}_chunk{chunk}/" in case for case in cases), (temperature, chunk)
+
+
+@pytest.mark.slow
+def test_triton_at_tp2_under_torchrun(tmp_path):
+    """Every case of tests/workers/kernels_worker.py (logprob + entropy from logits and from hidden states,
+    top-k GKD in both modes, full-vocabulary divergences and the KL to a reference) on a real TP=2 group
+    with the interpreter on: impl="triton" against naive, values and gradients within 1e-5, where the
+    second shard is partly or entirely Megatron padding."""
+    from helpers import torchrun
+
+    out = tmp_path / "kernels.json"
+    torchrun("kernels_worker.py", "--out", out, nproc=2, timeout=900, env={"TRITON_INTERPRET": "1"})
+    cases = read_json(out)["cases"]
+    triton = {f"{case}/{metric}": value for case, metrics in cases.items() for metric, value in metrics.items()
+              if metric.startswith("triton_")}
+    assert {case.split("_")[0] for case in cases} == {"logits", "hidden", "topk", "full"}
+    assert all(sum(metric.startswith("triton_") for metric in metrics) >= 2 for metrics in cases.values())
+    _assert_close(triton)

@@ -151,13 +151,18 @@ def full_terms(xs, xt, temperature, log_zs, log_zt, beta) -> torch.Tensor:
 
 
 def _direct_grad(xs, xt, temperature, log_zs, log_zt, beta, g) -> torch.Tensor:
-    """d(g sum_v terms_v)/d ls_v at fixed normalisers, [n, r]: beta 1: p_s (ls - lt + 1); beta 0: -p_t;
-    else (1 - beta) p_s (ls - lm) (the lm terms cancel: beta p_t + (1 - beta) p_s = M)."""
-    ls, lt = _floored(_log_probs(xs, temperature, log_zs), _log_probs(xt, temperature, log_zt))
+    """d(g sum_v terms_v)/d ls_v at fixed normalisers, [n, r]: beta 1: p_s (ls - lt + 1); beta 0: -p_t
+    (0 where ls is -inf: the straight-through floor passes no gradient there); else
+    (1 - beta) p_s (ls - lm) (the lm terms cancel: beta p_t + (1 - beta) p_s = M). Where the other
+    two are at ls = -inf, p_s = exp(floor) is 0 already."""
+    ls = _log_probs(xs, temperature, log_zs)
+    if beta == 0:
+        unfloored = ~torch.isfinite(ls)
+        return _log_probs(xt, temperature, log_zt).clamp_(min=LOGPROB_FLOOR).exp_().neg_().mul_(
+            g[:, None]).masked_fill_(unfloored, 0.0)
+    ls, lt = _floored(ls, _log_probs(xt, temperature, log_zt))
     if beta == 1:
         direct = ls.exp().mul_(ls.sub_(lt).add_(1.0))
-    elif beta == 0:
-        direct = lt.exp_().neg_()
     else:
         direct = ls.exp().mul_(ls - _mixture(ls, lt, beta)).mul_(1.0 - beta)
     return direct.mul_(g[:, None])
