@@ -27,7 +27,6 @@ naive, max |diff| at most 1e-5 in fp32, not slower.
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -39,18 +38,6 @@ VOCAB = 151_936  # Qwen2's; a multiple of 128, so Megatron adds no padding at TP
 MIB = 2**20
 OPERATIONS = ("token/logits", "token/hidden", "topk/hidden", "fullkl/logits")
 TEMPERATURE = 0.7
-
-
-def init_tp1():
-    """A one-rank world with Megatron's parallel state at TP=1 (the kernels read its TP group)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
 def make_inputs(tokens: int, hidden: int, topk: int, device, seed: int = 0) -> dict:
@@ -163,10 +150,10 @@ def main():
                         help="default: kernels.default_chunk_tokens (its budget from logits, or from hidden states)")
     parser.add_argument("--ops", default=",".join(OPERATIONS), help=f"comma-separated subset of {OPERATIONS}")
     args = parser.parse_args()
-    from megarl import kernels
+    from megarl import distributed, kernels
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    init_tp1()
+    distributed.init_single_process_world()
     impls = ["naive", "chunked"] + (["triton"] if device.type == "cuda" and kernels.triton_available() else [])
     chunk = args.chunk_tokens
     inputs = make_inputs(args.tokens, args.hidden, args.topk, device)

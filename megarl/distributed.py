@@ -192,3 +192,25 @@ def all_gather_objects(obj, context: DistContext) -> list:
     buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     group.allgather([buffers], [padded]).wait()
     return [pickle.loads(buf[: int(n.item())].numpy().tobytes()) for buf, n in zip(buffers, lengths)]
+
+
+def init_single_process_world() -> None:
+    """A one-rank gloo world on a free local port with Megatron's parallel state at TP = 1, for code that
+    reads Megatron's groups outside a launch (in-process tests, benchmarks). Undo with
+    `destroy_single_process_world`."""
+    import socket
+
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def destroy_single_process_world() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -9,11 +9,9 @@ second shard is partly (V=250) or entirely (V=100) Megatron padding.
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from helpers import WORKERS, read_json, scalars, torchrun
 
@@ -34,16 +32,11 @@ worker = _load_worker()
 def tp1():
     """A one-rank gloo world with Megatron's parallel state at TP=1, torn down afterwards.
     (Megatron's CPU shims are not needed for its parallel state, so none is applied here.)"""
-    from megatron.core import parallel_state
+    from megarl import distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    distributed.init_single_process_world()
     yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    distributed.destroy_single_process_world()
 
 
 def _assert_close(report: dict, case: str = ""):

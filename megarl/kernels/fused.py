@@ -126,8 +126,29 @@ def _combine_max_and_sums(stats: torch.Tensor, group, sum_columns: list[int], ex
     return m, sums
 
 
-def _run(op_forward, source, group, chunk: int):
+def _run(op_forward, source, chunk: int):
     return torch.cat([op_forward(source.chunk(rows), rows) for rows in _chunks(source.rows, chunk)])
+
+
+def _statistics(tensors, source_cls, vocab_size: int, chunk: int, local_of, stats_of):
+    """The forward's chunk loop: (source, the local labels/ids local_of(source), per-row statistics
+    stats_of(x, local rows) of every chunk, concatenated)."""
+    source = source_cls(*tensors, vocab_size, tp_group())
+    local = local_of(source)
+    return source, local, _run(lambda x, rows: stats_of(x, local[rows]), source, chunk)
+
+
+def _gradients(needs_input_grad, tensors, source_cls, vocab_size: int, chunk: int, grad_of) -> tuple:
+    """The backward's chunk loop: grad_of(x, rows, buffer) writes each chunk's logit gradient into
+    its buffer; the source turns them into the inputs' gradients."""
+    group = tp_group()
+    source = source_cls(*tensors, vocab_size, group)
+    source.begin_backward(needs_input_grad)
+    for rows in _chunks(source.rows, chunk):
+        buffer = source.grad_buffer(rows)
+        grad_of(source.chunk(rows), rows, buffer)
+        source.add_grad(rows, buffer)
+    return source.grads(group)
 
 
 # ------------------------------------------------------------ the operations ----
@@ -137,11 +158,10 @@ class TokenLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, source_cls, vocab_size, temperature, chunk, labels, *tensors):
         ctx.set_materialize_grads(False)
-        group = tp_group()
-        source = source_cls(*tensors, vocab_size, group)
-        local = labels.reshape(-1) - source.start
-        stats = _run(lambda x, rows: backend.token_stats(x, local[rows], temperature), source, group, chunk)
-        m, sums = _combine_max_and_sums(stats, group, sum_columns=[3, 4], exp_columns=[1], weighted=(2, 1))
+        _, local, stats = _statistics(tensors, source_cls, vocab_size, chunk,
+                                      lambda source: labels.reshape(-1) - source.start,
+                                      lambda x, local: backend.token_stats(x, local, temperature))
+        m, sums = _combine_max_and_sums(stats, tp_group(), sum_columns=[3, 4], exp_columns=[1], weighted=(2, 1))
         log_sum, expected = sums[:, 0].log(), sums[:, 1] / sums[:, 0]
         # A label no shard owns (e.g. -100) gives z = M (vocab_parallel_cross_entropy's convention).
         picked = torch.where(sums[:, 3] > 0, sums[:, 2], m)
@@ -156,15 +176,12 @@ class TokenLogprobEntropy(torch.autograd.Function):
         if grad_logprob is None and grad_entropy is None:
             return (None,) * (6 + len(tensors))
         g_lp, g_h = [None if g is None else g.reshape(-1).float() for g in (grad_logprob, grad_entropy)]
-        group = tp_group()
-        source = source_cls(*tensors, vocab_size, group)
-        source.begin_backward(ctx.needs_input_grad[6:])
-        for rows in _chunks(source.rows, chunk):
-            buffer = source.grad_buffer(rows)
-            backend.token_grad(source.chunk(rows), local[rows], temperature, m[rows], log_sum[rows], expected[rows],
+
+        def grad_of(x, rows, buffer):
+            backend.token_grad(x, local[rows], temperature, m[rows], log_sum[rows], expected[rows],
                                None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows], buffer)
-            source.add_grad(rows, buffer)
-        return (None,) * 6 + source.grads(group)
+
+        return (None,) * 6 + _gradients(ctx.needs_input_grad[6:], tensors, source_cls, vocab_size, chunk, grad_of)
 
 
 # A tail mass below this is floored (vocab_parallel._tail_logprob clamps at the float's tiny).
@@ -177,12 +194,11 @@ class TopkLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, source_cls, vocab_size, temperature, chunk, ids, *tensors):
         ctx.set_materialize_grads(False)
-        group = tp_group()
-        source = source_cls(*tensors, vocab_size, group)
         k = ids.shape[-1]
-        local = ids.reshape(-1, k) - source.start
-        stats = _run(lambda x, rows: backend.topk_stats(x, local[rows], temperature), source, group, chunk)
-        m, sums = _combine_max_and_sums(stats, group, sum_columns=list(range(3, 3 + k)), exp_columns=[1, 2])
+        _, local, stats = _statistics(tensors, source_cls, vocab_size, chunk,
+                                      lambda source: ids.reshape(-1, k) - source.start,
+                                      lambda x, local: backend.topk_stats(x, local, temperature))
+        m, sums = _combine_max_and_sums(stats, tp_group(), sum_columns=list(range(3, 3 + k)), exp_columns=[1, 2])
         log_sum = sums[:, 0].log()
         rest_ok = sums[:, 1] >= _TINY
         log_rest = sums[:, 1].clamp(min=_TINY).log()
@@ -200,15 +216,12 @@ class TopkLogprobs(torch.autograd.Function):
         g_ids = (torch.zeros(local.shape, device=m.device) if grad_ids is None
                  else grad_ids.reshape(local.shape).float())
         g_tail = None if grad_tail is None else grad_tail.reshape(-1).float()
-        group = tp_group()
-        source = source_cls(*tensors, vocab_size, group)
-        source.begin_backward(ctx.needs_input_grad[6:])
-        for rows in _chunks(source.rows, chunk):
-            buffer = source.grad_buffer(rows)
-            backend.topk_grad(source.chunk(rows), local[rows], temperature, m[rows], log_sum[rows], log_rest[rows],
-                              g_ids[rows], None if g_tail is None else g_tail[rows], buffer)
-            source.add_grad(rows, buffer)
-        return (None,) * 6 + source.grads(group)
+
+        def grad_of(x, rows, buffer):
+            backend.topk_grad(x, local[rows], temperature, m[rows], log_sum[rows], log_rest[rows], g_ids[rows],
+                              None if g_tail is None else g_tail[rows], buffer)
+
+        return (None,) * 6 + _gradients(ctx.needs_input_grad[6:], tensors, source_cls, vocab_size, chunk, grad_of)
 
 
 class FullDivergence(torch.autograd.Function):
@@ -223,7 +236,7 @@ class FullDivergence(torch.autograd.Function):
         teacher = LogitsSource(teacher_logits, vocab_size, group)
         log_z = []
         for source in (student, teacher):
-            stats = _run(lambda x, rows: backend.lse_stats(x, temperature), source, group, chunk)
+            stats = _run(lambda x, rows: backend.lse_stats(x, temperature), source, chunk)
             m, sums = _combine_max_and_sums(stats, group, sum_columns=[], exp_columns=[1])
             log_z.append(m + sums[:, 0].log())
         loss = torch.cat([backend.full_terms(student.chunk(rows), teacher.chunk(rows), temperature, log_z[0][rows],

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import torch
-import torch.distributed as dist
 
 BF16_ULP = 2.0**-7  # relative, at most
 
@@ -213,16 +211,6 @@ def check_api() -> dict:
     return report
 
 
-def _tp1_world():
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -232,9 +220,11 @@ def main():
 
     triton_ops.INTERPRETER_BLOCK_V = BLOCK_V  # several blocks per row on these small widths
     report = {"ops": check_ops()}
-    _tp1_world()
+    from megarl import distributed
+
+    distributed.init_single_process_world()
     report["api"] = check_api()
-    dist.destroy_process_group()
+    distributed.destroy_single_process_world()
     with open(args.out, "w") as f:
         json.dump(report, f)
 
