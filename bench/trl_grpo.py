@@ -73,7 +73,8 @@ def main():
     lengths = [entry.get("completions/mean_length") for entry in trainer.state.log_history
                if "completions/mean_length" in entry]
     with open(args.out, "w") as f:
-        json.dump({"step_seconds": clock.seconds, "generated_tokens": [float(length) * samples for length in lengths]}, f)
+        json.dump({"step_seconds": clock.seconds,
+                   "generated_tokens": [float(length) * samples for length in lengths]}, f)
 
 
 if __name__ == "__main__":
