@@ -109,7 +109,9 @@ params = SamplingParams(n={JOB['generations']}, temperature=1.0, max_tokens={JOB
 llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
 times = []
 for _ in range({repeats}):
-    start = time.perf_counter(); llm.generate(prompts, params, use_tqdm=False); times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    times.append(time.perf_counter() - start)
 print("BARE", json.dumps(sorted(times)[len(times) // 2]))
 """
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -172,8 +174,8 @@ def main():
                            args.warmup)
     floor = 6 * parameters * trained / rate + bare
     print(f"\n{'framework':22} {'s/step':>8} {'gen tok/s':>10} {'vs megarl':>10}")
-    print(f"{'megarl colocate':22} {step:8.2f} {generated / median_after(megarl['generate_seconds'], args.warmup):10.0f}"
-          f" {1.0:10.2f}")
+    generate = median_after(megarl["generate_seconds"], args.warmup)
+    print(f"{'megarl colocate':22} {step:8.2f} {generated / generate:10.0f} {1.0:10.2f}  (gen tok/s over generate)")
     best = None
     for mode, result in trl.items():
         if "error" in result:

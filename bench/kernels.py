@@ -20,8 +20,9 @@ Printed per operation and implementation, measured in one run:
              from logits, the [V, H] output-layer gradient from hidden states): the floor of the peak;
   work MiB   peak - grads: the implementation's own working memory;
 then the ratios to naive (time, peak, work) and max|err|, the largest absolute error of outputs and
-gradients against a float64 computation on the full vocabulary (megarl.algorithms' pure functions). It prints; it asserts nothing. The goals (issue 12): peak at most 1/8 of
-naive, max |diff| at most 1e-5 in fp32, not slower.
+gradients against a float64 computation on the full vocabulary (megarl.algorithms' pure functions).
+It prints; it asserts nothing. The goals (issue 12): peak at most 1/8 of naive, max |diff| at most
+1e-5 in fp32, not slower.
 """
 
 import argparse

@@ -98,7 +98,8 @@ def logprobs_and_entropy_from_hidden(hidden: torch.Tensor, weight_shard: torch.T
     if impl == "naive":
         return logprobs_and_entropy(logits_from_hidden(hidden, weight_shard), labels, vocab_size, temperature, impl)
     return fused.TokenLogprobEntropy.apply(backend(impl), fused.HiddenSource, vocab_size, temperature,
-                                           _chunk(chunk_tokens, weight_shard.shape[0], True), labels, hidden, weight_shard)
+                                           _chunk(chunk_tokens, weight_shard.shape[0], True), labels, hidden,
+                                           weight_shard)
 
 
 def token_logprobs(output: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float, impl: str,

@@ -159,7 +159,8 @@ def check_topk(vocab_size: int, temperature: float, chunk, mode: str, beta: floa
     results = {}
     for impl in ["naive", *FUSED]:
         if from_hidden:
-            leaves = [case["hidden"].clone().requires_grad_(True), _shard(case["weight"], 0).clone().requires_grad_(True)]
+            leaves = [case["hidden"].clone().requires_grad_(True),
+                      _shard(case["weight"], 0).clone().requires_grad_(True)]
         else:
             leaves = [_shard(case["logits"], -1).clone().requires_grad_(True)]
         loss, mass = kernels.distill_topk(leaves[0], ids, teacher_logprobs, vocab_size, beta, temperature, mode, impl,
