@@ -262,6 +262,10 @@ def _add_reward_args(parser):
                    help="reward name (megarl/rewards/ or a plugin), or weighted names such as boxed:1.0,rm:0.5")
     g.add_argument("--reward-model", default=None,
                    help="HF AutoModelForSequenceClassification checkpoint used as the reward named 'rm'")
+    g.add_argument("--reward-workers", type=int, default=1,
+                   help="threads that score each prompt's samples as soon as the engine finishes them, while the "
+                        "rest still generate (megarl/scoring.py); more than 1 also scores prompts in parallel "
+                        "(a plugin reward must then be thread-safe); 0: score after generation, in the main thread")
 
 
 def _add_eval_args(parser):
@@ -515,6 +519,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     for name in ("num_generations", "micro_batch_size", "prompts_per_step", "max_new_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.reward_workers < 0:
+        raise ConfigError(f"--reward-workers must be >= 0, got {args.reward_workers}")
     _validate_teacher_group(args)
     try:
         placement = Placement.from_args(args, world_size)

@@ -45,8 +45,8 @@ from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, distill_toke
 from megarl.batch import Batch
 from megarl.dumps import write_samples
 from megarl.model_runner import make_micro_batches
+from megarl.scoring import OverlappedScoring
 from megarl.prompts import reference_response_ids
-from megarl.rewards import score_all
 from megarl.rollout import Sample, stable_seed
 from megarl.run import Run
 
@@ -156,13 +156,23 @@ def _rollout(run: Run, prompts, step: int, n: int | None = None, temperature: fl
     engine = run.rollout
     if engine is not None:
         shard = prompts[batching.contiguous_shard(len(prompts), engine.engine_index, engine.num_engines)]
+        scoring = OverlappedScoring(run.reward, run.args.reward_workers)
+
+        def score_prompt(i, samples):  # as each prompt's request finishes, while the rest generate
+            _attach_prompt_rows(samples, [shard[i]])
+            scoring.submit(samples)
+
         if from_dataset:
-            samples = [sample for prompt in shard for sample in _reference_samples(run, prompt, n)]
+            samples = []
+            for i, prompt in enumerate(shard):
+                samples += _reference_samples(run, prompt, n)
+                score_prompt(i, samples[-n:])
         else:
-            samples = engine.generate([p.ids for p in shard], [p.index for p in shard], step,
-                                      n=n, temperature=temperature, seed_key=seed_key)
-        _attach_prompt_rows(samples, shard)
-        reward_seconds = _score(run, samples)
+            samples = engine.generate([p.ids for p in shard], [p.index for p in shard], step, n=n,
+                                      temperature=temperature, seed_key=seed_key, on_prompt_done=score_prompt)
+        scoring.finish()
+        scoring.close()
+        reward_seconds = scoring.wait_seconds
         if engine.is_leader:  # the ranks of one TP engine hold identical samples
             mine = samples
     samples = _gather_in_prompt_order(run, mine)
@@ -225,12 +235,11 @@ def _attach_prompt_rows(samples, prompts) -> None:
 
 
 def _score(run: Run, samples) -> float:
-    """Reward each sample in place (one batch call); the seconds it took."""
-    started = time.perf_counter()
-    outputs = score_all(run.reward, [s.response_text for s in samples], [s.metadata for s in samples])
-    for sample, output in zip(samples, outputs):
-        sample.reward, sample.reason = output.score, output.reason
-    return time.perf_counter() - started
+    """Reward each sample in place (one batch call, in this thread); the seconds it took."""
+    scoring = OverlappedScoring(run.reward, workers=0)
+    scoring.submit(samples)
+    scoring.finish()
+    return scoring.wait_seconds
 
 
 def _gather_in_prompt_order(run: Run, mine: list) -> list:

@@ -86,9 +86,11 @@ class VllmEngine:
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
-                 seed_key: tuple = ()) -> list[Sample]:
+                 seed_key: tuple = (), on_prompt_done=None) -> list[Sample]:
         """n samples per prompt (default --num-generations; 1 when greedy) at `temperature`
-        (default --temperature; 0 is greedy).
+        (default --temperature; 0 is greedy). `on_prompt_done(i, samples)` is called with prompt i's
+        samples as soon as its request finishes (the rewards overlap the rest: megarl/scoring.py);
+        the engine runs the same steps either way, so the samples do not depend on it.
 
         Randomness: before each call the process RNG (which vLLM's sampler draws from
         when requests carry no seed) is reseeded from (--seed, engine index, step,
@@ -108,16 +110,38 @@ class VllmEngine:
                                  max_tokens=args.max_new_tokens, stop=args.stop or None, logprobs=0)
                   for _ in prompts]
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        samples = []
-        for index, prompt, output in zip(prompt_indices, prompts, outputs):
-            for completion in output.outputs:
-                token_ids = list(completion.token_ids)
-                logprobs = [step_logprobs[token].logprob
-                            for token, step_logprobs in zip(token_ids, completion.logprobs)]
-                samples.append(Sample(index, list(prompt), token_ids, completion.text, logprobs,
-                                      truncated=completion.finish_reason == "length"))
-        return samples
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if on_prompt_done is None:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            return [s for index, prompt, output in zip(prompt_indices, prompts, outputs)
+                    for s in _samples_of(index, prompt, output)]
+        # LLM.generate is enqueue + this loop (vLLM's _run_engine), with each finished request handed on.
+        # Outputs carry LLM's own request numbers, consecutive from its counter (_run_engine sorts by them).
+        first = self.llm.request_counter.counter
+        self.llm.enqueue(requests, params, use_tqdm=False)
+        per_prompt = [None] * len(prompts)
+        engine = self.llm.llm_engine
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    i = int(output.request_id) - first
+                    if not 0 <= i < len(prompts) or per_prompt[i] is not None:
+                        raise RuntimeError(f"vLLM returned request {output.request_id!r}, not one of the "
+                                           f"{len(prompts)} just enqueued from {first}: its request numbering changed")
+                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output)
+                    on_prompt_done(i, per_prompt[i])
+        return [s for samples in per_prompt for s in samples]
+
+
+def _samples_of(index: int, prompt: list[int], output) -> list[Sample]:
+    """A finished vLLM request's completions as Samples (with the sampled tokens' logprobs)."""
+    samples = []
+    for completion in output.outputs:
+        token_ids = list(completion.token_ids)
+        logprobs = [step_logprobs[token].logprob for token, step_logprobs in zip(token_ids, completion.logprobs)]
+        samples.append(Sample(index, list(prompt), token_ids, completion.text, logprobs,
+                              truncated=completion.finish_reason == "length"))
+    return samples
 
 
 class RolloutEngine(VllmEngine):
