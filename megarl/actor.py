@@ -133,7 +133,9 @@ class Actor(TrainableModel, SampledLogprobs):
                 token_loss = token_loss + kl_penalty_in_loss(kl, kl_coef)
             if args.entropy_coef:
                 token_loss = token_loss + entropy_bonus(entropy, args.entropy_coef)
-            numerator, units = self.aggregate(token_loss, mask, max_len=args.max_new_tokens)
+            # Per sample (a packed row holds several): the sequence-level aggregations need each sample's row.
+            numerator, units = self.aggregate(batch.response_aligned(token_loss), batch.response_aligned(mask),
+                                              max_len=args.max_new_tokens)
             units = torch.as_tensor(units, dtype=torch.float32, device=output.device)
             sums.update({"loss": numerator, "loss_units": units, "clipped": (pg_metrics["clipped"] * mask).sum(),
                          "kl_old_new": ((batch.old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new)

@@ -209,6 +209,13 @@ def _add_batch_args(parser):
     g.add_argument("--shuffle", action="store_true",
                    help="shuffle the samples before splitting them into mini-batches, per epoch (seeded)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward on a rank")
+    g.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                   help="form micro-batches by tokens instead of --micro-batch-size: each holds samples whose "
+                        "prompt + response lengths sum to at most this (a longer sample alone), balanced, the "
+                        "same number on every data-parallel rank (default: off)")
+    g.add_argument("--padding-free", action="store_true",
+                   help="pack each micro-batch's sequences end to end in one row (each attends only to itself, "
+                        "positions restart at 0): no padding token is computed")
 
 
 def _add_critic_args(parser):
@@ -536,6 +543,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.kernels == "auto":
         args.kernels = accelerator.default_kernels()
     _validate_batch_geometry(args, data_parallel=placement.dp)
+    if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
+        raise ConfigError(f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
     _validate_kl_and_critic(args)
     _validate_data_and_eval(args)
     _validate_checkpointing(args)
@@ -662,7 +671,7 @@ def _validate_batch_geometry(args, data_parallel: int) -> None:
         raise ConfigError(f"global_batch_size={args.global_batch_size} is not divisible by the {data_parallel} "
                           f"data-parallel ranks (train.gpus / (TP * PP * CP))")
     per_rank = args.global_batch_size // data_parallel
-    if per_rank % args.micro_batch_size:
+    if args.max_tokens_per_micro_batch is None and per_rank % args.micro_batch_size:
         raise ConfigError(f"micro_batch_size={args.micro_batch_size} does not divide the {per_rank} samples each "
                           f"data-parallel rank gets per mini-batch (global_batch_size={args.global_batch_size} / "
                           f"{data_parallel} ranks)")

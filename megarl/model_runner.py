@@ -28,22 +28,26 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megarl import accelerator, kernels
+from megarl import accelerator, kernels, packing
 from megarl.batch import TOKEN_FIELDS, Batch
 from megarl.offload import Offloader, model_tensors, optimizer_tensors
 
 
 @dataclass
 class MicroBatch:
-    """Right-padded sequences; every per-token field is position-aligned [b, L]."""
+    """Sequences right-padded one per row, or packed end to end in one row (`packed_lengths`);
+    every per-token field is position-aligned [b, L]."""
 
     tokens: torch.Tensor  # [b, L]
-    labels: torch.Tensor  # [b, L], tokens shifted left
+    labels: torch.Tensor  # [b, L], each sequence's tokens shifted left (pad_id past its end)
     loss_mask: torch.Tensor  # [b, L], 1 on positions scoring a response token left in the loss
-    spans: list[tuple[int, int]]  # (prompt length, response length) per row
+    spans: list[tuple[int, int, int, int]]  # (row, offset in the row, prompt length, response length) per sample
     fields: dict[str, torch.Tensor]  # Batch's per-token fields (TOKEN_FIELDS), position-aligned
-    # OPSD: the same rows as the teacher sees them (its privileged prompt, then the same response);
-    # None when no row of this micro-batch has a teacher prompt.
+    position_ids: torch.Tensor  # [b, L], restarting at 0 with each sequence
+    indices: list[int]  # each sample's index in the batch the micro-batches were made from
+    packed_lengths: list[int] | None = None  # packed: the lengths of the sequences laid end to end in row 0
+    # OPSD: the same samples as the teacher sees them (its privileged prompt, then the same response),
+    # laid out the same way; None when no sample of this micro-batch has a teacher prompt.
     teacher_view: MicroBatch | None = None
 
     def __getattr__(self, name):  # batch.advantages etc.: the field, or None when the batch has none
@@ -51,65 +55,137 @@ class MicroBatch:
             return self.__dict__["fields"].get(name)
         raise AttributeError(name)
 
-    def positions(self) -> torch.Tensor:
-        return torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(self.tokens)
+    def response_positions(self, sample: int) -> tuple[int, slice]:
+        """(row, columns) of the positions scoring sample `sample`'s response tokens."""
+        row, offset, p, r = self.spans[sample]
+        return row, slice(offset + p - 1, offset + p + r - 1)
 
-    def response_aligned(self, x: torch.Tensor, width: int) -> torch.Tensor:
-        """[b, width] with column j = response token j of each row (0 past the response)."""
-        out = torch.zeros(x.shape[0], width, *x.shape[2:], dtype=x.dtype, device=x.device)
-        for row, (p, r) in enumerate(self.spans):
-            out[row, :r] = x[row, p - 1: p + r - 1]
+    def response_aligned(self, x: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """[samples, width] with column j = response token j of each sample (0 past the response);
+        width defaults to the longest response here."""
+        width = max(r for *_, r in self.spans) if width is None else width
+        out = torch.zeros(len(self.spans), width, *x.shape[2:], dtype=x.dtype, device=x.device)
+        for sample, (*_, r) in enumerate(self.spans):
+            row, columns = self.response_positions(sample)
+            out[sample, :r] = x[row, columns]
         return out
 
+    def padding_tokens(self) -> int:
+        """Positions the model computes that hold no sample's token."""
+        return self.tokens.numel() - sum(p + r for *_, p, r in self.spans)
 
-def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-    """Right-padded micro-batches of the batch's samples, carrying every per-token field it has
-    (and, for OPSD rows, the teacher's view of them)."""
+
+def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int, max_tokens: int | None = None,
+                       packed: bool = False) -> list[MicroBatch]:
+    """Micro-batches of the batch's samples, carrying every per-token field it has (and, for OPSD
+    samples, the teacher's view of them): `micro_batch_size` consecutive samples each, or with
+    `max_tokens` groups of at most that many real tokens, the same number on every data-parallel rank
+    (collective; megarl/packing.py). Right-padded, or with `packed` laid end to end in one row."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
+    if max_tokens:
+        count = _max_over_data_parallel(packing.partition_count(lengths, max_tokens))
+        groups = packing.token_budget_partitions(lengths, max_tokens, count)
+    else:
+        groups = [list(range(start, min(start + micro_batch_size, len(batch))))
+                  for start in range(0, len(batch), micro_batch_size)]
     fields = batch.token_fields()
     micro_batches = []
-    for start in range(0, len(batch), micro_batch_size):
-        rows = range(start, min(start + micro_batch_size, len(batch)))
+    for rows in groups:
         chunk = [batch.samples[i] for i in rows]
-        micro_batch = _micro_batch([s.prompt_ids for s in chunk], chunk, pad_id,
-                                   batch.loss_mask[list(rows)], {name: values[list(rows)]
-                                                                 for name, values in fields.items()})
+        micro_batch = _micro_batch([s.prompt_ids for s in chunk], chunk, pad_id, batch.loss_mask[rows],
+                                   {name: values[rows] for name, values in fields.items()}, rows, packed)
         if any(s.teacher_prompt_ids for s in chunk):
             micro_batch.teacher_view = _micro_batch([s.teacher_prompt_ids or s.prompt_ids for s in chunk], chunk,
-                                                    pad_id, batch.loss_mask[list(rows)], {})
+                                                    pad_id, batch.loss_mask[rows], {}, rows, packed)
         micro_batches.append(micro_batch)
     return micro_batches
 
 
+def _max_over_data_parallel(count: int) -> int:
+    from megatron.core import parallel_state
+
+    count = torch.tensor(count, device=accelerator.device())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(count)
+
+
 def _micro_batch(prompts: list[list[int]], samples, pad_id: int, loss_mask: torch.Tensor,
-                 fields: dict[str, torch.Tensor]) -> MicroBatch:
-    """Rows prompt + response, right-padded; response-aligned `loss_mask` and `fields` placed at the
-    positions that score each response token."""
+                 fields: dict[str, torch.Tensor], indices: list[int], packed: bool) -> MicroBatch:
+    """Sequences prompt + response, one per right-padded row or (`packed`) end to end in one row;
+    response-aligned `loss_mask` and `fields` placed at the positions that score each response token."""
     device = accelerator.device()
-    length = max(len(prompt) + len(s.response_ids) for prompt, s in zip(prompts, samples))
-    tokens = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    lengths = [len(prompt) + len(s.response_ids) for prompt, s in zip(prompts, samples)]
+    if packed:
+        places = [(0, offset) for offset in packing.offsets(lengths)[:-1]]
+        shape = (1, sum(lengths))
+    else:
+        places = [(row, 0) for row in range(len(samples))]
+        shape = (len(samples), max(lengths))
+    tokens = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full_like(tokens, pad_id)
-    per_token = {"loss_mask": torch.zeros(len(samples), length)}
-    per_token.update({name: torch.zeros(len(samples), length, *values.shape[2:], dtype=values.dtype)
+    position_ids = torch.zeros_like(tokens)
+    per_token = {"loss_mask": torch.zeros(shape)}
+    per_token.update({name: torch.zeros(*shape, *values.shape[2:], dtype=values.dtype)
                       for name, values in fields.items()})
     spans = []
-    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
-        p, r = len(prompt), len(sample.response_ids)
-        spans.append((p, r))
-        sequence = torch.tensor(prompt + sample.response_ids)
-        tokens[row, : p + r] = sequence
-        labels[row, : p + r - 1] = sequence[1:]
-        response = slice(p - 1, p + r - 1)
-        per_token["loss_mask"][row, response] = loss_mask[row, :r].float()
+    for sample, (prompt, s, (row, offset)) in enumerate(zip(prompts, samples, places)):
+        p, r = len(prompt), len(s.response_ids)
+        spans.append((row, offset, p, r))
+        sequence = torch.tensor(prompt + s.response_ids)
+        tokens[row, offset: offset + p + r] = sequence
+        labels[row, offset: offset + p + r - 1] = sequence[1:]
+        position_ids[row, offset: offset + p + r] = torch.arange(p + r)
+        response = slice(offset + p - 1, offset + p + r - 1)
+        per_token["loss_mask"][row, response] = loss_mask[sample, :r].float()
         for name, values in fields.items():
-            per_token[name][row, response] = values[row, :r]
+            per_token[name][row, response] = values[sample, :r]
     per_token = {name: value.to(device) for name, value in per_token.items()}
     loss_mask = per_token.pop("loss_mask")
-    return MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token)
+    return MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token, position_ids.to(device),
+                      list(indices), lengths if packed else None)
 
 
 def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Position-aligned outputs, one per micro-batch, as one response-aligned [N, width] tensor."""
-    return torch.cat([b.response_aligned(x, width) for b, x in zip(micro_batches, outputs)])
+    """Position-aligned outputs, one per micro-batch, as one response-aligned [N, width] tensor in the
+    order of the batch the micro-batches were made from."""
+    aligned = torch.cat([b.response_aligned(x, width) for b, x in zip(micro_batches, outputs)])
+    order = torch.tensor([i for b in micro_batches for i in b.indices], device=aligned.device)
+    return torch.empty_like(aligned).index_copy_(0, order, aligned)
+
+
+def run_model(model, batch: MicroBatch):
+    """The model's output on the micro-batch. Right-padded rows need only the causal mask; a packed
+    row gets the platform's packed-sequence attention (`accelerator.packed_sequence_params`, Transformer
+    Engine's THD format) or, with the local attention, a block-diagonal causal mask and RoPE at
+    each sequence's own positions."""
+    if batch.packed_lengths is None:
+        return model(batch.tokens, batch.position_ids, attention_mask=None)
+    params = accelerator.packed_sequence_params(batch.packed_lengths)
+    if params is not None:
+        return model(batch.tokens, batch.position_ids, attention_mask=None, packed_seq_params=params)
+    mask = packing.block_causal_mask(batch.packed_lengths, device=batch.tokens.device)
+    with rope_at(model, batch.position_ids[0]):
+        return model(batch.tokens, batch.position_ids, attention_mask=mask)
+
+
+@contextlib.contextmanager
+def rope_at(model, positions: torch.Tensor):
+    """RoPE at `positions` [s] (one row) instead of 0 .. s-1: Megatron's GPTModel builds its rotary
+    embedding from the sequence length alone, so a packed row's sequences would continue each other's
+    positions (RoPE is relative, so only rounding would differ; this makes them exact)."""
+    from megarl.models.convert import unwrap
+
+    rotary = unwrap(model).rotary_pos_emb
+    full = type(rotary).forward  # the class's, cached per length
+
+    def at_positions(max_seq_len, *args, **kwargs):
+        return full(rotary, int(positions.max()) + 1, *args, **kwargs)[positions]
+
+    rotary.forward = at_positions
+    try:
+        yield
+    finally:
+        del rotary.forward
 
 
 def output_weight(model) -> torch.Tensor:
@@ -152,9 +228,8 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        positions = batch.positions()
         with final_hidden_states(model) if hidden else contextlib.nullcontext():
-            output = model(batch.tokens, positions, attention_mask=None)
+            output = run_model(model, batch)
         with torch.no_grad():
             outputs = {name: logits(batch) for name, logits in (companions or {}).items()}
         return output, partial(loss_fn, batch, companion_outputs=outputs)
@@ -346,13 +421,13 @@ class FrozenModel(SampledLogprobs):
             self.offload()
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """This TP rank's vocabulary shard of the logits (call while resident)."""
-        return self.model(tokens, positions, attention_mask=None)
+    def logits(self, batch: MicroBatch) -> torch.Tensor:
+        """This TP rank's vocabulary shard of the logits of the micro-batch (call while resident)."""
+        return run_model(self.model, batch)
 
     def companion_logits(self, batch: MicroBatch) -> torch.Tensor:
         """Beside a student micro-batch (forward_backward's companions): the logits of the same tokens."""
-        return self.logits(batch.tokens, batch.positions())
+        return self.logits(batch)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch], transform, hidden: bool = False) -> list[torch.Tensor]:

@@ -279,7 +279,7 @@ def prepare(run: Run, batch: Batch):
     args, placement = run.args, run.context.placement
     mine = batch.select(torch.arange(len(batch))[batching.data_parallel_shard(
         len(batch), placement.dp, placement.data_parallel_rank(run.context.rank))])
-    micro_batches = make_micro_batches(mine, args.micro_batch_size, _pad_id(run))
+    micro_batches = _micro_batches(run, mine)
     width = batch.width
     full_kl_to = run.reference if run.reference is not None and args.kl_estimator == "full" else None
     old_logprobs, ref_kl = run.actor.logprobs(micro_batches, width, full_kl_to=full_kl_to)
@@ -319,7 +319,7 @@ def teach(run: Run, batch: Batch):
         mine = batch.select(torch.arange(len(batch))[batching.data_parallel_shard(
             len(batch), placement.dp, placement.data_parallel_rank(run.context.rank))])
         scored = _gather_over_data_parallel(run.teacher.score(
-            make_micro_batches(mine, args.micro_batch_size, _pad_id(run)), batch.width, args.gkd_logits_topk))
+            _micro_batches(run, mine), batch.width, args.gkd_logits_topk))
     else:
         return batch, {}
     if run.actor is None:
@@ -361,8 +361,20 @@ def _gather_over_data_parallel(computed: dict[str, torch.Tensor]) -> dict[str, t
     return gathered
 
 
-def _pad_id(run: Run) -> int:
-    return run.tokenizer.pad_token_id or 0
+def _micro_batches(run: Run, batch: Batch):
+    args = run.args
+    return make_micro_batches(batch, args.micro_batch_size, run.tokenizer.pad_token_id or 0,
+                              max_tokens=args.max_tokens_per_micro_batch, packed=args.padding_free)
+
+
+def _padding_fraction(padding: torch.Tensor) -> float:
+    """(padding, computed) token counts of this rank's micro-batches -> the padding's share of the tokens
+    computed, over the data-parallel ranks."""
+    from megatron.core import parallel_state
+
+    padding = padding.to(accelerator.device())
+    dist.all_reduce(padding, group=parallel_state.get_data_parallel_group())
+    return (padding[0] / padding[1].clamp(min=1)).item()
 
 
 # ---------------------------------------------------------------- advantages ----
@@ -409,16 +421,17 @@ def update(run: Run, batch: Batch, step: int) -> dict:
     dp, dp_rank = placement.dp, placement.data_parallel_rank(run.context.rank)
     update_actor = step >= args.critic_warmup
     kl_coef = run.kl_controller.value if run.kl_controller is not None and args.kl_placement == "loss" else 0.0
-    policy_updates, critic_updates = [], []
+    policy_updates, critic_updates, padding = [], [], torch.zeros(2)
     for epoch in range(args.ppo_epochs):
         seed = batching.shuffle_seed(args.seed, step, epoch) if args.shuffle else None
         for mine in batching.mini_batch_indices(len(batch), args.global_batch_size, dp, dp_rank, seed):
-            micro_batches = make_micro_batches(batch.select(mine), args.micro_batch_size, _pad_id(run))
+            micro_batches = _micro_batches(run, batch.select(mine))
+            padding += torch.tensor([[b.padding_tokens(), b.tokens.numel()] for b in micro_batches]).sum(dim=0)
             if run.critic is not None:
                 critic_updates.append(run.critic.train_step(micro_batches))
             if update_actor:
                 policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference, run.teacher))
-    metrics = {}
+    metrics = {"padding_fraction": _padding_fraction(padding)}
     for updates in (policy_updates, critic_updates):
         if updates:
             metrics.update({key: sum(u[key] for u in updates) / len(updates) for key in updates[0]})

@@ -60,11 +60,12 @@ class Teacher(FrozenModel):
         positions moved to the student's; other positions are 0 (outside the loss)."""
         view = batch.teacher_view
         if view is None:
-            return self.logits(batch.tokens, batch.positions())
-        logits = self.logits(view.tokens, view.positions())
+            return self.logits(batch)
+        logits = self.logits(view)
         aligned = logits.new_zeros(*batch.tokens.shape, logits.shape[-1])
-        for row, ((p, r), (p_teacher, _)) in enumerate(zip(batch.spans, view.spans)):
-            aligned[row, p - 1: p + r - 1] = logits[row, p_teacher - 1: p_teacher + r - 1]
+        for sample in range(len(batch.spans)):
+            row, columns = batch.response_positions(sample)
+            aligned[row, columns] = logits[view.response_positions(sample)]
         return aligned
 
 

@@ -1,0 +1,122 @@
+"""Micro-batches by a token budget and padding-free packing (megarl/packing.py, model_runner)."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import read_json, scalars, torchrun
+from megarl.batch import score_and_filter
+from megarl.model_runner import make_micro_batches, response_aligned
+from megarl.packing import block_causal_mask, partition_count, token_budget_partitions
+from megarl.rollout import Sample
+
+
+def check_partition(lengths, budget, count):
+    groups = token_budget_partitions(lengths, budget, count)
+    assert len(groups) == count and all(groups)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) == 1 or sum(lengths[i] for i in g) <= budget for g in groups), groups
+    return groups
+
+
+def test_every_data_parallel_rank_gets_the_largest_count_each_within_the_budget():
+    rng = random.Random(0)
+    for _ in range(200):
+        budget = rng.randint(8, 64)
+        ranks = [[rng.randint(1, 80) for _ in range(rng.randint(4, 16))] for _ in range(4)]
+        ranks = [r[: min(len(x) for x in ranks)] for r in ranks]  # data-parallel shares are equal
+        count = max(partition_count(r, budget) for r in ranks)  # the all-reduce (MAX) of make_micro_batches
+        for lengths in ranks:
+            check_partition(lengths, budget, count)
+
+
+def test_a_sample_longer_than_the_budget_is_alone():
+    lengths = [3, 50, 4, 2]
+    assert partition_count(lengths, 10) == 2
+    groups = check_partition(lengths, 10, 2)
+    assert [1] in groups
+    assert check_partition(lengths, 10, 4) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError):
+        token_budget_partitions(lengths, 10, 1)
+
+
+def test_partitions_are_balanced_when_that_fits():
+    groups = check_partition([10, 10, 1, 1, 9, 9], 20, 2)
+    assert sorted(sum([10, 10, 1, 1, 9, 9][i] for i in g) for g in groups) == [20, 20]
+
+
+def test_block_causal_mask():
+    mask = block_causal_mask([2, 3])[0, 0]
+    sees = ~mask
+    assert sees.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+
+
+def samples(count=5):
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(count):
+        prompt = torch.randint(3, 50, (2 + i % 3,), generator=generator).tolist()
+        response = torch.randint(3, 50, (1 + i % 4,), generator=generator).tolist()
+        out.append(Sample(i, prompt, response, "", [-0.5] * len(response), False, reward=1.0))
+    return out
+
+
+def test_packed_layout_and_response_alignment_round_trip():
+    batch, _ = score_and_filter(samples(), max_new_tokens=8)
+    batch.advantages = torch.arange(batch.width).float()[None].expand(len(batch), -1) * batch.response_mask
+    padded = make_micro_batches(batch, 2, 0)
+    packed = make_micro_batches(batch, 2, 0, packed=True)
+    assert all(b.tokens.shape[0] == 1 and b.padding_tokens() == 0 for b in packed)
+    assert sum(b.padding_tokens() for b in padded) > 0
+    for b in packed:
+        assert b.position_ids[0].tolist() == [t for length in b.packed_lengths for t in range(length)]
+        assert not b.loss_mask[0, torch.tensor(b.packed_lengths).cumsum(0) - 1].any()  # a sequence's last token
+    for layout in (padded, packed):
+        for name in ("advantages", "rollout_logprobs"):
+            aligned = response_aligned(layout, [getattr(b, name) for b in layout], batch.width)
+            assert torch.equal(aligned, getattr(batch, name) * batch.response_mask), name
+        assert torch.equal(response_aligned(layout, [b.loss_mask for b in layout], batch.width),
+                           batch.loss_mask.float())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_layouts_give_the_padded_outputs_and_losses(tp, tiny_model, tmp_path):
+    out = tmp_path / "packing"
+    torchrun("packing_worker.py", out, "--model", tiny_model, "--advantage-estimator", "gae", "--micro-batch-size",
+             "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--loss-agg", "sample_level", "--entropy-coef", "0.01",
+             "--tensor-model-parallel-size", tp, timeout=600)
+    report = read_json(f"{out}.json")
+    padded = report["padded"]
+    for name in ("budget", "packed", "budget_packed"):
+        layout = report[name]
+        for key in ("logprobs", "values"):
+            assert torch.allclose(torch.tensor(layout[key]), torch.tensor(padded[key]), atol=1e-5, rtol=0), (name, key)
+        for role, loss in (("actor", "loss"), ("critic", "value_loss")):
+            for step, reference in zip(layout[role], padded[role]):
+                assert step[loss] == pytest.approx(reference[loss], abs=1e-5), (name, role)
+        if name.startswith("budget"):
+            counts = layout["micro_batches"]
+            assert len({len(rank) for rank in counts}) == 1, counts  # one count on every rank
+            assert all(n == 1 or tokens <= 19 for rank in counts for n, tokens in rank), counts
+        if name.endswith("packed"):
+            assert layout["padding"] == 0
+    assert padded["padding"] > 0
+
+
+@pytest.mark.slow
+def test_grpo_with_a_token_budget_and_packing_matches_padded(tiny_model, tmp_path):
+    common = ["--config", "examples/quickstart_grpo.yaml", "--model", tiny_model, "--prompts-per-step", "4",
+              "--num-generations", "4", "--max-new-tokens", "12", "--micro-batch-size", "4", "--lr", "1e-3",
+              "--rollout-kv-cache-gb", "1", "--train-steps", "3"]
+    tags = ["loss", "padding_fraction"]
+    runs = {}
+    for name, extra in (("padded", []), ("packed", ["--max-tokens-per-micro-batch", "64", "--padding-free"])):
+        torchrun("../../megarl/train.py", *common, *extra, "--log-dir", tmp_path / name, timeout=900)
+        runs[name] = scalars(tmp_path / name, tags)
+    assert len(runs["padded"]["loss"]) == 3
+    for step, loss in runs["padded"]["loss"].items():
+        assert runs["packed"]["loss"][step] == pytest.approx(loss, abs=1e-5), step
+    assert all(value > 0 for value in runs["padded"]["padding_fraction"].values())
+    assert all(value == 0 for value in runs["packed"]["padding_fraction"].values())

@@ -1,0 +1,67 @@
+"""torchrun worker: the actor's and the critic's outputs and losses on a fixed batch of samples of
+different lengths, under each micro-batch layout (--micro-batch-size right-padded, a token budget,
+packed, both). Every layout starts from the same checkpoint. Rank 0 writes <out>.json: per layout,
+the response-aligned logprobs and values before the update, the actor's and critic's train_step
+metrics, the micro-batch counts of every rank and the padding tokens."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from offload_worker import fixed_batch  # noqa: E402
+
+from megarl import distributed  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.model_runner import make_micro_batches  # noqa: E402
+
+BUDGET = 19  # rank 0 (lengths 7..11) needs 3 micro-batches, rank 1 (8..12) 4
+LAYOUTS = {"padded": dict(), "budget": dict(max_tokens=BUDGET), "packed": dict(packed=True),
+           "budget_packed": dict(max_tokens=BUDGET, packed=True)}
+
+
+def main():
+    out, argv = sys.argv[1], sys.argv[2:]
+    args = parse_args(argv)
+    context = distributed.init_distributed(args)
+    distributed.init_megatron_parallel(context, args.seed)
+    from transformers import AutoConfig
+
+    from megarl.actor import Actor
+    from megarl.critic import Critic
+
+    hf_config = AutoConfig.from_pretrained(args.model)
+    placement = context.placement
+    batch = fixed_batch(hf_config.vocab_size, count=12)
+    batch.ref_logprobs = batch.old_logprobs + 0.01 * batch.response_mask
+    share = len(batch) // placement.dp
+    dp_rank = placement.data_parallel_rank(context.rank)
+    # Rank 1 holds the longer samples: its token budget needs more micro-batches than rank 0's.
+    mine = batch.select(torch.arange(share) + dp_rank * share)
+    report = {}
+    for name, layout in LAYOUTS.items():
+        micro_batches = make_micro_batches(mine, args.micro_batch_size, 0, max_tokens=layout.get("max_tokens"),
+                                           packed=layout.get("packed", False))
+        actor, critic = Actor(args, hf_config), Critic(args, hf_config)
+        counts = distributed.all_gather_objects(
+            [(len(b.spans), sum(p + r for *_, p, r in b.spans)) for b in micro_batches], context)
+        report[name] = {
+            "logprobs": actor.logprobs(micro_batches, batch.width)[0].tolist(),
+            "values": critic.values(micro_batches, batch.width).tolist(),
+            "actor": [actor.train_step(micro_batches, kl_coef=0.1, reference=actor) for _ in range(2)],
+            "critic": [critic.train_step(micro_batches) for _ in range(2)],
+            "micro_batches": counts,
+            "padding": sum(b.padding_tokens() for b in micro_batches)}
+    if dist.get_rank() == 0:
+        with open(f"{out}.json", "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
