@@ -1,11 +1,14 @@
 """Running a Megatron GPTModel over micro-batches: the skeleton the actor, critic and reference share.
 
-Samples arrive as token ids; a micro-batch is right-padded to its longest
-sequence, so causal attention needs no mask. Position t's output scores token
-t+1: the response tokens of a sample with prompt length p and response length r
-sit at positions p-1 .. p+r-2. `make_micro_batches` turns a `batch.Batch`
-(response-aligned [N, R]) into position-aligned micro-batches; `response_aligned`
-turns per-micro-batch outputs back.
+Samples arrive as token ids; a micro-batch holds one sample per row, right-padded
+to its longest sequence (causal attention needs no mask), or with --padding-free
+all its samples end to end in one row (`run_model` gives the attention what keeps
+them apart; megarl/packing.py). Position t's output scores token t+1: the response
+tokens of a sample with prompt length p and response length r starting at offset
+o of its row sit at positions o+p-1 .. o+p+r-2. `make_micro_batches` turns a
+`batch.Batch` (response-aligned [N, R]) into position-aligned micro-batches, of
+--micro-batch-size samples or by a token budget; `response_aligned` turns
+per-micro-batch outputs back, in the batch's order.
 
 `TrainableModel` owns one model under Megatron DDP with its optimizer and LR
 schedule: a forward-only pass, one optimizer step over micro-batches, offload

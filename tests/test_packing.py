@@ -118,5 +118,5 @@ def test_grpo_with_a_token_budget_and_packing_matches_padded(tiny_model, tmp_pat
     assert len(runs["padded"]["loss"]) == 3
     for step, loss in runs["padded"]["loss"].items():
         assert runs["packed"]["loss"][step] == pytest.approx(loss, abs=1e-5), step
-    assert all(value > 0 for value in runs["padded"]["padding_fraction"].values())
+    assert max(runs["padded"]["padding_fraction"].values()) > 0
     assert all(value == 0 for value in runs["packed"]["padding_fraction"].values())
