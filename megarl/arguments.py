@@ -269,6 +269,10 @@ def _add_reward_args(parser):
                    help="reward name (megarl/rewards/ or a plugin), or weighted names such as boxed:1.0,rm:0.5")
     g.add_argument("--reward-model", default=None,
                    help="HF AutoModelForSequenceClassification checkpoint used as the reward named 'rm'")
+    g.add_argument("--async-generation", action="store_true",
+                   help="separate placement: the rollout ranks generate the next step's samples while the train "
+                        "ranks train on this step's (one weight version behind; the staleness metric; TIS "
+                        "corrects the gap); off: every step samples with the newest weights")
     g.add_argument("--reward-workers", type=int, default=1,
                    help="threads that score each prompt's samples as soon as the engine finishes them, while the "
                         "rest still generate (megarl/scoring.py); more than 1 also scores prompts in parallel "
@@ -543,6 +547,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.kernels == "auto":
         args.kernels = accelerator.default_kernels()
     _validate_batch_geometry(args, data_parallel=placement.dp)
+    _validate_async_generation(args, placement)
     if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
         raise ConfigError(f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
     _validate_kl_and_critic(args)
@@ -640,6 +645,20 @@ def _validate_standalone_teacher(args) -> None:
         raise ConfigError(f"distill_reward_coef with temperature={args.temperature} and a standalone teacher: "
                           f"vLLM's prompt logprobs are at T=1, so the teacher's logprob of a sampled token at "
                           f"T={args.temperature} is not available; use temperature 1 or a teacher_model")
+
+
+def _validate_async_generation(args, placement) -> None:
+    if not args.async_generation:
+        return
+    if placement.colocated:
+        raise ConfigError("--async-generation needs the separate placement (colocate_groups: []): colocated, the "
+                          "roles share the devices and take turns, so there is nothing to overlap")
+    unsupported = [flag for flag, used in (("--dynamic-sampling", args.dynamic_sampling is not None),
+                                           ("--gkd-lmbda < 1", args.gkd_lmbda < 1.0), ("--seq-kd", args.seq_kd),
+                                           ("teacher.gpus", bool(args.teacher_gpus))) if used]
+    if unsupported:
+        raise ConfigError(f"--async-generation does not support {', '.join(unsupported)} yet: those steps choose "
+                          f"or score their samples with every rank (drop one of them)")
 
 
 def _validate_batch_geometry(args, data_parallel: int) -> None:

@@ -73,9 +73,32 @@ def phase(fn):
 
 
 # ------------------------------------------------------------------ generate ----
+@dataclass
+class ShardSamples:
+    """What this rank's engine generated of a step, before the samples are gathered to every rank."""
+
+    step: int
+    expected: int  # samples the whole step must have
+    mine: list = field(default_factory=list)  # this engine's samples (its leader's; [] elsewhere)
+    reward_seconds: float = 0.0
+    seconds: float = 0.0  # generating and scoring
+
+
+def generate_ahead(run: Run, step: int) -> ShardSamples:
+    """--async-generation: the rollout ranks generate and score step `step`'s samples now, with the
+    weights they hold, while the train ranks (which return at once) train on the previous step's;
+    `generate(run, step, ahead)` gathers them. No collective runs here, so the roles overlap."""
+    started = time.perf_counter()
+    shard = _generate_shard(run, run.prompts.batch(step, 0), step, seed_key=("train", 0))
+    shard.seconds = time.perf_counter() - started
+    return shard
+
+
 @phase
-def generate(run: Run, step: int):
-    """This step's samples (ordered by prompt), with DAPO dynamic sampling when enabled.
+def generate(run: Run, step: int, ahead: ShardSamples | None = None):
+    """This step's samples (ordered by prompt), with DAPO dynamic sampling when enabled. With
+    `ahead` (--async-generation) they were generated during the previous step (`generate_ahead`,
+    one weight version behind: the `staleness` metric) and are only gathered here.
 
     Dynamic sampling generates up to --max-num-gen-batches batches and keeps the
     groups whose success rate lies strictly inside the range, until prompts_per_step
@@ -89,7 +112,10 @@ def generate(run: Run, step: int):
     # --seq-kd with a colocated teacher: the rollout engines serve its weights for this generation.
     with _serving(run, "teacher" if source == "teacher" else "student"), run.train_roles_offloaded():
         metrics = {}
-        if source == "teacher" and run.context.placement.teacher is not None:
+        if ahead is not None:
+            samples, reward_seconds = _collect(run, ahead)
+            metrics["generate_ahead_seconds"] = max(distributed.all_gather_objects(ahead.seconds, run.context))
+        elif source == "teacher" and run.context.placement.teacher is not None:
             samples, reward_seconds = _teacher_rollout(run, run.prompts.batch(step, 0), step)
         elif source == "teacher":
             samples, reward_seconds = _rollout(run, run.prompts.batch(step, 0), step, seed_key=("seq-kd",))
@@ -103,6 +129,8 @@ def generate(run: Run, step: int):
         _sleep_colocated_rollout(run)
     if args.gkd_lmbda < 1.0:
         metrics["on_policy"] = float(source == "student")
+    # Weight versions between the policy that sampled and the one about to train (0: on-policy).
+    metrics["staleness"] = run.weight_version - min(s.weight_version for s in samples)
     metrics.update(_reward_errors(samples, f"step {step + 1}", run.is_main))
     # Rollout ranks score their own samples; the slowest one bounds the step.
     metrics["reward_seconds"] = max(distributed.all_gather_objects(reward_seconds, run.context))
@@ -148,11 +176,17 @@ def _dynamic_sampling(run: Run, step: int):
 def _rollout(run: Run, prompts, step: int, n: int | None = None, temperature: float | None = None,
              seed_key: tuple = (), from_dataset: bool = False):
     """n samples for each prompt, scored, gathered to every rank in prompt order; and the
-    seconds this rank spent scoring. Each engine takes a contiguous shard of the prompts;
+    seconds this rank waited for the scoring. Each engine takes a contiguous shard of the prompts;
     rewards are scored on the rollout rank that generated them (one batch call per engine).
     `from_dataset`: the samples are n copies of each prompt's reference response instead."""
+    return _collect(run, _generate_shard(run, prompts, step, n, temperature, seed_key, from_dataset))
+
+
+def _generate_shard(run: Run, prompts, step: int, n: int | None = None, temperature: float | None = None,
+                    seed_key: tuple = (), from_dataset: bool = False) -> ShardSamples:
+    """`_rollout`'s part on this rank's engine (nothing elsewhere), without the gather."""
     n = n or run.args.num_generations
-    mine, reward_seconds = [], 0.0
+    result = ShardSamples(step, len(prompts) * (1 if temperature == 0 else n))
     engine = run.rollout
     if engine is not None:
         shard = prompts[batching.contiguous_shard(len(prompts), engine.engine_index, engine.num_engines)]
@@ -172,14 +206,20 @@ def _rollout(run: Run, prompts, step: int, n: int | None = None, temperature: fl
                                       temperature=temperature, seed_key=seed_key, on_prompt_done=score_prompt)
         scoring.finish()
         scoring.close()
-        reward_seconds = scoring.wait_seconds
+        result.reward_seconds = scoring.wait_seconds
+        for sample in samples:
+            sample.weight_version = run.weight_version
         if engine.is_leader:  # the ranks of one TP engine hold identical samples
-            mine = samples
-    samples = _gather_in_prompt_order(run, mine)
-    expected = len(prompts) * (1 if temperature == 0 else n)
-    if len(samples) != expected:
-        raise RuntimeError(f"step {step}: expected {expected} samples, got {len(samples)}")
-    return samples, reward_seconds
+            result.mine = samples
+    return result
+
+
+def _collect(run: Run, shard: ShardSamples):
+    """The step's samples on every rank, in prompt order, and this rank's scoring seconds."""
+    samples = _gather_in_prompt_order(run, shard.mine)
+    if len(samples) != shard.expected:
+        raise RuntimeError(f"step {shard.step}: expected {shard.expected} samples, got {len(samples)}")
+    return samples, shard.reward_seconds
 
 
 def _teacher_rollout(run: Run, prompts, step: int, n: int | None = None, temperature: float | None = None,
@@ -195,6 +235,7 @@ def _teacher_rollout(run: Run, prompts, step: int, n: int | None = None, tempera
                                   temperature=temperature, seed_key=seed_key)
         for sample in samples:
             sample.logprobs = None  # the teacher's sample, not the student's
+            sample.weight_version = run.weight_version  # off-policy by design, not stale
         _attach_prompt_rows(samples, shard)
         if engine.is_leader:
             mine = samples
@@ -442,6 +483,7 @@ def update(run: Run, batch: Batch, step: int) -> dict:
 @phase
 def sync(run: Run) -> dict:
     stats = run.weight_sync.sync(run.actor, run.rollout)
+    run.weight_version += 1
     return {"sync_bytes": stats.bytes}
 
 

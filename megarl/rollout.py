@@ -52,6 +52,7 @@ class Sample:
     reason: str = ""  # the reward's short explanation ("wrong answer", "timeout", "error: ...")
     metadata: dict = field(default_factory=dict)  # the prompt's dataset row
     teacher_prompt_ids: list[int] | None = None  # OPSD: the teacher scores the response after this prompt
+    weight_version: int = 0  # how many trainer -> rollout syncs the engine had taken when it sampled this
 
 
 class VllmEngine:

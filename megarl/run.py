@@ -41,6 +41,7 @@ class Run:
     # (a frozen Megatron model), or on the standalone teacher ranks (a vLLM engine)
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
     weight_sync: object  # a weight_sync.WEIGHT_SYNC_STRATEGIES entry
+    weight_version: int = 0  # trainer -> rollout syncs so far, the same count on every rank (SPMD)
 
     @property
     def is_main(self) -> bool:

@@ -27,8 +27,13 @@ def train(args) -> None:
     start = _resume(run)
     if start == 0 and phases.should_evaluate(run, 0):
         logger.log_eval(0, phases.evaluate(run, 0))
+    # --async-generation: the rollout ranks generate step k+1's samples while the train ranks train on
+    # step k's (phases.generate_ahead; the sync of step k's weights follows), one weight version behind.
+    ahead = phases.generate_ahead(run, start) if args.async_generation and start < args.train_steps else None
     for step in range(start, args.train_steps):
-        samples, generated = phases.generate(run, step)
+        samples, generated = phases.generate(run, step, ahead)
+        if ahead is not None and step + 1 < args.train_steps:
+            ahead = phases.generate_ahead(run, step + 1)
         batch, scored = phases.score_and_filter(run, samples)
         batch, prepared = phases.prepare(run, batch)
         batch, taught = phases.teach(run, batch)
