@@ -57,21 +57,28 @@ def round_trip(make_role, micro_batches, offload: bool) -> dict:
     return report
 
 
-def main():
-    out, argv = sys.argv[1], sys.argv[2:]
+def train_ranks(argv: list[str], count: int = 8):
+    """(args, context, hf_config, the fixed batch of `count` samples, this rank's data-parallel share of it)
+    on train ranks started from the command line `argv`, Megatron's parallel state built."""
+    from transformers import AutoConfig
+
     args = parse_args(argv)
     context = distributed.init_distributed(args)
     distributed.init_megatron_parallel(context, args.seed)
-    from transformers import AutoConfig
+    hf_config = AutoConfig.from_pretrained(args.model)
+    batch = fixed_batch(hf_config.vocab_size, count)
+    share = len(batch) // context.placement.dp
+    return args, context, hf_config, batch, torch.arange(share) + context.placement.data_parallel_rank(
+        context.rank) * share
 
+
+def main():
+    out, argv = sys.argv[1], sys.argv[2:]
+    args, context, hf_config, batch, share = train_ranks(argv)
     from megarl.actor import Actor
     from megarl.critic import Critic
 
-    hf_config = AutoConfig.from_pretrained(args.model)
-    placement = context.placement
-    batch = fixed_batch(hf_config.vocab_size)
-    share = len(batch) // placement.dp
-    mine = batch.select(torch.arange(share) + placement.data_parallel_rank(context.rank) * share)
+    mine = batch.select(share)
     micro_batches = make_micro_batches(mine, args.micro_batch_size, 0)
     report = {}
     for name, make_role in (("actor", lambda: Actor(args, hf_config)), ("critic", lambda: Critic(args, hf_config))):

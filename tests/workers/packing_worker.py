@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from offload_worker import fixed_batch  # noqa: E402
+from offload_worker import train_ranks  # noqa: E402
 
 from megarl import distributed  # noqa: E402
-from megarl.arguments import parse_args  # noqa: E402
 from megarl.model_runner import make_micro_batches  # noqa: E402
 
 BUDGET = 19  # rank 0 (lengths 7..11) needs 3 micro-batches, rank 1 (8..12) 4
@@ -25,22 +24,13 @@ LAYOUTS = {"padded": dict(), "budget": dict(max_tokens=BUDGET), "packed": dict(p
 
 def main():
     out, argv = sys.argv[1], sys.argv[2:]
-    args = parse_args(argv)
-    context = distributed.init_distributed(args)
-    distributed.init_megatron_parallel(context, args.seed)
-    from transformers import AutoConfig
-
+    args, context, hf_config, batch, share = train_ranks(argv, count=12)
     from megarl.actor import Actor
     from megarl.critic import Critic
 
-    hf_config = AutoConfig.from_pretrained(args.model)
-    placement = context.placement
-    batch = fixed_batch(hf_config.vocab_size, count=12)
     batch.ref_logprobs = batch.old_logprobs + 0.01 * batch.response_mask
-    share = len(batch) // placement.dp
-    dp_rank = placement.data_parallel_rank(context.rank)
     # Rank 1 holds the longer samples: its token budget needs more micro-batches than rank 0's.
-    mine = batch.select(torch.arange(share) + dp_rank * share)
+    mine = batch.select(share)
     report = {}
     for name, layout in LAYOUTS.items():
         micro_batches = make_micro_batches(mine, args.micro_batch_size, 0, max_tokens=layout.get("max_tokens"),
