@@ -1,7 +1,9 @@
 """Actor role: the policy being trained (Megatron GPTModel + DDP + Adam), on the train ranks.
 
 Verbs: `logprobs` (before the update, with the exact KL to the reference when
---kl-estimator full), `train_step` (one optimizer step of the composed loss),
+--kl-estimator full), `train_step` (one optimizer step of the composed loss; in
+the on-policy shortcut its forward also stands in for `logprobs`: old = new,
+and the rollout mismatch and TIS weights come from it, per micro-batch),
 `hf_weights` (the weights in HF names and layout, for the sync and exports),
 and from `TrainableModel` offload/onload and checkpoint state.
 
@@ -27,7 +29,7 @@ import contextlib
 
 import torch
 
-from megarl import kernels, vocab_parallel
+from megarl import batch as batching, kernels, vocab_parallel
 from megarl.algorithms import (KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, entropy_bonus,
                                kl_penalty_in_loss)
 from megarl.model_runner import MicroBatch, SampledLogprobs, TrainableModel, output_weight, response_aligned
@@ -88,12 +90,15 @@ class Actor(TrainableModel, SampledLogprobs):
                 response_aligned(micro_batches, [o[1] for o in outputs], width))
 
     def train_step(self, micro_batches: list[MicroBatch], kl_coef: float = 0.0, reference=None,
-                   teacher=None) -> dict:
+                   teacher=None, on_policy: bool = False) -> dict:
         """One optimizer step over these micro-batches (this rank's share of a mini-batch).
 
         kl_coef > 0 (with the reference) adds kl_coef * KL(pi || ref) per token to the loss;
         distillation adds --distill-coef times the GKD loss (top-k from the batch's teacher
         fields, or full vocabulary from the colocated teacher's logits beside each micro-batch).
+        `on_policy` (batch.two_pass_reason is None; the micro-batches carry no old logprobs):
+        the old logprobs are this forward's own, detached, and the mismatch metrics and TIS
+        weights are computed here as `phases.prepare` would have from them.
         """
         args = self.args
         kl_in_loss = kl_coef > 0 and reference is not None
@@ -113,13 +118,16 @@ class Actor(TrainableModel, SampledLogprobs):
         def loss(batch, output, companion_outputs):
             logprobs, entropy = self._logprobs_and_entropy(batch, output, hidden)
             mask = batch.loss_mask
+            old_logprobs, is_weights, sums, maxes = batch.old_logprobs, batch.is_weights, {}, {}
+            if on_policy:
+                old_logprobs = logprobs.detach()
+                is_weights, sums, maxes = self._rollout_correction(batch, old_logprobs)
             token_loss, pg_metrics = self.policy_loss(
-                logprobs, batch.old_logprobs, batch.advantages, args.clip_eps_low, args.clip_eps_high,
+                logprobs, old_logprobs, batch.advantages, args.clip_eps_low, args.clip_eps_high,
                 mask=mask, clip_ratio_c=args.dual_clip_c, skip_threshold=args.skip_threshold)
-            if batch.is_weights is not None:
-                token_loss = token_loss * batch.is_weights
+            if is_weights is not None:
+                token_loss = token_loss * is_weights
             token_loss = args.policy_loss_coef * token_loss
-            sums = {}
             if distill:
                 distill_loss, topk_mass = self._distill(batch, output, companion_outputs, hidden)
                 token_loss = token_loss + args.distill_coef * distill_loss
@@ -138,9 +146,12 @@ class Actor(TrainableModel, SampledLogprobs):
                                               max_len=args.max_new_tokens)
             units = torch.as_tensor(units, dtype=torch.float32, device=output.device)
             sums.update({"loss": numerator, "loss_units": units, "clipped": (pg_metrics["clipped"] * mask).sum(),
-                         "kl_old_new": ((batch.old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new)
+                         "kl_old_new": ((old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new)
                          "kl_loss": (kl * mask).sum(), "entropy": (entropy * mask).sum(), "tokens": mask.sum()})
-            return numerator, units.round().to(torch.int), {"sums": {k: v.detach() for k, v in sums.items()}}
+            reduced = {"sums": {k: v.detach() for k, v in sums.items()}}
+            if maxes:
+                reduced["maxes"] = maxes
+            return numerator, units.round().to(torch.int), reduced
 
         with contextlib.ExitStack() as stack:
             for role in companions.values():
@@ -157,7 +168,25 @@ class Actor(TrainableModel, SampledLogprobs):
         for name in ("distill_loss", "teacher_topk_mass"):
             if name in sums:
                 metrics[name] = sums[name] / tokens
+        if on_policy:
+            metrics.update(batching.mismatch_from_sums(sums, sums))  # the maxima arrive beside the sums
+            if args.tis_level != "none":
+                metrics.update(batching.importance_weight_metrics(sums))
         return metrics
+
+    def _rollout_correction(self, batch: MicroBatch, old_logprobs: torch.Tensor):
+        """On-policy shortcut, one micro-batch: what `phases.prepare` computes from the old-logprob pass,
+        from this forward's (detached) logprobs instead. The micro-batch holds whole sequences, so
+        sequence-level weights see all their tokens. (TIS importance weights or None, the sums and the
+        maxima of the mismatch and TIS metrics.)"""
+        args, response = self.args, batch.response_mask()
+        sums, maxes = batching.mismatch_sums(old_logprobs, batch.rollout_logprobs, response)
+        weights = None
+        if args.tis_level != "none":  # truncate mode: mask mode keeps the two-pass path
+            weights, _, tis_sums = batching.importance_weight_sums(old_logprobs, batch.rollout_logprobs, response,
+                                                                   args.tis_level, args.tis_mode, args.tis_threshold)
+            sums.update(tis_sums)
+        return weights, sums, maxes
 
     def _distill(self, batch: MicroBatch, output: torch.Tensor, companion_outputs: dict, hidden: bool):
         """Per-token GKD loss and (top-k) the student's mass on the teacher's top-k ids."""

@@ -216,6 +216,10 @@ def _add_batch_args(parser):
     g.add_argument("--padding-free", action="store_true",
                    help="pack each micro-batch's sequences end to end in one row (each attends only to itself, "
                         "positions restart at 0): no padding token is computed")
+    g.add_argument("--no-on-policy-shortcut", action="store_true",
+                   help="always run the separate forward pass for the old logprobs; by default an exactly on-policy "
+                        "update (one epoch, one mini-batch, no reference or teacher) takes them from its own "
+                        "training forward (batch.two_pass_reason)")
 
 
 def _add_critic_args(parser):

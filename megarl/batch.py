@@ -133,6 +133,24 @@ def shuffle_seed(seed: int, step: int, epoch: int) -> int:
     return seed * 1_000_003 + step * 1_009 + epoch
 
 
+def mismatch_sums(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[dict, dict]:
+    """The parts of `mismatch_metrics` over some of the samples, to add up over micro-batches and
+    ranks (the on-policy shortcut measures them per micro-batch in the loss): sums, with the token
+    count `mismatch_tokens`, and maxima. Any layout (response- or position-aligned), 0 off `mask`."""
+    diff = (trainer_logprobs - rollout_logprobs) * mask
+    sums = {"mismatch": diff.abs().sum(), "mismatch_kl": ((torch.exp(diff) - diff - 1.0) * mask).sum(),
+            "mismatch_tokens": mask.sum()}
+    return sums, {"mismatch_max": diff.abs().max(), "ratio_dev_max": ((diff.exp() - 1) * mask).abs().max()}
+
+
+def mismatch_from_sums(sums: dict, maxes: dict) -> dict:
+    """`mismatch_metrics` from the (float) totals of `mismatch_sums`."""
+    tokens = max(float(sums["mismatch_tokens"]), 1.0)
+    return {"mismatch": float(sums["mismatch"]) / tokens, "mismatch_max": float(maxes["mismatch_max"]),
+            "mismatch_kl": float(sums["mismatch_kl"]) / tokens, "ratio_dev_max": float(maxes["ratio_dev_max"])}
+
+
 def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
     """Rollout vs trainer logprobs of the sampled tokens, over the whole batch.
 
@@ -140,21 +158,69 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     KL(rollout || trainer) from the rollout's samples; ratio_dev_max: max
     |exp(trainer - rollout) - 1|, the importance ratio's distance from 1.
     """
-    diff = (old_logprobs - rollout_logprobs) * mask
-    tokens = mask.sum().clamp(min=1)
-    return {"mismatch": (diff.abs().sum() / tokens).item(), "mismatch_max": diff.abs().max().item(),
-            "mismatch_kl": ((torch.exp(diff) - diff - 1.0) * mask).sum().item() / tokens.item(),
-            "ratio_dev_max": ((diff.exp() - 1) * mask).abs().max().item()}
+    return mismatch_from_sums(*mismatch_sums(old_logprobs, rollout_logprobs, mask))
+
+
+def importance_weight_sums(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                           level: str, mode: str, threshold: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """TIS importance weights of some whole samples (any layout, 0 off the response `mask`), the tokens
+    mask mode rejects, and the sums behind `importance_weight_metrics` (the clipped and masked tokens
+    and `tis_tokens`, the response tokens)."""
+    weights, stats = truncated_importance_weights(old_logprobs, rollout_logprobs, mask, level=level, mode=mode,
+                                                  threshold=threshold)
+    return weights, stats["masked"], {"tis_clipped": stats["clipped"].sum(), "tis_masked": stats["masked"].sum(),
+                                      "tis_tokens": mask.sum()}
+
+
+def importance_weight_metrics(sums: dict) -> dict:
+    """The clipped and masked token fractions from the (float) totals of `importance_weight_sums`."""
+    tokens = max(float(sums["tis_tokens"]), 1.0)
+    return {"tis_clipped_fraction": float(sums["tis_clipped"]) / tokens,
+            "tis_masked_fraction": float(sums["tis_masked"]) / tokens}
 
 
 def importance_weights(batch: Batch, level: str, mode: str, threshold: float) -> dict:
     """Set the batch's rollout -> trainer importance weights (TIS); in mask mode the rejected
     tokens also leave the loss. The clipped and masked token fractions."""
-    weights, stats = truncated_importance_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
-                                                  level=level, mode=mode, threshold=threshold)
-    batch.is_weights = weights
+    batch.is_weights, masked, sums = importance_weight_sums(batch.old_logprobs, batch.rollout_logprobs,
+                                                            batch.response_mask, level, mode, threshold)
     if mode == "mask":  # rejected tokens leave the aggregation's units too
-        batch.loss_mask = batch.loss_mask * (1.0 - stats["masked"])
-    tokens = batch.response_mask.sum().clamp(min=1).item()
-    return {"tis_clipped_fraction": stats["clipped"].sum().item() / tokens,
-            "tis_masked_fraction": stats["masked"].sum().item() / tokens}
+        batch.loss_mask = batch.loss_mask * (1.0 - masked)
+    return importance_weight_metrics(sums)
+
+
+def two_pass_reason(args, step: int) -> str | None:
+    """Why step `step` needs the separate forward pass for the old logprobs before the update, or None:
+    the on-policy shortcut applies, and the update's training forward gives them (old = new, detached;
+    ratio exactly 1, as verl and TRL do on-policy), the mismatch metrics and TIS weights with them.
+
+    The update is on-policy when it is a single optimizer step on the generated batch, taken before the
+    policy changes: --ppo-epochs 1, one mini-batch (--global-batch-size = the whole batch), and the
+    actor is updated this step (past --critic-warmup; during it nothing reads the old logprobs but the
+    metrics). The shortcut needs that nothing reads the old logprobs before the update either:
+      - no reference (--kl-coef 0): its KL (ref_kl: kl_ref, the adaptive controller, the KL in the
+        reward with --kl-placement reward) comes from the old logprobs, or from their pass with
+        --kl-estimator full;
+      - no teacher (--teacher-model or standalone teacher ranks): --distill-reward-coef puts
+        -(log pi_old - log pi_teacher) into the rewards, teacher_kl is measured from the old logprobs,
+        and --gkd-lmbda < 1 trains on responses without rollout logprobs (they get the old ones);
+      - TIS in truncate mode (or off): mask mode takes tokens out of the loss mask, which advantage_mean
+        reads before the update.
+    Not in the way: a critic (GAE reads its own values, not the policy's logprobs), dynamic sampling
+    (it filters on rewards) and the truncation filter (on lengths).
+    """
+    reasons = [
+        (args.no_on_policy_shortcut, "--no-on-policy-shortcut"),
+        (args.ppo_epochs != 1, f"--ppo-epochs {args.ppo_epochs}"),
+        (args.steps_per_generation != 1, f"{args.steps_per_generation} mini-batches per generated batch"),
+        (step < args.critic_warmup, f"critic warm-up (--critic-warmup {args.critic_warmup})"),
+        (args.kl_coef > 0, "a reference model (--kl-coef > 0)"),
+        (bool(args.teacher_model or args.standalone_teacher_model), "a distillation teacher"),
+        (args.tis_level != "none" and args.tis_mode == "mask", "--tis-mode mask"),
+    ]
+    return next((reason for applies, reason in reasons if applies), None)
+
+
+def on_policy_update(args, step: int) -> bool:
+    """Whether step `step` takes the on-policy shortcut (`two_pass_reason` gives the conditions)."""
+    return two_pass_reason(args, step) is None

@@ -18,7 +18,8 @@ Loss normalisation: a loss function returns (numerator, units, {"sums": ...})
 and the model is built with `calculate_per_token_loss`, so Megatron divides the
 accumulated gradients by the units summed over micro-batches and data-parallel
 ranks: the exact mean over the mini-batch. The named metric sums are summed the
-same way (`sum_over_data_parallel`).
+same way, and named maxima (an optional "maxes" dict) reduced by max
+(`reduce_over_data_parallel`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ class MicroBatch:
             row, columns = self.response_positions(sample)
             out[sample, :r] = x[row, columns]
         return out
+
+    def response_mask(self) -> torch.Tensor:
+        """[rows, L] 1 on the positions scoring a response token (the response mask, position-aligned)."""
+        mask = torch.zeros(self.tokens.shape, device=self.tokens.device)
+        for sample in range(len(self.spans)):
+            row, columns = self.response_positions(sample)
+            mask[row, columns] = 1.0
+        return mask
 
     def padding_tokens(self) -> int:
         """Positions the model computes that hold no sample's token."""
@@ -252,14 +261,16 @@ def keep_output(transform):
     return loss_fn
 
 
-def sum_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Named metric sums, summed over micro-batches and then over the data-parallel ranks."""
+def reduce_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]], op: str = "sum") -> dict[str, float]:
+    """Named metrics reduced (op "sum" or "max") over micro-batches and then over the data-parallel ranks."""
     from megatron.core import parallel_state
 
     names = sorted(per_micro_batch[0])
-    sums = torch.stack([torch.stack([m[name].float() for name in names]) for m in per_micro_batch]).sum(dim=0)
-    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-    return dict(zip(names, sums.tolist()))
+    stacked = torch.stack([torch.stack([m[name].float() for name in names]) for m in per_micro_batch])
+    reduced = stacked.sum(dim=0) if op == "sum" else stacked.amax(dim=0)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
+                    group=parallel_state.get_data_parallel_group())
+    return dict(zip(names, reduced.tolist()))
 
 
 def build_trainable(module, args, lr: float, weight_decay: float):
@@ -322,8 +333,8 @@ class TrainableModel:
     def optimizer_step(self, micro_batches: list[MicroBatch], loss_fn, companions=None,
                        hidden: bool = False) -> tuple[dict, float]:
         """Forward and backward over the micro-batches, then one optimizer step (the LR schedule
-        advances when the step was taken). The loss's named sums, over all data-parallel ranks,
-        and the gradient norm."""
+        advances when the step was taken). The loss's named sums (and maxima), over all
+        data-parallel ranks, and the gradient norm."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -333,7 +344,10 @@ class TrainableModel:
         if updated:
             self.scheduler.step(increment=1)
         grad_norm = float(grad_norm) if grad_norm is not None else math.nan
-        return sum_over_data_parallel([o["sums"] for o in outputs]), grad_norm
+        metrics = reduce_over_data_parallel([o["sums"] for o in outputs])
+        if "maxes" in outputs[0]:
+            metrics.update(reduce_over_data_parallel([o["maxes"] for o in outputs], op="max"))
+        return metrics, grad_norm
 
     @property
     def lr(self) -> float:

@@ -13,7 +13,9 @@
   prepare           train ranks, before any update: old logprobs, reference logprobs /
                     KL and critic values, each data-parallel rank its contiguous shard,
                     then gathered so every rank holds the whole batch; the rollout vs
-                    trainer mismatch and, with TIS, importance weights.
+                    trainer mismatch and, with TIS, importance weights. An exactly
+                    on-policy update (batch.two_pass_reason) skips the old-logprob pass:
+                    the update's training forward gives them, and those metrics.
   teach             distillation: the teacher's logprobs of the sampled tokens and its
                     top-k per response position, from the colocated teacher (each
                     data-parallel rank its shard) or the standalone teacher ranks (each
@@ -312,9 +314,23 @@ def score_and_filter(run: Run, samples):
 
 
 # ------------------------------------------------------------------- prepare ----
+def report_old_logprobs_path(run: Run) -> None:
+    """Rank 0 says once, at the start, where the old logprobs come from (batch.two_pass_reason)."""
+    if not run.is_main or run.actor is None:
+        return
+    args, first = run.args, run.args.critic_warmup
+    reason = batching.two_pass_reason(args, first)
+    if reason is not None:
+        print(f"megarl: old logprobs: a separate forward pass before each update ({reason})", flush=True)
+        return
+    warmup = f" (from step {first + 1}; a separate pass during the critic warm-up)" if first else ""
+    print(f"megarl: old logprobs: from the update's own forward, on-policy (no separate pass){warmup}", flush=True)
+
+
 @phase
-def prepare(run: Run, batch: Batch):
-    """Old logprobs (reference logprobs / KL, critic values when used) of every sample."""
+def prepare(run: Run, batch: Batch, on_policy: bool = False):
+    """Old logprobs (reference logprobs / KL, critic values when used) of every sample; `on_policy`
+    (batch.on_policy_update): no old logprobs, the update's forward gives them (critic values still)."""
     if run.actor is None:
         return batch, {}
     args, placement = run.args, run.context.placement
@@ -322,6 +338,8 @@ def prepare(run: Run, batch: Batch):
         len(batch), placement.dp, placement.data_parallel_rank(run.context.rank))])
     micro_batches = _micro_batches(run, mine)
     width = batch.width
+    if on_policy:
+        return _prepare_on_policy(run, batch, micro_batches)
     full_kl_to = run.reference if run.reference is not None and args.kl_estimator == "full" else None
     old_logprobs, ref_kl = run.actor.logprobs(micro_batches, width, full_kl_to=full_kl_to)
     computed = {"old_logprobs": old_logprobs}
@@ -343,7 +361,19 @@ def prepare(run: Run, batch: Batch):
                                                  batch.response_mask * on_policy[:, None]))
     if args.tis_level != "none":
         metrics.update(batching.importance_weights(batch, args.tis_level, args.tis_mode, args.tis_threshold))
+    metrics["on_policy_shortcut"] = 0.0
     return batch, metrics
+
+
+def _prepare_on_policy(run: Run, batch: Batch, micro_batches):
+    """The on-policy shortcut's prepare: only the critic's values (nothing else reads old logprobs)."""
+    if not all(s.logprobs is not None for s in batch.samples):
+        raise RuntimeError("the on-policy shortcut needs the rollout's logprobs of every sample")
+    if run.critic is not None:
+        for name, value in _gather_over_data_parallel(
+                {"old_values": run.critic.values(micro_batches, batch.width)}).items():
+            setattr(batch, name, value * batch.response_mask)
+    return batch, {"on_policy_shortcut": 1.0}
 
 
 # ------------------------------------------------------------------- teacher ----
@@ -452,10 +482,12 @@ def compute_advantages(run: Run, batch: Batch):
 
 # -------------------------------------------------------------------- update ----
 @phase
-def update(run: Run, batch: Batch, step: int) -> dict:
+def update(run: Run, batch: Batch, step: int, on_policy: bool = False) -> dict:
     """--ppo-epochs passes of optimizer steps over mini-batches of --global-batch-size samples.
     Metrics are means over the optimizer steps (verl's convention); with one step,
-    kl_old_new and clip_fraction are exactly 0: the ratio starts at 1."""
+    kl_old_new and clip_fraction are 0: the ratio starts at 1 (exactly, with `on_policy`:
+    batch.on_policy_update, the old logprobs are the training forward's own, and so are the
+    mismatch metrics and TIS weights)."""
     if run.actor is None:
         return {}
     args, placement = run.args, run.context.placement
@@ -471,7 +503,8 @@ def update(run: Run, batch: Batch, step: int) -> dict:
             if run.critic is not None:
                 critic_updates.append(run.critic.train_step(micro_batches))
             if update_actor:
-                policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference, run.teacher))
+                policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference, run.teacher,
+                                                           on_policy=on_policy))
     metrics = {"padding_fraction": _padding_fraction(padding)}
     for updates in (policy_updates, critic_updates):
         if updates:

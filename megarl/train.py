@@ -16,7 +16,7 @@ from megarl.rollout import release_shared_memory
 
 
 def train(args) -> None:
-    from megarl import checkpoint, distributed, phases
+    from megarl import batch as batching, checkpoint, distributed, phases
     from megarl.preemption import Preemption
     from megarl.run import build_run
 
@@ -25,20 +25,22 @@ def train(args) -> None:
     run = build_run(args, context)
     logger = MetricsLogger(args, is_main=run.is_main)
     start = _resume(run)
+    phases.report_old_logprobs_path(run)
     if start == 0 and phases.should_evaluate(run, 0):
         logger.log_eval(0, phases.evaluate(run, 0))
     # --async-generation: the rollout ranks generate step k+1's samples while the train ranks train on
     # step k's (phases.generate_ahead; the sync of step k's weights follows), one weight version behind.
     ahead = phases.generate_ahead(run, start) if args.async_generation and start < args.train_steps else None
     for step in range(start, args.train_steps):
+        on_policy = batching.on_policy_update(args, step)  # no separate old-logprob pass
         samples, generated = phases.generate(run, step, ahead)
         if ahead is not None and step + 1 < args.train_steps:
             ahead = phases.generate_ahead(run, step + 1)
         batch, scored = phases.score_and_filter(run, samples)
-        batch, prepared = phases.prepare(run, batch)
+        batch, prepared = phases.prepare(run, batch, on_policy)
         batch, taught = phases.teach(run, batch)
         batch, advantaged = phases.compute_advantages(run, batch)
-        updated = phases.update(run, batch, step)
+        updated = phases.update(run, batch, step, on_policy)
         synced = phases.sync(run)
         logger.log_step(step, batch, {"generate": generated, "score": scored, "prepare": prepared,
                                       "teacher": taught, "advantages": advantaged, "update": updated,
