@@ -1,0 +1,82 @@
+"""The on-policy shortcut (issue 13, item 2): an exactly on-policy update takes the old logprobs from
+its own training forward instead of a separate pass. The decision function over its conditions, and
+training runs with and without the shortcut step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import scalars, torchrun
+from megarl.arguments import parse_args
+from megarl.batch import on_policy_update, two_pass_reason
+
+
+def _args(*flags: str):
+    # 16 prompts x 8 samples = 128 samples; one mini-batch by default.
+    return parse_args(["--prompts-per-step", "16", "--num-generations", "8", "--micro-batch-size", "8", *flags],
+                      world_size=2)
+
+
+@pytest.mark.parametrize("flags,step,reason", [
+    ([], 0, None),
+    (["--tis-level", "sequence"], 0, None),  # truncate mode: the weights come from the training forward
+    (["--tis-level", "token", "--tis-mode", "mask"], 0, "--tis-mode mask"),
+    (["--tis-mode", "mask"], 0, None),  # mask mode without TIS does nothing
+    (["--no-on-policy-shortcut"], 0, "--no-on-policy-shortcut"),
+    (["--ppo-epochs", "2"], 0, "--ppo-epochs 2"),
+    (["--global-batch-size", "64"], 0, "2 mini-batches per generated batch"),
+    (["--steps-per-generation", "4"], 0, "4 mini-batches per generated batch"),
+    (["--kl-coef", "0.1"], 0, "a reference model (--kl-coef > 0)"),
+    (["--kl-coef", "0.1", "--kl-placement", "reward"], 0, "a reference model (--kl-coef > 0)"),
+    (["--teacher-model", "artifacts/tiny-qwen2-teacher"], 0, "a distillation teacher"),
+    (["--teacher-model", "artifacts/tiny-qwen2-teacher", "--distill-reward-coef", "0.5"], 0,
+     "a distillation teacher"),
+    (["--advantage-estimator", "gae"], 0, None),  # the critic reads its own values only
+    (["--advantage-estimator", "gae", "--critic-warmup", "2"], 1, "critic warm-up (--critic-warmup 2)"),
+    (["--advantage-estimator", "gae", "--critic-warmup", "2"], 2, None),
+    (["--dynamic-sampling", "0", "1"], 0, None),  # filters on rewards
+    (["--filter-truncated", "--overlong-buffer-len", "4"], 0, None),
+])
+def test_two_pass_reason(flags, step, reason):
+    args = _args(*flags)
+    assert two_pass_reason(args, step) == reason
+    assert on_policy_update(args, step) == (reason is None)
+
+
+def test_the_first_reason_is_given():
+    args = _args("--ppo-epochs", "2", "--kl-coef", "0.1", "--no-on-policy-shortcut")
+    assert two_pass_reason(args, 0) == "--no-on-policy-shortcut"
+
+
+COMPARED = ["loss", "grad_norm", "entropy", "clip_fraction", "kl_old_new", "mismatch", "mismatch_max",
+            "mismatch_kl", "ratio_dev_max", "tis_clipped_fraction", "tis_masked_fraction"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_shortcut_matches_the_two_pass_path(level, tiny_model, tmp_path):
+    """Three GRPO steps with the shortcut and with --no-on-policy-shortcut, same seed: every loss,
+    gradient, mismatch and TIS metric equal within 1e-6. --tis-threshold 1 clips the tokens (or
+    sequences) whose trainer logprob exceeds the rollout's by any amount, so the weights are not all
+    1 and the clipped fraction is not 0. The shortcut's prepare ran no forward pass."""
+    series, output = {}, {}
+    for path, extra in (("shortcut", []), ("two_pass", ["--no-on-policy-shortcut"])):
+        result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
+                          "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12",
+                          "--micro-batch-size", "4", "--lr", "1e-3", "--train-steps", "3", "--tis-level", level,
+                          "--tis-threshold", "1.0", *extra, "--log-dir", tmp_path / path, timeout=900)
+        series[path] = scalars(tmp_path / path, [*COMPARED, "on_policy_shortcut", "prepare_seconds"])
+        output[path] = result.stdout
+    assert "old logprobs: from the update's own forward" in output["shortcut"]
+    assert "old logprobs: a separate forward pass before each update (--no-on-policy-shortcut)" in output["two_pass"]
+    shortcut, two_pass = series["shortcut"], series["two_pass"]
+    assert shortcut["on_policy_shortcut"] == {0: 1.0, 1: 1.0, 2: 1.0}
+    assert two_pass["on_policy_shortcut"] == {0: 0.0, 1: 0.0, 2: 0.0}
+    for tag in COMPARED:
+        assert sorted(shortcut[tag]) == sorted(two_pass[tag]) == [0, 1, 2], (tag, series)
+        for step in range(3):
+            assert abs(shortcut[tag][step] - two_pass[tag][step]) <= 1e-6, (tag, step, series)
+    assert max(shortcut["tis_clipped_fraction"].values()) > 0, series  # the weights were exercised
+    assert max(shortcut["mismatch"].values()) > 0, series
+    # No forward pass: bookkeeping only, a small fraction of the two-pass prepare's time.
+    assert sum(shortcut["prepare_seconds"].values()) < 0.5 * sum(two_pass["prepare_seconds"].values()), series
