@@ -324,7 +324,7 @@ def report_old_logprobs_path(run: Run) -> None:
         print(f"megarl: old logprobs: a separate forward pass before each update ({reason})", flush=True)
         return
     warmup = f" (from step {first + 1}; a separate pass during the critic warm-up)" if first else ""
-    print(f"megarl: old logprobs: from the update's own forward, on-policy (no separate pass){warmup}", flush=True)
+    print(f"megarl: old logprobs: from the update's own forward, on-policy, no separate pass{warmup}", flush=True)
 
 
 @phase
