@@ -205,7 +205,9 @@ def two_pass_reason(args, step: int) -> str | None:
         -(log pi_old - log pi_teacher) into the rewards, teacher_kl is measured from the old logprobs,
         and --gkd-lmbda < 1 trains on responses without rollout logprobs (they get the old ones);
       - TIS in truncate mode (or off): mask mode takes tokens out of the loss mask, which advantage_mean
-        reads before the update.
+        reads before the update;
+      - not sequence-level TIS with --padding-free: the update's micro-batch rows would hold several
+        sequences.
     Not in the way: a critic (GAE reads its own values, not the policy's logprobs), dynamic sampling
     (it filters on rewards) and the truncation filter (on lengths).
     """
@@ -217,6 +219,9 @@ def two_pass_reason(args, step: int) -> str | None:
         (args.kl_coef > 0, "a reference model (--kl-coef > 0)"),
         (bool(args.teacher_model or args.standalone_teacher_model), "a distillation teacher"),
         (args.tis_level != "none" and args.tis_mode == "mask", "--tis-mode mask"),
+        # The update computes them per row of its micro-batches, and a packed row holds several sequences.
+        (args.padding_free and args.tis_level in ("sequence", "geometric"),
+         f"--padding-free with --tis-level {args.tis_level}"),
     ]
     return next((reason for applies, reason in reasons if applies), None)
 

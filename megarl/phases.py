@@ -328,18 +328,31 @@ def report_old_logprobs_path(run: Run) -> None:
 
 
 @phase
-def prepare(run: Run, batch: Batch, on_policy: bool = False):
-    """Old logprobs (reference logprobs / KL, critic values when used) of every sample; `on_policy`
-    (batch.on_policy_update): no old logprobs, the update's forward gives them (critic values still)."""
+def prepare(run: Run, batch: Batch, shortcut: bool = False):
+    """Old logprobs (reference logprobs / KL, critic values when used) of every sample. With
+    `shortcut` (batch.on_policy_update) no old logprobs: the update's own forward gives them, and the
+    mismatch metrics and TIS weights with them; the critic's values are still computed here."""
     if run.actor is None:
         return batch, {}
     args, placement = run.args, run.context.placement
     mine = batch.select(torch.arange(len(batch))[batching.data_parallel_shard(
         len(batch), placement.dp, placement.data_parallel_rank(run.context.rank))])
     micro_batches = _micro_batches(run, mine)
-    width = batch.width
-    if on_policy:
-        return _prepare_on_policy(run, batch, micro_batches)
+    computed = {} if shortcut else _old_logprobs_and_reference(run, micro_batches, batch.width)
+    if run.critic is not None:
+        computed["old_values"] = run.critic.values(micro_batches, batch.width)
+    for name, value in _gather_over_data_parallel(computed).items():
+        setattr(batch, name, value * batch.response_mask)
+    if shortcut:
+        if not all(s.logprobs is not None for s in batch.samples):
+            raise RuntimeError("the on-policy shortcut needs the rollout's logprobs of every sample")
+        return batch, {"on_policy_shortcut": 1.0}
+    return batch, {**_rollout_correction(args, batch), "on_policy_shortcut": 0.0}
+
+
+def _old_logprobs_and_reference(run: Run, micro_batches, width: int) -> dict[str, torch.Tensor]:
+    """This rank's old logprobs and, with a reference, its logprobs and the per-token KL to it."""
+    args = run.args
     full_kl_to = run.reference if run.reference is not None and args.kl_estimator == "full" else None
     old_logprobs, ref_kl = run.actor.logprobs(micro_batches, width, full_kl_to=full_kl_to)
     computed = {"old_logprobs": old_logprobs}
@@ -348,10 +361,12 @@ def prepare(run: Run, batch: Batch, on_policy: bool = False):
         ref_kl = KL_ESTIMATORS[args.kl_estimator](old_logprobs, computed["ref_logprobs"])
     if ref_kl is not None:
         computed["ref_kl"] = ref_kl
-    if run.critic is not None:
-        computed["old_values"] = run.critic.values(micro_batches, width)
-    for name, value in _gather_over_data_parallel(computed).items():
-        setattr(batch, name, value * batch.response_mask)
+    return computed
+
+
+def _rollout_correction(args, batch: Batch) -> dict:
+    """Rollout vs trainer on the whole batch: the mismatch metrics and, with TIS, the importance
+    weights (set on the batch)."""
     metrics = {}
     on_policy = torch.tensor([s.logprobs is not None for s in batch.samples])
     if not on_policy.all():  # dataset or teacher responses: no rollout logprobs, importance ratio 1
@@ -361,19 +376,7 @@ def prepare(run: Run, batch: Batch, on_policy: bool = False):
                                                  batch.response_mask * on_policy[:, None]))
     if args.tis_level != "none":
         metrics.update(batching.importance_weights(batch, args.tis_level, args.tis_mode, args.tis_threshold))
-    metrics["on_policy_shortcut"] = 0.0
-    return batch, metrics
-
-
-def _prepare_on_policy(run: Run, batch: Batch, micro_batches):
-    """The on-policy shortcut's prepare: only the critic's values (nothing else reads old logprobs)."""
-    if not all(s.logprobs is not None for s in batch.samples):
-        raise RuntimeError("the on-policy shortcut needs the rollout's logprobs of every sample")
-    if run.critic is not None:
-        for name, value in _gather_over_data_parallel(
-                {"old_values": run.critic.values(micro_batches, batch.width)}).items():
-            setattr(batch, name, value * batch.response_mask)
-    return batch, {"on_policy_shortcut": 1.0}
+    return metrics
 
 
 # ------------------------------------------------------------------- teacher ----
@@ -482,10 +485,10 @@ def compute_advantages(run: Run, batch: Batch):
 
 # -------------------------------------------------------------------- update ----
 @phase
-def update(run: Run, batch: Batch, step: int, on_policy: bool = False) -> dict:
+def update(run: Run, batch: Batch, step: int, shortcut: bool = False) -> dict:
     """--ppo-epochs passes of optimizer steps over mini-batches of --global-batch-size samples.
     Metrics are means over the optimizer steps (verl's convention); with one step,
-    kl_old_new and clip_fraction are 0: the ratio starts at 1 (exactly, with `on_policy`:
+    kl_old_new and clip_fraction are 0: the ratio starts at 1 (exactly, with `shortcut`:
     batch.on_policy_update, the old logprobs are the training forward's own, and so are the
     mismatch metrics and TIS weights)."""
     if run.actor is None:
@@ -504,7 +507,7 @@ def update(run: Run, batch: Batch, step: int, on_policy: bool = False) -> dict:
                 critic_updates.append(run.critic.train_step(micro_batches))
             if update_actor:
                 policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference, run.teacher,
-                                                           on_policy=on_policy))
+                                                           on_policy=shortcut))
     metrics = {"padding_fraction": _padding_fraction(padding)}
     for updates in (policy_updates, critic_updates):
         if updates:

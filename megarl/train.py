@@ -32,15 +32,15 @@ def train(args) -> None:
     # step k's (phases.generate_ahead; the sync of step k's weights follows), one weight version behind.
     ahead = phases.generate_ahead(run, start) if args.async_generation and start < args.train_steps else None
     for step in range(start, args.train_steps):
-        on_policy = batching.on_policy_update(args, step)  # no separate old-logprob pass
+        shortcut = batching.on_policy_update(args, step)  # no separate old-logprob pass
         samples, generated = phases.generate(run, step, ahead)
         if ahead is not None and step + 1 < args.train_steps:
             ahead = phases.generate_ahead(run, step + 1)
         batch, scored = phases.score_and_filter(run, samples)
-        batch, prepared = phases.prepare(run, batch, on_policy)
+        batch, prepared = phases.prepare(run, batch, shortcut)
         batch, taught = phases.teach(run, batch)
         batch, advantaged = phases.compute_advantages(run, batch)
-        updated = phases.update(run, batch, step, on_policy)
+        updated = phases.update(run, batch, step, shortcut)
         synced = phases.sync(run)
         logger.log_step(step, batch, {"generate": generated, "score": scored, "prepare": prepared,
                                       "teacher": taught, "advantages": advantaged, "update": updated,
