@@ -36,6 +36,8 @@ def _args(*flags: str):
     (["--advantage-estimator", "gae", "--critic-warmup", "2"], 2, None),
     (["--dynamic-sampling", "0", "1"], 0, None),  # filters on rewards
     (["--filter-truncated", "--overlong-buffer-len", "4"], 0, None),
+    (["--padding-free", "--tis-level", "token"], 0, None),  # per token: the row layout does not matter
+    (["--padding-free", "--tis-level", "sequence"], 0, "--padding-free with --tis-level sequence"),
 ])
 def test_two_pass_reason(flags, step, reason):
     args = _args(*flags)
