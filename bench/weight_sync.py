@@ -1,6 +1,6 @@
 """Benchmark: trainer -> rollout weight sync of a >= 100M-parameter model, on 2 ranks.
 
-    python bench/weight_sync.py [--hidden 1024 --layers 12 --repeats 3]
+    python bench/weight_sync.py [--hidden 1024 --layers 12 --repeats 3] [--only colocate|separate] [--profile]
 
 Runs two torchrun launches and prints, measured side by side in each run:
   colocated  sync (TP gather + HF conversion + vLLM reload) vs a plain copy of
@@ -8,6 +8,8 @@ Runs two torchrun launches and prints, measured side by side in each run:
   separate   broadcast sync from the train rank to the rollout rank vs a raw
              gloo broadcast of the same bytes (ratio, bytes/s).
 It prints; it asserts nothing. Timings are medians of --repeats.
+--profile adds one more sync per rank under cProfile and prints each
+rank's top functions (cumulative time) after each placement's line.
 """
 
 import argparse
@@ -45,7 +47,7 @@ def median_seconds(fn, repeats):
     return statistics.median(times)
 
 
-def worker(model_dir, placement, repeats, out):
+def worker(model_dir, placement, repeats, out, profile=False):
     import torch
 
     from types import SimpleNamespace
@@ -101,6 +103,18 @@ def worker(model_dir, placement, repeats, out):
         result["baseline_s"] = median_seconds(lambda: group.broadcast(flat, 0).wait(), repeats)
         result["baseline"] = "raw gloo broadcast of the same bytes"
     result["bytes"] = nbytes
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.runcall(sync.sync, actor, engine)
+        result["profile_s"] = time.perf_counter() - start
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+        result["profile"] = text.getvalue()
     gathered = distributed.all_gather_objects(result, context)
     if context.rank == 0:
         with open(out, "w") as f:
@@ -114,10 +128,12 @@ def main():
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=("colocate", "separate"), help="run one placement")
+    parser.add_argument("--profile", action="store_true", help="cProfile one more sync per rank")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
-        worker(options.worker[0], options.worker[1], options.repeats, options.worker[2])
+        worker(options.worker[0], options.worker[1], options.repeats, options.worker[2], options.profile)
         sys.stdout.flush()
         os._exit(0)
 
@@ -127,18 +143,22 @@ def main():
         print(f"model: random Qwen2, {params / 1e6:.0f}M parameters (fp32), 2 ranks, "
               f"median of {options.repeats}")
         env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
-        for placement in ("colocate", "separate"):
+        for placement in [options.only] if options.only else ("colocate", "separate"):
             out = os.path.join(tmp, f"{placement}.json")
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             os.path.abspath(__file__), "--repeats", str(options.repeats),
+                            *(["--profile"] if options.profile else []),
                             "--worker", model_dir, placement, out], env=env, check=True,
                            stdout=subprocess.DEVNULL)
             with open(out) as f:
-                result = max(json.load(f), key=lambda r: r["sync_s"])  # the slowest rank bounds a step
+                ranks = json.load(f)
+            result = max(ranks, key=lambda r: r["sync_s"])  # the slowest rank bounds a step
             gib = result["bytes"] / 2**30
             print(f"{placement:9s} sync {result['sync_s']:.3f}s ({gib / result['sync_s']:.2f} GiB/s) | "
                   f"{result['baseline']} {result['baseline_s']:.3f}s ({gib / result['baseline_s']:.2f} GiB/s) | "
                   f"ratio sync/baseline {result['sync_s'] / result['baseline_s']:.1f}x | {gib:.2f} GiB")
+            for rank, ranked in enumerate(ranks if options.profile else []):
+                print(f"rank {rank}: profiled sync {ranked['profile_s']:.3f}s\n{ranked['profile']}")
 
 
 if __name__ == "__main__":
