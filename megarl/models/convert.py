@@ -99,21 +99,29 @@ def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: in
     raise ValueError(f"unknown layout {rule.layout!r}")
 
 
+def _cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, but a single tensor passes through as it is (a view: no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 def to_hf_tensors(rule: Rule, shards: list[torch.Tensor], hf_config) -> list[torch.Tensor]:
-    """Inverse of `to_megatron_shard`, from the shards of every TP rank."""
+    """Inverse of `to_megatron_shard`, from the shards of every TP rank.
+
+    With one shard (TP=1) nothing is copied that a view can express: the
+    results may be views of the shards (consumers copy them anyway)."""
     if rule.layout == "replicated":
         return [shards[0]]
     if rule.layout == "row":
-        return [torch.cat(shards, dim=1)]
+        return [_cat(shards, dim=1)]
     if rule.layout == "column":
-        return [torch.cat(shards, dim=0)]
+        return [_cat(shards, dim=0)]
     if rule.layout == "vocab":
-        return [torch.cat(shards, dim=0)[: hf_config.vocab_size]]
+        return [_cat(shards, dim=0)[: hf_config.vocab_size]]
     if rule.layout == "qkv":
-        return list(split_qkv(torch.cat(shards, dim=0), hf_config))
+        return list(split_qkv(_cat(shards, dim=0), hf_config))
     if rule.layout == "gate_up":
         halves = [shard.chunk(2, dim=0) for shard in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
     raise ValueError(f"unknown layout {rule.layout!r}")
 
 
