@@ -159,11 +159,12 @@ class RolloutEngine(VllmEngine):
         """Stream (hf_name, tensor) pairs into the engine (any TP: vLLM shards them itself).
 
         The engine runs in this process, so `weights` may be a generator: tensors
-        are consumed one at a time and never held all at once.
+        are consumed one at a time and never held all at once, and each is copied
+        before the next is drawn (callers may reuse their buffers). Unquantized
+        models load in place (`_load_in_place`); others go through vLLM's
+        `reload_weights`.
         """
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights,
-                                                              is_checkpoint_format=True))
-        self.llm.collective_rpc(_refresh_tied_output_layer)
+        self.llm.collective_rpc(_load_in_place, kwargs=dict(weights=weights))
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
@@ -186,6 +187,93 @@ class RolloutEngine(VllmEngine):
 
     def onload(self) -> None:
         self.wake_up()
+
+
+def _load_in_place(worker, weights) -> None:
+    """The model's own weight loaders, straight into the engine's parameters.
+
+    vLLM's `reload_weights` restores every layer onto the meta device, buffers
+    the incoming tensors, allocates fresh parameters for each layer, loads, runs
+    the post-load processing and copies the result back into the old storage:
+    an allocation and two copies per tensor, every sync. Without quantization
+    the only post-load step that matters is the CPU GEMM dispatch, which packs
+    each linear weight into a oneDNN handle and drops the parameter. So here
+    the parameters stay: a dropped linear weight is materialized once from
+    vLLM's recorded metadata and kept (`_kept_weights`), each sync copies into
+    it through the model's `load_weights` (the same loaders as the first load:
+    fused qkv / gate_up, TP shards, tied embeddings) and then reruns the layer's
+    post-load processing (a repack on CPU, a no-op on GPU for these methods).
+    Anything else (quantization, LoRA) takes `reload_weights`.
+    """
+    model = worker.model_runner.model
+    layers = _in_place_layers(worker)
+    if layers is None:  # it may hold a tensor until the end of the stream: copies, not the callers' buffers
+        worker.model_runner.reload_weights(weights_iterator=((name, tensor.clone()) for name, tensor in weights),
+                                           is_checkpoint_format=True)
+        _refresh_tied_output_layer(worker)
+        return
+    for layer, weight in layers:
+        if weight is not None:
+            layer.weight = weight
+    with torch.no_grad():
+        loaded = model.load_weights(weights)
+    expected = worker._megarl_param_names
+    if loaded is not None and set(loaded) != expected:
+        raise RuntimeError(f"weight sync: the stream left vLLM parameters unloaded: "
+                           f"{sorted(expected - set(loaded))[:8]}, or loaded unknown ones: "
+                           f"{sorted(set(loaded) - expected)[:8]}")
+    for layer, _ in layers:
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+def _in_place_layers(worker):
+    """[(layer, kept weight or None)] for every layer whose weights `_load_in_place` reprocesses;
+    None when the model must take `reload_weights`. Built on the first call and cached on the worker."""
+    if hasattr(worker, "_megarl_in_place"):
+        return worker._megarl_in_place
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead, UnquantizedEmbeddingMethod,
+                                                                     VocabParallelEmbedding)
+
+    model = worker.model_runner.model
+    config = worker.model_runner.vllm_config
+    layers = None
+    if config.model_config.quantization is None and config.lora_config is None:
+        layers = []
+        head = getattr(model, "lm_head", None)
+        for layer in model.modules():
+            method = getattr(layer, "quant_method", None)
+            if method is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
+                continue
+            if type(layer) is VocabParallelEmbedding and isinstance(head, ParallelLMHead) and head is not layer:
+                # An input embedding is only looked up (F.embedding on the live weight): its post-load
+                # processing packs a CPU GEMM handle that the model's separate head makes unused.
+                continue
+            if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+                layers = None  # some other post-load processing: leave it to vLLM
+                break
+            layers.append((layer, _kept_weight(layer)))
+    worker._megarl_in_place = layers
+    worker._megarl_param_names = {name for name, _ in model.named_parameters()}
+    return layers
+
+
+def _kept_weight(layer):
+    """The layer's full weight parameter when post-load processing dropped it (CPU GEMM dispatch), else None."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    weight = layer.weight
+    if weight.numel() > 0:
+        return None
+    info = get_layerwise_info(layer)
+    meta = info.restore_metadata[0].get("weight")
+    if meta is None or meta.numel() == 0:
+        raise RuntimeError(f"weight sync: {type(layer).__name__} dropped its weight and vLLM recorded no shape")
+    with info.restore_device:
+        kept = materialize_meta_tensor(meta)
+    return restore_layer_refs(kept, layer)
 
 
 def _refresh_tied_output_layer(worker) -> None:
