@@ -15,12 +15,13 @@ placement needs from `WEIGHT_SYNC_STRATEGIES`:
   broadcast  separate ranks: the train ranks stream the model the same way and
              train rank 0 packs it into flat buckets of `--sync-bucket-mb`,
              broadcast over a group of {train rank 0} + rollout ranks (NCCL on
-             GPU hosts, gloo on CPU: accelerator.store_group); each rollout rank
-             unpacks and streams the tensors into its engine. Rollout engines of
+             GPU hosts, gloo on CPU: accelerator.store_group), packing the next
+             bucket while one is on the wire; each rollout rank streams views
+             of the received buckets into its engine. Rollout engines of
              a separate placement never sleep, so there is nothing to wake.
 
-Nothing about names, shapes or buckets is cached between syncs: the metadata
-travels with every bucket. vLLM shards what it receives for its own TP size,
+The broadcast strategy keeps its bucket plan (names, shapes, dtypes, offsets)
+and two flat buffers from the first sync on; the metadata travels once. vLLM shards what it receives for its own TP size,
 so train TP and rollout TP are independent.
 """
 
@@ -86,7 +87,17 @@ class ColocatedSync:
 
 @register_strategy("broadcast")
 class BroadcastSync:
-    """Separate placement. The group spans train rank 0 (member 0, the sender) and every rollout rank."""
+    """Separate placement. The group spans train rank 0 (member 0, the sender) and every rollout rank.
+
+    The first sync sends each bucket's metadata (names, shapes, dtypes, byte
+    offsets) before its bytes; every member keeps that plan, and later syncs send
+    the bytes alone (the sender checks that the stream still matches the plan).
+    Two flat byte buffers of the largest bucket, allocated once, alternate: the
+    sender packs the next bucket while the previous one is on the wire, and a
+    receiver loads one bucket while the next arrives.
+    """
+
+    ALIGN = 64  # byte offset of every tensor in a bucket: any dtype can view it
 
     def __init__(self, context: distributed.DistContext, bucket_bytes: int):
         members = context.placement.weight_sync_members
@@ -95,6 +106,8 @@ class BroadcastSync:
             if context.rank in members else None
         self.is_sender = context.rank == members[0]
         self.device = accelerator.device()
+        self.plan = None  # [[(name, shape, dtype, byte offset), ...] per bucket], fixed after the first sync
+        self.buffers = []
 
     def sync(self, actor, engine) -> SyncStats:
         if actor is not None:
@@ -103,23 +116,73 @@ class BroadcastSync:
             return self._receive_into(engine)
         return SyncStats()
 
+    # ----------------------------------------------------------- sender ---
+
     def _send(self, actor) -> SyncStats:
         """Every train rank takes part in the gathers; train rank 0 sends."""
         start, sent = time.perf_counter(), 0
-        bucket, size = [], 0
-        for name, tensor in actor.hf_weights(self.bucket_bytes):
-            if not self.is_sender:
-                continue
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.bucket_bytes:
-                sent += self._send_bucket(bucket)
-                bucket, size = [], 0
-        if self.is_sender:
-            if bucket:
-                sent += self._send_bucket(bucket)
-            self._send_bucket([])  # end of stream
+        stream = actor.hf_weights(self.bucket_bytes)
+        if not self.is_sender:
+            for _ in stream:
+                pass
+            return SyncStats(time.perf_counter() - start, 0)
+        first = self.plan is None
+        buckets = self._plan_buckets(stream) if first else self._follow_plan(stream)
+        pending = None
+        for index, (meta, tensors) in enumerate(buckets):
+            if first:
+                self._broadcast_object(meta)
+            size = meta[-1][3] + _nbytes(meta[-1][1], meta[-1][2])
+            buffer = self._buffer(index % 2, size)
+            if pending is not None and pending[0] is buffer:
+                pending[1].wait()  # the buffer is still on the wire from two buckets ago
+            for (_, shape, dtype, offset), tensor in zip(meta, tensors):
+                _view(buffer, shape, dtype, offset).copy_(tensor)
+            work = self.group.broadcast(buffer[:size], 0)
+            if pending is not None and pending[0] is not buffer:
+                pending[1].wait()
+            pending = (buffer, work)
+            sent += size
+        if pending is not None:
+            pending[1].wait()
+        if first:
+            self._broadcast_object([])  # end of stream
         return SyncStats(time.perf_counter() - start, sent)
+
+    def _plan_buckets(self, stream):
+        """First sync: cut the stream into buckets of about bucket_bytes, recording the plan."""
+        self.plan = []
+        meta, tensors, size = [], [], 0
+        for name, tensor in stream:
+            offset = _align(size, self.ALIGN)
+            meta.append((name, tuple(tensor.shape), tensor.dtype, offset))
+            tensors.append(tensor)
+            size = offset + tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                self.plan.append(meta)
+                yield meta, tensors
+                meta, tensors, size = [], [], 0
+        if meta:
+            self.plan.append(meta)
+            yield meta, tensors
+
+    def _follow_plan(self, stream):
+        """Later syncs: the same buckets; the stream must still match the plan."""
+        stream = iter(stream)
+        for meta in self.plan:
+            tensors = []
+            for name, shape, dtype, _ in meta:
+                got_name, tensor = next(stream, (None, None))
+                if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    raise RuntimeError(f"weight sync: the stream changed since the first sync: expected {name} "
+                                       f"{shape} {dtype}, got {got_name} "
+                                       f"{None if tensor is None else (tuple(tensor.shape), tensor.dtype)}")
+                tensors.append(tensor)
+            yield meta, tensors
+        if next(stream, None) is not None:
+            raise RuntimeError("weight sync: the stream has more tensors than at the first sync")
+
+    # --------------------------------------------------------- receiver ---
 
     def _receive_into(self, engine) -> SyncStats:
         start = time.perf_counter()
@@ -127,29 +190,39 @@ class BroadcastSync:
         engine.load_weights(iter(stream))
         return SyncStats(time.perf_counter() - start, stream.bytes)
 
-    def _send_bucket(self, bucket) -> int:
-        meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-        self._broadcast_object(meta)
-        if not bucket:
-            return 0
-        dtype = bucket[0][1].dtype
-        flat = torch.cat([t.reshape(-1).to(device=self.device, dtype=dtype) for _, t in bucket])
-        self.group.broadcast(flat, 0).wait()
-        return flat.numel() * flat.element_size()
-
     def _receive_stream(self):
-        while True:
-            meta = self._broadcast_object(None)
-            if not meta:
-                return
-            total = sum(torch.Size(shape).numel() for _, shape, _ in meta)
-            flat = torch.empty(total, dtype=meta[0][2], device=self.device)
-            self.group.broadcast(flat, 0).wait()
-            offset = 0
-            for name, shape, dtype in meta:
-                numel = torch.Size(shape).numel()
-                yield name, flat[offset: offset + numel].view(shape).to(dtype)
-                offset += numel
+        """Yield (name, view of the bucket buffer); the next bucket arrives while this one is consumed."""
+        if self.plan is None:  # first sync: the plan arrives bucket by bucket
+            self.plan = []
+            while True:
+                meta = self._broadcast_object(None)
+                if not meta:
+                    break
+                self.plan.append(meta)
+                buffer = self._receive_bucket(0, meta).wait_for()
+                yield from _unpack(buffer, meta)
+            return
+        incoming = self._receive_bucket(0, self.plan[0]) if self.plan else None
+        for index, meta in enumerate(self.plan):
+            buffer = incoming.wait_for()
+            incoming = self._receive_bucket((index + 1) % 2, self.plan[index + 1]) \
+                if index + 1 < len(self.plan) else None
+            yield from _unpack(buffer, meta)
+
+    def _receive_bucket(self, slot: int, meta) -> "_Incoming":
+        size = meta[-1][3] + _nbytes(meta[-1][1], meta[-1][2])
+        buffer = self._buffer(slot, size)[:size]
+        return _Incoming(buffer, self.group.broadcast(buffer, 0))
+
+    # ----------------------------------------------------------- shared ---
+
+    def _buffer(self, slot: int, size: int) -> torch.Tensor:
+        """Flat byte buffer `slot` (0 or 1), at least `size` bytes, kept across syncs."""
+        while len(self.buffers) <= slot:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self.buffers[slot].numel() < size:
+            self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.buffers[slot]
 
     def _broadcast_object(self, obj):
         """Pickled object from member 0: a length, then the bytes (on the group's device)."""
@@ -163,3 +236,30 @@ class BroadcastSync:
             payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.group.broadcast(payload, 0).wait()
         return obj if self.is_sender else pickle.loads(payload.cpu().numpy().tobytes())
+
+
+@dataclass
+class _Incoming:
+    buffer: torch.Tensor
+    work: object
+
+    def wait_for(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buffer
+
+
+def _align(offset: int, align: int) -> int:
+    return (offset + align - 1) // align * align
+
+
+def _nbytes(shape, dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def _view(buffer: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
+    return buffer[offset: offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+
+
+def _unpack(buffer: torch.Tensor, meta):
+    for name, shape, dtype, offset in meta:
+        yield name, _view(buffer, shape, dtype, offset)
