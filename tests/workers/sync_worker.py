@@ -1,8 +1,9 @@
 """torchrun worker: weight-sync correctness on real ranks.
 
 1. before any update: rollout vs trainer logprobs of step-0 samples;
-2. perturb the trainer's weights (the same noise on every rank), sync, generate
-   again: mismatch and the rollout/trainer importance ratio right after a sync;
+2. three times: perturb the trainer's weights (the same noise on every rank),
+   sync, generate again: mismatch and the rollout/trainer importance ratio right
+   after each sync (a second and third sync must not reuse stale state);
 3. greedy generations of fixed prompts from the synced engine, and the perturbed
    model exported as an HF checkpoint, for a fresh engine to compare against.
 Rank 0 writes <out>.json; the checkpoint goes to <out>_hf/.
@@ -39,14 +40,17 @@ def main():
     run = build_run(args, context)
     report = {"before": measure(run, 0)}
 
-    if run.actor is not None:
-        generator = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for param in run.actor.model.parameters():
-                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    synced = phases.sync(run)
-    report["sync"] = {"sync_seconds": synced.seconds, **synced.metrics}
-    report["after"] = measure(run, 1)
+    generator = torch.Generator().manual_seed(7)
+    report["syncs"] = []
+    for step in (1, 2, 3):  # the broadcast sync keeps its plan and buffers from the first sync on
+        if run.actor is not None:
+            with torch.no_grad():
+                for param in run.actor.model.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+        synced = phases.sync(run)
+        report["syncs"].append({"sync": {"sync_seconds": synced.seconds, **synced.metrics},
+                                "after": measure(run, step)})
+    report["sync"], report["after"] = report["syncs"][0]["sync"], report["syncs"][0]["after"]
 
     if run.rollout is not None:
         from megarl.prompts import render_chat
