@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 
 import torch
 from dataclasses import dataclass, field
@@ -199,7 +200,7 @@ def _load_in_place(worker, weights) -> None:
     the only post-load step that matters is the CPU GEMM dispatch, which packs
     each linear weight into a oneDNN handle and drops the parameter. So here
     the parameters stay: a dropped linear weight is materialized once from
-    vLLM's recorded metadata and kept (`_kept_weights`), each sync copies into
+    vLLM's recorded metadata and kept (`_kept_weight`), each sync copies into
     it through the model's `load_weights` (the same loaders as the first load:
     fused qkv / gate_up, TP shards, tied embeddings) and then reruns the layer's
     post-load processing (a repack on CPU, a no-op on GPU for these methods).
@@ -212,22 +213,54 @@ def _load_in_place(worker, weights) -> None:
                                            is_checkpoint_format=True)
         _refresh_tied_output_layer(worker)
         return
-    for layer, weight in layers:
+    by_block = {}
+    for layer, weight, block in layers:
         if weight is not None:
             layer.weight = weight
+        by_block.setdefault(block, []).append(layer)
+    pending = set(by_block)
+
+    def process(block):
+        for layer in by_block.get(block, ()):
+            layer.quant_method.process_weights_after_loading(layer)
+        pending.discard(block)
+
+    def stream():
+        """Process a decoder block's layers once the stream has moved past it: the loaders
+        pull the next tensor only after copying the last one, and the repack of one block
+        then overlaps the transfer of the next (broadcast sync)."""
+        current = None
+        for name, tensor in weights:
+            block = _block_of(name)
+            if block != current:
+                if current is not None:
+                    process(current)
+                pending.add(block)  # a block seen again is processed again
+                current = block
+            yield name, tensor
+
     with torch.no_grad():
-        loaded = model.load_weights(weights)
+        loaded = model.load_weights(stream())
     expected = worker._megarl_param_names
     if loaded is not None and set(loaded) != expected:
         raise RuntimeError(f"weight sync: the stream left vLLM parameters unloaded: "
                            f"{sorted(expected - set(loaded))[:8]}, or loaded unknown ones: "
                            f"{sorted(set(loaded) - expected)[:8]}")
-    for layer, _ in layers:
-        layer.quant_method.process_weights_after_loading(layer)
+    for block in list(pending):
+        process(block)
+
+
+_BLOCK = re.compile(r"(.*?\.layers\.\d+)\.")
+
+
+def _block_of(name: str) -> str | None:
+    """'model.layers.3' for 'model.layers.3.mlp.down_proj.weight' (the same in HF and vLLM names); None outside blocks."""
+    match = _BLOCK.match(name)
+    return match.group(1) if match else None
 
 
 def _in_place_layers(worker):
-    """[(layer, kept weight or None)] for every layer whose weights `_load_in_place` reprocesses;
+    """[(layer, kept weight or None, block)] for every layer whose weights `_load_in_place` reprocesses;
     None when the model must take `reload_weights`. Built on the first call and cached on the worker."""
     if hasattr(worker, "_megarl_in_place"):
         return worker._megarl_in_place
@@ -241,7 +274,7 @@ def _in_place_layers(worker):
     if config.model_config.quantization is None and config.lora_config is None:
         layers = []
         head = getattr(model, "lm_head", None)
-        for layer in model.modules():
+        for module_name, layer in model.named_modules():
             method = getattr(layer, "quant_method", None)
             if method is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
                 continue
@@ -252,7 +285,7 @@ def _in_place_layers(worker):
             if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
                 layers = None  # some other post-load processing: leave it to vLLM
                 break
-            layers.append((layer, _kept_weight(layer)))
+            layers.append((layer, _kept_weight(layer), _block_of(module_name + ".")))
     worker._megarl_in_place = layers
     worker._megarl_param_names = {name for name, _ in model.named_parameters()}
     return layers
