@@ -7,7 +7,12 @@ Runs two torchrun launches and prints, measured side by side in each run:
              the same bytes into a preallocated buffer (ratio, bytes/s);
   separate   broadcast sync from the train rank to the rollout rank vs a raw
              gloo broadcast of the same bytes (ratio, bytes/s).
-It prints; it asserts nothing. Timings are medians of --repeats.
+Each also prints how much of the sync is the rollout engine's own post-load
+processing (on CPU vLLM repacks every linear weight into a oneDNN GEMM handle,
+which a fresh engine pays as well; on GPU it is a no-op for unquantized models),
+and the ratio without it. It prints; it asserts nothing. Timings are medians of
+--repeats, taken interleaved (sync, baseline, repack, sync, ...) after one
+first sync (which also builds the broadcast plan and buffers; printed apart).
 --profile adds one more sync per rank under cProfile and prints each
 rank's top functions (cumulative time) after each placement's line.
 """
@@ -79,20 +84,19 @@ def worker(model_dir, placement, repeats, out, profile=False):
         actor = SimpleNamespace(hf_weights=lambda bucket_bytes: iter_hf_weights(model, hf_config, bucket_bytes))
     bucket = int(args.sync_bucket_mb * 2**20)
     sync = build_weight_sync(context, bucket)  # the strategy the placement picks, as in train.py
-    stats = []
-    result = {"sync_s": median_seconds(lambda: stats.append(sync.sync(actor, engine)), repeats)}
-    nbytes = stats[-1].bytes
+    start = time.perf_counter()
+    nbytes = sync.sync(actor, engine).bytes  # the first sync also builds what later syncs reuse
+    result = {"first_sync_s": time.perf_counter() - start}
     if placement == "colocate":
         params = [p.detach() for p in model.parameters()]
         buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
 
-        def plain_copy():
+        def baseline():
             offset = 0
             for p in params:
                 buffer[offset: offset + p.numel()].copy_(p.reshape(-1))
                 offset += p.numel()
 
-        result["baseline_s"] = median_seconds(plain_copy, repeats)
         result["baseline"] = "plain copy of the model's bytes"
     else:
         group = distributed.new_store_group("bench", context, (0, 1))
@@ -100,8 +104,20 @@ def worker(model_dir, placement, repeats, out, profile=False):
         group.broadcast(sizes[0], 0).wait()
         nbytes = int(sizes[0].item())
         flat = torch.empty(nbytes // 4, dtype=torch.float32)
-        result["baseline_s"] = median_seconds(lambda: group.broadcast(flat, 0).wait(), repeats)
+
+        def baseline():
+            group.broadcast(flat, 0).wait()
+
         result["baseline"] = "raw gloo broadcast of the same bytes"
+    # Interleaved, so that the host's load drifts over all three alike.
+    measured = {"sync_s": lambda: sync.sync(actor, engine), "baseline_s": baseline}
+    if engine is not None:  # the part of a sync that is the engine's own post-load processing (CPU: GEMM repacking)
+        measured["repack_s"] = lambda: engine.llm.collective_rpc(_reprocess)
+    times = {key: [] for key in measured}
+    for _ in range(repeats):
+        for key, fn in measured.items():
+            times[key].append(median_seconds(fn, 1))
+    result.update({key: statistics.median(values) for key, values in times.items()})
     result["bytes"] = nbytes
     if profile:
         import cProfile
@@ -120,6 +136,16 @@ def worker(model_dir, placement, repeats, out, profile=False):
         with open(out, "w") as f:
             json.dump(gathered, f)
     release_shared_memory()
+
+
+def _reprocess(worker):
+    """Rerun the post-load processing `_load_in_place` runs after loading (no load)."""
+    from megarl.rollout import _in_place_layers
+
+    for layer, kept, _ in _in_place_layers(worker) or []:
+        if kept is not None:
+            layer.weight = kept
+        layer.quant_method.process_weights_after_loading(layer)
 
 
 def main():
@@ -157,6 +183,10 @@ def main():
             print(f"{placement:9s} sync {result['sync_s']:.3f}s ({gib / result['sync_s']:.2f} GiB/s) | "
                   f"{result['baseline']} {result['baseline_s']:.3f}s ({gib / result['baseline_s']:.2f} GiB/s) | "
                   f"ratio sync/baseline {result['sync_s'] / result['baseline_s']:.1f}x | {gib:.2f} GiB")
+            repack = max(r.get("repack_s", 0.0) for r in ranks)
+            print(f"{'':9s} first sync {result['first_sync_s']:.3f}s | the engine's post-load processing alone "
+                  f"(CPU GEMM repack) {repack:.3f}s | ratio without it "
+                  f"{(result['sync_s'] - repack) / result['baseline_s']:.1f}x")
             for rank, ranked in enumerate(ranks if options.profile else []):
                 print(f"rank {rank}: profiled sync {ranked['profile_s']:.3f}s\n{ranked['profile']}")
 
