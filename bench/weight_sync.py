@@ -3,7 +3,7 @@
     python bench/weight_sync.py [--hidden 1024 --layers 12 --repeats 3] [--only colocate|separate] [--profile]
 
 Runs two torchrun launches and prints, measured side by side in each run:
-  colocated  sync (TP gather + HF conversion + vLLM reload) vs a plain copy of
+  colocated  sync (TP gather + HF conversion + in-place vLLM load) vs a plain copy of
              the same bytes into a preallocated buffer (ratio, bytes/s);
   separate   broadcast sync from the train rank to the rollout rank vs a raw
              gloo broadcast of the same bytes (ratio, bytes/s).
@@ -11,8 +11,10 @@ Each also prints how much of the sync is the rollout engine's own post-load
 processing (on CPU vLLM repacks every linear weight into a oneDNN GEMM handle,
 which a fresh engine pays as well; on GPU it is a no-op for unquantized models),
 and the ratio without it. It prints; it asserts nothing. Timings are medians of
---repeats, taken interleaved (sync, baseline, repack, sync, ...) after one
-first sync (which also builds the broadcast plan and buffers; printed apart).
+--repeats, taken interleaved (sync, baseline, repack, sync, ...), both ranks
+starting each together, after one first sync (which also builds the broadcast
+plan and buffers; printed apart). The repack is timed on its own, so on a busy
+host "ratio without it" is indicative only.
 --profile adds one more sync per rank under cProfile and prints each
 rank's top functions (cumulative time) after each placement's line.
 """
@@ -87,6 +89,8 @@ def worker(model_dir, placement, repeats, out, profile=False):
     start = time.perf_counter()
     nbytes = sync.sync(actor, engine).bytes  # the first sync also builds what later syncs reuse
     result = {"first_sync_s": time.perf_counter() - start}
+    group = distributed.new_store_group("bench", context, (0, 1))
+    token = torch.zeros(1)
     if placement == "colocate":
         params = [p.detach() for p in model.parameters()]
         buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
@@ -99,7 +103,6 @@ def worker(model_dir, placement, repeats, out, profile=False):
 
         result["baseline"] = "plain copy of the model's bytes"
     else:
-        group = distributed.new_store_group("bench", context, (0, 1))
         sizes = [torch.tensor([nbytes], dtype=torch.int64)]
         group.broadcast(sizes[0], 0).wait()
         nbytes = int(sizes[0].item())
@@ -109,16 +112,19 @@ def worker(model_dir, placement, repeats, out, profile=False):
             group.broadcast(flat, 0).wait()
 
         result["baseline"] = "raw gloo broadcast of the same bytes"
-    # Interleaved, so that the host's load drifts over all three alike.
-    measured = {"sync_s": lambda: sync.sync(actor, engine), "baseline_s": baseline}
-    if engine is not None:  # the part of a sync that is the engine's own post-load processing (CPU: GEMM repacking)
-        measured["repack_s"] = lambda: engine.llm.collective_rpc(_reprocess)
+    # Interleaved, so that the host's load drifts over all three alike; both ranks start each one together.
+    measured = {"sync_s": lambda: sync.sync(actor, engine), "baseline_s": baseline,
+                # the part of a sync that is the engine's own post-load processing (CPU: GEMM repacking)
+                "repack_s": lambda: engine.llm.collective_rpc(_reprocess) if engine is not None else None}
     times = {key: [] for key in measured}
     for _ in range(repeats):
         for key, fn in measured.items():
+            group.broadcast(token, 0).wait()
             times[key].append(median_seconds(fn, 1))
     result.update({key: statistics.median(values) for key, values in times.items()})
     result["bytes"] = nbytes
+    if engine is None:
+        del result["repack_s"]
     if profile:
         import cProfile
         import io
