@@ -190,7 +190,8 @@ def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterat
     `bucket_bytes` (one all-gather per bucket) and, with pipeline parallelism,
     broadcast from the stage that owns them. At most one bucket is held at a
     time. The order is the model's (stage by stage, layer by layer), rebuilt on
-    every call.
+    every call. Tensors may be views of the model's parameters or of the
+    bucket: consumers copy what they keep.
     """
     from megatron.core import parallel_state
 
