@@ -86,8 +86,9 @@ def run_trl(python: str, model: str, mode: str, steps: int, workdir: str) -> dic
            "VLLM_LOGGING_LEVEL": "WARNING"}
     result = subprocess.run([python, os.path.join(ROOT, "bench/trl_grpo.py"), "--model", model, "--mode", mode,
                              "--steps", str(steps), "--out", out], cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        return {"error": (result.stdout + result.stderr).strip().splitlines()[-1:]}
+    if result.returncode != 0:  # the exception's own line, not the progress bar's last frame
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        return {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")}
     with open(out) as f:
         return json.load(f)
 
@@ -164,7 +165,7 @@ def main():
                 started = time.perf_counter()
                 trl[mode] = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir)
                 print(f"TRL {mode}: ran in {time.perf_counter() - started:.0f} s"
-                      f"{'; failed: ' + str(trl[mode]['error']) if 'error' in trl[mode] else ''}", flush=True)
+                      f"{'; failed: ' + trl[mode]['error'] if 'error' in trl[mode] else ''}", flush=True)
         bare = bare_vllm_seconds(args.model_dir)
         rate = matmul_flops_per_second()
 
