@@ -24,10 +24,10 @@ def die():
 original_update, original_run_state = phases.update, checkpoint._run_state
 
 
-def update_then_die(run, batch, step):
+def update_then_die(run, batch, step, *args, **kwargs):
     if WHERE == "train" and IS_RANK_0 and step + 1 == AT:
         die()
-    return original_update(run, batch, step)
+    return original_update(run, batch, step, *args, **kwargs)
 
 
 def run_state_then_die(run, completed_steps):
