@@ -57,6 +57,14 @@ def round_trip(make_role, micro_batches, offload: bool) -> dict:
     return report
 
 
+def write_report(path: str, report: dict) -> None:
+    """Rank 0 writes the report; every rank waits for it."""
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+
+
 def train_ranks(argv: list[str], count: int = 8):
     """(args, context, hf_config, the fixed batch of `count` samples, this rank's data-parallel share of it)
     on train ranks started from the command line `argv`, Megatron's parallel state built."""
@@ -84,10 +92,7 @@ def main():
     for name, make_role in (("actor", lambda: Actor(args, hf_config)), ("critic", lambda: Critic(args, hf_config))):
         report[name] = {"plain": round_trip(make_role, micro_batches, offload=False),
                         "offloaded": round_trip(make_role, micro_batches, offload=True)}
-    if dist.get_rank() == 0:
-        with open(f"{out}.json", "w") as f:
-            json.dump(report, f)
-    dist.barrier()
+    write_report(f"{out}.json", report)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,12 @@ packed, both). Every layout starts from the same checkpoint. Rank 0 writes <out>
 the response-aligned logprobs and values before the update, the actor's and critic's train_step
 metrics, the micro-batch counts of every rank and the padding tokens."""
 
-import json
 import os
 import sys
 
-import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from offload_worker import train_ranks  # noqa: E402
+from offload_worker import train_ranks, write_report  # noqa: E402
 
 from megarl import distributed  # noqa: E402
 from megarl.model_runner import make_micro_batches  # noqa: E402
@@ -45,10 +42,7 @@ def main():
             "critic": [critic.train_step(micro_batches) for _ in range(2)],
             "micro_batches": counts,
             "padding": sum(b.padding_tokens() for b in micro_batches)}
-    if dist.get_rank() == 0:
-        with open(f"{out}.json", "w") as f:
-            json.dump(report, f)
-    dist.barrier()
+    write_report(f"{out}.json", report)
 
 
 if __name__ == "__main__":
