@@ -86,6 +86,21 @@ BOXED_TABLE = [
     (r"\boxed{7}", None, 0.0, "bad gt_answer"),
 ]
 
+# Forms `normalize_answer` rewrites before math-verify sees them: each right form scores 1, a wrong one 0.
+NORMALISED_TABLE = [
+    # digit-group spacing (math-verify alone reads 1\,000 as 1*000 = 0)
+    (r"\boxed{1\,000\,000}", "1000000", 1.0, "correct"),
+    (r"\boxed{1\,000\,000}", "1000", 0.0, "wrong answer"),
+    (r"\boxed{1\,000}", "0", 0.0, "wrong answer"),  # scored 1 before: 1*000
+    (r"\boxed{-1\,000.5}", "-1000.5", 1.0, "correct"),
+    (r"\boxed{1\,000\text{ m}}", "1000", 1.0, "correct"),
+    (r"\boxed{1000000}", r"1\,000\,000", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{1000}", r"1\,000\,000", 0.0, "wrong answer"),
+    (r"\boxed{12\,34}", "1234", 0.0, "wrong answer"),  # not a group of three: left as it is (12*34)
+    (r"\boxed{2\,x}", "2x", 1.0, "correct"),  # spacing before a letter is left alone
+    (r"\boxed{2\,x}", "2", 0.0, "wrong answer"),
+]
+
 # (response, gt_answer, score, reason); a well-formed wrong answer earns the 0.1 format score.
 TAGS_TABLE = [
     ("<think>1 + 1 is 2</think><answer>2</answer>", "2", 1.0, "correct"),
@@ -122,6 +137,20 @@ def test_boxed(response, gt, score, reason):
     assert boxed(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
 
 
+@pytest.mark.parametrize("response,gt,score,reason", NORMALISED_TABLE, ids=_ids(NORMALISED_TABLE))
+def test_normalised_forms(response, gt, score, reason):
+    assert boxed(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
+
+
+@pytest.mark.parametrize("sep", [r"\,", r"\ ", r"\!", "~", "{,}", r"\;", r"\:", r"\>", r"\thinspace ", " ", r"\, "])
+def test_digit_group_separators(sep):
+    """Every spacing form between thousands groups reads as one number, on either side."""
+    number = f"1{sep}234{sep}567"
+    assert boxed(f"\\boxed{{{number}}}", {"gt_answer": "1234567"}) == math_rewards.RewardOutput(1.0, "correct")
+    assert boxed(f"\\boxed{{{number}}}", {"gt_answer": "1234"}) == math_rewards.RewardOutput(0.0, "wrong answer")
+    assert boxed("\\boxed{1234567}", {"gt_answer": number}) == math_rewards.RewardOutput(1.0, "correct")
+
+
 @pytest.mark.parametrize("response,gt,score,reason", TAGS_TABLE, ids=_ids(TAGS_TABLE))
 def test_think_answer_tags(response, gt, score, reason):
     assert tags(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
@@ -145,9 +174,9 @@ def test_factories_set_the_score_convention():
 
 def test_worker_threads_score_like_the_main_thread():
     """From a ThreadPoolExecutor (no SIGALRM there) the verdicts come from helper processes: same table."""
-    rows = BOXED_TABLE[::4] + TAGS_TABLE[::4]
+    rows = BOXED_TABLE[::4] + NORMALISED_TABLE + TAGS_TABLE[::4]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda r: (boxed if r in BOXED_TABLE else tags)(r[0], {"gt_answer": r[1]}), rows))
+        results = list(pool.map(lambda r: (tags if r in TAGS_TABLE else boxed)(r[0], {"gt_answer": r[1]}), rows))
     assert [(out.score, out.reason) for out in results] == [(score, reason) for _, _, score, reason in rows]
 
 

@@ -48,6 +48,17 @@ words parse as products of single-letter symbols, so ``five`` != ``5`` while
 ``\\text{5 cm}`` is one symbol, not 5; ``2.`` is unparsable; floats compare at 6
 decimals, so ``0.333`` != ``1/3`` but ``0.3333333`` = ``1/3``.
 
+Normalisation (`normalize_answer`, applied to both the answer and the ground
+truth inside `_judge`, so both judge paths below apply it): rewrites forms that
+math-verify misreads, each only where the reading is unambiguous:
+  - digit-group spacing: a run of ``\\,`` ``\\:`` ``\\;`` ``\\>`` ``\\!`` ``\\ `` ``~``
+    ``{,}`` ``\\thinspace`` or plain spaces between a digit and exactly three
+    digits (not followed by a fourth) is dropped: ``1\\,000\\,000`` = ``1000000``
+    (math-verify alone reads ``1\\,000`` as ``1*000`` = 0). A group of three
+    digits after a space can only be thousands; anything else is left alone:
+    ``2\\,x`` stays ``2x``, ``12\\,34`` stays ``12*34``, and a shorter last group
+    of decimals (``3.141\\,59``) is not joined.
+
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
 which only works in the main thread (elsewhere it raises), so its timeouts are
@@ -162,14 +173,28 @@ def _judge(answer: str, gt_answer) -> str:
     if gt_answer is None or not str(gt_answer).strip():
         return "bad gt_answer"
     # Timeouts off: they are SIGALRM-based (main thread only); the callers bound the time instead.
-    gold = parse(f"\\boxed{{{gt_answer}}}", parsing_timeout=None)
+    gold = parse(f"\\boxed{{{normalize_answer(str(gt_answer))}}}", parsing_timeout=None)
     if not gold:
         return "bad gt_answer"
-    pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+    pred = parse(f"\\boxed{{{normalize_answer(answer)}}}", parsing_timeout=None)
     if pred and verify(gold, pred, timeout_seconds=None):
         return "correct"
     # parse() falls back to the raw string when sympy fails; string-only means nothing parsed.
     return "wrong answer" if any(not isinstance(p, str) for p in pred) else "unparsable"
+
+
+# ---------------------------------------------------------- normalisation ----
+
+# Spacing that typesets a digit-group separator: \, \: \; \> \! \<space> ~ {,} \thinspace.
+_SPACING = r"(?:\\[,:;>! ]|~|\{,\}|\\thinspace(?![a-zA-Z]))"
+# A run of them and of plain spaces (TeX ignores those in math mode), between a digit and exactly three digits.
+_DIGIT_GROUP_SEPARATOR = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\d{{3}}(?!\d))")
+
+
+def normalize_answer(text: str) -> str:
+    """`text` with the forms math-verify misreads rewritten (see the module docstring), applied to both sides."""
+    # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
+    return _DIGIT_GROUP_SEPARATOR.sub("", text)
 
 
 class _Timeout(BaseException):
