@@ -99,6 +99,25 @@ NORMALISED_TABLE = [
     (r"\boxed{12\,34}", "1234", 0.0, "wrong answer"),  # not a group of three: left as it is (12*34)
     (r"\boxed{2\,x}", "2x", 1.0, "correct"),  # spacing before a letter is left alone
     (r"\boxed{2\,x}", "2", 0.0, "wrong answer"),
+    # repeating decimals, graded as the exact fraction (math-verify alone: unparsable, or 0.1(6) = 0.1*6)
+    (r"\boxed{0.\overline{3}}", r"\frac{1}{3}", 1.0, "correct"),
+    (r"\boxed{0.\overline{3}}", "0.3", 0.0, "wrong answer"),
+    (r"\boxed{1.2\overline{45}}", r"\frac{137}{110}", 1.0, "correct"),
+    (r"\boxed{1.2\overline{45}}", "1.245", 0.0, "wrong answer"),
+    (r"\boxed{-.\bar 6}", r"-\frac{2}{3}", 1.0, "correct"),
+    (r"\boxed{0.(3)}", r"\frac{1}{3}", 1.0, "correct"),
+    (r"\boxed{0.(3)}", "0.3", 0.0, "wrong answer"),
+    (r"\boxed{0.1(6)}", r"\frac{1}{6}", 1.0, "correct"),
+    (r"\boxed{0.1(6)}", "0.6", 0.0, "wrong answer"),  # scored 1 before: 0.1*6
+    (r"\boxed{0.1\dot{6}}", r"\frac{1}{6}", 1.0, "correct"),
+    (r"\boxed{0.1\dot{6}}", "0.16", 0.0, "wrong answer"),
+    (r"\boxed{0.\dot{1}4\dot{2}}", r"\frac{142}{999}", 1.0, "correct"),  # dots over a repetend's ends
+    (r"\boxed{0.\dot{1}4\dot{2}}", r"\frac{1}{7}", 0.0, "wrong answer"),
+    (r"\boxed{0.\overline{9}}", "1", 1.0, "correct"),
+    (r"\boxed{\frac{1}{3}}", r"0.\overline{3}", 1.0, "correct"),  # a repeating ground truth
+    (r"\boxed{0.3}", r"0.\overline{3}", 0.0, "wrong answer"),
+    (r"\boxed{(0.5,(3))}", "(0.5,3)", 1.0, "correct"),  # a parenthesised tuple member is not a repetend
+    (r"\boxed{\overline{12}}", r"\frac{4}{33}", 0.0, "wrong answer"),  # no decimal point: not a repetend
 ]
 
 # (response, gt_answer, score, reason); a well-formed wrong answer earns the 0.1 format score.

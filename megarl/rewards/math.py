@@ -58,6 +58,14 @@ math-verify misreads, each only where the reading is unambiguous:
     digits after a space can only be thousands; anything else is left alone:
     ``2\\,x`` stays ``2x``, ``12\\,34`` stays ``12*34``, and a shorter last group
     of decimals (``3.141\\,59``) is not joined.
+  - repeating decimals become the exact fraction: ``0.\\overline{3}`` =
+    ``0.\\bar 3`` = ``0.(3)`` = ``1/3``, ``1.2\\overline{45}`` = ``137/110``,
+    ``0.1\\dot{6}`` = ``1/6``, ``0.\\dot{1}4\\dot{2}`` = ``142/999`` (UK dots mark the
+    repetend's first and last digits). Only right after a decimal point and its
+    digits, with no space: ``(0.5,(3))`` stays a tuple and ``\\overline{12}`` (a
+    digit string, or a segment) is untouched. ``0.1(6)`` is thus never the
+    product ``0.1*6`` nor physics' uncertainty notation (``1.23(4)`` = 1.23 +- 0.04);
+    neither is a plausible final answer to a math problem.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -86,6 +94,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 
 from megarl.rewards import RewardOutput, register_reward
@@ -190,11 +199,30 @@ _SPACING = r"(?:\\[,:;>! ]|~|\{,\}|\\thinspace(?![a-zA-Z]))"
 # A run of them and of plain spaces (TeX ignores those in math mode), between a digit and exactly three digits.
 _DIGIT_GROUP_SEPARATOR = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\d{{3}}(?!\d))")
 
+# A decimal (not inside a longer word or number) whose digits end in a marked repetend:
+# 0.1\overline{6}, 0.1\bar 6, 0.1(6), 0.1\dot{6}, or 0.\dot{1}4\dot{2} (dots over its first and last digits).
+_REPEATING_DECIMAL = re.compile(
+    r"(?<![\w.])(?P<whole>\d*)\.(?P<fixed>\d*)(?:"
+    r"\\(?:overline|bar)\s*(?:\{(?P<bar>\d+)\}|(?P<bar1>\d))"
+    r"|\((?P<paren>\d+)\)"
+    r"|\\dot\s*\{?(?P<dot>\d)\}?(?:(?P<mid>\d*)\\dot\s*\{?(?P<last>\d)\}?)?)")
+
 
 def normalize_answer(text: str) -> str:
     """`text` with the forms math-verify misreads rewritten (see the module docstring), applied to both sides."""
     # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
-    return _DIGIT_GROUP_SEPARATOR.sub("", text)
+    text = _DIGIT_GROUP_SEPARATOR.sub("", text)
+    # math-verify cannot parse 0.\overline{3} and reads 0.1(6) as 0.1*6: write the exact fraction instead.
+    return _REPEATING_DECIMAL.sub(_repeating_decimal_as_fraction, text)
+
+
+def _repeating_decimal_as_fraction(match: re.Match) -> str:
+    """``\\frac{p}{q}`` equal to the matched repeating decimal: 0.1(6) = (16 - 1) / 90 = 1/6."""
+    repetend = (match["bar"] or match["bar1"] or match["paren"]
+                or match["dot"] + (match["mid"] + match["last"] if match["last"] else ""))
+    fixed = (match["whole"] or "0") + match["fixed"]
+    value = Fraction(int(fixed + repetend) - int(fixed), 10 ** len(match["fixed"]) * (10 ** len(repetend) - 1))
+    return f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
 
 
 class _Timeout(BaseException):
