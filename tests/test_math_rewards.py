@@ -44,7 +44,6 @@ BOXED_TABLE = [
     (r"The answer is \boxed 5", "5", 0.0, "no box"),  # braces required (documented)
     (r"\boxed{5} and then \boxed{\frac{1}{2", "5", 0.0, "unclosed box"),  # truncated
     (r"\boxed{}", "5", 0.0, "unparsable"),
-    (r"\boxed{2.}", "2", 0.0, "unparsable"),  # quirk
     # words
     (r"\boxed{five}", "5", 0.0, "wrong answer"),
     (r"\boxed{\text{five}}", "5", 0.0, "wrong answer"),
@@ -63,6 +62,13 @@ BOXED_TABLE = [
     (r"\boxed{5}", "5.0", 1.0, "correct"),
     (r"\boxed{5.00}", "5", 1.0, "correct"),
     (r"\boxed{1,000}", "1000", 1.0, "correct"),
+    (r"\boxed{1,\!000}", "1000", 1.0, "correct"),  # the MATH dataset's thousands separator
+    (r"\boxed{1,\!000}", "1", 0.0, "wrong answer"),
+    (r"\boxed{042}", "42", 1.0, "correct"),  # AIME answers are written with three digits
+    (r"\boxed{042}", "420", 0.0, "wrong answer"),
+    (r"\boxed{\$10.50}", "10.5", 1.0, "correct"),
+    (r"\boxed{\$10.50}", "1050", 0.0, "wrong answer"),
+    (r"\boxed{\tfrac{1}{2}}", "0.5", 1.0, "correct"),
     (r"\boxed{1e6}", "1000000", 0.0, "wrong answer"),  # quirk: e is Euler's number
     (r"\boxed{0.333}", r"\frac{1}{3}", 0.0, "wrong answer"),  # floats compared at 6 decimals
     (r"\boxed{0.3333333}", r"\frac{1}{3}", 1.0, "correct"),
@@ -74,6 +80,8 @@ BOXED_TABLE = [
     (r"\boxed{\{2,1\}}", r"\{1,2\}", 1.0, "correct"),
     (r"\boxed{[1,2)}", "[1,2)", 1.0, "correct"),
     (r"\boxed{(1,2)}", "[1,2)", 0.0, "wrong answer"),
+    (r"\boxed{\left( 1, 2 \right)}", "(1,2)", 1.0, "correct"),
+    (r"\boxed{\left( 1, 2 \right)}", "(2,1)", 0.0, "wrong answer"),
     (r"\boxed{x=3}", "3", 1.0, "correct"),
     (r"\boxed{2+2}", "4", 1.0, "correct"),
     (r"\boxed{\pi}", "3.14", 0.0, "wrong answer"),
@@ -118,6 +126,21 @@ NORMALISED_TABLE = [
     (r"\boxed{0.3}", r"0.\overline{3}", 0.0, "wrong answer"),
     (r"\boxed{(0.5,(3))}", "(0.5,3)", 1.0, "correct"),  # a parenthesised tuple member is not a repetend
     (r"\boxed{\overline{12}}", r"\frac{4}{33}", 0.0, "wrong answer"),  # no decimal point: not a repetend
+    # a trailing full stop (math-verify alone: unparsable)
+    (r"\boxed{2.}", "2", 1.0, "correct"),
+    (r"\boxed{3.}", "2", 0.0, "wrong answer"),
+    (r"\boxed{(1,2).}", "(1,2)", 1.0, "correct"),
+    (r"\boxed{(1,3).}", "(1,2)", 0.0, "wrong answer"),
+    # the Unicode degree sign (math-verify alone: unparsable)
+    (r"\boxed{45°}", "45", 1.0, "correct"),
+    (r"\boxed{45°}", r"90^\circ", 0.0, "wrong answer"),
+    # \varnothing (math-verify alone: not equal to \emptyset)
+    (r"\boxed{\varnothing}", r"\emptyset", 1.0, "correct"),
+    (r"\boxed{\emptyset}", r"\varnothing", 1.0, "correct"),
+    (r"\boxed{\varnothing}", r"\{0\}", 0.0, "wrong answer"),
+    # spacing before \% (math-verify alone: unparsable)
+    (r"\boxed{5\,\%}", "5", 1.0, "correct"),
+    (r"\boxed{5\,\%}", "50", 0.0, "wrong answer"),
 ]
 
 # (response, gt_answer, score, reason); a well-formed wrong answer earns the 0.1 format score.

@@ -45,8 +45,8 @@ gold that is already boxed or in ``$...$`` still parses when wrapped. So
 ``50\\%`` = ``50`` = ``0.5``. Known math-verify behaviour (tests pin it down):
 words parse as products of single-letter symbols, so ``five`` != ``5`` while
 ``yes`` = ``Yes`` (and anagrams are equal); ``1e6`` is ``1*e*6`` (Euler's e);
-``\\text{5 cm}`` is one symbol, not 5; ``2.`` is unparsable; floats compare at 6
-decimals, so ``0.333`` != ``1/3`` but ``0.3333333`` = ``1/3``.
+``\\text{5 cm}`` is one symbol, not 5; floats compare at 6 decimals, so
+``0.333`` != ``1/3`` but ``0.3333333`` = ``1/3``.
 
 Normalisation (`normalize_answer`, applied to both the answer and the ground
 truth inside `_judge`, so both judge paths below apply it): rewrites forms that
@@ -66,6 +66,19 @@ math-verify misreads, each only where the reading is unambiguous:
     digit string, or a segment) is untouched. ``0.1(6)`` is thus never the
     product ``0.1*6`` nor physics' uncertainty notation (``1.23(4)`` = 1.23 +- 0.04);
     neither is a plausible final answer to a math problem.
+  - one trailing full stop is dropped (``2.`` and ``(1,2).`` are unparsable
+    otherwise); ``...`` is an ellipsis and stays.
+  - the Unicode degree sign becomes ``^{\\circ}`` (``45°`` = ``45``), and
+    ``\\varnothing`` becomes ``\\emptyset`` (math-verify alone has
+    ``\\emptyset`` = ``\\{\\}`` but ``\\varnothing`` != ``\\emptyset``).
+  - spacing before ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI style; unparsable
+    otherwise).
+math-verify already handles, so these are left to it (tests pin them down):
+``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
+``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
+leading zeros (AIME's ``042`` = ``42``). Still not read, as rare in final
+answers or ambiguous: ``45°C`` (``45*C``), ordinals ``5^{\\text{th}}``,
+``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``, Unicode ``√ ½ ·``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -207,9 +220,18 @@ _REPEATING_DECIMAL = re.compile(
     r"|\((?P<paren>\d+)\)"
     r"|\\dot\s*\{?(?P<dot>\d)\}?(?:(?P<mid>\d*)\\dot\s*\{?(?P<last>\d)\}?)?)")
 
+_SPACE_BEFORE_PERCENT = re.compile(rf"(?:\s|{_SPACING})+(?=\\%)")
+_TRAILING_PERIOD = re.compile(r"(?<![.\\])\.\s*$")  # one period: "..." is an ellipsis, "\." an accent
+
 
 def normalize_answer(text: str) -> str:
     """`text` with the forms math-verify misreads rewritten (see the module docstring), applied to both sides."""
+    # A sentence's full stop: math-verify cannot parse "2." nor "(1,2).".
+    text = _TRAILING_PERIOD.sub("", text)
+    # Unicode degrees and \varnothing: math-verify knows ^\circ and \emptyset only (\varnothing != \emptyset there).
+    text = text.replace("°", "^{\\circ}").replace("\\varnothing", "\\emptyset")
+    # "5\,\%" (SI style) is unparsable, "5\%" is 5.
+    text = _SPACE_BEFORE_PERCENT.sub("", text)
     # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
     text = _DIGIT_GROUP_SEPARATOR.sub("", text)
     # math-verify cannot parse 0.\overline{3} and reads 0.1(6) as 0.1*6: write the exact fraction instead.
