@@ -71,8 +71,8 @@ math-verify misreads, each only where the reading is unambiguous:
   - the Unicode degree sign becomes ``^{\\circ}`` (``45°`` = ``45``), and
     ``\\varnothing`` becomes ``\\emptyset`` (math-verify alone has
     ``\\emptyset`` = ``\\{\\}`` but ``\\varnothing`` != ``\\emptyset``).
-  - spacing before ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI style; unparsable
-    otherwise).
+  - spacing between a digit and ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI
+    style; unparsable otherwise).
 math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
@@ -220,7 +220,7 @@ _REPEATING_DECIMAL = re.compile(
     r"|\((?P<paren>\d+)\)"
     r"|\\dot\s*\{?(?P<dot>\d)\}?(?:(?P<mid>\d*)\\dot\s*\{?(?P<last>\d)\}?)?)")
 
-_SPACE_BEFORE_PERCENT = re.compile(rf"(?:\s|{_SPACING})+(?=\\%)")
+_SPACE_BEFORE_PERCENT = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\\%)")
 _TRAILING_PERIOD = re.compile(r"(?<![.\\])\.\s*$")  # one period: "..." is an ellipsis, "\." an accent
 
 
@@ -230,7 +230,7 @@ def normalize_answer(text: str) -> str:
     text = _TRAILING_PERIOD.sub("", text)
     # Unicode degrees and \varnothing: math-verify knows ^\circ and \emptyset only (\varnothing != \emptyset there).
     text = text.replace("°", "^{\\circ}").replace("\\varnothing", "\\emptyset")
-    # "5\,\%" (SI style) is unparsable, "5\%" is 5.
+    # "5\,\%" (SI style) is unparsable, "5\%" is 5. Only after a digit, so a long run of spaces is scanned once.
     text = _SPACE_BEFORE_PERCENT.sub("", text)
     # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
     text = _DIGIT_GROUP_SEPARATOR.sub("", text)
