@@ -10,7 +10,8 @@ With CUDA present `apply_megatron_shims()` does nothing.
 GPU-only code paths in megarl (all of them live here or are selected here):
   * NCCL process groups (`backend()`, `store_group`) and `cuda:<local_rank>` devices;
   * the Transformer Engine layer spec, when transformer_engine is importable, and with it
-    Megatron's packed-sequence attention for --padding-free (`packed_sequence_params`);
+    Transformer Engine's varlen attention for --padding-free rows (elsewhere the local spec's
+    core attention is megarl.models.attention's per-sequence one);
   * pinned host memory for offloaded tensors and handing freed memory back
     (`host_buffer`, `release_cached_memory`; the offload bookkeeping itself,
     megarl/offload.py, runs the same on CPU);
@@ -60,15 +61,17 @@ def gpt_layer_spec(qk_layernorm: bool = False):
 
     if transformer_engine_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    from megarl.models.attention import PackedDotProductAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # takes --padding-free rows
+    return spec
 
 
 def packed_sequence_params(lengths: list[int]):
-    """Megatron's PackedSeqParams (THD format) for one row of sequences of these lengths laid end to end,
-    where the attention takes them (Transformer Engine); None elsewhere: the local attention is given
-    a block-diagonal causal mask instead (model_runner.run_model)."""
-    if not transformer_engine_available():
-        return None
+    """Megatron's PackedSeqParams (THD format) for one row of sequences of these lengths laid end to end:
+    Transformer Engine's varlen attention on GPU, megarl.models.attention's per-sequence local
+    attention elsewhere."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megarl.packing import offsets

@@ -167,37 +167,10 @@ def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor
 
 def run_model(model, batch: MicroBatch):
     """The model's output on the micro-batch. Right-padded rows need only the causal mask; a packed
-    row gets the platform's packed-sequence attention (`accelerator.packed_sequence_params`, Transformer
-    Engine's THD format) or, with the local attention, a block-diagonal causal mask and RoPE at
-    each sequence's own positions."""
-    if batch.packed_lengths is None:
-        return model(batch.tokens, batch.position_ids, attention_mask=None)
-    params = accelerator.packed_sequence_params(batch.packed_lengths)
-    if params is not None:
-        return model(batch.tokens, batch.position_ids, attention_mask=None, packed_seq_params=params)
-    mask = packing.block_causal_mask(batch.packed_lengths, device=batch.tokens.device)
-    with rope_at(model, batch.position_ids[0]):
-        return model(batch.tokens, batch.position_ids, attention_mask=mask)
-
-
-@contextlib.contextmanager
-def rope_at(model, positions: torch.Tensor):
-    """RoPE at `positions` [s] (one row) instead of 0 .. s-1: Megatron's GPTModel builds its rotary
-    embedding from the sequence length alone, so a packed row's sequences would continue each other's
-    positions (RoPE is relative, so only rounding would differ; this makes them exact)."""
-    from megarl.models.convert import unwrap
-
-    rotary = unwrap(model).rotary_pos_emb
-    full = type(rotary).forward  # the class's, cached per length
-
-    def at_positions(max_seq_len, *args, **kwargs):
-        return full(rotary, int(positions.max()) + 1, *args, **kwargs)[positions]
-
-    rotary.forward = at_positions
-    try:
-        yield
-    finally:
-        del rotary.forward
+    row goes in the THD format (`accelerator.packed_sequence_params`): each sequence attends only to
+    itself, with RoPE restarted at its own first token."""
+    params = None if batch.packed_lengths is None else accelerator.packed_sequence_params(batch.packed_lengths)
+    return model(batch.tokens, batch.position_ids, attention_mask=None, packed_seq_params=params)
 
 
 def output_weight(model) -> torch.Tensor:

@@ -10,15 +10,14 @@ into exactly that many groups (`token_budget_partitions`), balanced by tokens wh
 the balanced split fits the budget.
 
 Packing (--padding-free): the samples of a micro-batch are laid end to end in one
-row; each restarts its positions at 0 and attends only to itself
-(`block_causal_mask`), so no padding token enters the model.
+row; each restarts its positions at 0 and attends only to itself (the THD format,
+`offsets` are its cu_seqlens; megarl/models/attention.py on hosts without
+Transformer Engine), so no padding token enters the model.
 """
 
 from __future__ import annotations
 
 import itertools
-
-import torch
 
 
 def partition_count(lengths: list[int], budget: int) -> int:
@@ -73,13 +72,3 @@ def _first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
 def offsets(lengths: list[int]) -> list[int]:
     """Where each of the sequences laid end to end starts: [0, l0, l0 + l1, ...] (one more than lengths)."""
     return [0, *itertools.accumulate(lengths)]
-
-
-def block_causal_mask(lengths: list[int], device=None) -> torch.Tensor:
-    """[1, 1, T, T] bool attention mask of one packed row (Megatron's convention: True = masked out):
-    position q sees position k when both belong to the same sequence and k <= q."""
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                       torch.tensor(lengths, device=device))
-    total = sequence.numel()
-    future = torch.ones(total, total, dtype=torch.bool, device=device).triu(diagonal=1)
-    return ((sequence[:, None] != sequence[None, :]) | future)[None, None]

@@ -8,7 +8,7 @@ import torch
 from helpers import read_json, scalars, torchrun
 from megarl.batch import score_and_filter
 from megarl.model_runner import make_micro_batches, response_aligned
-from megarl.packing import block_causal_mask, partition_count, token_budget_partitions
+from megarl.packing import partition_count, token_budget_partitions
 from megarl.rollout import Sample
 
 
@@ -44,12 +44,6 @@ def test_a_sample_longer_than_the_budget_is_alone():
 def test_partitions_are_balanced_when_that_fits():
     groups = check_partition([10, 10, 1, 1, 9, 9], 20, 2)
     assert sorted(sum([10, 10, 1, 1, 9, 9][i] for i in g) for g in groups) == [20, 20]
-
-
-def test_block_causal_mask():
-    mask = block_causal_mask([2, 3])[0, 0]
-    sees = ~mask
-    assert sees.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
 
 def samples(count=5):
