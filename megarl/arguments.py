@@ -43,7 +43,10 @@ class ConfigError(ValueError):
 
 
 def _json_dict(text: str) -> dict:
-    value = json.loads(text) if isinstance(text, str) else text
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg}, column {error.colno}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
@@ -531,7 +534,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.rollout_model = args.model
     if args.ref_model is None:
         args.ref_model = args.model
-    for name in ("num_generations", "micro_batch_size", "prompts_per_step", "max_new_tokens", "ppo_epochs"):
+    for name in ("num_generations", "micro_batch_size", "prompts_per_step", "max_new_tokens", "ppo_epochs",
+                 "max_prompt_length"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.reward_workers < 0:
@@ -554,6 +558,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_async_generation(args, placement)
     if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
         raise ConfigError(f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
+    if args.train_steps < 0 or args.temperature <= 0:
+        raise ConfigError(f"--train-steps must be >= 0 and --temperature > 0, got {args.train_steps} "
+                          f"and {args.temperature}")
     _validate_kl_and_critic(args)
     _validate_data_and_eval(args)
     _validate_checkpointing(args)
