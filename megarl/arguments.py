@@ -450,16 +450,38 @@ def load_plugins(paths: list[str]) -> None:
 _LOADED_PLUGINS: set[str] = set()
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`; its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Read a YAML config into {dest: value}, rejecting unknown keys and wrong types.
 
     `only`: read just these top-level keys (the plugin list, before plugins can add choices).
     """
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        with open(path, "rb") as f:
+            data = f.read()
+        raw = yaml.load(data.decode("utf-8"), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path} line {line}: not UTF-8 text") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
