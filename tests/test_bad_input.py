@@ -110,6 +110,11 @@ CASES = [
     Case("yaml-unknown-estimator", lambda d: config(d, "advantage_estimator: grp\n"),
          ["advantage_estimator", "one of", "grpo"]),
     Case("config-missing", lambda d: ["--config", str(d / "nope.yaml")], ["--config", "nope.yaml", "no such file"]),
+    Case("config-is-a-directory", lambda d: ["--config", str(d)], ["--config", "cannot read it", "Is a directory"]),
+    Case("config-not-utf8", lambda d: ["--config", write(d / "config.yaml", b"lr: 1e-6\nsystem_prompt: caf\xe9\n")],
+         ["config.yaml line 2", "not UTF-8"]),
+    Case("yaml-key-twice", lambda d: config(d, "lr: 1e-6\ntrain: {gpus: 1}\nlr: 2e-6\n"),
+         ["config.yaml line 3", "'lr' is given twice"]),
     # --- command line
     Case("unknown-flag", lambda d: ["--lerning-rate", "1e-6"], ["unrecognized arguments", "--lerning-rate"]),
     Case("flag-wrong-type", lambda d: ["--micro-batch-size", "two"], ["--micro-batch-size", "invalid int value"]),
