@@ -116,7 +116,7 @@ def load_inputs(args) -> Inputs:
                           f"({_first_line(error)})") from None
     if len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(f"--tokenizer {args.tokenizer} has {len(tokenizer)} tokens but --model {args.model} has "
-                          f"vocab_size={hf_config.vocab_size} (config.json): the tokenizer does not belong to this model")
+                          f"vocab_size={hf_config.vocab_size} (config.json): the tokenizer is not this model's")
     system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
     return Inputs(hf_config, tokenizer, prompt_source(args, tokenizer, system_prompt or None),
                   eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {})
