@@ -43,7 +43,10 @@ class ConfigError(ValueError):
 
 
 def _json_dict(text: str) -> dict:
-    value = json.loads(text) if isinstance(text, str) else text
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg}, column {error.colno}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
@@ -447,16 +450,38 @@ def load_plugins(paths: list[str]) -> None:
 _LOADED_PLUGINS: set[str] = set()
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`; its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Read a YAML config into {dest: value}, rejecting unknown keys and wrong types.
 
     `only`: read just these top-level keys (the plugin list, before plugins can add choices).
     """
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        with open(path, "rb") as f:
+            data = f.read()
+        raw = yaml.load(data.decode("utf-8"), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path} line {line}: not UTF-8 text") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
@@ -531,7 +556,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.rollout_model = args.model
     if args.ref_model is None:
         args.ref_model = args.model
-    for name in ("num_generations", "micro_batch_size", "prompts_per_step", "max_new_tokens", "ppo_epochs"):
+    for name in ("num_generations", "micro_batch_size", "prompts_per_step", "max_new_tokens", "ppo_epochs",
+                 "max_prompt_length"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.reward_workers < 0:
@@ -554,6 +580,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_async_generation(args, placement)
     if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
         raise ConfigError(f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
+    if args.train_steps < 0 or args.temperature <= 0:
+        raise ConfigError(f"--train-steps must be >= 0 and --temperature > 0, got {args.train_steps} "
+                          f"and {args.temperature}")
     _validate_kl_and_critic(args)
     _validate_data_and_eval(args)
     _validate_checkpointing(args)

@@ -24,6 +24,10 @@ class ArithmeticPrompts:
 
     def __init__(self, args, tokenizer):
         self.args, self.tokenizer = args, tokenizer
+        # The longest problem now, so that a too small --max-prompt-length fails at start, not at a step.
+        top = arithmetic.MAX_OPERAND
+        arithmetic_prompts([{"prompt": f"What is {top} + {top}?", "answer": str(2 * top)}], tokenizer,
+                           args.max_prompt_length, "the built-in task")
 
     def batch(self, step: int, attempt: int = 0) -> list[Prompt]:
         """The prompts of `step`; attempt > 0 gives fresh ones for DAPO's extra generation batches."""
@@ -44,8 +48,8 @@ def arithmetic_prompts(problems, tokenizer, max_prompt_length: int, where: str) 
     for index, problem in enumerate(problems):
         ids = render_chat(tokenizer, problem["prompt"])
         if len(ids) > max_prompt_length:
-            raise ValueError(f"prompt {index} of {where} has {len(ids)} tokens, over "
-                             f"--max-prompt-length {max_prompt_length}")
+            raise DatasetError(f"prompt {index} of {where} has {len(ids)} tokens, over "
+                               f"--max-prompt-length {max_prompt_length}")
         # The chat and reference response serve GKD's off-policy steps (--gkd-lmbda < 1).
         prompts.append(Prompt(index, ids, {"answer": problem["answer"],
                                            "messages": [{"role": "user", "content": problem["prompt"]}],
@@ -80,7 +84,10 @@ def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[P
             sets[name] = arithmetic_prompts(arithmetic.make_problems(count, seed=BUILTIN_EVAL_SEED), tokenizer,
                                             args.max_prompt_length, f"--eval-dataset {name}")
         else:
-            sets[name] = make_prompts(load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
-                                                        preprocessor=args.preprocessor),
-                                      tokenizer, system_prompt, args.max_prompt_length, args.truncation)
+            try:
+                rows = load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
+                                         preprocessor=args.preprocessor)
+                sets[name] = make_prompts(rows, tokenizer, system_prompt, args.max_prompt_length, args.truncation)
+            except DatasetError as error:  # which set, as well as which file and line
+                raise DatasetError(f"--eval-dataset {name}: {error}") from None
     return sets

@@ -148,7 +148,8 @@ def _preprocessor(name: str | None):
     if name is None:
         return None
     if name not in DATASET_PREPROCESSORS:
-        raise DatasetError(f"unknown dataset preprocessor '{name}'; registered: {sorted(DATASET_PREPROCESSORS)}")
+        raise DatasetError(f"--preprocessor '{name}' is not registered (a plugin's @register_preprocessor); "
+                           f"registered: {', '.join(sorted(DATASET_PREPROCESSORS)) or 'none'}")
     return DATASET_PREPROCESSORS[name]
 
 
@@ -196,11 +197,13 @@ def read_file(path: str) -> Iterator[tuple[int, dict]]:
 
 
 def _read_json(path: str) -> Iterator[tuple[int, object]]:
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DatasetError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 text (byte {e.start})") from None
     if path.endswith(".json") and text.lstrip()[:1] in ("[", "{"):
         try:  # a whole-file array of rows, or one (maybe pretty-printed) row as MATH ships them
             whole = json.loads(text)
@@ -336,8 +339,8 @@ _LAYOUTS = {"colossalchat": _colossalchat, "swift": _swift, "verl": _verl}
 # ------------------------------------------------------------ field checks ----
 
 def _type(value) -> str:
-    return {dict: "object", list: "list", str: "string", bool: "boolean",
-            int: "integer", float: "number"}.get(type(value), type(value).__name__)
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number",
+            type(None): "nothing"}.get(type(value), type(value).__name__)
 
 
 def _string(value, name: str, where: str) -> str | None:

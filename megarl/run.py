@@ -2,18 +2,22 @@
 
 `build_run` makes them in the measured order (vLLM engines before Megatron's
 parallel state, docs/design.md) and only where the placement puts them: an
-attribute is None on ranks that do not play that role.
+attribute is None on ranks that do not play that role. `load_inputs` reads and checks
+what comes from files (model directories, tokenizer, datasets) first, before any
+process group or engine, so that a bad input fails at once with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl import distributed
 from megarl.algorithms import KL_CONTROLLERS
+from megarl.arguments import ConfigError
 
 if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play them load those
     from megarl.actor import Actor
@@ -78,17 +82,79 @@ class Run:
             self.prompts.load_state_dict(state["data"])
 
 
-def build_run(args, context: distributed.DistContext) -> Run:
-    from transformers import AutoConfig, AutoTokenizer
+@dataclass
+class Inputs:
+    """What a run reads from files before any process group or engine exists (`load_inputs`)."""
+    hf_config: object
+    tokenizer: object
+    prompts: object
+    eval_sets: dict
+
+
+def load_inputs(args) -> Inputs:
+    """Read and check the model directories, the tokenizer and the datasets, before any engine or process
+    group starts and before anything is written: a bad input fails here with one line (ConfigError)."""
+    from transformers import AutoTokenizer
 
     from megarl.data import eval_prompts, prompt_source
-    from megarl.rewards import build_reward, default_system_prompt
+    from megarl.rewards import default_system_prompt
+
+    hf_config = check_model_dir("--model", args.model)
+    # The other checkpoints that are loaded: by Megatron (safetensors only) or by vLLM alone.
+    for flag, path, used, megatron in (
+            ("--rollout-model", args.rollout_model, True, False),
+            ("--ref-model", args.ref_model, args.kl_coef > 0, True),
+            ("--critic-model", args.critic_model, args.advantage_estimator == "gae", True),
+            ("--teacher-model", args.teacher_model, bool(args.teacher_model), True),
+            ("teacher.model", args.standalone_teacher_model, bool(args.standalone_teacher_model), False)):
+        if used and path != args.model:
+            check_model_dir(flag, path, megatron)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, TypeError, ...
+        raise ConfigError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer "
+                          f"({_first_line(error)})") from None
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(f"--tokenizer {args.tokenizer} has {len(tokenizer)} tokens but --model {args.model} has "
+                          f"vocab_size={hf_config.vocab_size} (config.json): the tokenizer is not this model's")
+    system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
+    return Inputs(hf_config, tokenizer, prompt_source(args, tokenizer, system_prompt or None),
+                  eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {})
+
+
+def check_model_dir(flag: str, path: str, megatron: bool = True):
+    """An HF checkpoint directory megarl can load: its config (a supported family) and its weights, in
+    safetensors where Megatron loads them (vLLM alone also reads .bin and .pt); returns the config."""
+    from transformers import AutoConfig
+
+    from megarl.models.convert import HFCheckpoint
+    from megarl.models.families import family_of
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: no such directory")
+    try:
+        config = AutoConfig.from_pretrained(path)
+        family_of(config)
+        if megatron or not any(name.endswith((".bin", ".pt")) for name in os.listdir(path)):
+            HFCheckpoint(path)
+    except Exception as error:  # noqa: BLE001 - OSError, ValueError, safetensors' errors: all one line
+        raise ConfigError(f"{flag} {path}: {_first_line(error).removeprefix(f'{path}: ')}") from None
+    return config
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def build_run(args, context: distributed.DistContext, inputs: Inputs | None = None) -> Run:
+    """The roles of this rank; `inputs` from `load_inputs` (read here when not given)."""
+    from megarl.rewards import build_reward
     from megarl.weight_sync import build_weight_sync
 
+    inputs = inputs or load_inputs(args)
     placement, rank = context.placement, context.rank
-    hf_config = AutoConfig.from_pretrained(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
+    hf_config, tokenizer = inputs.hf_config, inputs.tokenizer
     rollout = actor = critic = reference = teacher = None
     if context.is_rollout:  # engines before Megatron's parallel state (the measured order)
         from megarl.rollout import RolloutEngine
@@ -121,8 +187,7 @@ def build_run(args, context: distributed.DistContext) -> Run:
             KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
     return Run(
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
-        prompts=prompt_source(args, tokenizer, system_prompt or None),
-        eval_sets=eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {},
+        prompts=inputs.prompts, eval_sets=inputs.eval_sets,
         reward=build_reward(args.reward, args.reward_model) if context.is_rollout else None,
         rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
         kl_controller=kl_controller,

@@ -13,16 +13,18 @@ from megarl.arguments import ConfigError, parse_args
 from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger
 from megarl.rollout import release_shared_memory
+from megarl.run import load_inputs
 
 
-def train(args) -> None:
+def train(args, inputs=None) -> None:
+    """The run; `inputs`: run.load_inputs(args), the files already read and checked."""
     from megarl import batch as batching, checkpoint, distributed, phases
     from megarl.preemption import Preemption
     from megarl.run import build_run
 
     context = init_distributed(args)
     preemption = Preemption()
-    run = build_run(args, context)
+    run = build_run(args, context, inputs)
     logger = MetricsLogger(args, is_main=run.is_main)
     start = _resume(run)
     phases.report_old_logprobs_path(run)
@@ -87,14 +89,17 @@ def _resume(run) -> int:
 
 
 def main(argv=None) -> None:
+    # Bad options and bad input files (model, tokenizer, datasets) end here, with one line and nothing
+    # written: before any process group, engine, log or checkpoint directory.
     try:
         args = parse_args(argv, world_size=launch_env().world_size)
+        inputs = load_inputs(args)
     except ConfigError as error:
         print(f"megarl: error: {error}", file=sys.stderr)
         sys.exit(2)
     rank = launch_env().rank  # now: a rollout engine later rewrites RANK to its role rank
     try:
-        train(args)
+        train(args, inputs)
     except BaseException as error:  # noqa: BLE001 - any failure must end this rank, not hang it
         if isinstance(error, SystemExit) and not error.code:
             raise

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import ROOT
 
-from megarl.arguments import ConfigError, build_parser, parse_args
+from megarl.arguments import ConfigError, build_parser, load_yaml_config, parse_args
 
 
 def _yaml(tmp_path, text):
@@ -151,3 +151,11 @@ def test_bad_plugins_fail_on_one_line(tmp_path):
         with pytest.raises(ConfigError) as error:
             parse_args(["--external-plugins", path], world_size=1)
         assert path in str(error.value) and words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_yaml_anchors_merge_and_override_but_a_repeated_key_is_an_error(tmp_path):
+    config = _yaml(tmp_path, "rollout: &r {gpus: 2, kv_cache_gb: 2}\nteacher:\n  <<: *r\n  kv_cache_gb: 3\n")
+    values = load_yaml_config(config, build_parser())
+    assert (values["teacher_gpus"], values["teacher_kv_cache_gb"], values["rollout_kv_cache_gb"]) == (2, 3.0, 2.0)
+    with pytest.raises(ConfigError, match=r"config.yaml line 2: not valid YAML \(the key 'lr' is given twice\)"):
+        load_yaml_config(_yaml(tmp_path, "lr: 1e-6\nlr: 2e-6\n"), build_parser())

@@ -334,5 +334,5 @@ def test_bad_options(tmp_path):
     path = write_jsonl(tmp_path / "ok.jsonl", numbered(1))
     with pytest.raises(DatasetError, match="unknown dataset format 'alpaca'; known: auto, colossalchat, verl, swift"):
         load_rows(path, format="alpaca")
-    with pytest.raises(DatasetError, match="unknown dataset preprocessor 'nope'"):
+    with pytest.raises(DatasetError, match="--preprocessor 'nope' is not registered"):
         load_rows(path, preprocessor="nope")
