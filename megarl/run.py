@@ -42,6 +42,7 @@ class Run:
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
     weight_sync: object  # a weight_sync.WEIGHT_SYNC_STRATEGIES entry
     weight_version: int = 0  # trainer -> rollout syncs so far, the same count on every rank (SPMD)
+    timed_rewards: object | None = None  # scoring.TimedRewards on rollout ranks with --reward-timeout
 
     @property
     def is_main(self) -> bool:
@@ -82,7 +83,7 @@ def build_run(args, context: distributed.DistContext) -> Run:
     from transformers import AutoConfig, AutoTokenizer
 
     from megarl.data import eval_prompts, prompt_source
-    from megarl.rewards import build_reward, default_system_prompt
+    from megarl.rewards import default_system_prompt
     from megarl.weight_sync import build_weight_sync
 
     placement, rank = context.placement, context.rank
@@ -119,11 +120,29 @@ def build_run(args, context: distributed.DistContext) -> Run:
     if args.kl_coef > 0:
         kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \
             KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
+    reward, timed_rewards = _build_reward(args) if context.is_rollout else (None, None)
     return Run(
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
         prompts=prompt_source(args, tokenizer, system_prompt or None),
         eval_sets=eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {},
-        reward=build_reward(args.reward, args.reward_model) if context.is_rollout else None,
-        rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
-        kl_controller=kl_controller,
+        reward=reward, rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
+        kl_controller=kl_controller, timed_rewards=timed_rewards,
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
+
+
+def _build_reward(args):
+    """The reward (a rollout rank scores its samples) and, with --reward-timeout, its worker processes;
+    a code reward's sandbox pool gets this rank's share of --sandbox-memory-budget-mb."""
+    from megarl.arguments import loaded_plugins
+    from megarl.rewards import build_reward
+    from megarl.scoring import TimedRewards, sandbox_memory_budget_mb
+
+    reward = build_reward(args.reward, args.reward_model)
+    budget = sandbox_memory_budget_mb(args)
+    if args.reward_timeout > 0:
+        return reward, TimedRewards(reward, args.reward_workers, args.reward_timeout, loaded_plugins(), budget)
+    if budget is not None:
+        from megarl.rewards.code import configure_pool
+
+        configure_pool(budget)
+    return reward, None

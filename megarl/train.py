@@ -12,6 +12,7 @@ import traceback
 from megarl.arguments import ConfigError, parse_args
 from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger
+from megarl.scoring import check_sandbox
 from megarl.rollout import release_shared_memory
 
 
@@ -89,6 +90,7 @@ def _resume(run) -> int:
 def main(argv=None) -> None:
     try:
         args = parse_args(argv, world_size=launch_env().world_size)
+        check_sandbox(args)  # a code reward: stop here if the sandbox cannot run, not score every program 0
     except ConfigError as error:
         print(f"megarl: error: {error}", file=sys.stderr)
         sys.exit(2)
