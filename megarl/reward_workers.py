@@ -149,6 +149,7 @@ class RewardProcessPool:
         self.workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._broken: BaseException | None = None  # a worker could not be replaced: every call fails
         try:
             self.workers = [_Worker(self.setup) for _ in range(workers)]  # start together, then wait
             for worker in self.workers:
@@ -165,9 +166,12 @@ class RewardProcessPool:
     def submit(self, response: str, row: dict) -> Future:
         """A Future of one RewardOutput per part for this sample (never raises for the sample's sake)."""
         future = Future()
-        if self._closed:
-            raise RuntimeError("the reward process pool is closed")
-        self.tasks.put((future, response, row))
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._closed:
+                raise RuntimeError("the reward process pool is closed")
+            self.tasks.put((future, response, row))
         return future
 
     def _dispatch(self, index: int) -> None:
@@ -214,16 +218,22 @@ class RewardProcessPool:
         worker.wait_ready()
 
     def _fail_pending(self, error: BaseException) -> None:
-        """A worker could not be replaced: fail what is queued rather than let it wait for ever."""
-        while True:
-            try:
-                task = self.tasks.get_nowait()
-            except queue.Empty:
-                return
-            if task is None:
+        """A worker could not be replaced: the pool is broken (submit raises), and what is queued fails
+        rather than wait for ever."""
+        with self._lock:
+            self._broken = error
+            stops = 0
+            while True:
+                try:
+                    task = self.tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if task is None:
+                    stops += 1
+                elif task[0].set_running_or_notify_cancel():
+                    task[0].set_exception(error)
+            for _ in range(stops):
                 self.tasks.put(None)
-                return
-            task[0].set_exception(error)
 
     def close(self) -> None:
         """Stop the dispatch threads and kill every worker (a call in flight is abandoned)."""

@@ -149,3 +149,32 @@ def test_a_run_with_a_hanging_reward_finishes_and_counts_the_timeouts(tiny_model
     timeouts = series["reward_timeouts"][0]
     assert timeouts >= 1 and series["reward_errors"][0] == 0
     assert f"ran past --reward-timeout on {int(timeouts)} of 16 samples" in result.stdout + result.stderr
+
+
+def test_a_worker_that_cannot_be_replaced_breaks_the_pool_loudly(tmp_path):
+    """The reward kills its worker, and the plugin no longer imports: the sample that killed it is an
+    error, and what follows raises (the run stops) instead of waiting for ever."""
+    from megarl.reward_workers import RewardProcessPool, RewardWorkerError
+
+    marker = tmp_path / "broken"
+    plugin = tmp_path / "fragile.py"
+    plugin.write_text(
+        "import os, pathlib\n"
+        "from megarl.rewards import register_reward\n"
+        f"if pathlib.Path({str(marker)!r}).exists():\n"
+        "    raise ImportError('the plugin broke')\n"
+        "@register_reward('fragile')\n"
+        "def fragile(response, row):\n"
+        "    os._exit(1)\n")
+    pool = RewardProcessPool(["fragile"], 1, 60.0, [str(plugin)])
+    try:
+        marker.touch()
+        first = pool.submit("x", {})
+        assert first.result(GRACE)[0].reason == "error: reward worker died (exit code 1)"
+        deadline = time.monotonic() + GRACE
+        while pool._broken is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(RewardWorkerError, match="the plugin broke"):
+            pool.submit("y", {}).result(GRACE)
+    finally:
+        pool.close()
