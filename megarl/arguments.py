@@ -283,7 +283,18 @@ def _add_reward_args(parser):
     g.add_argument("--reward-workers", type=int, default=1,
                    help="threads that score each prompt's samples as soon as the engine finishes them, while the "
                         "rest still generate (megarl/scoring.py); more than 1 also scores prompts in parallel "
-                        "(a plugin reward must then be thread-safe); 0: score after generation, in the main thread")
+                        "(a plugin reward must then be thread-safe); 0: score after generation, in the main thread. "
+                        "With --reward-timeout: that many reward worker processes (at least 1)")
+    g.add_argument("--reward-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="bound every reward call: rewards run in worker processes, one sample a call; a call "
+                        "past SECONDS is killed with its worker (replaced), the sample scores 0 with reason "
+                        "'timeout: ...' (the reward_timeouts metric) and the step goes on; a reward model (rm) "
+                        "stays in the trainer, unbounded (0: off, rewards run in the trainer's threads)")
+    g.add_argument("--sandbox-memory-budget-mb", type=int, default=0,
+                   help="code rewards: memory all sandboxed programs of a host may hold together, split between "
+                        "its ranks (and reward worker processes); a rank runs at most its share // (max "
+                        "processes x memory limit of a program) programs at once (0: half the host's memory, "
+                        "at least one program at a time)")
 
 
 def _add_eval_args(parser):
@@ -444,10 +455,15 @@ def load_plugins(paths: list[str]) -> None:
             spec.loader.exec_module(module)
         except Exception as error:  # noqa: BLE001 - any plugin failure is a configuration error
             raise ConfigError(f"--external-plugins {path}: {type(error).__name__}: {error}") from None
-        _LOADED_PLUGINS.add(path)
+        _LOADED_PLUGINS[path] = None
 
 
-_LOADED_PLUGINS: set[str] = set()
+_LOADED_PLUGINS: dict[str, None] = {}  # in load order (reward worker processes load them again)
+
+
+def loaded_plugins() -> list[str]:
+    """The plugin files imported so far, in order."""
+    return list(_LOADED_PLUGINS)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -562,6 +578,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.reward_workers < 0:
         raise ConfigError(f"--reward-workers must be >= 0, got {args.reward_workers}")
+    if args.reward_timeout < 0 or args.sandbox_memory_budget_mb < 0:
+        raise ConfigError(f"--reward-timeout and --sandbox-memory-budget-mb must be >= 0, got "
+                          f"{args.reward_timeout} and {args.sandbox_memory_budget_mb}")
     _validate_teacher_group(args)
     try:
         placement = Placement.from_args(args, world_size)

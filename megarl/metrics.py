@@ -84,7 +84,7 @@ class MetricsLogger:
         if not self.is_main:
             return
         parts = [f"{key.removeprefix('eval/')} {value:.3f}" for key, value in metrics.items()
-                 if not key.endswith("reward_errors")]
+                 if not key.endswith(("reward_errors", "reward_timeouts"))]
         print(f"eval after {completed_steps} steps | " + " | ".join(parts), flush=True)
         self._write(metrics, completed_steps)
         for key, value in metrics.items():

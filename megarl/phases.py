@@ -47,6 +47,7 @@ from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, distill_toke
 from megarl.batch import Batch
 from megarl.dumps import write_samples
 from megarl.model_runner import make_micro_batches
+from megarl.reward_workers import TIMEOUT_MARK
 from megarl.scoring import OverlappedScoring
 from megarl.prompts import reference_response_ids
 from megarl.rollout import Sample, stable_seed
@@ -192,7 +193,7 @@ def _generate_shard(run: Run, prompts, step: int, n: int | None = None, temperat
     engine = run.rollout
     if engine is not None:
         shard = prompts[batching.contiguous_shard(len(prompts), engine.engine_index, engine.num_engines)]
-        scoring = OverlappedScoring(run.reward, run.args.reward_workers)
+        scoring = OverlappedScoring(run.reward, run.args.reward_workers, run.timed_rewards)
 
         def score_prompt(i, samples):  # as each prompt's request finishes, while the rest generate
             _attach_prompt_rows(samples, [shard[i]])
@@ -279,7 +280,7 @@ def _attach_prompt_rows(samples, prompts) -> None:
 
 def _score(run: Run, samples) -> float:
     """Reward each sample in place (one batch call, in this thread); the seconds it took."""
-    scoring = OverlappedScoring(run.reward, workers=0)
+    scoring = OverlappedScoring(run.reward, workers=0, timed=run.timed_rewards)
     scoring.submit(samples)
     scoring.finish()
     return scoring.wait_seconds
@@ -298,12 +299,17 @@ def _sleep_colocated_rollout(run: Run) -> None:
 
 
 def _reward_errors(samples, where: str, report: bool) -> dict:
-    """Count samples whose reward raised (they scored 0) and warn once for the batch."""
+    """Count samples whose reward raised (or whose reward worker died) and those whose reward call ran
+    past --reward-timeout (they scored 0), and warn once for the batch."""
     failed = [s for s in samples if "error:" in s.reason]
-    if failed and report:
-        print(f"megarl: warning: {where}: the reward raised on {len(failed)} of {len(samples)} samples, "
-              f"which score 0 (first: {failed[0].reason})", flush=True)
-    return {"reward_errors": len(failed)}
+    timed_out = [s for s in samples if TIMEOUT_MARK in s.reason]
+    if (failed or timed_out) and report:
+        what = [f"the reward raised on {len(failed)}" if failed else "",
+                f"ran past --reward-timeout on {len(timed_out)}" if timed_out else ""]
+        first = (failed or timed_out)[0].reason
+        print(f"megarl: warning: {where}: {' and '.join(w for w in what if w)} of {len(samples)} samples, "
+              f"which score 0 (first: {first})", flush=True)
+    return {"reward_errors": len(failed), "reward_timeouts": len(timed_out)}
 
 
 # ---------------------------------------------------------- score and filter ----

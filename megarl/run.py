@@ -46,6 +46,7 @@ class Run:
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
     weight_sync: object  # a weight_sync.WEIGHT_SYNC_STRATEGIES entry
     weight_version: int = 0  # trainer -> rollout syncs so far, the same count on every rank (SPMD)
+    timed_rewards: object | None = None  # scoring.TimedRewards on rollout ranks with --reward-timeout
 
     @property
     def is_main(self) -> bool:
@@ -149,7 +150,6 @@ def _first_line(error: BaseException) -> str:
 
 def build_run(args, context: distributed.DistContext, inputs: Inputs | None = None) -> Run:
     """The roles of this rank; `inputs` from `load_inputs` (read here when not given)."""
-    from megarl.rewards import build_reward
     from megarl.weight_sync import build_weight_sync
 
     inputs = inputs or load_inputs(args)
@@ -185,10 +185,28 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
     if args.kl_coef > 0:
         kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \
             KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
+    reward, timed_rewards = _build_reward(args) if context.is_rollout else (None, None)
     return Run(
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
         prompts=inputs.prompts, eval_sets=inputs.eval_sets,
-        reward=build_reward(args.reward, args.reward_model) if context.is_rollout else None,
-        rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
-        kl_controller=kl_controller,
+        reward=reward, rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
+        kl_controller=kl_controller, timed_rewards=timed_rewards,
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
+
+
+def _build_reward(args):
+    """The reward (a rollout rank scores its samples) and, with --reward-timeout, its worker processes;
+    a code reward's sandbox pool gets this rank's share of --sandbox-memory-budget-mb."""
+    from megarl.arguments import loaded_plugins
+    from megarl.rewards import build_reward
+    from megarl.scoring import TimedRewards, sandbox_memory_budget_mb
+
+    reward = build_reward(args.reward, args.reward_model)
+    budget = sandbox_memory_budget_mb(args)
+    if args.reward_timeout > 0:
+        return reward, TimedRewards(reward, args.reward_workers, args.reward_timeout, loaded_plugins(), budget)
+    if budget is not None:
+        from megarl.rewards.code import configure_pool
+
+        configure_pool(budget)
+    return reward, None

@@ -47,7 +47,10 @@ the standard library only; `exit` and `quit` are defined for the program.
 Statuses: "ok" (exit 0), "timeout" (wall clock, or RLIMIT_CPU: the kernel's
 SIGKILL at the limit, as pid 1 ignores SIGXCPU), "memory limit" (non-zero exit
 with MemoryError in stderr: RLIMIT_AS makes allocations fail), "output limit",
-"runtime error" (any other non-zero exit or signal).
+"runtime error" (any other non-zero exit or signal). A SIGKILL from the kernel's
+OOM killer (a host out of memory, not this run's limit) would read "timeout":
+nothing but the kernel can SIGKILL pid 1 of the run's namespace, and the two are
+not told apart.
 
 Needs: Linux (x86_64 or aarch64) where an unprivileged user may create user
 namespaces (no kernel.unprivileged_userns_clone=0, no AppArmor restriction),
@@ -58,7 +61,8 @@ unsandboxed.
 Not protected against: kernel exploits (no seccomp filter, and user namespaces
 widen the reachable syscall surface). Memory is limited per process
 (RLIMIT_AS): a run may hold max_processes * memory_mb plus its tmpfs at once
-(no cgroup). CPU time is per process too; the wall clock bounds the rest.
+(no cgroup; `SandboxLimits.run_memory_mb`). A pool's total is bounded by running
+at most memory_budget_mb // run_memory_mb runs at once (`pool_concurrency`). CPU time is per process too; the wall clock bounds the rest.
 Threads count as processes. The program can read the exposed system
 directories, which hold nothing of the trainer's.
 
@@ -119,6 +123,12 @@ class SandboxLimits:
         if min(self.cpu_seconds, self.wall_seconds, self.max_processes, self.max_file_mb,
                self.max_output_bytes) <= 0 or self.memory_mb < 32:
             raise ValueError(f"sandbox limits must be positive, memory_mb >= 32: {self}")
+
+    @property
+    def run_memory_mb(self) -> int:
+        """The most memory one run may hold: each of its processes its RLIMIT_AS, plus its /sandbox
+        tmpfs and the trainer's copy of its output (no cgroup bounds the run as a whole)."""
+        return self.max_processes * self.memory_mb + self.max_file_mb + -(-2 * self.max_output_bytes // (1 << 20))
 
 
 @dataclass
@@ -520,16 +530,43 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
                      returncode, time.monotonic() - start)
 
 
+def probe(limits: SandboxLimits = SandboxLimits(), tmp_root: str | None = None) -> None:
+    """Run a one-line program in a real sandbox: SandboxError (one line) unless it printed what it should.
+    A run with a code reward calls it at start-up, so a host without user namespaces stops the run
+    there instead of scoring every program 0."""
+    result = run_program("print(6 * 7)", "", limits, tmp_root)
+    if (result.status, result.stdout) != ("ok", "42\n"):
+        tail = result.stderr_tail.strip().splitlines()[-1:] or [""]
+        raise SandboxError(f"sandbox probe: a one-line program ended {result.status!r} "
+                           f"(exit {result.returncode}) instead of printing 42: {tail[0][:200]}")
+
+
+def pool_concurrency(limits: SandboxLimits, workers: int | None = None, memory_budget_mb: int | None = None) -> int:
+    """How many runs a pool overlaps: `workers` (default os.cpu_count()), fewer when `memory_budget_mb`
+    is set: at most budget // limits.run_memory_mb, so the runs together stay within the budget.
+    ValueError when the budget is below one run's bound."""
+    concurrency = workers or os.cpu_count() or 1
+    if memory_budget_mb is not None:
+        fits = memory_budget_mb // limits.run_memory_mb
+        if fits < 1:
+            raise ValueError(f"sandbox memory budget {memory_budget_mb} MB is below one run's bound of "
+                             f"{limits.run_memory_mb} MB ({limits.max_processes} processes x {limits.memory_mb} "
+                             f"MB + {limits.max_file_mb} MB tmpfs + output)")
+        concurrency = min(concurrency, fits)
+    return concurrency
+
+
 class SandboxPool:
-    """Runs sandboxed programs on `workers` threads; each run is its own sandbox
-    process, so a batch's runs overlap (the threads only wait on pipes)."""
+    """Runs sandboxed programs on `concurrency` threads (`pool_concurrency`: `workers`, default
+    os.cpu_count(), fewer when `memory_budget_mb` bounds the runs' memory together); each run is its
+    own sandbox process, so a batch's runs overlap (the threads only wait on pipes)."""
 
     def __init__(self, workers: int | None = None, limits: SandboxLimits = SandboxLimits(),
-                 tmp_root: str | None = None):
+                 tmp_root: str | None = None, memory_budget_mb: int | None = None):
         self.limits = limits
         self.tmp_root = tmp_root
-        self.executor = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1,
-                                           thread_name_prefix="sandbox")
+        self.concurrency = pool_concurrency(limits, workers, memory_budget_mb)
+        self.executor = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="sandbox")
 
     def submit(self, source: str, stdin: str = "") -> Future:
         """A Future of run_program(source, stdin)'s RunResult."""

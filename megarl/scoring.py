@@ -6,12 +6,20 @@ The engine hands over each prompt's samples the moment its request finishes
 reward model still get a batch). When generation ends only the scoring still running is waited
 for: a slow reward costs the step what it adds after the last sample, not its whole time.
 
-Threads, not processes: the built-in rewards that do real work already leave the interpreter (the
-math judge runs in a helper process off the main thread, the code sandbox in subprocesses, the
-reward model in torch), and a plugin keeps its process state. Rewards must therefore be safe to
-call from several threads at once when --reward-workers > 1 (the built-in ones are: the reward
-model and the sandbox pool take locks). --reward-workers 0 scores after generation in the calling
-thread, as before this module.
+Threads, not processes, by default: the built-in rewards that do real work already leave the
+interpreter (the math judge runs in a helper process off the main thread, the code sandbox in
+subprocesses, the reward model in torch), and a plugin keeps its process state. Rewards must
+therefore be safe to call from several threads at once when --reward-workers > 1 (the built-in ones
+are: the reward model and the sandbox pool take locks). --reward-workers 0 scores after generation
+in the calling thread, as before this module.
+
+--reward-timeout SECONDS (`TimedRewards`): a thread cannot be killed, so a reward that never returns
+would hold the step for ever. With a timeout every reward call runs in one of max(1, --reward-workers)
+worker processes (megarl/reward_workers.py), one sample a call; a call past the timeout is killed
+with its worker (the sample scores 0, reason "timeout: reward call over N s"), a worker that dies
+is replaced ("error: reward worker died ..."), and the step goes on. The threads above then only
+hand the samples over and wait. The reward model part (`rm`) stays in this process (it holds a
+torch model; a forward pass does not hang), scored beside the workers and combined with their parts.
 
 Timing: `wait_seconds` is what the step paid for scoring (after generation, or all of it without
 workers); `busy_seconds` the scoring calls' total time, whatever they overlapped.
@@ -19,17 +27,98 @@ workers); `busy_seconds` the scoring calls' total time, whatever they overlapped
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
-from megarl.rewards import score_all
+from megarl.reward_workers import RewardProcessPool
+from megarl.rewards import RewardOutput, RewardSpec, reward_parts, score_all
+from megarl.rewards.combine import combine_outputs
+
+
+class TimedRewards:
+    """A run's reward with every call bounded by `timeout` seconds: its parts in `workers` worker
+    processes, one sample a call, except the parts that must stay in this process (a reward model,
+    `in_process = True`), which are scored here as ever; the parts combined as `combine_rewards` does.
+
+    plugins: the plugin files the workers import (the run's, in order);
+    sandbox_memory_budget_mb: this process's share of the sandbox memory budget, which the workers split.
+    """
+
+    def __init__(self, reward: RewardSpec, workers: int, timeout: float, plugins: list[str] = (),
+                 sandbox_memory_budget_mb: int | None = None):
+        self.parts, self.combined = reward_parts(reward)
+        self.remote = [i for i, (spec, _) in enumerate(self.parts) if not getattr(spec.fn, "in_process", False)]
+        self.pool = None
+        if self.remote:
+            self.pool = RewardProcessPool([self.parts[i][0].name for i in self.remote], max(workers, 1), timeout,
+                                          plugins, sandbox_memory_budget_mb=sandbox_memory_budget_mb)
+
+    def __call__(self, responses: list[str], rows: list[dict]) -> list[RewardOutput]:
+        futures = [self.pool.submit(response, row) for response, row in zip(responses, rows)] if self.pool else []
+        per_part = [None] * len(self.parts)
+        for i, (spec, _) in enumerate(self.parts):
+            if i not in self.remote:  # here, while the workers score the rest
+                per_part[i] = score_all(spec, responses, rows)
+        remote = [future.result() for future in futures]  # each bounded by the pool's timeout
+        for k, i in enumerate(self.remote):
+            per_part[i] = [outputs[k] for outputs in remote]
+        return combine_outputs(self.parts, per_part) if self.combined else per_part[0]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def sandbox_memory_budget_mb(args, local_ranks: int | None = None) -> int | None:
+    """This rank's share of --sandbox-memory-budget-mb when its reward runs programs in the sandbox
+    (a code reward), else None. The budget is per host, split evenly between its ranks
+    (LOCAL_WORLD_SIZE, else 1); 0 means half the host's physical memory, but at least one program at
+    a time per process that runs them (the rank, or each of its reward worker processes). A budget
+    given that leaves a process less than one program's bound raises ValueError (one line)."""
+    from megarl.rewards import sandbox_limits
+
+    limits = sandbox_limits(args.reward)
+    if not limits:
+        return None
+    processes = max(args.reward_workers, 1) if args.reward_timeout > 0 else 1
+    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    budget = args.sandbox_memory_budget_mb
+    if not budget:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 // (1 << 20)
+    share = budget // max(local_ranks, 1)
+    needed = max(limit.run_memory_mb for limit in limits)
+    if share // processes < needed:
+        if args.sandbox_memory_budget_mb:
+            raise ValueError(f"--sandbox-memory-budget-mb {args.sandbox_memory_budget_mb} split between {local_ranks} "
+                             f"rank(s) and {processes} reward process(es) each leaves {share // processes} MB, below "
+                             f"one sandboxed program's bound of {needed} MB")
+        share = needed * processes
+    return share
+
+
+def check_sandbox(args) -> None:
+    """At start-up, when the reward runs programs in the sandbox: the memory budget fits one program,
+    and a real sandboxed run works (`megarl.sandbox.probe`). Raises ConfigError, one line."""
+    from megarl.arguments import ConfigError
+    from megarl.rewards import sandbox_limits
+    from megarl.sandbox import SandboxError, probe
+
+    try:
+        if sandbox_memory_budget_mb(args) is not None:
+            probe(min(sandbox_limits(args.reward), key=lambda limit: limit.wall_seconds))
+    except (ValueError, SandboxError) as error:
+        raise ConfigError(f"--reward {args.reward}: {error}") from None
 
 
 class OverlappedScoring:
-    """Score groups of samples in place as they arrive; `finish` waits for the rest."""
+    """Score groups of samples in place as they arrive; `finish` waits for the rest.
+    `timed`: the run's TimedRewards under --reward-timeout (it scores instead of `reward` in this process)."""
 
-    def __init__(self, reward, workers: int):
+    def __init__(self, reward, workers: int, timed: TimedRewards | None = None):
         self.reward, self.busy_seconds, self.wait_seconds = reward, 0.0, 0.0
+        self.scorer = timed or partial(score_all, reward)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megarl-reward") if workers else None
         self.futures: list[Future] = []
         self.pending: list = []
@@ -43,7 +132,7 @@ class OverlappedScoring:
 
     def _score(self, samples) -> float:
         started = time.perf_counter()
-        outputs = score_all(self.reward, [s.response_text for s in samples], [s.metadata for s in samples])
+        outputs = self.scorer([s.response_text for s in samples], [s.metadata for s in samples])
         for sample, output in zip(samples, outputs):
             sample.reward, sample.reason = output.score, output.reason
         return time.perf_counter() - started

@@ -12,6 +12,7 @@ import traceback
 from megarl.arguments import ConfigError, parse_args
 from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger
+from megarl.scoring import check_sandbox
 from megarl.rollout import release_shared_memory
 from megarl.run import load_inputs
 
@@ -94,6 +95,7 @@ def main(argv=None) -> None:
     try:
         args = parse_args(argv, world_size=launch_env().world_size)
         inputs = load_inputs(args)
+        check_sandbox(args)  # a code reward: stop here if the sandbox cannot run, not score every program 0
     except ConfigError as error:
         print(f"megarl: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -113,6 +113,22 @@ def score_all(spec: RewardSpec, responses: list[str], rows: list[dict]) -> list[
     return outputs
 
 
+def reward_parts(spec: RewardSpec) -> tuple[list[tuple[RewardSpec, float]], bool]:
+    """(the parts of a run's reward with their weights, whether it is a weighted combination)."""
+    parts = getattr(spec.fn, "parts", None)
+    return (list(parts), True) if parts is not None else ([(spec, 1.0)], False)
+
+
+def sandbox_limits(text: str) -> list:
+    """The sandbox limits of the parts of `--reward text` that run programs in the sandbox (a reward
+    function with a `sandbox_limits` attribute: the code rewards), without loading a reward model."""
+    from megarl.rewards.combine import parse_reward_weights
+
+    limits = [getattr(get_reward(name).fn, "sandbox_limits", None)
+              for name, _ in parse_reward_weights(text) if name != "rm"]
+    return [limit for limit in limits if limit is not None]
+
+
 def _load_builtin_rewards() -> None:
     """Import the modules that register the built-in rewards (lazily: some import heavy libraries)."""
     import importlib

@@ -19,8 +19,10 @@ Conventions:
               "memory limit", "output limit", "runtime error"); "no code".
   sandbox     every run is its own sandbox (megarl/sandbox.py) with `LIMITS`, on a
               process-wide SandboxPool of os.cpu_count() workers, so the runs of a batch
-              (all cases of all responses) overlap. A sandbox that cannot be set up
-              raises SandboxError: the run stops rather than score unsandboxed.
+              (all cases of all responses) overlap; fewer when `configure_pool` gives it
+              a memory budget (--sandbox-memory-budget-mb). A sandbox that cannot be set
+              up raises SandboxError; a run probes the sandbox at start-up and stops
+              there rather than score unsandboxed (or score every program 0).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from concurrent.futures import Future
 from functools import partial
 
 from megarl.rewards import RewardOutput, register_reward
+from megarl import sandbox
 from megarl.sandbox import SandboxLimits, SandboxPool
 
 SYSTEM_PROMPT = (
@@ -43,6 +46,7 @@ _PYTHON_TAGS = {"python", "py", "python3"}
 _FENCE = re.compile(r"```[ \t]*([\w+.#-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _pool: SandboxPool | None = None
 _pool_lock = threading.Lock()
+_memory_budget_mb: int | None = None
 
 
 def extract_program(response: str) -> str | None:
@@ -74,12 +78,23 @@ def read_test_cases(row: dict) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
+def configure_pool(memory_budget_mb: int | None) -> None:
+    """Bound the runs of this process's pool to `memory_budget_mb` together (see
+    megarl.sandbox.pool_concurrency); before the pool's first use. ValueError when it is below one run."""
+    global _memory_budget_mb
+    with _pool_lock:
+        if _pool is not None:
+            raise RuntimeError("configure_pool after the code reward's pool was made")
+        sandbox.pool_concurrency(LIMITS, None, memory_budget_mb)  # fail now, not at the first sample
+        _memory_budget_mb = memory_budget_mb
+
+
 def shared_pool() -> SandboxPool:
     """The process-wide pool, made on first use."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = SandboxPool(limits=LIMITS)
+            _pool = SandboxPool(limits=LIMITS, memory_budget_mb=_memory_budget_mb)
         return _pool
 
 
@@ -135,3 +150,5 @@ def code_all_or_nothing_reward(response: str, row: dict) -> RewardOutput:
 # The batch path `megarl.rewards.score_all` uses: every run of the batch goes to the pool at once.
 code_reward.score_batch = score_batch
 code_all_or_nothing_reward.score_batch = partial(score_batch, all_or_nothing=True)
+# A run with these rewards probes the sandbox at start-up (megarl.rewards.check_reward_environment).
+code_reward.sandbox_limits = code_all_or_nothing_reward.sandbox_limits = LIMITS

@@ -61,13 +61,7 @@ def combine_rewards(parts: Iterable[tuple], extra: dict[str, RewardSpec] | None 
     def score_batch(responses: list[str], rows: list[dict]) -> list[RewardOutput]:
         # Part by part over the whole batch, so a part with its own batch path (a reward
         # model, a sandbox pool) gets the batch; a part that raises scores 0 for its share.
-        per_part = [score_all(spec, responses, rows) for spec, _ in specs]
-        combined = []
-        for outputs in zip(*per_part):
-            total = sum(weight * out.score for (_, weight), out in zip(specs, outputs))
-            reasons = [f"{spec.name}={out.reason or f'{out.score:.3g}'}" for (spec, _), out in zip(specs, outputs)]
-            combined.append(RewardOutput(total, ", ".join(reasons)))
-        return combined
+        return combine_outputs(specs, [score_all(spec, responses, rows) for spec, _ in specs])
 
     def combined_reward(response: str, row: dict) -> RewardOutput:
         return score_batch([response], [row])[0]
@@ -75,6 +69,17 @@ def combine_rewards(parts: Iterable[tuple], extra: dict[str, RewardSpec] | None 
     combined_reward.score_batch = score_batch
     combined_reward.parts = specs  # for logs and tests: [(RewardSpec, weight), ...]
     return combined_reward
+
+
+def combine_outputs(specs: list[tuple[RewardSpec, float]], per_part: list[list[RewardOutput]]) -> list[RewardOutput]:
+    """Each sample's weighted sum of its part outputs (per_part[j][i]: part j on sample i), reason
+    "name=reason, ..." (the score standing in for an empty reason)."""
+    combined = []
+    for outputs in zip(*per_part):
+        total = sum(weight * out.score for (_, weight), out in zip(specs, outputs))
+        reasons = [f"{spec.name}={out.reason or f'{out.score:.3g}'}" for (spec, _), out in zip(specs, outputs)]
+        combined.append(RewardOutput(total, ", ".join(reasons)))
+    return combined
 
 
 def combined_reward_spec(text: str, extra: dict[str, RewardSpec] | None = None) -> RewardSpec:

@@ -45,6 +45,10 @@ from megarl.rewards import RewardOutput, RewardSpec
 class RewardModelReward:
     """`fn(response, row) -> RewardOutput` scoring with an HF reward model (see the module docstring)."""
 
+    # Scored in the trainer even under --reward-timeout (megarl/reward_workers.py): a worker process
+    # would load the model again (and its GPU memory); a forward pass does not hang.
+    in_process = True
+
     def __init__(self, path: str, device: str = "cpu", batch_size: int = 8, dtype=None,
                  sigmoid: bool = False, max_length: int | None = None, padding_side: str = "right"):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
