@@ -1,12 +1,15 @@
 """Benchmark: the same GRPO job in megarl and in TRL's GRPOTrainer, side by side, in one run.
 
     python bench/e2e.py [--steps 5 --warmup 1 --trl-python .venv-trl/bin/python --no-trl]
+                        [--megarl colocate "colocate padded" "separate async"]
 
 The job: a 34M-parameter Qwen2 built here (offline, seeded: hidden 512, 12 layers, the built-in
 tokenizer, random weights) on the built-in arithmetic prompts, 8 prompts x 4 samples per step, up
-to 128 new tokens at temperature 1, fp32, one optimizer step per generation, no KL. megarl runs
-colocated on 2 ranks (torchrun, one thread each, examples/quickstart_grpo.yaml with the job's
-overrides); TRL runs in one process with both cores (bench/trl_grpo.py), with transformers
+to 128 new tokens at temperature 1, fp32, one optimizer step per generation, no KL. megarl runs on
+2 ranks (torchrun, one thread each) in each of `MEGARL_RUNS`: colocated (examples/quickstart_grpo.yaml
+with the job's overrides) padding-free, colocated padded (micro-batches of 16 right-padded rows), and
+the separate placement (rank 0 trains, rank 1 generates) with --async-generation and token TIS; the
+first run named is the one compared with TRL and the compute floor. TRL runs in one process with both cores (bench/trl_grpo.py), with transformers
 generation and with colocated vLLM, when its environment exists. TRL is not a megarl dependency;
 its environment reuses megarl's packages and adds TRL's:
 
@@ -63,12 +66,13 @@ def build_model(out: str) -> int:
         return json.load(f)["parameters"]
 
 
-def run_megarl(model: str, steps: int, log_dir: str) -> dict:
-    """Per-step TensorBoard scalars of a colocated megarl run: {tag: [value per step]}."""
+def run_megarl(model: str, steps: int, log_dir: str, flags: list[str]) -> dict:
+    """Per-step TensorBoard scalars of a megarl run on 2 ranks (colocated unless `flags` choose another
+    config): {tag: [value per step]}."""
     from tests.helpers import scalars  # the test suite's TensorBoard reader
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "megarl/train.py"), "--config", "examples/quickstart_grpo.yaml", "--model", model,
+               os.path.join(ROOT, "megarl/train.py"), "--config", "examples/quickstart_grpo.yaml", *flags, "--model", model,
                "--prompts-per-step", str(JOB["prompts"]), "--num-generations", str(JOB["generations"]),
                "--max-new-tokens", str(JOB["max_new_tokens"]), "--micro-batch-size", "16", "--lr", "1e-6",
                "--rollout-kv-cache-gb", "2", "--train-steps", str(steps), "--log-dir", log_dir]
@@ -140,6 +144,15 @@ def median_after(values: list, warmup: int) -> float:
     return statistics.median(values[warmup:] or values)
 
 
+# megarl's runs: a name and its flags (a later --config replaces the colocated quickstart's layout).
+MEGARL_RUNS = {
+    "colocate": ["--padding-free"],
+    "colocate padded": [],
+    "separate async": ["--config", "examples/quickstart_grpo_separate.yaml", "--padding-free", "--async-generation",
+                       "--tis-level", "token"],
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -147,16 +160,22 @@ def main():
     parser.add_argument("--model-dir", default=os.path.join(ROOT, "artifacts/bench-e2e-qwen2"))
     parser.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl/bin/python"))
     parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--megarl", nargs="+", default=list(MEGARL_RUNS), choices=list(MEGARL_RUNS),
+                        help="megarl's runs, the first is the one compared with TRL and the floor (default: all)")
     args = parser.parse_args()
     parameters = build_model(args.model_dir)
     samples = JOB["prompts"] * JOB["generations"]
     print(f"model: Qwen2 {parameters / 1e6:.1f}M parameters ({args.model_dir}); job: {JOB['prompts']} prompts x "
           f"{JOB['generations']} samples, <= {JOB['max_new_tokens']} new tokens, fp32, {args.steps} steps "
           f"(median over steps after {args.warmup})", flush=True)
+    megarl = {}
     with tempfile.TemporaryDirectory() as workdir:
-        started = time.perf_counter()
-        megarl = run_megarl(args.model_dir, args.steps, os.path.join(workdir, "megarl"))
-        print(f"megarl: ran in {time.perf_counter() - started:.0f} s", flush=True)
+        for index, name in enumerate(args.megarl):
+            started = time.perf_counter()
+            megarl[name] = run_megarl(args.model_dir, args.steps, os.path.join(workdir, f"megarl{index}"),
+                                      MEGARL_RUNS[name])
+            print(f"megarl {name} ({' '.join(MEGARL_RUNS[name]) or 'defaults'}): ran in "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
         trl = {}
         if args.no_trl or not os.path.exists(args.trl_python):
             print(f"TRL: skipped ({'--no-trl' if args.no_trl else args.trl_python + ' missing; see the docstring'})")
@@ -169,33 +188,41 @@ def main():
         bare = bare_vllm_seconds(args.model_dir)
         rate = matmul_flops_per_second()
 
-    step = median_after(megarl["step_seconds"], args.warmup)
-    generated = median_after([length * samples for length in megarl["response_length_mean"]], args.warmup)
-    trained = median_after([tps * s for tps, s in zip(megarl["tokens_per_second"], megarl["step_seconds"])],
-                           args.warmup)
-    floor = 6 * parameters * trained / rate + bare
-    print(f"\n{'framework':22} {'s/step':>8} {'gen tok/s':>10} {'vs megarl':>10}")
-    generate = median_after(megarl["generate_seconds"], args.warmup)
-    print(f"{'megarl colocate':22} {step:8.2f} {generated / generate:10.0f} {1.0:10.2f}  (gen tok/s over generate)")
+    def median(run, tag):
+        return median_after(run[tag], args.warmup)
+
+    main_name = args.megarl[0]
+    step = median(megarl[main_name], "step_seconds")
+    print(f"\n{'run':26} {'s/step':>8} {'gen tok/s':>10} {'padding':>8} {'vs ' + main_name:>16}")
+    for name, run in megarl.items():
+        generated = median_after([length * samples for length in run["response_length_mean"]], args.warmup)
+        seconds = median(run, "step_seconds")
+        padding = f"{median(run, 'padding_fraction'):.1%}" if "padding_fraction" in run else "-"
+        print(f"{'megarl ' + name:26} {seconds:8.2f} {generated / median(run, 'generate_seconds'):10.0f} "
+              f"{padding:>8} {seconds / step:16.2f}  (gen tok/s over generate)")
     best = None
     for mode, result in trl.items():
         if "error" in result:
             continue
         trl_step = median_after(result["step_seconds"], args.warmup)
         tokens = median_after(result["generated_tokens"], args.warmup) if result["generated_tokens"] else float("nan")
-        print(f"{'TRL ' + mode:22} {trl_step:8.2f} {tokens / trl_step:10.0f} {trl_step / step:10.2f}"
+        print(f"{'TRL ' + mode:26} {trl_step:8.2f} {tokens / trl_step:10.0f} {'-':>8} {trl_step / step:16.2f}"
               f"  (gen tok/s over the whole step)")
         best = trl_step if best is None else min(best, trl_step)
-    print("\nmegarl phases (median s): " + ", ".join(
-        f"{phase} {median_after(megarl[f'{phase}_seconds'], args.warmup):.2f}" for phase in PHASES
-        if f"{phase}_seconds" in megarl))
-    if "padding_fraction" in megarl:
-        print(f"padding: {median_after(megarl['padding_fraction'], args.warmup):.1%} of megarl's trained tokens")
+    for name, run in megarl.items():
+        print(f"megarl {name} phases (median s): " + ", ".join(
+            f"{phase} {median(run, f'{phase}_seconds'):.2f}" for phase in PHASES if f"{phase}_seconds" in run))
+    run = megarl[main_name]
+    trained = median_after([tps * s for tps, s in zip(run["tokens_per_second"], run["step_seconds"])], args.warmup)
+    floor = 6 * parameters * trained / rate + bare
     print(f"compute floor: 6 x {parameters / 1e6:.1f}M x {trained:.0f} trained tokens at {rate / 1e9:.1f} GFLOP/s "
-          f"= {floor - bare:.2f} s + bare vLLM generation {bare:.2f} s = {floor:.2f} s; megarl / floor = "
+          f"= {floor - bare:.2f} s + bare vLLM generation {bare:.2f} s = {floor:.2f} s; megarl {main_name} / floor = "
           f"{step / floor:.2f} (goal <= 1.25)")
     if best is not None:
-        print(f"TRL's best mode / megarl = {best / step:.2f} (goal >= 1.5)")
+        print(f"TRL's best mode / megarl {main_name} = {best / step:.2f} (goal >= 1.5)")
+    if "separate async" in megarl and "colocate" in megarl:
+        ratio = median(megarl["separate async"], "step_seconds") / median(megarl["colocate"], "step_seconds")
+        print(f"separate async / colocate on the same 2 ranks = {ratio:.2f} (goal < 1)")
 
 
 if __name__ == "__main__":
