@@ -39,11 +39,6 @@ from megarl.models.megatron_gpt import DTYPES, build_gpt_model
 
 class Actor(TrainableModel, SampledLogprobs):
     def __init__(self, args, hf_config):
-        from megatron.core import parallel_state
-
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            raise NotImplementedError("pipeline_model_parallel_size > 1 is supported by HF<->Megatron "
-                                      "conversion but not yet by the RL trainer; use tensor parallelism")
         self.args, self.hf_config = args, hf_config
         module = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
                                  calculate_per_token_loss=True)

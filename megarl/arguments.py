@@ -602,6 +602,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.train_steps < 0 or args.temperature <= 0:
         raise ConfigError(f"--train-steps must be >= 0 and --temperature > 0, got {args.train_steps} "
                           f"and {args.temperature}")
+    _validate_pipeline(args)
     _validate_kl_and_critic(args)
     _validate_data_and_eval(args)
     _validate_checkpointing(args)
@@ -635,6 +636,20 @@ def _validate_teacher_group(args) -> None:
     if args.standalone_teacher_model and not args.teacher_gpus:
         raise ConfigError(f"teacher.model={args.standalone_teacher_model} needs teacher.gpus (--teacher-gpus), "
                           f"the ranks of its vLLM engines; for a teacher on the train ranks set teacher_model")
+
+
+def _validate_pipeline(args) -> None:
+    """Pipeline stages run the loss on the last stage only: a frozen model's full-vocabulary logits
+    beside each student micro-batch (model_runner.forward_backward's companions) would need a pipeline
+    of their own."""
+    if args.pipeline_model_parallel_size == 1:
+        return
+    companion = ("--kl-estimator full" if args.kl_estimator == "full" else
+                 "a colocated teacher (--teacher-model) with full-vocabulary distillation (--gkd-logits-topk 0)"
+                 if args.teacher_model and args.distill_coef and not args.gkd_logits_topk else None)
+    if companion:
+        raise ConfigError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} does not support "
+                          f"{companion} yet: use top-k (--gkd-logits-topk K) or a sampled-token KL estimator")
 
 
 def _validate_distillation(args) -> None:

@@ -49,8 +49,11 @@ class ValueHead(torch.nn.Module):
 def attach_value_head(model, hf_config, checkpoint_path: str, seed: int) -> None:
     """Replace the model's vocabulary projection with a value head (see module docstring)."""
     gpt = unwrap(model)
-    embedding = gpt.embedding.word_embeddings.weight
-    head = ValueHead(hf_config.hidden_size, embedding.dtype, embedding.device)
+    gpt.share_embeddings_and_output_weights = False  # the forward must not pass the embedding as weight
+    if not gpt.post_process:  # the head belongs to the last pipeline stage
+        return
+    trunk = next(gpt.parameters())
+    head = ValueHead(hf_config.hidden_size, trunk.dtype, trunk.device)
     checkpoint = HFCheckpoint(checkpoint_path)
     with torch.no_grad():
         if "score.weight" in checkpoint.weight_map:
@@ -65,7 +68,6 @@ def attach_value_head(model, hf_config, checkpoint_path: str, seed: int) -> None
             head.score.weight.copy_(torch.randn(1, hf_config.hidden_size, generator=generator) * std)
             head.score.bias.zero_()
     gpt.output_layer = head
-    gpt.share_embeddings_and_output_weights = False  # the forward must not pass the embedding as weight
 
 
 class Critic(TrainableModel):

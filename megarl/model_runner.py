@@ -190,6 +190,9 @@ def final_hidden_states(model):
     `output_weight` and never form the [b, s, V/TP] logits (megarl/kernels)."""
     from megarl.models.convert import unwrap
 
+    if not unwrap(model).post_process:  # an earlier pipeline stage: its output is already hidden states
+        yield
+        return
     layer = unwrap(model).output_layer
     layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
     try:
@@ -207,7 +210,12 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
     states (`final_hidden_states`). `companions` maps names to frozen models'
     `companion_logits(micro_batch)`, run on the same batch under no_grad (the reference's
     logits for a full-vocabulary KL, the teacher's for full-vocabulary distillation):
-    only one micro-batch of their logits exists at a time.
+    only one micro-batch of their logits exists at a time (pipeline parallelism has none:
+    arguments refuse the combination).
+
+    With pipeline stages, Megatron's 1F1B schedule passes activations between them and runs
+    `loss_fn` on the last stage only; its dicts are then sent to every stage, so callers see
+    the same results on every train rank.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -219,10 +227,38 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
             outputs = {name: logits(batch) for name, logits in (companions or {}).items()}
         return output, partial(loss_fn, batch, companion_outputs=outputs)
 
-    return get_forward_backward_func()(
+    # seq_length and micro_batch_size only size the activations sent between pipeline stages; with
+    # stages the model's config has variable_seq_lengths, so each micro-batch sends its own shape.
+    outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
         num_microbatches=len(micro_batches), seq_length=max(b.tokens.shape[1] for b in micro_batches),
         micro_batch_size=micro_batch_size, forward_only=forward_only)
+    return from_last_stage(outputs)
+
+
+def from_last_stage(outputs: list[dict]) -> list[dict]:
+    """The last pipeline stage's loss-function results on every stage (the others got [] from the
+    schedule); tensors travel through host memory, whatever the group's backend."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return outputs
+    device = accelerator.device()
+    payload = [_map_tensors(outputs, lambda t: t.detach().cpu()) if parallel_state.is_pipeline_last_stage()
+               else None]
+    dist.broadcast_object_list(payload, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return _map_tensors(payload[0], lambda t: t.to(device))
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, fn) for item in value)
+    return value
 
 
 def keep_output(transform):

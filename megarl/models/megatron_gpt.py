@@ -168,6 +168,10 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     cp = parallel_state.get_context_parallel_world_size()
     check_parallel_sizes(hf_config, tp, pp)
     config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, **config_overrides)
+    # Micro-batches differ in length (and, with a token budget, in rows): pipeline stages exchange each
+    # activation's shape first. Set after construction: __post_init__ rejects it for an MoE dispatcher
+    # setting that dense models never use.
+    config.variable_seq_lengths = pp > 1
     rope_kwargs, late_llama3_scaling = rope_arguments(hf_config)
     model = GPTModel(
         config=config,

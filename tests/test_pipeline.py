@@ -1,0 +1,61 @@
+"""Pipeline parallelism in the RL trainer (real torchrun ranks, the tiny model): the stages give the
+outputs of one stage, a GRPO run trains and syncs every stage's weights, and its checkpoint resumes at
+another pipeline size."""
+
+import pytest
+import torch
+
+from helpers import read_json, scalars, torchrun
+
+WORKER = ["--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--advantage-estimator", "gae"]
+SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
+         "--max-new-tokens", "12", "--micro-batch-size", "4", "--lr", "1e-3", "--kl-coef", "0.05"]
+COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean")
+
+
+@pytest.mark.parametrize("flags", [["--kl-estimator", "full", "--kl-coef", "0.1"],
+                                   ["--teacher-model", "TINY", "--distill-coef", "1"]])
+def test_full_vocabulary_companions_are_refused_in_one_line(flags, tiny_model):
+    from megarl.arguments import ConfigError, parse_args
+
+    flags = [tiny_model if flag == "TINY" else flag for flag in flags]
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
+                    "--pipeline-model-parallel-size", "2", *flags], world_size=2)
+    message = str(error.value)
+    assert "\n" not in message and "--pipeline-model-parallel-size 2 does not support" in message, message
+
+
+@pytest.mark.slow
+def test_two_stages_give_the_outputs_of_one(tiny_model, tmp_path):
+    """Actor logprobs and critic values of PP=2 (2 ranks) equal PP=1 (1 rank) on the same micro-batches;
+    two optimizer steps of each keep them equal (the loss and its metrics come from the last stage)."""
+    torchrun("pipeline_worker.py", tmp_path / "pp2", "--model", tiny_model, *WORKER,
+             "--pipeline-model-parallel-size", "2", timeout=600)
+    torchrun("pipeline_worker.py", tmp_path / "pp1", "--model", tiny_model, *WORKER, "--train-gpus", "1",
+             "--rollout-gpus", "1", nproc=1, timeout=600)
+    one, two = read_json(tmp_path / "pp1.json"), read_json(tmp_path / "pp2.json")
+    for key in ("logprobs", "values", "logprobs_after"):
+        assert torch.allclose(torch.tensor(two[key]), torch.tensor(one[key]), atol=1e-5, rtol=0), key
+    for role, names in (("actor", ("loss", "grad_norm", "kl_loss", "entropy", "kl_old_new")), ("critic", ("value_loss",))):
+        for step_two, step_one in zip(two[role], one[role]):
+            for name in names:
+                assert step_two[name] == pytest.approx(step_one[name], abs=1e-5), (role, name)
+    assert two["logprobs_after"] != two["logprobs"]  # the steps changed the policy
+
+
+@pytest.mark.slow
+def test_grpo_at_two_stages_trains_syncs_and_resumes_at_one(tiny_model, tmp_path):
+    torchrun("../../megarl/train.py", *SMALL, "--model", tiny_model, "--pipeline-model-parallel-size", "2",
+             "--train-steps", "3", "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
+             "--log-dir", tmp_path / "pp2", timeout=900)
+    resumed = torchrun("../../megarl/train.py", *SMALL, "--model", tiny_model, "--train-steps", "3",
+                       "--resume", tmp_path / "ckpt" / "step_00000002", "--log-dir", tmp_path / "pp1", timeout=900)
+    assert "PP=1" in resumed.stdout and "resumed from" in resumed.stdout
+    two, one = scalars(tmp_path / "pp2", COMPARED), scalars(tmp_path / "pp1", COMPARED)
+    assert sorted(two["loss"]) == [0, 1, 2]
+    # Every stage's weights reach the engines: the rollout's logprobs are the trainer's after each sync.
+    assert max(two["mismatch"].values()) < 1e-5, two["mismatch"]
+    assert two["kl_ref"][0] == pytest.approx(0, abs=1e-6) and two["kl_ref"][2] > 1e-6  # the policy left the reference
+    for tag in COMPARED:  # step 3 at PP=1 from the PP=2 checkpoint is the PP=2 run's step 3
+        assert one[tag][2] == pytest.approx(two[tag][2], abs=1e-5), tag

@@ -1,0 +1,43 @@
+"""torchrun worker: the actor's logprobs, the critic's values and two train steps of each on a fixed
+batch, at whatever TP/PP/DP the command line gives. Rank 0 writes <out>.json with the whole batch's
+response-aligned outputs (gathered over data-parallel ranks) and the per-step metrics."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from offload_worker import train_ranks, write_report  # noqa: E402
+
+from megarl import distributed  # noqa: E402
+from megarl.model_runner import make_micro_batches  # noqa: E402
+
+
+def main():
+    out, argv = sys.argv[1], sys.argv[2:]
+    args, context, hf_config, batch, share = train_ranks(argv, count=8)
+    from megarl.actor import Actor
+    from megarl.critic import Critic
+
+    batch.ref_logprobs = batch.old_logprobs + 0.01 * batch.response_mask
+    mine = batch.select(share)
+    micro_batches = make_micro_batches(mine, args.micro_batch_size, 0)
+    actor, critic = Actor(args, hf_config), Critic(args, hf_config)
+    logprobs = actor.logprobs(micro_batches, batch.width)[0]
+    values = critic.values(micro_batches, batch.width)
+    gathered = distributed.all_gather_objects((share.tolist(), logprobs.tolist(), values.tolist()), context)
+    rows = {}
+    for indices, lp, v in gathered:  # tensor-/pipeline-parallel peers hold the same rows: any copy will do
+        rows.update({i: (a, b) for i, a, b in zip(indices, lp, v)})
+    report = {"logprobs": [rows[i][0] for i in sorted(rows)], "values": [rows[i][1] for i in sorted(rows)],
+              "actor": [actor.train_step(micro_batches, kl_coef=0.1, reference=actor) for _ in range(2)],
+              "critic": [critic.train_step(micro_batches) for _ in range(2)],
+              "logprobs_after": actor.logprobs(micro_batches, batch.width)[0].tolist()}
+    write_report(f"{out}.json", report)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
