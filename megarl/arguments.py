@@ -74,7 +74,7 @@ def _add_parallelism_args(parser):
     g = parser.add_argument_group("parallelism (train role)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="trainer TP size")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="trainer PP size (conversion supports it; the RL trainer needs 1 for now)")
+                   help="trainer PP size: Megatron's 1F1B schedule, the loss on the last stage")
     g.add_argument("--context-parallel-size", type=int, default=1, help="trainer CP size (1 for now)")
     g.add_argument("--offload-model", action="store_true",
                    help="colocated: move the trainer's parameters and gradient buffers (policy, critic) to host memory "
