@@ -197,7 +197,8 @@ def _generate_shard(run: Run, prompts, step: int, n: int | None = None, temperat
 
         def score_prompt(i, samples):  # as each prompt's request finishes, while the rest generate
             _attach_prompt_rows(samples, [shard[i]])
-            scoring.submit(samples)
+            if engine.is_leader:  # the other ranks of a TP engine hold the same samples, which are dropped
+                scoring.submit(samples)
 
         if from_dataset:
             samples = []
