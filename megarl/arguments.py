@@ -86,6 +86,22 @@ def _add_parallelism_args(parser):
                         "naive (full fp32 logits; the reference), chunked (torch, per chunk of tokens, from the "
                         "final hidden states), triton (the same with Triton kernels; GPU); auto: triton on a GPU "
                         "host with Triton, chunked otherwise")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: the optimizer states (and fp32 main parameters) are "
+                        "sharded over the data-parallel ranks (ZeRO-1); gradients are reduce-scattered and the "
+                        "parameters all-gathered after the step. Checkpoints shard them per parameter "
+                        "(fully_sharded_model_space) and resume at another data-parallel size")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recomputation (Megatron): full recomputes whole transformer layers in the "
+                        "backward (needs --recompute-method and --recompute-num-layers), selective only the core "
+                        "attention; off when unset")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="--recompute-granularity full: uniform recomputes groups of --recompute-num-layers layers "
+                        "(storing only each group's input), block recomputes the first --recompute-num-layers "
+                        "layers of each pipeline stage and keeps the rest")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="--recompute-granularity full: layers per group (uniform) or layers recomputed per "
+                        "pipeline stage (block)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
 
@@ -617,8 +633,38 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"--overlong-buffer-len must be in [0, max_new_tokens={args.max_new_tokens}], "
                           f"got {args.overlong_buffer_len}")
     _validate_distillation(args)
-    if args.context_parallel_size > 1:
-        raise ConfigError("context_parallel_size > 1 is not supported yet (set --context-parallel-size 1)")
+    _validate_recompute(args)
+
+
+def _validate_recompute(args) -> None:
+    """Megatron's rules (its arguments.py and TransformerConfig): full needs a method and a layer count,
+    selective (the core attention of every layer) takes neither."""
+    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    given = [flag for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+             if value is not None]
+    if granularity is None and given:
+        raise ConfigError(f"{' and '.join(given)} need --recompute-granularity full")
+    if granularity == "selective" and given:
+        raise ConfigError(f"--recompute-granularity selective takes no {' or '.join(given)} (it recomputes the "
+                          f"core attention of every layer); drop it, or use --recompute-granularity full")
+    if granularity == "full" and (method is None or layers is None):
+        raise ConfigError(f"--recompute-granularity full needs --recompute-method uniform|block and "
+                          f"--recompute-num-layers N, got {method} and {layers}")
+    if layers is not None and layers < 1:
+        raise ConfigError(f"--recompute-num-layers must be >= 1, got {layers}")
+    if granularity == "full":
+        from transformers import AutoConfig
+
+        try:
+            num_layers = AutoConfig.from_pretrained(args.model).num_hidden_layers
+        except (OSError, ValueError, AttributeError):
+            return  # the model check at start-up (run.load_inputs) names the problem
+        per_stage = num_layers // args.pipeline_model_parallel_size
+        if layers > per_stage or (method == "uniform" and per_stage % layers):
+            raise ConfigError(f"--recompute-num-layers {layers} with --recompute-method {method}: each pipeline "
+                              f"stage has {per_stage} layers (num_hidden_layers={num_layers} / pipeline_model_"
+                              f"parallel_size={args.pipeline_model_parallel_size}); it must be at most that"
+                              f"{', and divide it (uniform)' if method == 'uniform' else ''}")
 
 
 def _validate_teacher_group(args) -> None:

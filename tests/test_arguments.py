@@ -73,6 +73,18 @@ BAD = [
     (None, ["--critic-warmup", "3"], 1, ["--critic-warmup needs a critic", "gae"]),
     (None, ["--advantage-estimator", "gae", "--value-clip", "0"], 1, ["--value-clip"]),
     (None, ["--advantage-estimator", "gae", "--lam", "1.5"], 1, ["--lam", "[0, 1]"]),
+    # activation recomputation (Megatron's rules) and context parallelism
+    (None, ["--recompute-granularity", "full"], 1, ["--recompute-granularity full needs", "--recompute-method",
+                                                    "--recompute-num-layers"]),
+    (None, ["--recompute-granularity", "full", "--recompute-method", "block"], 1, ["--recompute-num-layers N"]),
+    (None, ["--recompute-granularity", "selective", "--recompute-method", "uniform"], 1,
+     ["selective takes no --recompute-method"]),
+    (None, ["--recompute-num-layers", "1"], 1, ["--recompute-num-layers need --recompute-granularity full"]),
+    (None, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"], 1,
+     ["--recompute-num-layers 3", "2 layers"]),  # the tiny model has 2 layers
+    (None, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1, []),
+    (None, ["--recompute-granularity", "selective"], 1, []),
+    (None, ["--context-parallel-size", "2"], 2, ["--context-parallel-size 2", "Transformer Engine"]),
 ]
 
 

@@ -150,6 +150,14 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
     )
 
 
+def trainer_config_overrides(args) -> dict:
+    """TransformerConfig fields of a trained model (policy, critic) that come from the training options:
+    the loss normalisation and activation recomputation (--recompute-granularity/-method/-num-layers;
+    frozen models run forward-only and never recompute)."""
+    return dict(calculate_per_token_loss=True, recompute_granularity=args.recompute_granularity,
+                recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+
+
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
                     **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device.
