@@ -176,9 +176,9 @@ def context_parallel_refusal(cp: int) -> str:
 
 def check_supported(args) -> str | None:
     """Why this host cannot run `args`, or None. (Called by arguments.validate_args.)"""
-    if not ON_CUDA and args.params_dtype != "float32":
-        return (f"--params-dtype {args.params_dtype} needs a GPU host: Megatron's mixed-precision "
-                f"optimizer is CUDA-only; use float32 on CPU ranks")
+    if not ON_CUDA and args.params_dtype == "float16":
+        return ("--fp16 (--params-dtype float16) needs a GPU host: vLLM's CPU backend does not run float16 "
+                "and Megatron's loss scaler keeps its scale on a CUDA device; use --bf16 on CPU ranks")
     if args.context_parallel_size > 1:
         return context_parallel_refusal(args.context_parallel_size)
     if args.kernels == "triton":

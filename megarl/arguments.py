@@ -64,7 +64,19 @@ def _add_model_args(parser):
     g.add_argument("--model", default=DEFAULT_MODEL, help="HF checkpoint directory of the policy")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     g.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of trainer and rollout weights (CPU ranks: float32 only)")
+                   help="dtype of trainer and rollout weights (bfloat16: as --bf16, float16: as --fp16; CPU ranks: "
+                        "float32 or bfloat16)")
+    g.add_argument("--bf16", action="store_true",
+                   help="mixed precision, Megatron-LM's meaning: bf16 parameters and compute in the trainer and the "
+                        "rollout (= --params-dtype bfloat16), fp32 main parameters and Adam states in the "
+                        "optimizer, gradients accumulated and reduced in fp32")
+    g.add_argument("--fp16", action="store_true",
+                   help="as --bf16 with float16 (= --params-dtype float16), plus loss scaling (dynamic unless "
+                        "--loss-scale); GPU hosts only")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a static loss scale (default: dynamic loss scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="--fp16, dynamic loss scaling: the first scale (halved on each overflow, Megatron's rule)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times the TP size (Megatron)")
     g.add_argument("--seed", type=int, default=1234, help="seeds prompts, Megatron RNG and vLLM engines")
@@ -582,6 +594,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """The one place that turns impossible combinations into one-line errors."""
+    _resolve_precision(args)
     if args.tokenizer is None:
         args.tokenizer = args.model
     if args.rollout_model is None:
@@ -634,6 +647,24 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                           f"got {args.overlong_buffer_len}")
     _validate_distillation(args)
     _validate_recompute(args)
+
+
+def _resolve_precision(args) -> None:
+    """--bf16 / --fp16 (Megatron-LM's flags) set --params-dtype; they cannot contradict it or each other."""
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are both set; choose one")
+    wanted = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+    if wanted is not None:
+        if args.params_dtype not in ("float32", wanted):
+            raise ConfigError(f"--{'bf16' if args.bf16 else 'fp16'} contradicts --params-dtype {args.params_dtype}; "
+                              f"drop one of them")
+        args.params_dtype = wanted
+    args.bf16, args.fp16 = args.params_dtype == "bfloat16", args.params_dtype == "float16"
+    if not args.fp16 and args.loss_scale is not None:
+        raise ConfigError("--loss-scale needs --fp16 (bf16 and fp32 train without loss scaling)")
+    if args.loss_scale is not None and args.loss_scale <= 0 or args.initial_loss_scale <= 0:
+        raise ConfigError(f"--loss-scale and --initial-loss-scale must be > 0, got {args.loss_scale} and "
+                          f"{args.initial_loss_scale}")
 
 
 def _validate_recompute(args) -> None:

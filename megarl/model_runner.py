@@ -267,6 +267,7 @@ def build_trainable(module, args, lr: float, weight_decay: float):
         OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(args.min_lr, lr), weight_decay=weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
                         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+                        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                         use_distributed_optimizer=args.use_distributed_optimizer),
         [model])
     total_updates = max(args.train_steps * args.steps_per_generation * args.ppo_epochs, 1)

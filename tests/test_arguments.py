@@ -85,7 +85,19 @@ BAD = [
     (None, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1, []),
     (None, ["--recompute-granularity", "selective"], 1, []),
     (None, ["--context-parallel-size", "2"], 2, ["--context-parallel-size 2", "Transformer Engine"]),
+    # mixed precision
+    (None, ["--bf16", "--fp16"], 1, ["--bf16 and --fp16"]),
+    (None, ["--bf16", "--params-dtype", "float16"], 1, ["--bf16 contradicts --params-dtype float16"]),
+    (None, ["--loss-scale", "128"], 1, ["--loss-scale needs --fp16"]),
+    (None, ["--fp16"], 1, ["--fp16", "GPU host", "--bf16"]),  # this CPU host
+    (None, ["--bf16", "--params-dtype", "bfloat16"], 1, []),
 ]
+
+
+def test_bf16_is_the_params_dtype():
+    args = parse_args(["--bf16"], world_size=1)
+    assert (args.params_dtype, args.bf16, args.fp16) == ("bfloat16", True, False)
+    assert parse_args(["--params-dtype", "bfloat16"], world_size=1).bf16
 
 
 def test_batch_geometry_is_derived_from_either_option():
