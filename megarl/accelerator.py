@@ -16,6 +16,8 @@ GPU-only code paths in megarl (all of them live here or are selected here):
     (`host_buffer`, `release_cached_memory`; the offload bookkeeping itself,
     megarl/offload.py, runs the same on CPU);
   * vLLM sleep/wake (see megarl.rollout) -- a logged no-op on CPU;
+  * the reward model (--reward-model) on the rollout rank's GPU, and its moves to host memory between
+    scoring calls when colocated (`module_to_host`, `module_to_device`; no-ops on CPU);
   * the Triton kernels of megarl/kernels (`default_kernels`, `check_supported`): on CPU only
     under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
@@ -90,6 +92,20 @@ def release_cached_memory() -> None:
     """Hand freed device memory back (GPU: the caching allocator keeps it otherwise)."""
     if ON_CUDA:
         torch.cuda.empty_cache()
+
+
+def module_to_host(module: torch.nn.Module) -> None:
+    """GPU: move a module's weights to host memory and hand the device memory back (a colocated reward
+    model between scoring calls); CPU: the weights are already there, a no-op."""
+    if ON_CUDA:
+        module.to("cpu")
+        release_cached_memory()
+
+
+def module_to_device(module: torch.nn.Module) -> None:
+    """Back onto this rank's device (GPU); a no-op on CPU."""
+    if ON_CUDA:
+        module.to(device())
 
 
 def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool):

@@ -304,6 +304,11 @@ def _add_reward_args(parser):
                    help="reward name (megarl/rewards/ or a plugin), or weighted names such as boxed:1.0,rm:0.5")
     g.add_argument("--reward-model", default=None,
                    help="HF AutoModelForSequenceClassification checkpoint used as the reward named 'rm'")
+    g.add_argument("--reward-model-micro-batch-size", type=int, default=8,
+                   help="--reward-model: samples per forward pass (scores do not depend on it)")
+    g.add_argument("--reward-model-max-length", type=int, default=None,
+                   help="--reward-model: a longer conversation is scored on its last this many tokens (its start "
+                        "dropped, the response's end kept; counted in a warning line); default: no limit")
     g.add_argument("--async-generation", action="store_true",
                    help="separate placement: the rollout ranks generate the next step's samples while the train "
                         "ranks train on this step's (one weight version behind; the staleness metric; TIS "
@@ -878,6 +883,12 @@ def _validate_data_and_eval(args) -> None:
         raise ConfigError(f"--reward: {error}") from None
     if any(name == "rm" for name, _ in parts) and not args.reward_model:
         raise ConfigError(f"--reward {args.reward!r} uses 'rm' but no --reward-model checkpoint is given")
+    for name in ("reward_model_micro_batch_size", "reward_model_max_length"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.reward_model_max_length is not None and not args.reward_model:
+        raise ConfigError("--reward-model-max-length needs --reward-model")
     if args.reward_model and not any(name == "rm" for name, _ in parts):
         raise ConfigError(f"--reward-model is set but --reward {args.reward!r} does not use it; "
                           f"add rm, e.g. --reward {parts[0][0]}:1.0,rm:1.0")

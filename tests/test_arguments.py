@@ -91,6 +91,8 @@ BAD = [
     (None, ["--loss-scale", "128"], 1, ["--loss-scale needs --fp16"]),
     (None, ["--fp16"], 1, ["--fp16", "GPU host", "--bf16"]),  # this CPU host
     (None, ["--bf16", "--params-dtype", "bfloat16"], 1, []),
+    (None, ["--reward-model-max-length", "512"], 1, ["--reward-model-max-length needs --reward-model"]),
+    (None, ["--reward-model-micro-batch-size", "0"], 1, ["--reward-model-micro-batch-size must be >= 1"]),
 ]
 
 
