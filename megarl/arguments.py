@@ -87,7 +87,8 @@ def _add_parallelism_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="trainer TP size")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="trainer PP size (conversion supports it; the RL trainer needs 1 for now)")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="trainer CP size (1 for now)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="trainer CP size (1 for now: > 1 is refused in one line saying why)")
     g.add_argument("--offload-model", action="store_true",
                    help="colocated: move the trainer's parameters and gradient buffers (policy, critic) to host memory "
                         "while the rollout generates; back before they are needed")
@@ -101,8 +102,8 @@ def _add_parallelism_args(parser):
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer: the optimizer states (and fp32 main parameters) are "
                         "sharded over the data-parallel ranks (ZeRO-1); gradients are reduce-scattered and the "
-                        "parameters all-gathered after the step. Checkpoints shard them per parameter "
-                        "(fully_sharded_model_space) and resume at another data-parallel size")
+                        "parameters all-gathered after the step. Checkpoints hold them shaped like the "
+                        "parameters (fully_reshardable) and resume at another data-parallel, TP or PP size")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
                    help="activation recomputation (Megatron): full recomputes whole transformer layers in the "
                         "backward (needs --recompute-method and --recompute-num-layers), selective only the core "
