@@ -3,6 +3,10 @@
 #
 #   CONFIG=my.yaml sbatch --nodes 4 run_slurm.sh [train.py flags]      # from the checkout
 #   CONFIG=my.yaml NODES=4 bash run_slurm.sh [train.py flags]          # the same: submits itself
+#   CONFIG=examples/qwen7b_2x8.yaml NODES=2 bash run_slurm.sh           # Qwen2.5-7B-class GRPO on 2 x 8 GPUs
+#
+# Check a config's layout and memory for the job's shape first (starts nothing):
+#   python tools/check_layout.py --config my.yaml --nodes 4 --gpus-per-node 8
 #
 # Settings (environment; sbatch passes the submitting shell's environment on):
 #   CONFIG          YAML config for megarl/train.py (required)

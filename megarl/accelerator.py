@@ -16,6 +16,8 @@ GPU-only code paths in megarl (all of them live here or are selected here):
     (`host_buffer`, `release_cached_memory`; the offload bookkeeping itself,
     megarl/offload.py, runs the same on CPU);
   * vLLM sleep/wake (see megarl.rollout) -- a logged no-op on CPU;
+  * the reward model (--reward-model) on the rollout rank's GPU, and its moves to host memory between
+    scoring calls when colocated (`module_to_host`, `module_to_device`; no-ops on CPU);
   * the Triton kernels of megarl/kernels (`default_kernels`, `check_supported`): on CPU only
     under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
@@ -92,6 +94,20 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def module_to_host(module: torch.nn.Module) -> None:
+    """GPU: move a module's weights to host memory and hand the device memory back (a colocated reward
+    model between scoring calls); CPU: the weights are already there, a no-op."""
+    if ON_CUDA:
+        module.to("cpu")
+        release_cached_memory()
+
+
+def module_to_device(module: torch.nn.Module) -> None:
+    """Back onto this rank's device (GPU); a no-op on CPU."""
+    if ON_CUDA:
+        module.to(device())
+
+
 def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool):
     """A process group built directly on a store, outside the default world (it may span roles
     that live in different worlds). NCCL when it carries GPU tensors (weights), gloo for CPU
@@ -160,11 +176,27 @@ def default_kernels() -> str:
     return "triton" if ON_CUDA and kernels.triton_available() else "chunked"
 
 
+def context_parallel_refusal(cp: int) -> str:
+    """Why --context-parallel-size > 1 cannot run. Megatron's context parallelism lives in Transformer
+    Engine's attention (ring attention over the CP group); the local attention of CPU hosts has none. With
+    TE, Megatron expects every per-token input already cut into this CP rank's 2 x CP load-balanced chunks
+    (Megatron-LM's get_batch_on_this_cp_rank), and megarl does not cut its micro-batches (tokens, labels,
+    masks, advantages, old logprobs) nor gather the per-token outputs back over the CP group yet: passing
+    whole sequences on would make TE read CP copies of each sequence as one CP times longer."""
+    if not transformer_engine_available():
+        return (f"--context-parallel-size {cp} needs Transformer Engine's attention (a CUDA host with "
+                f"transformer_engine): the local attention used here has no context-parallel path; use 1")
+    return (f"--context-parallel-size {cp}: megarl does not yet split micro-batches over the context-parallel "
+            f"ranks (Megatron's attention with Transformer Engine needs each rank's sequence chunks); use 1")
+
+
 def check_supported(args) -> str | None:
     """Why this host cannot run `args`, or None. (Called by arguments.validate_args.)"""
-    if not ON_CUDA and args.params_dtype != "float32":
-        return (f"--params-dtype {args.params_dtype} needs a GPU host: Megatron's mixed-precision "
-                f"optimizer is CUDA-only; use float32 on CPU ranks")
+    if not ON_CUDA and args.params_dtype == "float16":
+        return ("--fp16 (--params-dtype float16) needs a GPU host: vLLM's CPU backend does not run float16 "
+                "and Megatron's loss scaler keeps its scale on a CUDA device; use --bf16 on CPU ranks")
+    if args.context_parallel_size > 1:
+        return context_parallel_refusal(args.context_parallel_size)
     if args.kernels == "triton":
         from megarl import kernels
 
@@ -172,6 +204,67 @@ def check_supported(args) -> str | None:
             return ("--kernels triton needs Triton and a GPU (or Triton's interpreter, TRITON_INTERPRET=1, "
                     "for tests); use --kernels chunked on this host")
     return None
+
+
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+def _reporting_cuda_tensor_types(init):
+    """`init` of a Megatron optimizer that sorts parameters by `param.type()` against CUDA names only
+    ('torch.cuda.FloatTensor', ...; a CPU parameter raises TypeError): while it runs, a CPU float
+    tensor's type() answers the CUDA name of its dtype. Only the constructors look (the steps use dtypes)."""
+    @functools.wraps(init)
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.type
+
+        def type_(self, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+                return _CUDA_TYPE_NAMES[self.dtype]
+            return original(self, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapped
+
+
+def _state_dict_of_a_fresh_optimizer(state_dict):
+    """DistributedOptimizer.state_dict without Apex or Transformer Engine reads Adam's per-parameter 'step'
+    and asserts one value: a fresh optimizer (no step taken yet, as when a checkpoint is about to be loaded
+    into it) has none. Give it zero moments and step 0 first, as a first step would; the load overwrites them."""
+    @functools.wraps(state_dict)
+    def wrapped(self):
+        if not self.optimizer.state and self.init_state_fn is not None:
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state["step"] = torch.tensor(0.0)
+        return state_dict(self)
+
+    return wrapped
+
+
+def _set_states_besides_step(set_states):
+    """DistributedOptimizer._set_main_param_and_optimizer_states copies every key of the inner optimizer's
+    state from the loaded tensors; torch's Adam (used without Apex or Transformer Engine) also keeps a
+    'step' there, which the loaded tensors lack (load_state_dict sets it from the param groups). Leave it."""
+    @functools.wraps(set_states)
+    def wrapped(self, model_param, tensors):
+        state = None
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None) if state is not None else None
+        try:
+            return set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    return wrapped
 
 
 @functools.cache
@@ -229,3 +322,15 @@ def apply_megatron_shims() -> None:
     # Grad clipping asserts param.grad.type() == 'torch.cuda.FloatTensor'.
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    # The distributed optimizer (--use-distributed-optimizer) and the mixed-precision one (bf16/fp16
+    # parameters with fp32 main copies) sort parameters by `param.type()` against CUDA type names.
+    from megatron.core.optimizer import distrib_optimizer
+
+    for cls in (distrib_optimizer.DistributedOptimizer, megatron_optimizer.Float16OptimizerWithFloat16Params):
+        cls.__init__ = _reporting_cuda_tensor_types(cls.__init__)
+    # Without Apex or Transformer Engine it drives torch's Adam, whose 'step' state two methods trip on.
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    optimizer_class.state_dict = _state_dict_of_a_fresh_optimizer(optimizer_class.state_dict)
+    optimizer_class._set_main_param_and_optimizer_states = _set_states_besides_step(
+        optimizer_class._set_main_param_and_optimizer_states)

@@ -34,14 +34,14 @@ from megarl.algorithms import (KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, 
                                kl_penalty_in_loss)
 from megarl.model_runner import MicroBatch, SampledLogprobs, TrainableModel, output_weight, response_aligned
 from megarl.models.convert import iter_hf_weights, load_hf_weights
-from megarl.models.megatron_gpt import DTYPES, build_gpt_model
+from megarl.models.megatron_gpt import DTYPES, build_gpt_model, trainer_config_overrides
 
 
 class Actor(TrainableModel, SampledLogprobs):
     def __init__(self, args, hf_config):
         self.args, self.hf_config = args, hf_config
         module = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
-                                 calculate_per_token_loss=True)
+                                 **trainer_config_overrides(args))
         load_hf_weights(module, args.model, hf_config)
         super().__init__(module, args, args.lr, args.offload_model, args.offload_optimizer)
         self.policy_loss = POLICY_LOSSES[args.policy_loss]

@@ -64,7 +64,19 @@ def _add_model_args(parser):
     g.add_argument("--model", default=DEFAULT_MODEL, help="HF checkpoint directory of the policy")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     g.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of trainer and rollout weights (CPU ranks: float32 only)")
+                   help="dtype of trainer and rollout weights (bfloat16: as --bf16, float16: as --fp16; CPU ranks: "
+                        "float32 or bfloat16)")
+    g.add_argument("--bf16", action="store_true",
+                   help="mixed precision, Megatron-LM's meaning: bf16 parameters and compute in the trainer and the "
+                        "rollout (= --params-dtype bfloat16), fp32 main parameters and Adam states in the "
+                        "optimizer, gradients accumulated and reduced in fp32")
+    g.add_argument("--fp16", action="store_true",
+                   help="as --bf16 with float16 (= --params-dtype float16), plus loss scaling (dynamic unless "
+                        "--loss-scale); GPU hosts only")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a static loss scale (default: dynamic loss scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="--fp16, dynamic loss scaling: the first scale (halved on each overflow, Megatron's rule)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times the TP size (Megatron)")
     g.add_argument("--seed", type=int, default=1234, help="seeds prompts, Megatron RNG and vLLM engines")
@@ -75,7 +87,8 @@ def _add_parallelism_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="trainer TP size")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="trainer PP size: Megatron's 1F1B schedule, the loss on the last stage")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="trainer CP size (1 for now)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="trainer CP size (1 for now: > 1 is refused in one line saying why)")
     g.add_argument("--offload-model", action="store_true",
                    help="colocated: move the trainer's parameters and gradient buffers (policy, critic) to host memory "
                         "while the rollout generates; back before they are needed")
@@ -86,6 +99,22 @@ def _add_parallelism_args(parser):
                         "naive (full fp32 logits; the reference), chunked (torch, per chunk of tokens, from the "
                         "final hidden states), triton (the same with Triton kernels; GPU); auto: triton on a GPU "
                         "host with Triton, chunked otherwise")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: the optimizer states (and fp32 main parameters) are "
+                        "sharded over the data-parallel ranks (ZeRO-1); gradients are reduce-scattered and the "
+                        "parameters all-gathered after the step. Checkpoints hold them shaped like the "
+                        "parameters (fully_reshardable) and resume at another data-parallel, TP or PP size")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recomputation (Megatron): full recomputes whole transformer layers in the "
+                        "backward (needs --recompute-method and --recompute-num-layers), selective only the core "
+                        "attention; off when unset")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="--recompute-granularity full: uniform recomputes groups of --recompute-num-layers layers "
+                        "(storing only each group's input), block recomputes the first --recompute-num-layers "
+                        "layers of each pipeline stage and keeps the rest")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="--recompute-granularity full: layers per group (uniform) or layers recomputed per "
+                        "pipeline stage (block)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
 
@@ -276,6 +305,11 @@ def _add_reward_args(parser):
                    help="reward name (megarl/rewards/ or a plugin), or weighted names such as boxed:1.0,rm:0.5")
     g.add_argument("--reward-model", default=None,
                    help="HF AutoModelForSequenceClassification checkpoint used as the reward named 'rm'")
+    g.add_argument("--reward-model-micro-batch-size", type=int, default=8,
+                   help="--reward-model: samples per forward pass (scores do not depend on it)")
+    g.add_argument("--reward-model-max-length", type=int, default=None,
+                   help="--reward-model: a longer conversation is scored on its last this many tokens (its start "
+                        "dropped, the response's end kept; counted in a warning line); default: no limit")
     g.add_argument("--async-generation", action="store_true",
                    help="separate placement: the rollout ranks generate the next step's samples while the train "
                         "ranks train on this step's (one weight version behind; the staleness metric; TIS "
@@ -566,6 +600,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """The one place that turns impossible combinations into one-line errors."""
+    _resolve_precision(args)
     if args.tokenizer is None:
         args.tokenizer = args.model
     if args.rollout_model is None:
@@ -618,8 +653,56 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"--overlong-buffer-len must be in [0, max_new_tokens={args.max_new_tokens}], "
                           f"got {args.overlong_buffer_len}")
     _validate_distillation(args)
-    if args.context_parallel_size > 1:
-        raise ConfigError("context_parallel_size > 1 is not supported yet (set --context-parallel-size 1)")
+    _validate_recompute(args)
+
+
+def _resolve_precision(args) -> None:
+    """--bf16 / --fp16 (Megatron-LM's flags) set --params-dtype; they cannot contradict it or each other."""
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are both set; choose one")
+    wanted = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+    if wanted is not None:
+        if args.params_dtype not in ("float32", wanted):
+            raise ConfigError(f"--{'bf16' if args.bf16 else 'fp16'} contradicts --params-dtype {args.params_dtype}; "
+                              f"drop one of them")
+        args.params_dtype = wanted
+    args.bf16, args.fp16 = args.params_dtype == "bfloat16", args.params_dtype == "float16"
+    if not args.fp16 and args.loss_scale is not None:
+        raise ConfigError("--loss-scale needs --fp16 (bf16 and fp32 train without loss scaling)")
+    if args.loss_scale is not None and args.loss_scale <= 0 or args.initial_loss_scale <= 0:
+        raise ConfigError(f"--loss-scale and --initial-loss-scale must be > 0, got {args.loss_scale} and "
+                          f"{args.initial_loss_scale}")
+
+
+def _validate_recompute(args) -> None:
+    """Megatron's rules (its arguments.py and TransformerConfig): full needs a method and a layer count,
+    selective (the core attention of every layer) takes neither."""
+    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    given = [flag for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+             if value is not None]
+    if granularity is None and given:
+        raise ConfigError(f"{' and '.join(given)} need --recompute-granularity full")
+    if granularity == "selective" and given:
+        raise ConfigError(f"--recompute-granularity selective takes no {' or '.join(given)} (it recomputes the "
+                          f"core attention of every layer); drop it, or use --recompute-granularity full")
+    if granularity == "full" and (method is None or layers is None):
+        raise ConfigError(f"--recompute-granularity full needs --recompute-method uniform|block and "
+                          f"--recompute-num-layers N, got {method} and {layers}")
+    if layers is not None and layers < 1:
+        raise ConfigError(f"--recompute-num-layers must be >= 1, got {layers}")
+    if granularity == "full":
+        from transformers import AutoConfig
+
+        try:
+            num_layers = AutoConfig.from_pretrained(args.model).num_hidden_layers
+        except (OSError, ValueError, AttributeError):
+            return  # the model check at start-up (run.load_inputs) names the problem
+        per_stage = num_layers // args.pipeline_model_parallel_size
+        if layers > per_stage or (method == "uniform" and per_stage % layers):
+            raise ConfigError(f"--recompute-num-layers {layers} with --recompute-method {method}: each pipeline "
+                              f"stage has {per_stage} layers (num_hidden_layers={num_layers} / pipeline_model_"
+                              f"parallel_size={args.pipeline_model_parallel_size}); it must be at most that"
+                              f"{', and divide it (uniform)' if method == 'uniform' else ''}")
 
 
 def _validate_teacher_group(args) -> None:
@@ -816,6 +899,12 @@ def _validate_data_and_eval(args) -> None:
         raise ConfigError(f"--reward: {error}") from None
     if any(name == "rm" for name, _ in parts) and not args.reward_model:
         raise ConfigError(f"--reward {args.reward!r} uses 'rm' but no --reward-model checkpoint is given")
+    for name in ("reward_model_micro_batch_size", "reward_model_max_length"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.reward_model_max_length is not None and not args.reward_model:
+        raise ConfigError("--reward-model-max-length needs --reward-model")
     if args.reward_model and not any(name == "rm" for name, _ in parts):
         raise ConfigError(f"--reward-model is set but --reward {args.reward!r} does not use it; "
                           f"add rm, e.g. --reward {parts[0][0]}:1.0,rm:1.0")

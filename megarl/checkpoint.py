@@ -5,7 +5,10 @@ Layout of --save-dir:
     step_00000010/            a complete checkpoint (after 10 training steps)
         dist/                 Megatron distributed checkpoint (torch_dist): policy and
                               critic models and optimizers, sharded by TP/PP; loads
-                              at any other TP/PP size (Megatron reshards on load)
+                              at any other TP/PP size (Megatron reshards on load); the
+                              distributed optimizer's states in the fully_reshardable
+                              layout (shaped like the parameters), so they load at
+                              another DP size too
         rng/rank_00000.pt     each rank's torch / Python / numpy RNG states
         hf_config/            the policy's HF config and tokenizer (for tools/export_hf.py)
         state.json            step, each role's state (LR schedule), the run's (KL
@@ -174,6 +177,7 @@ def _run_state(run, completed_steps: int) -> dict:
         "seed": args.seed,
         "parallel": {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+                     "use_distributed_optimizer": args.use_distributed_optimizer, "params_dtype": args.params_dtype,
                      "train_gpus": args.train_gpus, "rollout_gpus": args.rollout_gpus},
     }
 

@@ -32,7 +32,7 @@ import torch
 from megarl.algorithms import value_loss
 from megarl.model_runner import MicroBatch, TrainableModel, response_aligned
 from megarl.models.convert import HFCheckpoint, load_hf_weights, unwrap
-from megarl.models.megatron_gpt import DTYPES, build_gpt_model
+from megarl.models.megatron_gpt import DTYPES, build_gpt_model, trainer_config_overrides
 
 
 class ValueHead(torch.nn.Module):
@@ -78,7 +78,7 @@ class Critic(TrainableModel):
         trunk_config = copy.deepcopy(hf_config)
         trunk_config.tie_word_embeddings = True
         module = build_gpt_model(trunk_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
-                                 calculate_per_token_loss=True)
+                                 **trainer_config_overrides(args))
         load_hf_weights(module, args.critic_model, trunk_config)
         attach_value_head(module, hf_config, args.critic_model, args.seed)
         super().__init__(module, args, args.critic_lr, args.offload_model, args.offload_optimizer)

@@ -295,14 +295,16 @@ def build_trainable(module, args, lr: float, weight_decay: float):
     model = DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=False),
+                                                 use_distributed_optimizer=args.use_distributed_optimizer),
         module=module)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(args.min_lr, lr), weight_decay=weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-                        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype),
+                        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+                        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                        use_distributed_optimizer=args.use_distributed_optimizer),
         [model])
     total_updates = max(args.train_steps * args.steps_per_generation * args.ppo_epochs, 1)
     scheduler = OptimizerParamScheduler(
@@ -377,8 +379,14 @@ class TrainableModel:
         from megarl.models.convert import unwrap
 
         model_state = unwrap(self.model).sharded_state_dict(prefix=f"{prefix}.")
+        # The distributed optimizer's states in the model's own layout (each parameter's Adam moments
+        # and main copy shaped like the parameter, gathered over the data-parallel group on save): loads
+        # at another data-parallel, TP or PP size. (Megatron-core 0.16.1 refuses the flattened shards
+        # that its default, fully_sharded_model_space, writes.) Other optimizers ignore it.
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
         return {f"{prefix}_model": model_state,
-                f"{prefix}_optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+                f"{prefix}_optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                                         metadata=metadata)}
 
     def load_sharded_state_dict(self, loaded: dict, prefix: str) -> None:
         from megarl.models.convert import unwrap

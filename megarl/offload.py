@@ -110,6 +110,9 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in part.optimizer.state.values():
             tensors += [value for value in state.values() if torch.is_tensor(value)]
-        for group in getattr(part, "fp32_from_float16_groups", []):
-            tensors += list(group)
+        # fp32 main copies: all of them (mixed-precision optimizer), or this rank's shards of them
+        # (distributed optimizer; its shards of fp32 parameters are views of the model's own buffer)
+        for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            for group in getattr(part, name, []):
+                tensors += [tensor for tensor in group if tensor is not None]
     return tensors

@@ -185,7 +185,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
     if args.kl_coef > 0:
         kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \
             KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
-    reward, timed_rewards = _build_reward(args) if context.is_rollout else (None, None)
+    reward, timed_rewards = _build_reward(args, context.placement.colocated) if context.is_rollout else (None, None)
     return Run(
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
         prompts=inputs.prompts, eval_sets=inputs.eval_sets,
@@ -194,14 +194,18 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
 
 
-def _build_reward(args):
+def _build_reward(args, colocated: bool):
     """The reward (a rollout rank scores its samples) and, with --reward-timeout, its worker processes;
     a code reward's sandbox pool gets this rank's share of --sandbox-memory-budget-mb."""
     from megarl.arguments import loaded_plugins
     from megarl.rewards import build_reward
     from megarl.scoring import TimedRewards, sandbox_memory_budget_mb
 
-    reward = build_reward(args.reward, args.reward_model)
+    # The reward model on this rollout rank's device; colocated with the trainer and vLLM it waits in host
+    # memory between scoring calls (a GPU-only move, megarl.accelerator; a no-op on CPU).
+    reward = build_reward(args.reward, args.reward_model, batch_size=args.reward_model_micro_batch_size,
+                          max_length=args.reward_model_max_length,
+                          offload=colocated)
     budget = sandbox_memory_budget_mb(args)
     if args.reward_timeout > 0:
         return reward, TimedRewards(reward, args.reward_workers, args.reward_timeout, loaded_plugins(), budget)

@@ -73,7 +73,33 @@ BAD = [
     (None, ["--critic-warmup", "3"], 1, ["--critic-warmup needs a critic", "gae"]),
     (None, ["--advantage-estimator", "gae", "--value-clip", "0"], 1, ["--value-clip"]),
     (None, ["--advantage-estimator", "gae", "--lam", "1.5"], 1, ["--lam", "[0, 1]"]),
+    # activation recomputation (Megatron's rules) and context parallelism
+    (None, ["--recompute-granularity", "full"], 1, ["--recompute-granularity full needs", "--recompute-method",
+                                                    "--recompute-num-layers"]),
+    (None, ["--recompute-granularity", "full", "--recompute-method", "block"], 1, ["--recompute-num-layers N"]),
+    (None, ["--recompute-granularity", "selective", "--recompute-method", "uniform"], 1,
+     ["selective takes no --recompute-method"]),
+    (None, ["--recompute-num-layers", "1"], 1, ["--recompute-num-layers need --recompute-granularity full"]),
+    (None, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"], 1,
+     ["--recompute-num-layers 3", "2 layers"]),  # the tiny model has 2 layers
+    (None, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1, []),
+    (None, ["--recompute-granularity", "selective"], 1, []),
+    (None, ["--context-parallel-size", "2"], 2, ["--context-parallel-size 2", "Transformer Engine"]),
+    # mixed precision
+    (None, ["--bf16", "--fp16"], 1, ["--bf16 and --fp16"]),
+    (None, ["--bf16", "--params-dtype", "float16"], 1, ["--bf16 contradicts --params-dtype float16"]),
+    (None, ["--loss-scale", "128"], 1, ["--loss-scale needs --fp16"]),
+    (None, ["--fp16"], 1, ["--fp16", "GPU host", "--bf16"]),  # this CPU host
+    (None, ["--bf16", "--params-dtype", "bfloat16"], 1, []),
+    (None, ["--reward-model-max-length", "512"], 1, ["--reward-model-max-length needs --reward-model"]),
+    (None, ["--reward-model-micro-batch-size", "0"], 1, ["--reward-model-micro-batch-size must be >= 1"]),
 ]
+
+
+def test_bf16_is_the_params_dtype():
+    args = parse_args(["--bf16"], world_size=1)
+    assert (args.params_dtype, args.bf16, args.fp16) == ("bfloat16", True, False)
+    assert parse_args(["--params-dtype", "bfloat16"], world_size=1).bf16
 
 
 def test_batch_geometry_is_derived_from_either_option():

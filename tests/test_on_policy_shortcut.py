@@ -28,8 +28,8 @@ def _args(*flags: str):
     (["--steps-per-generation", "4"], 0, "4 mini-batches per generated batch"),
     (["--kl-coef", "0.1"], 0, "a reference model (--kl-coef > 0)"),
     (["--kl-coef", "0.1", "--kl-placement", "reward"], 0, "a reference model (--kl-coef > 0)"),
-    (["--teacher-model", "artifacts/tiny-qwen2-teacher"], 0, "a distillation teacher"),
-    (["--teacher-model", "artifacts/tiny-qwen2-teacher", "--distill-reward-coef", "0.5"], 0,
+    (["--teacher-model", "artifacts/tiny-qwen2"], 0, "a distillation teacher"),
+    (["--teacher-model", "artifacts/tiny-qwen2", "--distill-reward-coef", "0.5"], 0,
      "a distillation teacher"),
     (["--advantage-estimator", "gae"], 0, None),  # the critic reads its own values only
     (["--advantage-estimator", "gae", "--critic-warmup", "2"], 1, "critic warm-up (--critic-warmup 2)"),

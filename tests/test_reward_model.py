@@ -147,3 +147,41 @@ def test_reward_flag_with_a_reward_model_scores_a_batch(rm_path):
     assert all(o.reason.startswith("boxed=") and ", rm=" in o.reason for o in batch)
     with pytest.raises(ValueError, match="no --reward-model"):
         build_reward("boxed:1.0,rm:0.5")
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 3])
+def test_micro_batches_give_the_scores_of_one_batch(rm_path, micro_batch_size):
+    """--reward-model-micro-batch-size: the same scores as the whole call in one forward (within 1e-6)."""
+    whole = RewardModelReward(rm_path, batch_size=len(RESPONSES)).score_batch(RESPONSES, ROWS)
+    micro = RewardModelReward(rm_path, batch_size=micro_batch_size).score_batch(RESPONSES, ROWS)
+    assert micro == pytest.approx(whole, abs=1e-6)
+
+
+def test_max_length_scores_the_end_of_longer_conversations_and_counts_them(rm_path, capsys):
+    """--reward-model-max-length L: a conversation over L tokens is scored on its last L tokens (the response's
+    end, where the model pools), the others as before; a warning line counts the truncated ones."""
+    full = RewardModelReward(rm_path)
+    lengths = [len(full.tokenizer(full.render(r, ROWS[0]), add_special_tokens=False)["input_ids"]) for r in RESPONSES]
+    limit = sorted(lengths)[2]  # the two longest are cut
+    reward = RewardModelReward(rm_path, max_length=limit, batch_size=2)
+    scores = reward.score_batch(RESPONSES, ROWS)
+    untouched = full.score_batch(RESPONSES, ROWS)
+    model = full.model
+    for response, length, score, before in zip(RESPONSES, lengths, scores, untouched):
+        if length <= limit:
+            assert score == pytest.approx(before, abs=1e-5)
+            continue
+        ids = full.tokenizer(full.render(response, ROWS[0]), add_special_tokens=False,
+                             return_tensors="pt")["input_ids"][:, -limit:]
+        with torch.no_grad():
+            direct = model.score(model.model(input_ids=ids).last_hidden_state[0, -1]).item()
+        assert score == pytest.approx(direct, abs=1e-5) and score != pytest.approx(before, abs=1e-4)
+    assert reward.truncated == sum(length > limit for length in lengths) == 2
+    warning = capsys.readouterr().out
+    assert warning.count("\n") == 1 and "2 of 5 samples" in warning and f"max-length {limit} tokens" in warning
+
+
+def test_on_cpu_the_reward_model_stays_on_the_cpu_and_offload_is_a_no_op(rm_path):
+    reward = RewardModelReward(rm_path, offload=True)
+    assert reward.device == torch.device("cpu") and next(reward.model.parameters()).device.type == "cpu"
+    assert reward.score_batch(RESPONSES, ROWS) == RewardModelReward(rm_path).score_batch(RESPONSES, ROWS)

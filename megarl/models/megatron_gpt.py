@@ -150,6 +150,14 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
     )
 
 
+def trainer_config_overrides(args) -> dict:
+    """TransformerConfig fields of a trained model (policy, critic) that come from the training options:
+    the loss normalisation and activation recomputation (--recompute-granularity/-method/-num-layers;
+    frozen models run forward-only and never recompute)."""
+    return dict(calculate_per_token_loss=True, recompute_granularity=args.recompute_granularity,
+                recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+
+
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
                     **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device.
@@ -188,4 +196,11 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
         rotary = model.rotary_pos_emb
         rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **late_llama3_scaling)
+    if params_dtype != torch.float32:
+        # What Megatron-LM's Float16Module does to the model it wraps (module.bfloat16() / .half()): every
+        # parameter in the low precision, the norms too (the local spec builds them in fp32). The wrapper
+        # itself is not used: its other effect, casting the last stage's output to fp32, would form an fp32
+        # copy of the logits or hidden states that megarl's loss kernels take as they are (computing in fp32
+        # chunk by chunk).
+        model = model.to(params_dtype)
     return model.to(accelerator.device())

@@ -61,16 +61,17 @@ def get_reward(name: str) -> RewardSpec:
     return REWARDS[name]
 
 
-def build_reward(text: str, reward_model: str | None = None) -> RewardSpec:
+def build_reward(text: str, reward_model: str | None = None, **reward_model_kwargs) -> RewardSpec:
     """The reward a run uses: `--reward` is one registered name or weighted names
-    ("boxed:1.0,rm:0.5"); the name "rm" is the `--reward-model` checkpoint."""
+    ("boxed:1.0,rm:0.5"); the name "rm" is the `--reward-model` checkpoint (built with
+    `reward_model_kwargs`: micro-batch size, max length, offload)."""
     from megarl.rewards.combine import combined_reward_spec, parse_reward_weights
 
     extra = {}
     if reward_model:
         from megarl.rewards.reward_model import make_reward_model_reward
 
-        extra["rm"] = make_reward_model_reward(reward_model, name="rm")
+        extra["rm"] = make_reward_model_reward(reward_model, name="rm", **reward_model_kwargs)
     parts = parse_reward_weights(text)
     if any(name == "rm" for name, _ in parts) and not reward_model:
         raise ValueError(f"--reward {text!r} uses 'rm' but no --reward-model checkpoint is given")

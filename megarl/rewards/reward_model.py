@@ -20,7 +20,23 @@ the attention mask so left padding does not shift the positions either; left
 and right padding therefore give the same score as an unpadded forward (up to
 float rounding). A tokenizer without a pad token pads with EOS, and the model
 config gets that pad id (transformers needs it to pool a batch).
-``max_length`` truncates from the LEFT, keeping the response's end.
+
+Micro-batches (``batch_size``, --reward-model-micro-batch-size): the samples of a
+call are scored that many at a time; scores do not depend on it.
+
+``max_length`` (--reward-model-max-length, verl's reward-model max_length): a
+conversation longer than that many tokens is truncated from the LEFT, keeping the
+response's end, where the model pools (its beginning, the system prompt and the
+start of the question, is dropped). Such samples are counted (``truncated``) and a
+warning line says how many, the first time and whenever the count has doubled since.
+Unset: no limit (the model's own position limit applies).
+
+Device: the rollout rank's (`accelerator.device()`: its GPU, or the CPU). With
+``offload`` (a reward model colocated with the trainer and vLLM on a GPU) the
+weights wait in host memory between scoring calls and come onto the GPU for each
+call (`accelerator.module_to_host` / `module_to_device`; no-ops on CPU). The move
+is per call: with --reward-workers > 0 a call is one prompt's samples, so on GPU
+prefer --reward-workers 0 (one call per step) with an offloaded reward model.
 
 Naming one from the command line: rewards are registered by name, but a reward
 model needs a path, so this module registers nothing. The trainer builds the
@@ -49,21 +65,28 @@ class RewardModelReward:
     # would load the model again (and its GPU memory); a forward pass does not hang.
     in_process = True
 
-    def __init__(self, path: str, device: str = "cpu", batch_size: int = 8, dtype=None,
-                 sigmoid: bool = False, max_length: int | None = None, padding_side: str = "right"):
+    def __init__(self, path: str, device=None, batch_size: int = 8, dtype=None,
+                 sigmoid: bool = False, max_length: int | None = None, padding_side: str = "right",
+                 offload: bool = False):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.device, self.batch_size, self.sigmoid, self.max_length = device, batch_size, sigmoid, max_length
+        from megarl import accelerator
+
+        self.device = accelerator.device() if device is None else torch.device(device)
+        self.batch_size, self.sigmoid, self.max_length, self.offload = batch_size, sigmoid, max_length, offload
+        self.truncated, self._warn_at = 0, 1  # samples truncated to max_length so far; next warning's count
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side, self.tokenizer.truncation_side = padding_side, "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"{path}: a reward model has num_labels=1, got {self.model.config.num_labels}")
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self._lock = threading.Lock()  # one forward at a time when rollout threads share the model
+        if offload:
+            accelerator.module_to_host(self.model)
+        self._lock = threading.Lock()  # one call at a time when rollout threads share the model
 
     def render(self, response: str, row: dict) -> str:
         """The conversation with the response as the assistant's turn, in the RM's chat template."""
@@ -72,19 +95,43 @@ class RewardModelReward:
 
     @torch.no_grad()
     def score_batch(self, responses: list[str], rows: list[dict]) -> list[float]:
+        from megarl import accelerator
+
         texts = [self.render(response, row) for response, row in zip(responses, rows, strict=True)]
+        self._count_truncated(texts)
         scores = []
-        for start in range(0, len(texts), self.batch_size):
-            scores += self._forward(texts[start:start + self.batch_size])
+        with self._lock:
+            if self.offload:
+                accelerator.module_to_device(self.model)
+            try:
+                for start in range(0, len(texts), self.batch_size):
+                    scores += self._forward(texts[start:start + self.batch_size])
+            finally:
+                if self.offload:
+                    accelerator.module_to_host(self.model)
         return scores
+
+    def _count_truncated(self, texts: list[str]) -> None:
+        if self.max_length is None:
+            return
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        over = sum(length > self.max_length for length in lengths)
+        if not over:
+            return
+        self.truncated += over
+        if self.truncated >= self._warn_at:
+            self._warn_at = 2 * self.truncated
+            print(f"megarl: warning: reward model: {over} of {len(texts)} samples here ({self.truncated} so far) "
+                  f"are longer than --reward-model-max-length {self.max_length} tokens (up to {max(lengths)}); "
+                  f"scored on their last {self.max_length} tokens (the start of the conversation dropped)",
+                  flush=True)
 
     def _forward(self, texts: list[str]) -> list[float]:
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False,
                              truncation=self.max_length is not None, max_length=self.max_length).to(self.device)
         # Positions count real tokens only, so left padding leaves them unchanged.
         position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        with self._lock:
-            logits = self.model(**enc, position_ids=position_ids).logits[:, 0].float()
+        logits = self.model(**enc, position_ids=position_ids).logits[:, 0].float()
         return (torch.sigmoid(logits) if self.sigmoid else logits).tolist()
 
     def __call__(self, response: str, row: dict) -> RewardOutput:  # score_batch is the batch path
