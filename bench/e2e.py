@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=12, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=512)
 JOB = dict(prompts=8, generations=4, max_new_tokens=128)
-PHASES = ("generate", "score", "prepare", "teacher", "advantages", "update", "sync")
+PHASES = ("generate", "generate_ahead", "score", "prepare", "teacher", "advantages", "update", "sync")
 
 
 def build_model(out: str) -> int:
@@ -198,7 +198,9 @@ def main():
         generated = median_after([length * samples for length in run["response_length_mean"]], args.warmup)
         seconds = median(run, "step_seconds")
         padding = f"{median(run, 'padding_fraction'):.1%}" if "padding_fraction" in run else "-"
-        print(f"{'megarl ' + name:26} {seconds:8.2f} {generated / median(run, 'generate_seconds'):10.0f} "
+        # --async-generation generates the next step's samples beside the update (generate_ahead)
+        generating = median(run, "generate_ahead_seconds" if "generate_ahead_seconds" in run else "generate_seconds")
+        print(f"{'megarl ' + name:26} {seconds:8.2f} {generated / generating:10.0f} "
               f"{padding:>8} {seconds / step:16.2f}  (gen tok/s over generate)")
     best = None
     for mode, result in trl.items():
