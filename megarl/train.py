@@ -136,7 +136,9 @@ def _report_failure(rank: int, error: BaseException) -> None:
     # A peer's death reaches a collective as an error (gloo: "Connection reset by peer", a RuntimeError).
     dead = distributed.dead_peers(rank, wait_seconds=3.0 if isinstance(error, RuntimeError) else 0.0)
     if dead:
-        print(f"megarl: {'; '.join(dead)}; rank {rank} stops ({doing}: {type(error).__name__}: {message})",
+        # A failure of its own (not the lost connection) keeps its traceback.
+        own = "" if "peer" in str(error) or "Connection" in str(error) else f"\n{traceback.format_exc()}"
+        print(f"megarl: {'; '.join(dead)}; rank {rank} stops ({doing}: {type(error).__name__}: {message}){own}",
               file=sys.stderr, flush=True)
     else:
         print(f"megarl: rank {rank} failed: {type(error).__name__}: {error}\n(during {doing})\n"
