@@ -19,7 +19,10 @@ Publishing: every rank writes into `.partial_step_N`, all ranks meet, then rank 
 writes `state.json` and renames the directory to `step_N` (an atomic rename on one
 file system). A run killed during a save leaves only a `.partial_*` directory,
 which `--resume auto` never picks and the next save removes. After publishing,
-all but the newest --save-keep checkpoints are deleted.
+all but the newest --save-keep checkpoints are deleted (renamed out of the step_N
+names first, so a kill mid-delete never leaves a half-deleted step_N). A write that
+fails (a full disk) fails on every rank after the same collectives, with one line
+(CheckpointWriteError) naming the checkpoint; the previous ones are untouched.
 
 What is not saved, because it is rebuilt exactly: the reference model (from
 --ref-model), the rollout engines (they receive the policy by a weight sync right
@@ -42,6 +45,10 @@ import torch
 from megarl import distributed
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk, a quota, a file size limit): one line, no traceback."""
 
 
 def step_dir_name(completed_steps: int) -> str:
@@ -100,33 +107,90 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save(run, completed_steps: int, save_dir: str, keep: int) -> str:
-    """Write a checkpoint of the run after `completed_steps` steps; collective over every rank."""
+    """Write a checkpoint of the run after `completed_steps` steps; collective over every rank.
+
+    A write that fails (a full disk, a quota, a file size limit) fails on every rank alike, after the same
+    collectives: CheckpointWriteError, one line naming the checkpoint and the newest complete one, which
+    is left as it was; the partial directory is removed."""
     from megatron.core import dist_checkpointing
 
     context, rank = run.context, run.context.rank
     final = os.path.join(save_dir, step_dir_name(completed_steps))
     partial = os.path.join(save_dir, "." + step_dir_name(completed_steps).replace("step_", "partial_step_"))
-    if rank == 0:
+
+    def make_directories():
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(os.path.join(partial, "rng"))
         os.makedirs(os.path.join(partial, "dist"))
-    distributed.all_gather_objects(None, context)  # the directory exists for everyone
-    if run.trainables():
-        _use_in_process_results_queue()
-        # Collective over the train ranks (the train world).
-        dist_checkpointing.save(_sharded_state_dict(run, is_loading=False), os.path.join(partial, "dist"))
-    torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        _save_hf_config(run, os.path.join(partial, "hf_config"))
-    distributed.all_gather_objects(None, context)  # every rank's part is on disk
-    if rank == 0:
+
+    def write_parts():
+        if run.trainables():
+            _use_in_process_results_queue()
+            # Collective over the train ranks (the train world); a failed write raises on each of them.
+            dist_checkpointing.save(_sharded_state_dict(run, is_loading=False), os.path.join(partial, "dist"))
+        torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            _save_hf_config(run, os.path.join(partial, "hf_config"))
+
+    def publish():
         _write_json(os.path.join(partial, "state.json"), _run_state(run, completed_steps))
-        if os.path.exists(final):  # a re-save of the same step (e.g. preemption right after a save)
-            shutil.rmtree(final)
-        os.rename(partial, final)
+        _replace(partial, final)
+
+    # Each stage ends with every rank meeting and sharing its failure, if any: the directory exists for
+    # everyone; every rank's part is on disk; rank 0 published the checkpoint.
+    for stage, writer in ((make_directories, 0), (write_parts, None), (publish, 0)):
+        failure = _write_failure(stage) if writer in (None, rank) else None
+        failed = [f"rank {r}: {f}" for r, f in enumerate(distributed.all_gather_objects(failure, context)) if f]
+        if failed:
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            latest = find_latest(save_dir)
+            kept = (f"the newest complete checkpoint, {latest}, is intact: --resume auto resumes from it" if latest
+                    else "there is no complete checkpoint yet")
+            raise CheckpointWriteError(f"could not write checkpoint {final} (in {partial}): {failed[0]}; "
+                                       f"{_free_space(save_dir)}; {kept}")
+    if rank == 0:
         _prune(save_dir, keep)
-    distributed.all_gather_objects(None, context)
     return final
+
+
+def _write_failure(write) -> str | None:
+    """Run write(); None, or what failed in one line. Failed writes surface as OSError (ENOSPC, EFBIG, EDQUOT),
+    as RuntimeError from torch.save's stream writer, or as a CheckpointException (a BaseException) from
+    Megatron's distributed save, which lists each rank's failure; the last line names the cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        write()
+    except (OSError, RuntimeError, CheckpointException) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+    return None
+
+
+def _free_space(save_dir: str) -> str:
+    """The file system's free space, and the file size limit (ulimit -f) when there is one."""
+    import resource
+
+    try:
+        free = f"{shutil.disk_usage(save_dir).free / 2**20:.1f} MiB free on its file system"
+    except OSError:
+        free = "its file system's free space unknown"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return free if limit == resource.RLIM_INFINITY else f"{free}, file size limit {limit / 2**20:.1f} MiB"
+
+
+def _replace(partial: str, final: str) -> None:
+    """Publish `partial` as `final`. A re-save of the same step (e.g. preemption right after a save) moves the
+    old one aside first: a kill in between leaves no half-deleted `final` that --resume auto could pick."""
+    if os.path.exists(final):
+        aside = os.path.join(os.path.dirname(final), ".replaced_" + os.path.basename(final))
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(partial, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(partial, final)
 
 
 def load(run, path: str) -> int:
@@ -195,10 +259,11 @@ def _write_json(path: str, value) -> None:
 
 
 def _prune(save_dir: str, keep: int) -> None:
-    """Keep the newest `keep` checkpoints; remove partial ones left by a killed run."""
+    """Keep the newest `keep` checkpoints; remove partial ones left by a killed run. A checkpoint is renamed
+    out of the step_N names before it is deleted: a kill mid-delete leaves no half-deleted step_N."""
     names = sorted(name for name in os.listdir(save_dir) if _STEP_DIR.match(name))
     for name in names[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        os.rename(os.path.join(save_dir, name), os.path.join(save_dir, ".deleting_" + name))
     for name in os.listdir(save_dir):
-        if name.startswith(".partial_step_"):
+        if name.startswith((".partial_step_", ".deleting_step_", ".replaced_step_")):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

@@ -21,6 +21,9 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import signal
+import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -135,6 +138,8 @@ def init_distributed(args, env: LaunchEnv | None = None) -> DistContext:
     context = DistContext(env, placement, store, world_name, timeout, roles=placement.roles_of(env.rank))
     if placement.needs_cross_role_group:
         context.cross_role_group = new_store_group("cross-role", context)
+    # Where every rank runs, for the message when one dies (dead_peers).
+    _processes[:] = all_gather_objects((socket.gethostname(), os.getpid()), context)
     if env.rank == 0:
         print(f"[megarl] {placement.describe()}", flush=True)
     return context
@@ -192,6 +197,42 @@ def all_gather_objects(obj, context: DistContext) -> list:
     buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     group.allgather([buffers], [padded]).wait()
     return [pickle.loads(buf[: int(n.item())].numpy().tobytes()) for buf, n in zip(buffers, lengths)]
+
+
+_processes: list[tuple[str, int]] = []  # (host, pid) of each launched rank, in launch-rank order
+
+
+def dead_peers(rank: int, wait_seconds: float = 0.0) -> list[str]:
+    """'rank N died (...)' for each other rank on this host whose process has ended, looking again for up to
+    `wait_seconds` while none has (a peer's sockets close, failing our collective, a moment before the
+    kernel marks it dead). Ranks on other hosts cannot be seen from here: their launchers report them."""
+    host, deadline = socket.gethostname(), time.monotonic() + wait_seconds
+    while True:
+        found = [f"rank {peer} died ({_how_it_ended(pid)})" for peer, (peer_host, pid) in enumerate(_processes)
+                 if peer != rank and peer_host == host and _how_it_ended(pid) is not None]
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
+
+
+def _how_it_ended(pid: int) -> str | None:
+    """None while process `pid` runs; else how it ended, as far as /proc still tells (a zombie keeps its
+    exit status until its parent, the launcher, reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return f"process {pid} is gone"
+    except OSError:
+        return None
+    if fields[0] not in "ZX":  # state, after the command name
+        return None
+    status = int(fields[49]) if len(fields) > 49 else None  # exit_code (Linux >= 3.5): a wait status
+    if status is None:
+        return f"process {pid} exited"
+    if status & 0x7F:
+        return f"signal {status & 0x7F}: {signal.Signals(status & 0x7F).name}, process {pid}"
+    return f"exit code {status >> 8}, process {pid}"
 
 
 def init_single_process_world() -> None:

@@ -7,6 +7,7 @@ prepare, advantages, update, sync), `step_seconds` their sum, and
 `reward_seconds` what the rewards added to generate (the slowest rollout rank): with
 --reward-workers > 0 they are scored while the engine generates (megarl/scoring.py) and this is
 the wait after generation ended; with 0, all of the scoring.
+rss_mb is rank 0's resident memory after the step (/proc/self/status), to see a leak.
 tokens_per_second counts prompt and response tokens of the step's samples over
 the whole step; rollout_tokens_per_second counts the generated tokens over
 generation without scoring.
@@ -63,6 +64,9 @@ class MetricsLogger:
             tokens_per_second=(prompt_tokens + lengths.sum().item()) / max(metrics["step_seconds"], 1e-9),
             rollout_tokens_per_second=lengths.sum().item() / max(generation_seconds, 1e-9),
         )
+        rss = resident_memory_mb()
+        if rss is not None:
+            metrics["rss_mb"] = rss
         self.rewards.append(metrics["reward_mean"])
         if not self.is_main:
             return metrics
@@ -127,6 +131,18 @@ class MetricsLogger:
                           flush=True)
                 elif student:
                     print(f"pass@1{where}: {student[0]:.3f} -> {student[-1]:.3f}", flush=True)
+
+
+def resident_memory_mb() -> float | None:
+    """This process's resident memory (VmRSS, MiB; rank 0's is logged as rss_mb), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def _plain(value) -> bool:

@@ -60,11 +60,17 @@ class PhaseReport:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+# What this rank is doing: the phase (or "evaluate", "checkpoint save", ...) of the 1-based step; a rank
+# that stops because another died says it (train.main).
+activity = {"step": 0, "phase": "start-up"}
+
+
 def phase(fn):
     """Time a phase. It returns its metrics dict, or (output, metrics); the caller gets
     a PhaseReport in the metrics' place."""
     @functools.wraps(fn)
     def timed(*args, **kwargs):
+        activity["phase"] = fn.__name__
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         if isinstance(result, tuple):

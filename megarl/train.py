@@ -10,6 +10,7 @@ import sys
 import traceback
 
 from megarl.arguments import ConfigError, parse_args
+from megarl.checkpoint import CheckpointWriteError
 from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger
 from megarl.scoring import check_sandbox
@@ -35,6 +36,7 @@ def train(args, inputs=None) -> None:
     # step k's (phases.generate_ahead; the sync of step k's weights follows), one weight version behind.
     ahead = phases.generate_ahead(run, start) if args.async_generation and start < args.train_steps else None
     for step in range(start, args.train_steps):
+        phases.activity["step"] = step + 1
         shortcut = batching.on_policy_update(args, step)  # no separate old-logprob pass
         samples, generated = phases.generate(run, step, ahead)
         if ahead is not None and step + 1 < args.train_steps:
@@ -50,10 +52,13 @@ def train(args, inputs=None) -> None:
                                       "sync": synced})
         completed = step + 1
         if phases.should_evaluate(run, completed):
+            phases.activity["phase"] = "evaluate"
             logger.log_eval(completed, phases.evaluate(run, completed))
+        phases.activity["phase"] = "preemption check"
         stop = preemption.requested(context)
         if args.save_dir and (stop or completed == args.train_steps
                               or (args.save_interval and completed % args.save_interval == 0)):
+            phases.activity["phase"] = "checkpoint save"
             path = checkpoint.save(run, completed, args.save_dir, args.save_keep)
             if run.is_main:
                 print(f"megarl: saved {path}", flush=True)
@@ -105,8 +110,7 @@ def main(argv=None) -> None:
     except BaseException as error:  # noqa: BLE001 - any failure must end this rank, not hang it
         if isinstance(error, SystemExit) and not error.code:
             raise
-        print(f"megarl: rank {rank} failed: {type(error).__name__}: {error}\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
+        _report_failure(rank, error)
         release_shared_memory()
         # Hard exit: vLLM and gloo threads must not keep this rank alive, so the
         # launcher sees the failure at once and stops the other ranks.
@@ -115,6 +119,30 @@ def main(argv=None) -> None:
     sys.stdout.flush()
     # vLLM's in-process engine holds threads that can stall interpreter shutdown.
     os._exit(0)
+
+
+def _report_failure(rank: int, error: BaseException) -> None:
+    """One line when another rank died (this rank's collective then fails: that rank is the news, not this
+    traceback) or when a checkpoint could not be written; else the error and its traceback."""
+    from megarl import distributed
+
+    phases = sys.modules.get("megarl.phases")
+    doing = f"step {phases.activity['step']}, {phases.activity['phase']}" if phases else "start-up"
+    message = (str(error).strip().splitlines() or [""])[0][:300]
+    if isinstance(error, CheckpointWriteError):  # every rank raises it alike; one prints
+        if rank == 0:
+            print(f"megarl: error: {error}", file=sys.stderr, flush=True)
+        return
+    # A peer's death reaches a collective as an error (gloo: "Connection reset by peer", a RuntimeError).
+    dead = distributed.dead_peers(rank, wait_seconds=3.0 if isinstance(error, RuntimeError) else 0.0)
+    if dead:
+        # A failure of its own (not the lost connection) keeps its traceback.
+        own = "" if "peer" in str(error) or "Connection" in str(error) else f"\n{traceback.format_exc()}"
+        print(f"megarl: {'; '.join(dead)}; rank {rank} stops ({doing}: {type(error).__name__}: {message}){own}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"megarl: rank {rank} failed: {type(error).__name__}: {error}\n(during {doing})\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

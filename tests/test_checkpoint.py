@@ -28,8 +28,8 @@ def _run(tiny_model, tmp_path, name, *extra, worker="../../megarl/train.py", env
 def test_exact_resume_after_sigkill_mid_step(tiny_model, tmp_path):
     steps = ["--train-steps", "4", "--save-interval", "2"]
     _run(tiny_model, tmp_path, "straight", *steps, "--save-dir", tmp_path / "straight")
-    killed = _run(tiny_model, tmp_path, "killed", *steps, "--save-dir", tmp_path / "ckpt", worker="kill_worker.py",
-                  env={"MEGARL_TEST_KILL": "train:3"}, check=False)
+    killed = _run(tiny_model, tmp_path, "killed", *steps, "--save-dir", tmp_path / "ckpt", worker="fault_worker.py",
+                  env={"MEGARL_FAULT": "backward:3:0"}, check=False)
     assert killed.returncode != 0
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002"]
     resumed = _run(tiny_model, tmp_path, "resumed", *steps, "--save-dir", tmp_path / "ckpt", "--resume", "auto")
@@ -45,7 +45,7 @@ def test_exact_resume_after_sigkill_mid_step(tiny_model, tmp_path):
 
 def test_a_checkpoint_cut_short_is_never_resumed_from(tiny_model, tmp_path):
     killed = _run(tiny_model, tmp_path, "killed", "--train-steps", "3", "--save-interval", "1",
-                  "--save-dir", tmp_path / "ckpt", worker="kill_worker.py", env={"MEGARL_TEST_KILL": "save:2"},
+                  "--save-dir", tmp_path / "ckpt", worker="fault_worker.py", env={"MEGARL_FAULT": "save_publish:2:0"},
                   check=False)
     assert killed.returncode != 0
     assert sorted(os.listdir(tmp_path / "ckpt")) == [".partial_step_00000002", "step_00000001"]
