@@ -73,13 +73,17 @@ def gpt_layer_spec(qk_layernorm: bool = False):
 def packed_sequence_params(lengths: list[int]):
     """Megatron's PackedSeqParams (THD format) for one row of sequences of these lengths laid end to end:
     Transformer Engine's varlen attention on GPU, megarl.models.attention's per-sequence local
-    attention elsewhere."""
+    attention elsewhere. With context parallelism the lengths are the whole slots
+    (megarl/context_parallel.py), which TE and Megatron's THD RoPE read from the `_padded` boundaries;
+    a slot's padding is attended as tokens after the sequence's end, so the two kinds of boundaries
+    are the same."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megarl.packing import offsets
 
     cu_seqlens = torch.tensor(offsets(lengths), dtype=torch.int32, device=device())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
 
 
@@ -176,27 +180,11 @@ def default_kernels() -> str:
     return "triton" if ON_CUDA and kernels.triton_available() else "chunked"
 
 
-def context_parallel_refusal(cp: int) -> str:
-    """Why --context-parallel-size > 1 cannot run. Megatron's context parallelism lives in Transformer
-    Engine's attention (ring attention over the CP group); the local attention of CPU hosts has none. With
-    TE, Megatron expects every per-token input already cut into this CP rank's 2 x CP load-balanced chunks
-    (Megatron-LM's get_batch_on_this_cp_rank), and megarl does not cut its micro-batches (tokens, labels,
-    masks, advantages, old logprobs) nor gather the per-token outputs back over the CP group yet: passing
-    whole sequences on would make TE read CP copies of each sequence as one CP times longer."""
-    if not transformer_engine_available():
-        return (f"--context-parallel-size {cp} needs Transformer Engine's attention (a CUDA host with "
-                f"transformer_engine): the local attention used here has no context-parallel path; use 1")
-    return (f"--context-parallel-size {cp}: megarl does not yet split micro-batches over the context-parallel "
-            f"ranks (Megatron's attention with Transformer Engine needs each rank's sequence chunks); use 1")
-
-
 def check_supported(args) -> str | None:
     """Why this host cannot run `args`, or None. (Called by arguments.validate_args.)"""
     if not ON_CUDA and args.params_dtype == "float16":
         return ("--fp16 (--params-dtype float16) needs a GPU host: vLLM's CPU backend does not run float16 "
                 "and Megatron's loss scaler keeps its scale on a CUDA device; use --bf16 on CPU ranks")
-    if args.context_parallel_size > 1:
-        return context_parallel_refusal(args.context_parallel_size)
     if args.kernels == "triton":
         from megarl import kernels
 

@@ -75,9 +75,9 @@ class Actor(TrainableModel, SampledLogprobs):
             return self.sampled_logprobs(micro_batches, width), None
 
         def both(batch, logits, companion_outputs):
-            return torch.stack([kernels.token_logprobs(logits, batch.labels, self.hf_config.vocab_size,
-                                                       self.args.temperature, self.args.kernels),
-                                self._full_kl(logits, companion_outputs["ref"])])
+            return (kernels.token_logprobs(logits, batch.labels, self.hf_config.vocab_size, self.args.temperature,
+                                           self.args.kernels),
+                    self._full_kl(logits, companion_outputs["ref"]))
 
         with full_kl_to.resident():
             outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to.companion_logits})
@@ -110,8 +110,14 @@ class Actor(TrainableModel, SampledLogprobs):
         # kernels form each chunk of logits from them: the logits are never held.
         hidden = args.kernels != "naive" and not companions
 
-        def loss(batch, output, companion_outputs):
-            logprobs, entropy = self._logprobs_and_entropy(batch, output, hidden)
+        def loss(part, output, companion_outputs):
+            # Per token on this rank's part (with context parallelism), then over whole sequences.
+            logprobs, entropy = part.gather(self._logprobs_and_entropy(part, output, hidden))
+            distill_loss, topk_mass = part.gather(self._distill(part, output, companion_outputs, hidden)) \
+                if distill else (None, None)
+            full_kl = part.gather(self._full_kl(output, companion_outputs["ref"])) \
+                if kl_in_loss and self.full_kl else None
+            batch = part.whole
             mask = batch.loss_mask
             old_logprobs, is_weights, sums, maxes = batch.old_logprobs, batch.is_weights, {}, {}
             if on_policy:
@@ -124,22 +130,20 @@ class Actor(TrainableModel, SampledLogprobs):
                 token_loss = token_loss * is_weights
             token_loss = args.policy_loss_coef * token_loss
             if distill:
-                distill_loss, topk_mass = self._distill(batch, output, companion_outputs, hidden)
                 token_loss = token_loss + args.distill_coef * distill_loss
                 sums["distill_loss"] = (distill_loss * mask).sum()
                 if topk_mass is not None:
                     sums["teacher_topk_mass"] = (topk_mass * mask).sum()
             kl = torch.zeros_like(token_loss)
             if kl_in_loss:
-                kl = self._full_kl(output, companion_outputs["ref"]) if self.full_kl else \
-                    self.kl_estimator(logprobs, batch.ref_logprobs)
+                kl = full_kl if self.full_kl else self.kl_estimator(logprobs, batch.ref_logprobs)
                 token_loss = token_loss + kl_penalty_in_loss(kl, kl_coef)
             if args.entropy_coef:
                 token_loss = token_loss + entropy_bonus(entropy, args.entropy_coef)
             # Per sample (a packed row holds several): the sequence-level aggregations need each sample's row.
             numerator, units = self.aggregate(batch.response_aligned(token_loss), batch.response_aligned(mask),
                                               max_len=args.max_new_tokens)
-            units = torch.as_tensor(units, dtype=torch.float32, device=output.device)
+            units = torch.as_tensor(units, dtype=torch.float32, device=mask.device)
             sums.update({"loss": numerator, "loss_units": units, "clipped": (pg_metrics["clipped"] * mask).sum(),
                          "kl_old_new": ((old_logprobs - logprobs) * mask).sum(),  # k1 KL(old || new)
                          "kl_loss": (kl * mask).sum(), "entropy": (entropy * mask).sum(), "tokens": mask.sum()})

@@ -88,7 +88,8 @@ def _add_parallelism_args(parser):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="trainer PP size: Megatron's 1F1B schedule, the loss on the last stage")
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="trainer CP size (1 for now: > 1 is refused in one line saying why)")
+                   help="trainer CP size: each packed sequence split over CP ranks (needs --padding-free; "
+                        "Transformer Engine's attention where installed, all-gather attention otherwise)")
     g.add_argument("--offload-model", action="store_true",
                    help="colocated: move the trainer's parameters and gradient buffers (policy, critic) to host memory "
                         "while the rollout generates; back before they are needed")
@@ -724,15 +725,21 @@ def _validate_teacher_group(args) -> None:
 def _validate_pipeline(args) -> None:
     """Pipeline stages run the loss on the last stage only: a frozen model's full-vocabulary logits
     beside each student micro-batch (model_runner.forward_backward's companions) would need a pipeline
-    of their own."""
-    if args.pipeline_model_parallel_size == 1:
-        return
+    of their own; with context parallelism they would need the frozen model's own CP parts (an OPSD
+    teacher's prompt differs from the student's, so its slots do not line up). Context parallelism
+    cuts packed sequences only (megarl/context_parallel.py)."""
+    cp = args.context_parallel_size
+    if cp > 1 and not args.padding_free:
+        raise ConfigError(f"--context-parallel-size {cp} needs --padding-free: megarl splits each packed sequence "
+                          f"over the context-parallel ranks")
     companion = ("--kl-estimator full" if args.kl_estimator == "full" else
                  "a colocated teacher (--teacher-model) with full-vocabulary distillation (--gkd-logits-topk 0)"
                  if args.teacher_model and args.distill_coef and not args.gkd_logits_topk else None)
-    if companion:
-        raise ConfigError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} does not support "
-                          f"{companion} yet: use top-k (--gkd-logits-topk K) or a sampled-token KL estimator")
+    for flag, size in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                       ("--context-parallel-size", cp)):
+        if size > 1 and companion:
+            raise ConfigError(f"{flag} {size} does not support {companion} yet: use top-k (--gkd-logits-topk K) "
+                              f"or a sampled-token KL estimator")
 
 
 def _validate_distillation(args) -> None:

@@ -90,8 +90,9 @@ class Critic(TrainableModel):
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         """One optimizer step of the value loss over these micro-batches."""
-        def loss(batch, output, companion_outputs):
-            values = output.squeeze(-1).float()
+        def loss(part, output, companion_outputs):
+            values = part.gather(output.squeeze(-1).float())  # over whole sequences (context parallelism)
+            batch = part.whole
             mask = batch.loss_mask
             token_loss, metrics = value_loss(values, batch.old_values, batch.returns, mask, self.args.value_clip)
             sums = {"value_loss": token_loss.sum(), "clipped": metrics["clipped"].sum(),

@@ -14,6 +14,11 @@ per-micro-batch outputs back, in the batch's order.
 schedule: a forward-only pass, one optimizer step over micro-batches, offload
 and onload, and the state a checkpoint saves. Roles supply only their loss.
 
+Context parallelism (megarl/context_parallel.py): every CP rank builds the same whole
+micro-batch; the model runs on this rank's part of it (`context_parallel_part`), and loss
+functions and kept outputs compute per-token values on the part and gather them into the
+whole micro-batch (`MicroBatch.gather`) before anything that spans a sequence.
+
 Loss normalisation: a loss function returns (numerator, units, {"sums": ...})
 and the model is built with `calculate_per_token_loss`, so Megatron divides the
 accumulated gradients by the units summed over micro-batches and data-parallel
@@ -32,7 +37,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megarl import accelerator, kernels, packing
+from megarl import accelerator, context_parallel, kernels, packing
 from megarl.batch import TOKEN_FIELDS, Batch
 from megarl.offload import Offloader, model_tensors, optimizer_tensors
 
@@ -49,15 +54,53 @@ class MicroBatch:
     fields: dict[str, torch.Tensor]  # Batch's per-token fields (TOKEN_FIELDS), position-aligned
     position_ids: torch.Tensor  # [b, L], restarting at 0 with each sequence
     indices: list[int]  # each sample's index in the batch the micro-batches were made from
-    packed_lengths: list[int] | None = None  # packed: the lengths of the sequences laid end to end in row 0
+    packed_lengths: list[int] | None = None  # packed: the sequences' slots laid end to end in row 0 (their
+                                            # lengths; with CP rounded up to a multiple of 2 x CP)
     # OPSD: the same samples as the teacher sees them (its privileged prompt, then the same response),
     # laid out the same way; None when no sample of this micro-batch has a teacher prompt.
     teacher_view: MicroBatch | None = None
+    # Context parallelism: the whole micro-batch this is this CP rank's part of (None: it is whole).
+    # A part's per-token tensors hold its own positions, and its packed_lengths are the whole slots.
+    part_of: MicroBatch | None = None
 
     def __getattr__(self, name):  # batch.advantages etc.: the field, or None when the batch has none
         if name in TOKEN_FIELDS:
             return self.__dict__["fields"].get(name)
         raise AttributeError(name)
+
+    @property
+    def whole(self) -> MicroBatch:
+        """The whole micro-batch (itself unless this is a context-parallel part)."""
+        return self if self.part_of is None else self.part_of
+
+    def gather(self, local):
+        """Per-token tensors [b, L_part, ...] of this part (or a tuple of them) -> the same over the whole
+        micro-batch [b, L, ...], differentiable; unchanged when this micro-batch is whole."""
+        if self.part_of is None:
+            return local
+        if isinstance(local, tuple):
+            return tuple(None if x is None else self.gather(x) for x in local)
+        return context_parallel.gather(local, self.packed_lengths)
+
+    def context_parallel_part(self) -> MicroBatch:
+        """What this CP rank computes of the micro-batch: two chunks of each sequence's slot
+        (megarl/context_parallel.py); the micro-batch itself without context parallelism."""
+        from megatron.core import parallel_state
+
+        cp = context_parallel.size()
+        if cp == 1:
+            return self
+        if self.packed_lengths is None:
+            raise ValueError("context parallelism needs packed micro-batches (--padding-free)")
+        positions = context_parallel.local_positions(self.packed_lengths, cp,
+                                                     parallel_state.get_context_parallel_rank())
+
+        def part(x):
+            return x.index_select(1, positions.to(x.device))
+
+        return MicroBatch(part(self.tokens), part(self.labels), part(self.loss_mask), [],
+                          {name: part(values) for name, values in self.fields.items()}, part(self.position_ids),
+                          self.indices, self.packed_lengths, part_of=self)
 
     def response_positions(self, sample: int) -> tuple[int, slice]:
         """(row, columns) of the positions scoring sample `sample`'s response tokens."""
@@ -92,7 +135,10 @@ def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int, max_tok
     """Micro-batches of the batch's samples, carrying every per-token field it has (and, for OPSD
     samples, the teacher's view of them): `micro_batch_size` consecutive samples each, or with
     `max_tokens` groups of at most that many real tokens, the same number on every data-parallel rank
-    (collective; megarl/packing.py). Right-padded, or with `packed` laid end to end in one row."""
+    (collective; megarl/packing.py). Right-padded, or with `packed` laid end to end in one row (with
+    context parallelism each in a slot of a multiple of 2 x CP tokens)."""
+    if context_parallel.size() > 1 and not packed:
+        raise ValueError("context parallelism needs packed micro-batches (--padding-free)")
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
     if max_tokens:
         count = _max_over_data_parallel(packing.partition_count(lengths, max_tokens))
@@ -128,8 +174,9 @@ def _micro_batch(prompts: list[list[int]], samples, pad_id: int, loss_mask: torc
     device = accelerator.device()
     lengths = [len(prompt) + len(s.response_ids) for prompt, s in zip(prompts, samples)]
     if packed:
-        places = [(0, offset) for offset in packing.offsets(lengths)[:-1]]
-        shape = (1, sum(lengths))
+        slots = [context_parallel.slot_length(length, context_parallel.size()) for length in lengths]
+        places = [(0, offset) for offset in packing.offsets(slots)[:-1]]
+        shape = (1, sum(slots))
     else:
         places = [(row, 0) for row in range(len(samples))]
         shape = (len(samples), max(lengths))
@@ -154,7 +201,7 @@ def _micro_batch(prompts: list[list[int]], samples, pad_id: int, loss_mask: torc
     per_token = {name: value.to(device) for name, value in per_token.items()}
     loss_mask = per_token.pop("loss_mask")
     return MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token, position_ids.to(device),
-                      list(indices), lengths if packed else None)
+                      list(indices), slots if packed else None)
 
 
 def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -220,7 +267,7 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        batch = next(data_iterator).context_parallel_part()
         with final_hidden_states(model) if hidden else contextlib.nullcontext():
             output = run_model(model, batch)
         with torch.no_grad():
@@ -262,9 +309,10 @@ def _map_tensors(value, fn):
 
 
 def keep_output(transform):
-    """A forward-only loss function that keeps transform(batch, output, companion_outputs) per micro-batch."""
+    """A forward-only loss function that keeps transform(batch, output, companion_outputs) per micro-batch:
+    per-token tensors (or a tuple of them), over the whole micro-batch (gathered over context parallelism)."""
     def loss_fn(batch, output, companion_outputs):
-        kept = transform(batch, output, companion_outputs)
+        kept = batch.gather(transform(batch, output, companion_outputs))
         return output.sum() * 0, torch.tensor(1, dtype=torch.int), {"kept": kept}
 
     return loss_fn

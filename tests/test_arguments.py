@@ -84,7 +84,10 @@ BAD = [
      ["--recompute-num-layers 3", "2 layers"]),  # the tiny model has 2 layers
     (None, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1, []),
     (None, ["--recompute-granularity", "selective"], 1, []),
-    (None, ["--context-parallel-size", "2"], 2, ["--context-parallel-size 2", "Transformer Engine"]),
+    (None, ["--context-parallel-size", "2"], 2, ["--context-parallel-size 2 needs --padding-free"]),
+    (None, ["--context-parallel-size", "2", "--padding-free"], 2, []),
+    (None, ["--context-parallel-size", "2", "--padding-free", "--kl-coef", "0.1", "--kl-estimator", "full"], 2,
+     ["--context-parallel-size 2 does not support --kl-estimator full"]),
     # mixed precision
     (None, ["--bf16", "--fp16"], 1, ["--bf16 and --fp16"]),
     (None, ["--bf16", "--params-dtype", "float16"], 1, ["--bf16 contradicts --params-dtype float16"]),

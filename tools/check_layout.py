@@ -62,11 +62,12 @@ def parameters(m: dict, tp: int, pp: int, divisible_by: int) -> dict:
     return {"total": total, "per_gpu": per_gpu}
 
 
-def activation_bytes(m: dict, args, tp: int, pp: int) -> tuple[float, str]:
-    """One train rank's activations at the peak of the backward, and how they were counted."""
+def activation_bytes(m: dict, args, tp: int, pp: int, cp: int = 1) -> tuple[float, str]:
+    """One train rank's activations at the peak of the backward, and how they were counted (with context
+    parallelism a rank keeps its 1/CP of each sequence's tokens)."""
     dtype = BYTES[args.params_dtype]
     tokens = (args.max_tokens_per_micro_batch or
-              args.micro_batch_size * (args.max_prompt_length + args.max_new_tokens))
+              args.micro_batch_size * (args.max_prompt_length + args.max_new_tokens)) / cp
     h, hd = m["hidden"], m["head_dim"]
     per_token_layer = dtype * (5 * h + (m["heads"] + 2 * m["kv_heads"]) * hd / tp + m["heads"] * hd / tp
                                + 3 * m["ffn"] / tp)
@@ -87,7 +88,7 @@ def activation_bytes(m: dict, args, tp: int, pp: int) -> tuple[float, str]:
     if args.kernels == "naive":
         kept += 3 * tokens * padded_vocab_size(m["vocab"], args.make_vocab_size_divisible_by, tp) / tp * 4
     in_flight = pp  # 1F1B: the first stage holds PP micro-batches' activations
-    return kept * in_flight, f"{how}, micro-batch {tokens} tokens x {in_flight} in flight"
+    return kept * in_flight, f"{how}, micro-batch {tokens:.0f} tokens per rank x {in_flight} in flight"
 
 
 def estimate(args, hf: dict, gpu_gib: float) -> dict:
@@ -106,7 +107,7 @@ def estimate(args, hf: dict, gpu_gib: float) -> dict:
         "optimizer_distributed": optimizer_bytes / dp / GIB,
     }
     parts["optimizer"] = parts["optimizer_distributed" if args.use_distributed_optimizer else "optimizer_plain"]
-    activations, how = activation_bytes(m, args, tp, pp)
+    activations, how = activation_bytes(m, args, tp, pp, cp)
     parts["activations"] = activations / GIB
     states = parts["parameters"] + parts["gradients"] + parts["optimizer"]
     extra_models = (1 if args.kl_coef > 0 else 0) + (1 if args.teacher_model else 0)  # onloaded for their forward

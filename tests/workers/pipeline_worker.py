@@ -1,5 +1,5 @@
 """torchrun worker: the actor's logprobs, the critic's values and two train steps of each on a fixed
-batch, at whatever TP/PP/DP the command line gives. Rank 0 writes <out>.json with the whole batch's
+batch, at whatever TP/PP/CP/DP the command line gives (packed with --padding-free). Rank 0 writes <out>.json with the whole batch's
 response-aligned outputs (gathered over data-parallel ranks) and the per-step metrics."""
 
 import os
@@ -22,13 +22,13 @@ def main():
 
     batch.ref_logprobs = batch.old_logprobs + 0.01 * batch.response_mask
     mine = batch.select(share)
-    micro_batches = make_micro_batches(mine, args.micro_batch_size, 0)
+    micro_batches = make_micro_batches(mine, args.micro_batch_size, 0, packed=args.padding_free)
     actor, critic = Actor(args, hf_config), Critic(args, hf_config)
     logprobs = actor.logprobs(micro_batches, batch.width)[0]
     values = critic.values(micro_batches, batch.width)
     gathered = distributed.all_gather_objects((share.tolist(), logprobs.tolist(), values.tolist()), context)
     rows = {}
-    for indices, lp, v in gathered:  # tensor-/pipeline-parallel peers hold the same rows: any copy will do
+    for indices, lp, v in gathered:  # tensor-/pipeline-/context-parallel peers hold the same rows: any copy will do
         rows.update({i: (a, b) for i, a, b in zip(indices, lp, v)})
     report = {"logprobs": [rows[i][0] for i in sorted(rows)], "values": [rows[i][1] for i in sorted(rows)],
               "actor": [actor.train_step(micro_batches, kl_coef=0.1, reference=actor) for _ in range(2)],

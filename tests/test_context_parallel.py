@@ -1,0 +1,90 @@
+"""Context parallelism in the RL trainer: the layout of each CP rank's part of a packed sequence, and on
+real torchrun ranks (the tiny model, gloo, the all-gather attention of hosts without Transformer Engine)
+CP=2 giving the outputs, losses and gradients of CP=1, and a GRPO run with a distillation term that
+trains at CP=2, syncs its weights to vLLM and resumes at CP=1."""
+
+import pytest
+import torch
+
+from helpers import read_json, scalars, torchrun
+
+from megarl import context_parallel
+
+# The critic too (gae), and a sequence-level aggregation: whole sequences must meet in the loss.
+WORKER = ["--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--advantage-estimator", "gae",
+          "--padding-free", "--loss-agg", "sample_level"]
+SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
+         "--max-new-tokens", "12", "--micro-batch-size", "4", "--lr", "1e-3", "--kl-coef", "0.05", "--padding-free",
+         "--distill-coef", "0.5", "--gkd-logits-topk", "4"]
+COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean", "distill_loss", "teacher_kl")
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_each_rank_holds_two_chunks_of_every_slot_with_equal_causal_work(cp):
+    slots = [context_parallel.slot_length(length, cp) for length in (5, 12, 1, 30)]
+    assert all(slot % (2 * cp) == 0 and slot - length < 2 * cp for slot, length in zip(slots, (5, 12, 1, 30)))
+    parts = [context_parallel.local_positions(slots, cp, rank) for rank in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(sum(slots)))  # every position exactly once
+    starts = [0]
+    for slot in slots[:-1]:
+        starts.append(starts[-1] + slot)
+    for rank, part in enumerate(parts):
+        assert len(part) == sum(slots) // cp
+        local = 0
+        for start, slot in zip(starts, slots):
+            chunk = slot // (2 * cp)
+            first, second = part[local:local + chunk], part[local + chunk:local + 2 * chunk]
+            assert first.tolist() == list(range(start + rank * chunk, start + (rank + 1) * chunk))
+            assert second.tolist() == list(range(start + (2 * cp - 1 - rank) * chunk, start + (2 * cp - rank) * chunk))
+            local += 2 * chunk
+    # Causal attention work of a query = its place in its sequence + 1: the same on every rank.
+    place = torch.cat([torch.arange(slot) for slot in slots])
+    work = [int((place[part] + 1).sum()) for part in parts]
+    assert len(set(work)) == 1, work
+
+
+def test_no_context_parallelism_leaves_the_layout_alone():
+    assert [context_parallel.slot_length(length, 1) for length in (1, 7, 12)] == [1, 7, 12]
+    assert context_parallel.local_positions([3, 4], 1, 0).tolist() == list(range(7))
+
+
+@pytest.mark.slow
+def test_two_context_parallel_ranks_give_the_outputs_and_gradients_of_one(tiny_model, tmp_path):
+    """Actor logprobs and critic values at CP=2 (2 ranks) equal CP=1 (1 rank) on the same packed
+    micro-batches; two optimizer steps of each keep them equal: the losses (a sequence-level
+    aggregation), their metrics and the gradient norms (the gathers' backward and Megatron's loss
+    units over data x context parallel ranks)."""
+    torchrun("pipeline_worker.py", tmp_path / "cp2", "--model", tiny_model, *WORKER, "--context-parallel-size", "2",
+             timeout=600)
+    torchrun("pipeline_worker.py", tmp_path / "cp1", "--model", tiny_model, *WORKER, "--train-gpus", "1",
+             "--rollout-gpus", "1", nproc=1, timeout=600)
+    one, two = read_json(tmp_path / "cp1.json"), read_json(tmp_path / "cp2.json")
+    # Measured: 7.6e-6 on logprobs of about -10 (fp32, the attention's sums in another order).
+    for key in ("logprobs", "values", "logprobs_after"):
+        assert torch.allclose(torch.tensor(two[key]), torch.tensor(one[key]), atol=1e-5, rtol=1e-6), key
+    for role, names in (("actor", ("loss", "grad_norm", "kl_loss", "entropy", "kl_old_new", "clip_fraction")),
+                        ("critic", ("value_loss", "critic_grad_norm", "value_mean"))):
+        for step_two, step_one in zip(two[role], one[role]):
+            for name in names:
+                assert step_two[name] == pytest.approx(step_one[name], rel=1e-5, abs=1e-6), (role, name)
+    assert two["logprobs_after"] != two["logprobs"]  # the steps changed the policy
+
+
+@pytest.mark.slow
+def test_grpo_with_distillation_at_two_context_parallel_ranks_syncs_and_resumes_at_one(tiny_model, tmp_path):
+    common = [*SMALL, "--model", tiny_model, "--teacher-model", tiny_model, "--train-steps", "3"]
+    trained = torchrun("../../megarl/train.py", *common, "--context-parallel-size", "2",
+                       "--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--log-dir", tmp_path / "cp2",
+                       timeout=900)
+    assert "CP=2 DP=1" in trained.stdout
+    resumed = torchrun("../../megarl/train.py", *common, "--resume", tmp_path / "ckpt" / "step_00000002",
+                       "--log-dir", tmp_path / "cp1", timeout=900)
+    assert "CP=1 DP=2" in resumed.stdout and "resumed from" in resumed.stdout
+    two, one = scalars(tmp_path / "cp2", COMPARED), scalars(tmp_path / "cp1", COMPARED)
+    assert sorted(two["loss"]) == [0, 1, 2]
+    # The trained weights reach the engines: the rollout's logprobs are the trainer's after each sync.
+    assert max(two["mismatch"].values()) < 1e-5, two["mismatch"]
+    assert two["kl_ref"][0] == pytest.approx(0, abs=1e-6) and two["kl_ref"][2] > 1e-6  # the policy left the reference
+    assert two["teacher_kl"][2] > 1e-6 and two["distill_loss"][2] > 0  # ... and the teacher (the same tiny model)
+    for tag in COMPARED:  # step 3 at CP=1 (DP=2) from the CP=2 checkpoint is the CP=2 run's step 3
+        assert one[tag][2] == pytest.approx(two[tag][2], abs=1e-5), tag
