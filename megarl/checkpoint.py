@@ -241,6 +241,7 @@ def _run_state(run, completed_steps: int) -> dict:
         "seed": args.seed,
         "parallel": {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+                     "context_parallel_size": args.context_parallel_size,
                      "use_distributed_optimizer": args.use_distributed_optimizer, "params_dtype": args.params_dtype,
                      "train_gpus": args.train_gpus, "rollout_gpus": args.rollout_gpus},
     }

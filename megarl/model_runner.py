@@ -22,9 +22,11 @@ whole micro-batch (`MicroBatch.gather`) before anything that spans a sequence.
 Loss normalisation: a loss function returns (numerator, units, {"sums": ...})
 and the model is built with `calculate_per_token_loss`, so Megatron divides the
 accumulated gradients by the units summed over micro-batches and data-parallel
-ranks: the exact mean over the mini-batch. The named metric sums are summed the
-same way, and named maxima (an optional "maxes" dict) reduced by max
-(`reduce_over_data_parallel`).
+ranks (x context-parallel ranks, each counting the whole micro-batch's units, as
+its gradient is CP times one copy's: megarl/context_parallel.py): the exact mean
+over the mini-batch. The named metric sums are summed over micro-batches and
+data-parallel ranks only (each CP rank holds whole sums), and named maxima (an
+optional "maxes" dict) reduced by max (`reduce_over_data_parallel`).
 """
 
 from __future__ import annotations
