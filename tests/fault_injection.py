@@ -22,9 +22,9 @@ Full disk (`full_disk_case`): RLIMIT_FSIZE on every rank from the second save on
 fail: the Megatron shards of the tiny model are 2 MiB); or, with --tmpfs as root, a real 6 MiB tmpfs
 (ENOSPC). Checked: a one-line error naming the checkpoint path, the previous checkpoint intact and
 chosen by --resume auto, no traceback.
-Long run (`long_run`): the quickstart job for --long-steps steps (at --long-args, default --lr 2e-5 so that
-the policy, and with it the work of a step, stays put); the RSS of every rank (from /proc, sampled by this
-script) and the CPU time per step do not grow.
+Long run (`long_run`): the quickstart job, at its own LR, for --long-steps steps with --min-new-tokens equal to
+its --max-new-tokens, so that every step generates the same number of tokens whatever the policy learns; the RSS
+of every rank (from /proc, sampled by this script) and the CPU time per step do not grow.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_worker.py"
-sys.path.insert(0, str(ROOT / "tests"))
+# This checkout's megarl, as the launched ranks get (PYTHONPATH), even where another checkout is installed.
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 PLACEMENTS = {"colocated": "examples/quickstart_grpo.yaml", "separate": "examples/quickstart_grpo_separate.yaml"}
 STEPS = 4
@@ -311,16 +312,27 @@ def full_disk_case(placement: str, out: Path, tmpfs: bool = False) -> Result:
     return result
 
 
+def fixed_length(placement: str, extra: tuple = ()) -> list[str]:
+    """--min-new-tokens equal to the job's --max-new-tokens (its config's, or one in `extra`). Left to stop where
+    it likes, the quickstart's policy learns to answer longer (the separate placement: from 10.9 to the full 16
+    tokens after step ~390) and each step then does more work, which the bounds below would count as growth."""
+    from megarl.arguments import parse_args
+
+    args = parse_args(["--config", str(ROOT / PLACEMENTS[placement]), *extra], world_size=2)
+    return ["--min-new-tokens", str(args.max_new_tokens)]
+
+
 def long_run(placement: str, out: Path, steps: int = 500, extra: tuple = ()) -> Result:
-    """The quickstart job for `steps` steps. Every rank's RSS at the end (median over its last 20 steps) within
+    """The quickstart job for `steps` steps, every response at the full --max-new-tokens (`fixed_length`; `extra`
+    comes after, so it may say otherwise). Every rank's RSS at the end (median over its last 20 steps) within
     5% of its RSS at step 50 (median over steps 41-60): /proc read as each step line appears, medians since
     RSS moves within a step. Step time: the median of the last 50 steps within 10% of that of steps 51-100,
     measured as CPU seconds per step (every rank's utime + stime) since on a shared host the wall clock
     follows the neighbours' load; the wall-clock medians are reported beside it."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "tb_long", ignore_errors=True)
-    run = launch(placement, out, "long", "--train-steps", steps, "--log-interval", "1", *extra, limit=3 * 3600,
-                 sample_rss=True)
+    run = launch(placement, out, "long", "--train-steps", steps, "--log-interval", "1",
+                 *fixed_length(placement, extra), *extra, limit=3 * 3600, sample_rss=True)
     result = Result(f"long run ({steps} steps)", placement, "-", "-", "-", "-", False)
     if run.returncode != 0:
         result.notes.append(f"exit code {run.returncode}")
@@ -410,9 +422,7 @@ def main(argv=None) -> int:
     parser.add_argument("--long-steps", type=int, default=500)
     parser.add_argument("--long-placement", choices=sorted(PLACEMENTS), action="append",
                         help="the long run's placements (default: both)")
-    # A tenth of the quickstart's LR keeps the step's work the same: at 2e-4 the separate placement's policy
-    # learns to answer at the full 16 tokens after step ~390 (from 10.9), and every step then does more.
-    parser.add_argument("--long-args", default="--lr 2e-5", help="extra megarl options for the long run")
+    parser.add_argument("--long-args", default="", help="extra megarl options for the long run")
     parser.add_argument("--tmpfs", action="store_true", help="also the full disk on a real tmpfs (needs root)")
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
     args = parser.parse_args(argv)
