@@ -7,7 +7,8 @@
     python tests/fault_injection.py --long-run --long-steps 500
 
 Each case prints one row: what was tried and what happened. The pytest file tests/test_faults.py runs
-a subset (`CI_CHAINS` and the full disk) through the same functions.
+a subset (`CI_CHAINS` and the full disk) through the same functions, in CI; tests/test_fault_suite_full.py
+runs all of --all (`run_suite`) in the soak lane, `bash run_tests.sh -m soak`.
 
 SIGKILL cases (`kill_case`): tests/workers/fault_worker.py SIGKILLs one rank (MEGARL_FAULT=point:step:rank)
 in a small job (4 steps, a checkpoint after every step, a held-out evaluation after steps 2 and 4, the
@@ -411,7 +412,7 @@ def run_case(spec: str, out: Path) -> list[Result]:
     return [kill_case(point, int(step), int(rank), placement, out / placement / f"{point}_{step}_{rank}")]
 
 
-def main(argv=None) -> int:
+def options(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--all", action="store_true", help="every kill case, full disk and the long run")
     parser.add_argument("--kills", action="store_true", help="every kill case")
@@ -425,7 +426,12 @@ def main(argv=None) -> int:
     parser.add_argument("--long-args", default="", help="extra megarl options for the long run")
     parser.add_argument("--tmpfs", action="store_true", help="also the full disk on a real tmpfs (needs root)")
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_suite(args: argparse.Namespace) -> list[Result]:
+    """The cases `args` (`options`) name, then the long runs: one progress line as each result comes, and the
+    results in that order (tests/test_fault_suite_full.py asserts on them)."""
     cases = list(args.case)
     if args.ci:
         cases += [f"chain:{placement}" for placement in CI_CHAINS] + ["full_disk:colocated"]
@@ -453,6 +459,12 @@ def main(argv=None) -> int:
     finally:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def main(argv=None) -> int:
+    started = time.time()
+    results = run_suite(options(argv))
     print(table(results))
     print(json.dumps({"cases": len(results), "failed": sum(not r.ok for r in results),
                       "minutes": round((time.time() - started) / 60, 1)}))
