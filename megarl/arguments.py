@@ -160,6 +160,11 @@ def _add_rollout_args(parser):
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument("--top-k", type=int, default=-1, help="top-k sampling (-1: off)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="response length limit")
+    g.add_argument("--min-new-tokens", type=int, default=0,
+                   help="the student's training samples are at least N tokens long (vLLM's min_tokens: EOS and "
+                        "stop token ids are held back until then, and a --stop string counts only where it ends "
+                        "after the N-th token); N = --max-new-tokens fixes every response's length. Evaluation "
+                        "and --seq-kd's teacher responses stop where they stop")
     g.add_argument("--num-generations", type=int, default=8, help="samples per prompt")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings")
     g.add_argument("--sync-bucket-mb", type=float, default=256.0,
@@ -650,6 +655,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError(f"--dynamic-sampling needs 0 <= LOW < HIGH <= 1, got {low} {high}")
         if args.max_num_gen_batches < 1:
             raise ConfigError(f"--max-num-gen-batches must be >= 1, got {args.max_num_gen_batches}")
+    if not 0 <= args.min_new_tokens <= args.max_new_tokens:
+        raise ConfigError(f"--min-new-tokens must be in [0, --max-new-tokens={args.max_new_tokens}], "
+                          f"got {args.min_new_tokens}")
+    if args.filter_truncated and args.min_new_tokens == args.max_new_tokens:
+        raise ConfigError(f"--filter-truncated with --min-new-tokens = --max-new-tokens = {args.max_new_tokens} "
+                          f"would mask every response out of the loss (each one hits the limit)")
     if not 0 <= args.overlong_buffer_len <= args.max_new_tokens:
         raise ConfigError(f"--overlong-buffer-len must be in [0, max_new_tokens={args.max_new_tokens}], "
                           f"got {args.overlong_buffer_len}")

@@ -98,7 +98,8 @@ def generate_ahead(run: Run, step: int) -> ShardSamples:
     weights they hold, while the train ranks (which return at once) train on the previous step's;
     `generate(run, step, ahead)` gathers them. No collective runs here, so the roles overlap."""
     started = time.perf_counter()
-    shard = _generate_shard(run, run.prompts.batch(step, 0), step, seed_key=("train", 0))
+    shard = _generate_shard(run, run.prompts.batch(step, 0), step, seed_key=("train", 0),
+                            min_tokens=run.args.min_new_tokens)
     shard.seconds = time.perf_counter() - started
     return shard
 
@@ -132,7 +133,7 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
                 sample.logprobs = None  # the teacher's sample, not the student's
         elif source == "dataset" or args.dynamic_sampling is None:
             samples, reward_seconds = _rollout(run, run.prompts.batch(step, 0), step, seed_key=("train", 0),
-                                               from_dataset=source == "dataset")
+                                               from_dataset=source == "dataset", min_tokens=args.min_new_tokens)
         else:
             samples, reward_seconds, metrics = _dynamic_sampling(run, step)
         _sleep_colocated_rollout(run)
@@ -162,7 +163,8 @@ def _dynamic_sampling(run: Run, step: int):
     args = run.args
     kept, dropped, generated, all_rewards, reward_seconds = [], [], 0, [], 0.0
     for attempt in range(args.max_num_gen_batches):
-        samples, seconds = _rollout(run, run.prompts.batch(step, attempt), step, seed_key=("train", attempt))
+        samples, seconds = _rollout(run, run.prompts.batch(step, attempt), step, seed_key=("train", attempt),
+                                    min_tokens=args.min_new_tokens)
         reward_seconds += seconds
         generated += 1
         all_rewards += [s.reward for s in samples]
@@ -183,16 +185,18 @@ def _dynamic_sampling(run: Run, step: int):
 
 
 def _rollout(run: Run, prompts, step: int, n: int | None = None, temperature: float | None = None,
-             seed_key: tuple = (), from_dataset: bool = False):
+             seed_key: tuple = (), from_dataset: bool = False, min_tokens: int = 0):
     """n samples for each prompt, scored, gathered to every rank in prompt order; and the
     seconds this rank waited for the scoring. Each engine takes a contiguous shard of the prompts;
     rewards are scored on the rollout rank that generated them (one batch call per engine).
-    `from_dataset`: the samples are n copies of each prompt's reference response instead."""
-    return _collect(run, _generate_shard(run, prompts, step, n, temperature, seed_key, from_dataset))
+    `from_dataset`: the samples are n copies of each prompt's reference response instead.
+    `min_tokens`: --min-new-tokens for the student's training samples, 0 for the rest (evaluation,
+    --seq-kd's teacher) so that they stop where the model stops."""
+    return _collect(run, _generate_shard(run, prompts, step, n, temperature, seed_key, from_dataset, min_tokens))
 
 
 def _generate_shard(run: Run, prompts, step: int, n: int | None = None, temperature: float | None = None,
-                    seed_key: tuple = (), from_dataset: bool = False) -> ShardSamples:
+                    seed_key: tuple = (), from_dataset: bool = False, min_tokens: int = 0) -> ShardSamples:
     """`_rollout`'s part on this rank's engine (nothing elsewhere), without the gather."""
     n = n or run.args.num_generations
     result = ShardSamples(step, len(prompts) * (1 if temperature == 0 else n))
@@ -213,7 +217,8 @@ def _generate_shard(run: Run, prompts, step: int, n: int | None = None, temperat
                 score_prompt(i, samples[-n:])
         else:
             samples = engine.generate([p.ids for p in shard], [p.index for p in shard], step, n=n,
-                                      temperature=temperature, seed_key=seed_key, on_prompt_done=score_prompt)
+                                      temperature=temperature, seed_key=seed_key, on_prompt_done=score_prompt,
+                                      min_tokens=min_tokens)
         scoring.finish()
         scoring.close()
         result.reward_seconds = scoring.wait_seconds

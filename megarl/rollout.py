@@ -88,9 +88,11 @@ class VllmEngine:
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
-                 seed_key: tuple = (), on_prompt_done=None) -> list[Sample]:
+                 seed_key: tuple = (), on_prompt_done=None, min_tokens: int = 0) -> list[Sample]:
         """n samples per prompt (default --num-generations; 1 when greedy) at `temperature`
-        (default --temperature; 0 is greedy). `on_prompt_done(i, samples)` is called with prompt i's
+        (default --temperature; 0 is greedy), each at least `min_tokens` long (vLLM's min_tokens;
+        the caller passes --min-new-tokens for training samples only, so an evaluation measures
+        where the policy itself stops). `on_prompt_done(i, samples)` is called with prompt i's
         samples as soon as its request finishes (the rewards overlap the rest: megarl/scoring.py);
         the engine runs the same steps either way, so the samples do not depend on it.
 
@@ -109,7 +111,8 @@ class VllmEngine:
         temperature = 0.0 if greedy else (args.temperature if temperature is None else temperature)
         n = 1 if temperature == 0.0 else (args.num_generations if n is None else n)
         params = [SamplingParams(n=n, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=args.max_new_tokens, stop=args.stop or None, logprobs=0)
+                                 max_tokens=args.max_new_tokens, min_tokens=min_tokens, stop=args.stop or None,
+                                 logprobs=0)
                   for _ in prompts]
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]

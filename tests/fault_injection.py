@@ -7,7 +7,8 @@
     python tests/fault_injection.py --long-run --long-steps 500
 
 Each case prints one row: what was tried and what happened. The pytest file tests/test_faults.py runs
-a subset (`CI_CHAINS` and the full disk) through the same functions.
+a subset (`CI_CHAINS` and the full disk) through the same functions, in CI; tests/test_fault_suite_full.py
+runs all of --all (`run_suite`) in the soak lane, `bash run_tests.sh -m soak`.
 
 SIGKILL cases (`kill_case`): tests/workers/fault_worker.py SIGKILLs one rank (MEGARL_FAULT=point:step:rank)
 in a small job (4 steps, a checkpoint after every step, a held-out evaluation after steps 2 and 4, the
@@ -22,9 +23,9 @@ Full disk (`full_disk_case`): RLIMIT_FSIZE on every rank from the second save on
 fail: the Megatron shards of the tiny model are 2 MiB); or, with --tmpfs as root, a real 6 MiB tmpfs
 (ENOSPC). Checked: a one-line error naming the checkpoint path, the previous checkpoint intact and
 chosen by --resume auto, no traceback.
-Long run (`long_run`): the quickstart job for --long-steps steps (at --long-args, default --lr 2e-5 so that
-the policy, and with it the work of a step, stays put); the RSS of every rank (from /proc, sampled by this
-script) and the CPU time per step do not grow.
+Long run (`long_run`): the quickstart job, at its own LR, for --long-steps steps with --min-new-tokens equal to
+its --max-new-tokens, so that every step generates the same number of tokens whatever the policy learns; the RSS
+of every rank (from /proc, sampled by this script) and the CPU time per step do not grow.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_worker.py"
-sys.path.insert(0, str(ROOT / "tests"))
+# This checkout's megarl, as the launched ranks get (PYTHONPATH), even where another checkout is installed.
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 PLACEMENTS = {"colocated": "examples/quickstart_grpo.yaml", "separate": "examples/quickstart_grpo_separate.yaml"}
 STEPS = 4
@@ -311,16 +313,27 @@ def full_disk_case(placement: str, out: Path, tmpfs: bool = False) -> Result:
     return result
 
 
+def fixed_length(placement: str, extra: tuple = ()) -> list[str]:
+    """--min-new-tokens equal to the job's --max-new-tokens (its config's, or one in `extra`). Left to stop where
+    it likes, the quickstart's policy learns to answer longer (the separate placement: from 10.9 to the full 16
+    tokens after step ~390) and each step then does more work, which the bounds below would count as growth."""
+    from megarl.arguments import parse_args
+
+    args = parse_args(["--config", str(ROOT / PLACEMENTS[placement]), *extra], world_size=2)
+    return ["--min-new-tokens", str(args.max_new_tokens)]
+
+
 def long_run(placement: str, out: Path, steps: int = 500, extra: tuple = ()) -> Result:
-    """The quickstart job for `steps` steps. Every rank's RSS at the end (median over its last 20 steps) within
+    """The quickstart job for `steps` steps, every response at the full --max-new-tokens (`fixed_length`; `extra`
+    comes after, so it may say otherwise). Every rank's RSS at the end (median over its last 20 steps) within
     5% of its RSS at step 50 (median over steps 41-60): /proc read as each step line appears, medians since
     RSS moves within a step. Step time: the median of the last 50 steps within 10% of that of steps 51-100,
     measured as CPU seconds per step (every rank's utime + stime) since on a shared host the wall clock
     follows the neighbours' load; the wall-clock medians are reported beside it."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "tb_long", ignore_errors=True)
-    run = launch(placement, out, "long", "--train-steps", steps, "--log-interval", "1", *extra, limit=3 * 3600,
-                 sample_rss=True)
+    run = launch(placement, out, "long", "--train-steps", steps, "--log-interval", "1",
+                 *fixed_length(placement, extra), *extra, limit=3 * 3600, sample_rss=True)
     result = Result(f"long run ({steps} steps)", placement, "-", "-", "-", "-", False)
     if run.returncode != 0:
         result.notes.append(f"exit code {run.returncode}")
@@ -399,7 +412,7 @@ def run_case(spec: str, out: Path) -> list[Result]:
     return [kill_case(point, int(step), int(rank), placement, out / placement / f"{point}_{step}_{rank}")]
 
 
-def main(argv=None) -> int:
+def options(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--all", action="store_true", help="every kill case, full disk and the long run")
     parser.add_argument("--kills", action="store_true", help="every kill case")
@@ -410,12 +423,15 @@ def main(argv=None) -> int:
     parser.add_argument("--long-steps", type=int, default=500)
     parser.add_argument("--long-placement", choices=sorted(PLACEMENTS), action="append",
                         help="the long run's placements (default: both)")
-    # A tenth of the quickstart's LR keeps the step's work the same: at 2e-4 the separate placement's policy
-    # learns to answer at the full 16 tokens after step ~390 (from 10.9), and every step then does more.
-    parser.add_argument("--long-args", default="--lr 2e-5", help="extra megarl options for the long run")
+    parser.add_argument("--long-args", default="", help="extra megarl options for the long run")
     parser.add_argument("--tmpfs", action="store_true", help="also the full disk on a real tmpfs (needs root)")
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_suite(args: argparse.Namespace) -> list[Result]:
+    """The cases `args` (`options`) name, then the long runs: one progress line as each result comes, and the
+    results in that order (tests/test_fault_suite_full.py asserts on them)."""
     cases = list(args.case)
     if args.ci:
         cases += [f"chain:{placement}" for placement in CI_CHAINS] + ["full_disk:colocated"]
@@ -443,6 +459,12 @@ def main(argv=None) -> int:
     finally:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def main(argv=None) -> int:
+    started = time.time()
+    results = run_suite(options(argv))
     print(table(results))
     print(json.dumps({"cases": len(results), "failed": sum(not r.ok for r in results),
                       "minutes": round((time.time() - started) / 60, 1)}))

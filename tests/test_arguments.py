@@ -65,6 +65,8 @@ BAD = [
     (None, ["--global-batch-size", "64", "--micro-batch-size", "24"], 2,
      ["micro_batch_size=24", "32 samples", "global_batch_size=64"]),
     (None, ["--ppo-epochs", "0"], 1, ["--ppo-epochs must be >= 1"]),
+    ("max_new_tokens: 16\nmin_new_tokens: 17\n", [], 1, ["--min-new-tokens must be in [0, --max-new-tokens=16]"]),
+    (None, ["--max-new-tokens", "16", "--min-new-tokens", "16"], 1, []),  # every response exactly 16 tokens
     (None, ["--global-batch-size", "0"], 1, ["--global-batch-size must be >= 1"]),
     # KL control and the critic
     (None, ["--kl-placement", "reward"], 1, ["--kl-placement reward", "--kl-coef > 0"]),

@@ -132,6 +132,13 @@ CASES = [
     Case("zero-max-prompt-length", lambda d: ["--max-prompt-length", "0"], ["--max-prompt-length must be >= 1"]),
     Case("negative-train-steps", lambda d: ["--train-steps", "-1"], ["--train-steps must be >= 0"]),
     Case("zero-temperature", lambda d: ["--temperature", "0"], ["--temperature > 0", "got 10 and 0.0"]),
+    Case("negative-min-new-tokens", lambda d: ["--min-new-tokens", "-1"],
+         ["--min-new-tokens must be in [0, --max-new-tokens=32]", "got -1"]),
+    Case("min-new-tokens-over-max", lambda d: ["--max-new-tokens", "8", "--min-new-tokens", "9"],
+         ["--min-new-tokens must be in [0, --max-new-tokens=8]", "got 9"]),
+    Case("fixed-length-with-filter-truncated",
+         lambda d: ["--max-new-tokens", "8", "--min-new-tokens", "8", "--filter-truncated"],
+         ["--filter-truncated", "--min-new-tokens = --max-new-tokens = 8", "every response"]),
     Case("builtin-task-prompt-too-long", lambda d: ["--max-prompt-length", "8"],
          ["the built-in task", "over --max-prompt-length 8"]),
     # --- rank layouts (2 ranks launched)

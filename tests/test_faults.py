@@ -1,5 +1,5 @@
 """Fault injection, the CI subset of tests/fault_injection.py (the whole suite: `python tests/fault_injection.py
---all`): in each placement a rank is SIGKILLed during the weight sync, the run resumes, another rank is
+--all`, or the soak lane, `bash run_tests.sh -m soak`): in each placement a rank is SIGKILLed during the weight sync, the run resumes, another rank is
 SIGKILLed while saving a checkpoint, the run resumes again; every rank exits within 60 s of each kill with a
 line naming the dead rank, each resume starts from the last complete checkpoint and the logged scalars equal
 the uninterrupted run's bit for bit. And a full disk while saving: one line naming the checkpoint, the

@@ -1,5 +1,7 @@
-"""megarl/train.py end to end on 2 real torchrun ranks: short runs in both placements, and failures."""
+"""megarl/train.py end to end on real torchrun ranks (2; one for --min-new-tokens): short runs in both placements,
+and failures."""
 
+import json
 import time
 
 import pytest
@@ -70,3 +72,25 @@ def test_full_vocabulary_kl_in_the_loss_with_ppo_epochs(tiny_model, tmp_path):
     assert series["kl_ref"][0] == 0.0 and series["kl_ref"][2] > 0.0, series  # old policy vs reference
     assert series["kl_loss"][2] > 0.0, series
     assert all(value > 0.0 for value in series["kl_old_new"]), series  # 4 updates per step: off-policy after the first
+
+
+def test_min_new_tokens_equal_to_max_fixes_every_training_response(tiny_model, tmp_path):
+    """--min-new-tokens = --max-new-tokens on one rank: every training sample is exactly max_new_tokens long,
+    EOS and the --stop string held back (vLLM's min_tokens), while the evaluation stops where the model does
+    (greedy, the stop string applies)."""
+    result = torchrun("../../megarl/train.py", "--model", tiny_model, "--prompts-per-step", "4", "--num-generations",
+                      "4", "--max-new-tokens", "16", "--min-new-tokens", "16", "--stop", "}", "--micro-batch-size",
+                      "16", "--train-steps", "1", "--rollout-kv-cache-gb", "0.25", "--eval-dataset", "held=builtin:8",
+                      "--rollout-save-dir", tmp_path / "dumps", "--log-dir", tmp_path / "tb", nproc=1, timeout=600)
+    series = {tag: list(values.values()) for tag, values in
+              scalars(tmp_path / "tb", ("response_length_mean", "response_length_max", "truncated_fraction")).items()}
+    assert series["response_length_mean"] == series["response_length_max"] == [16.0], (series, result.stdout[-2000:])
+    assert series["truncated_fraction"] == [1.0]
+    train = [json.loads(line) for line in (tmp_path / "dumps" / "train_step1.jsonl").read_text().splitlines()]
+    assert len(train) == 16 and all(row["truncated"] for row in train)
+    # The tiny model closes its \boxed{} within 16 tokens: had the stop string counted, these would end there.
+    assert any("}" in row["response"] for row in train), [row["response"] for row in train]
+    evaluated = [json.loads(line) for step in (0, 1)
+                 for line in (tmp_path / "dumps" / f"eval_held_step{step}.jsonl").read_text().splitlines()]
+    assert not any("}" in row["response"] for row in evaluated), [row["response"] for row in evaluated]
+    assert not all(row["truncated"] for row in evaluated), [row["response"] for row in evaluated]
