@@ -47,8 +47,16 @@ from megarl import distributed
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-class CheckpointWriteError(Exception):
-    """A checkpoint could not be written (a full disk, a quota, a file size limit): one line, no traceback."""
+class CheckpointError(Exception):
+    """Every rank raises it alike; rank 0 says it in one line, no traceback."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a quota, a file size limit)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint cannot be resumed with these options (its optimizer states are laid out otherwise)."""
 
 
 def step_dir_name(completed_steps: int) -> str:
@@ -199,6 +207,7 @@ def load(run, path: str) -> int:
 
     with open(os.path.join(path, "state.json")) as f:
         state = json.load(f)
+    _check_optimizer_layout(state.get("parallel", {}), run.args, path)
     trainables = run.trainables()
     if trainables:
         saved = state["roles"]
@@ -214,6 +223,19 @@ def load(run, path: str) -> int:
     if os.path.exists(rng_file):  # absent when resuming on more ranks than saved
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return int(state["completed_steps"])
+
+
+def _check_optimizer_layout(saved: dict, args, path: str) -> None:
+    """--use-distributed-optimizer must match the saved run's: the two optimizers lay out their states
+    differently (the distributed one adds fp32 main parameters and renames param-group keys), and
+    Megatron-core 0.16.1 fails deep in its loader with a KeyError either way. TP, PP, CP and DP may
+    change (resharded on load)."""
+    saved_mode = saved.get("use_distributed_optimizer")
+    if saved_mode is not None and saved_mode != args.use_distributed_optimizer:
+        flag = "with --use-distributed-optimizer" if saved_mode else "without --use-distributed-optimizer"
+        raise CheckpointMismatchError(
+            f"--resume {path}: saved {flag}, and the two optimizers lay out their states differently: "
+            f"resume {flag}")
 
 
 def load_model_weights(module, path: str, name: str = "policy") -> None:

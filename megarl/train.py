@@ -10,7 +10,7 @@ import sys
 import traceback
 
 from megarl.arguments import ConfigError, parse_args
-from megarl.checkpoint import CheckpointWriteError
+from megarl.checkpoint import CheckpointError
 from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger
 from megarl.scoring import check_sandbox
@@ -123,13 +123,13 @@ def main(argv=None) -> None:
 
 def _report_failure(rank: int, error: BaseException) -> None:
     """One line when another rank died (this rank's collective then fails: that rank is the news, not this
-    traceback) or when a checkpoint could not be written; else the error and its traceback."""
+    traceback) or when a checkpoint could not be written or resumed; else the error and its traceback."""
     from megarl import distributed
 
     phases = sys.modules.get("megarl.phases")
     doing = f"step {phases.activity['step']}, {phases.activity['phase']}" if phases else "start-up"
     message = (str(error).strip().splitlines() or [""])[0][:300]
-    if isinstance(error, CheckpointWriteError):  # every rank raises it alike; one prints
+    if isinstance(error, CheckpointError):  # every rank raises it alike; one prints
         if rank == 0:
             print(f"megarl: error: {error}", file=sys.stderr, flush=True)
         return

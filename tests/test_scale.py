@@ -43,6 +43,13 @@ def test_distributed_optimizer_matches_the_plain_one_and_resumes_at_another_data
     assert "after step 2" in stdout
     assert sorted(resumed["loss"]) == [2, 3]
     _close(sharded, resumed, (2, 3), 1e-5)
+    # Without the distributed optimizer the saved states do not fit (Megatron fails with a KeyError deep in its
+    # loader): one line from rank 0 saying which flag to use, before anything is trained or written.
+    refused = torchrun("../../megarl/train.py", *SMALL, "--model", tiny_model, "--train-steps", "4",
+                       "--resume", tmp_path / "ckpt" / "step_00000002", check=False, timeout=900)
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("megarl:")]
+    assert refused.returncode != 0 and len(lines) == 1, refused.stderr[-3000:]
+    assert "saved with --use-distributed-optimizer" in lines[0] and "resume with" in lines[0], lines
 
 
 def test_activation_recomputation_leaves_the_losses_unchanged(tiny_model, tmp_path):
