@@ -547,10 +547,16 @@ def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> 
 
     actions = _actions(parser)
     values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
 
     def put(dest: str, value: Any, where: str, name: str, known):
         if dest not in actions:
             raise ConfigError(f"{where}: unknown option{_closest(name, known)}")
+        # `max-new-tokens` and `max_new_tokens`, or `train.lr` and `lr`, set the same option: one would win silently.
+        spelled = where.split(": ", 1)[1]
+        if dest in given_as:
+            raise ConfigError(f"{path}: {given_as[dest]} and {spelled} set the same option; keep one")
+        given_as[dest] = spelled
         values[dest] = _coerce(actions[dest], value, where)
 
     top_level_names = [d for d in actions] + list(ROLES)
@@ -569,9 +575,9 @@ def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> 
                 dest = ROLE_KEY_DESTS.get((name, sub_name), f"{name}_{sub_name}")
                 if dest not in actions and name == "train":
                     dest = sub_name
-                put(dest, sub_value, f"{path}: {name}.{sub_name}", sub_name, role_names)
+                put(dest, sub_value, f"{path}: {name}.{sub}", sub_name, role_names)
         else:
-            put(name, value, f"{path}: {name}", name, top_level_names)
+            put(name, value, f"{path}: {key}", name, top_level_names)
     return values
 
 

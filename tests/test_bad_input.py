@@ -115,6 +115,10 @@ CASES = [
          ["config.yaml line 2", "not UTF-8"]),
     Case("yaml-key-twice", lambda d: config(d, "lr: 1e-6\ntrain: {gpus: 1}\nlr: 2e-6\n"),
          ["config.yaml line 3", "'lr' is given twice"]),
+    Case("yaml-key-twice-spelled-two-ways", lambda d: config(d, "max-new-tokens: 8\nmax_new_tokens: 16\n"),
+         ["config.yaml", "max-new-tokens and max_new_tokens set the same option"]),
+    Case("yaml-key-top-level-and-in-train", lambda d: config(d, "lr: 1e-6\ntrain: {lr: 2e-6}\n"),
+         ["config.yaml", "lr and train.lr set the same option"]),
     # --- command line
     Case("unknown-flag", lambda d: ["--lerning-rate", "1e-6"], ["unrecognized arguments", "--lerning-rate"]),
     Case("flag-wrong-type", lambda d: ["--micro-batch-size", "two"], ["--micro-batch-size", "invalid int value"]),
