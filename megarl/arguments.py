@@ -672,6 +672,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                           f"got {args.overlong_buffer_len}")
     _validate_distillation(args)
     _validate_recompute(args)
+    _validate_engine_kwargs(args)
 
 
 def _resolve_precision(args) -> None:
@@ -757,6 +758,27 @@ def _validate_pipeline(args) -> None:
         if size > 1 and companion:
             raise ConfigError(f"{flag} {size} does not support {companion} yet: use top-k (--gkd-logits-topk K) "
                               f"or a sampled-token KL estimator")
+
+
+def _validate_engine_kwargs(args) -> None:
+    """Every engine_kwargs key is an argument of vLLM's LLM / EngineArgs: a misspelt one would otherwise fail
+    only when the engine starts (a minute in), or with some vLLM versions be ignored. vLLM is imported only
+    when there are keys to check."""
+    given = [(role, key) for role in ("rollout", "teacher") for key in getattr(args, f"{role}_engine_kwargs")]
+    if not given:
+        return
+    import dataclasses
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {field.name for field in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    known -= {"self", "kwargs"}
+    for role, key in given:
+        if key not in known:
+            raise ConfigError(f"{role}.engine_kwargs (--{role}-engine-kwargs): {key!r} is not an argument of vLLM's "
+                              f"engine{_closest(key, known)}")
 
 
 def _validate_distillation(args) -> None:

@@ -130,6 +130,10 @@ CASES = [
          ["--rollout-engine-kwargs", "not valid JSON"]),
     Case("engine-kwargs-not-object", lambda d: ["--rollout-engine-kwargs", "[4]"],
          ["--rollout-engine-kwargs", "expected a JSON object"]),
+    Case("engine-kwargs-unknown-key", lambda d: ["--rollout-engine-kwargs", '{"max_num_seq": 4}'],
+         ["rollout.engine_kwargs", "'max_num_seq' is not an argument of vLLM's engine", "'max_num_seqs'"]),
+    Case("yaml-teacher-engine-kwargs-unknown-key", lambda d: config(d, "teacher: {engine_kwargs: {max_logprob: 8}}\n"),
+         ["teacher.engine_kwargs", "'max_logprob'", "'max_logprobs'"]),
     # --- sizes
     Case("zero-micro-batch", lambda d: ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"]),
     Case("negative-generations", lambda d: ["--num-generations", "-2"], ["--num-generations must be >= 1"]),
