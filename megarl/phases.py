@@ -47,7 +47,7 @@ from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, distill_toke
 from megarl.batch import Batch
 from megarl.dumps import write_samples
 from megarl.model_runner import make_micro_batches
-from megarl.reward_workers import TIMEOUT_MARK
+from megarl.rewards import SCORER_TIMEOUT
 from megarl.scoring import OverlappedScoring
 from megarl.prompts import reference_response_ids
 from megarl.rollout import Sample, stable_seed
@@ -314,7 +314,7 @@ def _reward_errors(samples, where: str, report: bool) -> dict:
     """Count samples whose reward raised (or whose reward worker died) and those whose reward call ran
     past --reward-timeout (they scored 0), and warn once for the batch."""
     failed = [s for s in samples if "error:" in s.reason]
-    timed_out = [s for s in samples if TIMEOUT_MARK in s.reason]
+    timed_out = [s for s in samples if s.reason.startswith(SCORER_TIMEOUT)]
     if (failed or timed_out) and report:
         what = [f"the reward raised on {len(failed)}" if failed else "",
                 f"ran past --reward-timeout on {len(timed_out)}" if timed_out else ""]

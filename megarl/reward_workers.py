@@ -40,14 +40,14 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from megarl.rewards import RewardOutput
+from megarl.rewards import SCORER_TIMEOUT, RewardOutput
 
 KILL_GRACE_S = 5.0
 """How long killing an overrunning worker may take before the pool gives up waiting for it."""
 START_TIMEOUT_S = 120.0
 """How long a new worker may take to import megarl, the rewards and the plugins."""
-TIMEOUT_MARK = "timeout: reward call"
-"""The start of TIMEOUT_REASON; `megarl.phases` counts the samples whose reason holds it."""
+TIMEOUT_MARK = f"{SCORER_TIMEOUT}reward call"
+"""The start of TIMEOUT_REASON (a SCORER_TIMEOUT reason, counted in reward_timeouts)."""
 _ROOT = str(Path(__file__).resolve().parents[1])
 _WORKER_MAIN = f"import sys; sys.path.insert(0, {_ROOT!r}); from megarl.reward_workers import _serve; _serve()"
 

@@ -231,7 +231,7 @@ def test_timeout_in_main_thread_restores_outer_timer(monkeypatch):
     signal.setitimer(signal.ITIMER_REAL, 30)  # an outer timer (a test harness, the code reward, ...)
     try:
         start = time.monotonic()
-        assert boxed(HANG, {"gt_answer": "5"}) == math_rewards.RewardOutput(0.0, "timeout")
+        assert boxed(HANG, {"gt_answer": "5"}) == math_rewards.RewardOutput(0.0, math_rewards.GRADING_TIMEOUT)
         assert time.monotonic() - start < 3
         remaining, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 20 < remaining < 30
@@ -245,7 +245,7 @@ def test_timeout_in_worker_thread(monkeypatch):
     with ThreadPoolExecutor(max_workers=1) as pool:
         start = time.monotonic()
         out = pool.submit(boxed, HANG, {"gt_answer": "5"}).result(timeout=30)
-    assert out == math_rewards.RewardOutput(0.0, "timeout")
+    assert out == math_rewards.RewardOutput(0.0, math_rewards.GRADING_TIMEOUT)
     assert time.monotonic() - start < 10  # includes starting a helper when none is idle
 
 
@@ -253,6 +253,6 @@ def test_overrunning_helper_is_killed_and_replaced():
     """A helper that overruns its wait (C code deaf to its own alarm) is killed; the next call gets a new one."""
     assert threading.current_thread() is threading.main_thread()
     verdict = math_rewards._judge_in_helper(HANG[7:-1], "5", seconds=60, wait=1.0)
-    assert verdict == "timeout"
+    assert verdict == math_rewards.GRADING_TIMEOUT
     assert all(helper.alive for helper in math_rewards._ALL_HELPERS)
     assert math_rewards._judge_in_helper("4", "4", seconds=5) == "correct"

@@ -178,3 +178,17 @@ def test_a_worker_that_cannot_be_replaced_breaks_the_pool_loudly(tmp_path):
             pool.submit("y", {}).result(GRACE)
     finally:
         pool.close()
+
+
+def test_the_math_graders_own_timeout_counts_and_a_programs_time_limit_does_not():
+    """reward_timeouts counts scoring that ran past a bound (the worker's, the math grader's own); a code
+    sample whose program ran past its time limit is a verdict on the sample (reason "timeout"), not one."""
+    from types import SimpleNamespace
+
+    from megarl import phases
+    from megarl.reward_workers import timeout_reason
+    from megarl.rewards import math as math_rewards
+
+    reasons = [timeout_reason(2.0), math_rewards.GRADING_TIMEOUT, "timeout", "correct", "error: reward worker died"]
+    counts = phases._reward_errors([SimpleNamespace(reason=r) for r in reasons], "step 1", report=False)
+    assert counts == {"reward_errors": 1, "reward_timeouts": 2}

@@ -8,7 +8,10 @@ A reward function is `fn(response: str, row: dict) -> RewardOutput | float`:
             "data_source", "id", and any extra columns.
 It returns a score (usually in [0, 1]) and, for the scoring tool and logs, a
 short reason ("correct", "wrong answer", "no box", "timeout", ...). A plain
-float means reason "".
+float means reason "". A reason starting with SCORER_TIMEOUT ("timeout: ...") says
+the scoring itself ran past a bound (megarl's --reward-timeout, the math grader's
+own): those samples are counted in the reward_timeouts metric. A bare "timeout" is
+a verdict on the sample (a generated program over its time limit).
 
 Each registered reward may carry a default system prompt (what the model is
 told about the answer format); `--system-prompt` overrides it.
@@ -19,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+
+SCORER_TIMEOUT = "timeout: "
 
 
 @dataclass

@@ -32,7 +32,8 @@ tags (a duplicated ``<answer>``, text after ``</answer>``, ...) score 0 even wit
 a right answer: several answer blocks would let the policy hedge.
 
 Reasons: "correct", "wrong answer", "unparsable" (math-verify found no
-expression in the answer), "timeout", "no box", "unclosed box" (the last
+expression in the answer), "timeout: math grading" (over MATH_VERIFY_TIMEOUT_S;
+counted in reward_timeouts), "no box", "unclosed box" (the last
 ``\\boxed{`` never closes: usually a truncated response), "no answer tags",
 "bad format", "bad gt_answer" (the ground truth itself does not parse).
 
@@ -110,11 +111,13 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
-from megarl.rewards import RewardOutput, register_reward
+from megarl.rewards import SCORER_TIMEOUT, RewardOutput, register_reward
 from megarl.tasks.arithmetic import extract_boxed
 
 MATH_VERIFY_TIMEOUT_S = 5.0
 """Wall-clock budget of one judgement (parse gold + parse answer + compare)."""
+GRADING_TIMEOUT = f"{SCORER_TIMEOUT}math grading"
+"""The verdict (and reason) of a judgement over MATH_VERIFY_TIMEOUT_S."""
 HELPER_GRACE_S = 5.0
 """How long past the budget a helper process may take before it is killed."""
 
@@ -262,7 +265,7 @@ def _judge_with_alarm(answer: str, gt_answer, seconds: float) -> str:
     try:
         return _judge(answer, gt_answer)
     except _Timeout:
-        return "timeout"
+        return GRADING_TIMEOUT
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
@@ -294,7 +297,7 @@ class _Helper:
         verdict = self._read(timeout=wait)
         if verdict is None:
             self.kill()
-            return "timeout"
+            return GRADING_TIMEOUT
         return verdict
 
     def _read(self, timeout: float) -> str | None:
