@@ -41,7 +41,10 @@ def test_offloader_collects_again_at_each_offload():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "1"], ["--tensor-model-parallel-size", "2"]])
+@pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "1"], ["--tensor-model-parallel-size", "2"],
+                                      # DP=2: each rank holds its shard of Adam's states and of the fp32 main copies
+                                      ["--use-distributed-optimizer", "--bf16"]],
+                         ids=["tp1", "tp2", "distributed-optimizer-bf16"])
 def test_actor_and_critic_round_trip_on_megatron_ranks(parallel, tiny_model, tmp_path):
     out = tmp_path / "offload"
     torchrun("offload_worker.py", out, "--model", tiny_model, "--offload-model", "--offload-optimizer",
