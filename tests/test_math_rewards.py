@@ -141,6 +141,59 @@ NORMALISED_TABLE = [
     # spacing before \% (math-verify alone: unparsable)
     (r"\boxed{5\,\%}", "5", 1.0, "correct"),
     (r"\boxed{5\,\%}", "50", 0.0, "wrong answer"),
+    # plain-text Unicode math (math-verify alone: unparsable)
+    (r"\boxed{√12}", r"2\sqrt{3}", 1.0, "correct"),  # the radical covers the whole number, not \sqrt{1}2
+    (r"\boxed{√12}", "2", 0.0, "wrong answer"),
+    (r"\boxed{2√3}", r"\sqrt{12}", 1.0, "correct"),
+    (r"\boxed{2√3}", r"\sqrt{6}", 0.0, "wrong answer"),
+    (r"\boxed{√(x+1)}", r"\sqrt{x+1}", 1.0, "correct"),
+    (r"\boxed{√(x+1)}", r"\sqrt{x}+1", 0.0, "wrong answer"),
+    (r"\boxed{√3/2}", r"\frac{\sqrt{3}}{2}", 1.0, "correct"),
+    (r"\boxed{∛8}", "2", 1.0, "correct"),
+    (r"\boxed{∛8}", r"\sqrt{8}", 0.0, "wrong answer"),
+    (r"\boxed{\sqrt{2}}", "√2", 1.0, "correct"),  # a Unicode ground truth
+    (r"\boxed{2}", "√2", 0.0, "wrong answer"),
+    (r"\boxed{½}", "0.5", 1.0, "correct"),
+    (r"\boxed{½}", "2", 0.0, "wrong answer"),
+    (r"\boxed{⅔}", r"\frac{2}{3}", 1.0, "correct"),
+    (r"\boxed{⅔}", r"\frac{3}{2}", 0.0, "wrong answer"),
+    (r"\boxed{3½}", r"\frac{7}{2}", 1.0, "correct"),  # a mixed number
+    (r"\boxed{3½}", "1.5", 0.0, "wrong answer"),  # not 3 * 1/2
+    (r"\boxed{-2¾}", "-2.75", 1.0, "correct"),
+    (r"\boxed{x^½}", r"\sqrt{x}", 1.0, "correct"),
+    (r"\boxed{1⁄4}", "0.25", 1.0, "correct"),  # the fraction slash
+    (r"\boxed{3·4}", "12", 1.0, "correct"),  # the middle dot multiplies
+    (r"\boxed{3·4}", "3.4", 0.0, "wrong answer"),
+    (r"\boxed{x²+1}", "x^2+1", 1.0, "correct"),
+    (r"\boxed{x²+1}", "2x+1", 0.0, "wrong answer"),
+    (r"\boxed{2×10³}", "2000", 1.0, "correct"),
+    (r"\boxed{2×10³}", "60", 0.0, "wrong answer"),
+    (r"\boxed{10⁻²}", "0.01", 1.0, "correct"),
+    (r"\boxed{x¹⁰}", "x^{10}", 1.0, "correct"),
+    (r"\boxed{\log₂ 8}", "3", 1.0, "correct"),
+    (r"\boxed{a₁₀}", "a_{10}", 1.0, "correct"),
+    (r"\boxed{a₁₀}", "a_{1}", 0.0, "wrong answer"),
+    (r"\boxed{(−∞, 2]}", r"(-\infty, 2]", 1.0, "correct"),
+    (r"\boxed{(-\infty, 2]}", "(−∞, 2]", 1.0, "correct"),
+    (r"\boxed{∞}", r"-\infty", 0.0, "wrong answer"),
+    (r"\boxed{(−∞, 2]}", r"(-\infty, 2)", 0.0, "wrong answer"),
+]
+
+# Unicode math-verify reads itself (left to it, pinned here): each right form scores 1, a wrong one 0.
+UNICODE_READ_BY_MATH_VERIFY = [
+    (r"\boxed{3×4}", "12", 1.0, "correct"),
+    (r"\boxed{3×4}", "7", 0.0, "wrong answer"),
+    (r"\boxed{12÷4}", "3", 1.0, "correct"),
+    (r"\boxed{−5}", "-5", 1.0, "correct"),  # U+2212 minus sign
+    (r"\boxed{5}", "−5", 0.0, "wrong answer"),
+    (r"\boxed{2⋅3}", "6", 1.0, "correct"),  # U+22C5 dot operator
+    (r"\boxed{2π}", r"2\pi", 1.0, "correct"),
+    (r"\boxed{2π}", "6.28", 0.0, "wrong answer"),
+    (r"\boxed{x≥3}", r"x\ge 3", 1.0, "correct"),
+    (r"\boxed{x≥3}", r"x\le 3", 0.0, "wrong answer"),
+    (r"\boxed{[1,2]∪[3,4]}", r"[1,2]\cup[3,4]", 1.0, "correct"),
+    (r"\boxed{∅}", r"\emptyset", 1.0, "correct"),
+    (r"\boxed{±2}", r"\pm 2", 1.0, "correct"),
 ]
 
 # (response, gt_answer, score, reason); a well-formed wrong answer earns the 0.1 format score.
@@ -181,6 +234,12 @@ def test_boxed(response, gt, score, reason):
 
 @pytest.mark.parametrize("response,gt,score,reason", NORMALISED_TABLE, ids=_ids(NORMALISED_TABLE))
 def test_normalised_forms(response, gt, score, reason):
+    assert boxed(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
+
+
+@pytest.mark.parametrize("response,gt,score,reason", UNICODE_READ_BY_MATH_VERIFY,
+                         ids=_ids(UNICODE_READ_BY_MATH_VERIFY))
+def test_unicode_read_by_math_verify(response, gt, score, reason):
     assert boxed(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
 
 

@@ -74,12 +74,20 @@ math-verify misreads, each only where the reading is unambiguous:
     ``\\emptyset`` = ``\\{\\}`` but ``\\varnothing`` != ``\\emptyset``).
   - spacing between a digit and ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI
     style; unparsable otherwise).
+  - plain-text Unicode math becomes LaTeX (all unparsable otherwise): ``√12`` =
+    ``\\sqrt{12}`` (the radical covers a whole number or a parenthesised group,
+    as plain text means it: ``√(x+1)`` = ``\\sqrt{x+1}``; anything else is TeX's
+    one-token argument), ``∛8`` = 2; vulgar fractions, a mixed number after an
+    integer (``½`` = 0.5, ``3½`` = 7/2, not 3*1/2); superscript and subscript
+    digits (``x²`` = ``x^2``, ``10⁻³``, ``a₁``); ``·`` is multiplication (as
+    prm800k's grader reads it; ``3·4`` = 12, not 3.4); ``∞`` = ``\\infty``;
+    the fraction slash ``1⁄2`` = ``1/2``.
 math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
-leading zeros (AIME's ``042`` = ``42``). Still not read, as rare in final
+leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``. Still not read, as rare in final
 answers or ambiguous: ``45°C`` (``45*C``), ordinals ``5^{\\text{th}}``,
-``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``, Unicode ``√ ½ ·``.
+``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -226,11 +234,33 @@ _REPEATING_DECIMAL = re.compile(
 _SPACE_BEFORE_PERCENT = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\\%)")
 _TRAILING_PERIOD = re.compile(r"(?<![.\\])\.\s*$")  # one period: "..." is an ellipsis, "\." an accent
 
+# Unicode math that math-verify's LaTeX grammar cannot read (it does read × ÷ − ⋅ ∙ π ≤ ≥ ≠ ∪ ∅ ± ℝ and Greek).
+_UNICODE_SYMBOLS = {
+    "·": r"\cdot ",  # U+00B7: multiplication, as prm800k reads it (the old British decimal point is not LLM output)
+    "∞": r"\infty ",
+    "⁄": "/", "∕": "/",  # fraction slash, division slash: 1⁄2 is a fraction
+}
+_VULGAR_FRACTIONS = {
+    "½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5),
+    "⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅐": (1, 7), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8),
+    "⅑": (1, 9), "⅒": (1, 10), "↉": (0, 3),
+}
+# An integer right before a vulgar fraction makes a mixed number (3½ = 7/2, not 3 * 1/2); a decimal does not.
+_VULGAR_FRACTION = re.compile(rf"(?<![\d.])(?P<whole>\d+)?\s*(?P<frac>[{''.join(_VULGAR_FRACTIONS)}])")
+_SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻", "0123456789+-")
+_SUBSCRIPTS = str.maketrans("₀₁₂₃₄₅₆₇₈₉₊₋", "0123456789+-")
+_SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
+_SUBSCRIPT = re.compile("[₊₋]?[₀₁₂₃₄₅₆₇₈₉]+")
+_RADICALS = {"√": r"\sqrt", "∛": r"\sqrt[3]", "∜": r"\sqrt[4]"}
+_RADICAND_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)")
+
 
 def normalize_answer(text: str) -> str:
     """`text` with the forms math-verify misreads rewritten (see the module docstring), applied to both sides."""
     # A sentence's full stop: math-verify cannot parse "2." nor "(1,2).".
     text = _TRAILING_PERIOD.sub("", text)
+    # Plain-text Unicode math (√2, 3½, x², ∞): math-verify's LaTeX grammar leaves it unparsable.
+    text = _unicode_as_latex(text)
     # Unicode degrees and \varnothing: math-verify knows ^\circ and \emptyset only (\varnothing != \emptyset there).
     text = text.replace("°", "^{\\circ}").replace("\\varnothing", "\\emptyset")
     # "5\,\%" (SI style) is unparsable, "5\%" is 5. Only after a digit, so a long run of spaces is scanned once.
@@ -239,6 +269,62 @@ def normalize_answer(text: str) -> str:
     text = _DIGIT_GROUP_SEPARATOR.sub("", text)
     # math-verify cannot parse 0.\overline{3} and reads 0.1(6) as 0.1*6: write the exact fraction instead.
     return _REPEATING_DECIMAL.sub(_repeating_decimal_as_fraction, text)
+
+
+def _unicode_as_latex(text: str) -> str:
+    """`text` with the Unicode math math-verify cannot read written as LaTeX: √12 -> \\sqrt{12}, x² -> x^2, ..."""
+    if text.isascii():
+        return text
+    for char, latex in _UNICODE_SYMBOLS.items():
+        text = text.replace(char, latex)
+    text = _VULGAR_FRACTION.sub(_vulgar_fraction_as_latex, text)
+    # A single digit stays unbraced: math-verify strips a unit's power only in the form \text{ m}^2.
+    text = _SUPERSCRIPT.sub(lambda m: _script("^", m[0].translate(_SUPERSCRIPTS)), text)
+    text = _SUBSCRIPT.sub(lambda m: _script("_", m[0].translate(_SUBSCRIPTS)), text)
+    return _radicals_as_latex(text)
+
+
+def _script(mark: str, content: str) -> str:
+    return f"{mark}{content}" if len(content) == 1 else f"{mark}{{{content}}}"
+
+
+def _vulgar_fraction_as_latex(match: re.Match) -> str:
+    numerator, denominator = _VULGAR_FRACTIONS[match["frac"]]
+    if match["whole"]:
+        numerator += int(match["whole"]) * denominator
+    latex = f"\\frac{{{numerator}}}{{{denominator}}}"
+    # After ^ or _ a bare \frac is misread (x^\frac{1}{2} parses as 1/2); braces keep it one group.
+    return f"{{{latex}}}" if match.string[:match.start()].rstrip().endswith(("^", "_")) else latex
+
+
+def _radicals_as_latex(text: str) -> str:
+    """√12 -> \\sqrt{12} and √(x+1) -> \\sqrt{x+1}, as plain text means them; otherwise TeX's one-token argument."""
+    out, i = [], 0
+    while (starts := [j for j in (text.find(r, i) for r in _RADICALS) if j >= 0]):
+        j = min(starts)
+        out.append(text[i:j])
+        out.append(_RADICALS[text[j]])
+        i = j + 1
+        # Plain text's radical covers the whole number (√12 is sqrt(12)); TeX's \sqrt12 would be sqrt(1)*2.
+        if number := _RADICAND_NUMBER.match(text, i):
+            out.append(f"{{{number[1]}}}")
+            i = number.end()
+        elif text[i:i + 1] == "(" and (close := _matching_paren(text, i)) is not None:
+            out.append(f"{{{text[i + 1:close]}}}")
+            i = close + 1
+        else:
+            out.append(" ")  # \sqrt x, \sqrt{...}: the next token is the radicand, as in TeX
+    out.append(text[i:])
+    return "".join(out)
+
+
+def _matching_paren(text: str, open_at: int) -> int | None:
+    depth = 0
+    for k in range(open_at, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[k], 0)
+        if depth == 0:
+            return k
+    return None
 
 
 def _repeating_decimal_as_fraction(match: re.Match) -> str:
