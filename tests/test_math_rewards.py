@@ -134,6 +134,26 @@ NORMALISED_TABLE = [
     # the Unicode degree sign (math-verify alone: unparsable)
     (r"\boxed{45°}", "45", 1.0, "correct"),
     (r"\boxed{45°}", r"90^\circ", 0.0, "wrong answer"),
+    # a temperature scale after a degree mark (math-verify alone: 45^\circ C is 45*C, 45°C unparsable)
+    (r"\boxed{45°C}", "45", 1.0, "correct"),
+    (r"\boxed{45°C}", "50", 0.0, "wrong answer"),
+    (r"\boxed{45^\circ C}", "45", 1.0, "correct"),
+    (r"\boxed{45^\circ C}", r"45^\circ", 1.0, "correct"),
+    (r"\boxed{-5 ℃}", "-5", 1.0, "correct"),  # the one-character Celsius sign
+    (r"\boxed{-5 ℃}", "5", 0.0, "wrong answer"),
+    (r"\boxed{98.6^{\circ}F}", "98.6", 1.0, "correct"),
+    (r"\boxed{98.6^{\circ}F}", "98", 0.0, "wrong answer"),
+    (r"\boxed{45\degree C}", "45", 1.0, "correct"),  # gensymb's \degree (math-verify alone: unparsable)
+    (r"\boxed{45\degree}", "45", 1.0, "correct"),
+    (r"\boxed{45\degree}", "54", 0.0, "wrong answer"),
+    (r"\boxed{(20°C, 25°C)}", "(20, 25)", 1.0, "correct"),  # not only at the end
+    (r"\boxed{(20°C, 25°C)}", "(20, 30)", 0.0, "wrong answer"),
+    (r"\boxed{45}", "45°C", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{40}", r"45^\circ\mathrm{C}", 0.0, "wrong answer"),
+    (r"\boxed{45^\circ Cx}", "45", 0.0, "wrong answer"),  # a word or a symbol, not a scale: left alone
+    (r"\boxed{45^\circ C_1}", "45", 0.0, "wrong answer"),
+    (r"\boxed{273 K}", "273", 0.0, "wrong answer"),  # no degree mark: K is a variable
+    (r"\boxed{45°N}", "45", 0.0, "wrong answer"),  # a bearing's N, E, S, W is not dropped
     # \varnothing (math-verify alone: not equal to \emptyset)
     (r"\boxed{\varnothing}", r"\emptyset", 1.0, "correct"),
     (r"\boxed{\emptyset}", r"\varnothing", 1.0, "correct"),

@@ -69,9 +69,17 @@ math-verify misreads, each only where the reading is unambiguous:
     neither is a plausible final answer to a math problem.
   - one trailing full stop is dropped (``2.`` and ``(1,2).`` are unparsable
     otherwise); ``...`` is an ellipsis and stays.
-  - the Unicode degree sign becomes ``^{\\circ}`` (``45°`` = ``45``), and
-    ``\\varnothing`` becomes ``\\emptyset`` (math-verify alone has
-    ``\\emptyset`` = ``\\{\\}`` but ``\\varnothing`` != ``\\emptyset``).
+  - the Unicode degree sign and gensymb's ``\\degree`` become ``^{\\circ}``
+    (``45°`` = ``45``; unparsable otherwise), and ``\\varnothing`` becomes
+    ``\\emptyset`` (math-verify alone has ``\\emptyset`` = ``\\{\\}`` but
+    ``\\varnothing`` != ``\\emptyset``).
+  - a temperature scale right after a degree mark is dropped, as math-verify
+    drops other units: ``45°C`` = ``45^\\circ C`` = ``45 ℃`` = ``98.6^\\circ F``
+    = the number (otherwise unparsable, or ``45*C``). Only ``C``, ``F``, ``K``
+    (bare or in ``\\text{}``) after a degree mark, not going on as a word or a
+    symbol (``45^\\circ Cx``, ``C_1``, ``C =``): a bare ``C`` or ``K`` is a
+    constant or a variable (``273 K`` stays ``273*K``), and a bearing's
+    ``45°N`` keeps its direction.
   - spacing between a digit and ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI
     style; unparsable otherwise).
   - plain-text Unicode math becomes LaTeX (all unparsable otherwise): ``√12`` =
@@ -86,7 +94,7 @@ math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
 leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``. Still not read, as rare in final
-answers or ambiguous: ``45°C`` (``45*C``), ordinals ``5^{\\text{th}}``,
+answers or ambiguous: ordinals ``5^{\\text{th}}``,
 ``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
@@ -254,6 +262,15 @@ _SUBSCRIPT = re.compile("[₊₋]?[₀₁₂₃₄₅₆₇₈₉]+")
 _RADICALS = {"√": r"\sqrt", "∛": r"\sqrt[3]", "∜": r"\sqrt[4]"}
 _RADICAND_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)")
 
+# A degree mark: ^\circ, ^{\circ} (what ° becomes), or the gensymb/textcomp commands \degree, \textdegree.
+_DEGREE_COMMAND = re.compile(r"\\(?:text)?degree(?![a-zA-Z])")
+_DEGREE = r"\^\s*(?:\\circ(?![a-zA-Z])|\{\s*\\circ\s*\})"
+# A temperature scale right after a degree mark: a bare C F K, or one in \text{} and the like. Not a letter that
+# goes on as a word or a symbol (45^\circ Cx, 45^\circ C', C_1, C^2), nor the left side of an equation (C = ...).
+_TEMPERATURE_SCALE = re.compile(
+    rf"(?P<degree>{_DEGREE})(?:\s|\\[,:;! ]|~|\{{\}})*"
+    r"(?:\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*[CFK]\s*\}|[CFK](?![\w'^_]))(?!\s*=)")
+
 
 def normalize_answer(text: str) -> str:
     """`text` with the forms math-verify misreads rewritten (see the module docstring), applied to both sides."""
@@ -262,7 +279,12 @@ def normalize_answer(text: str) -> str:
     # Plain-text Unicode math (√2, 3½, x², ∞): math-verify's LaTeX grammar leaves it unparsable.
     text = _unicode_as_latex(text)
     # Unicode degrees and \varnothing: math-verify knows ^\circ and \emptyset only (\varnothing != \emptyset there).
+    text = text.replace("℃", "°C").replace("℉", "°F")  # the one-character Celsius and Fahrenheit signs
     text = text.replace("°", "^{\\circ}").replace("\\varnothing", "\\emptyset")
+    text = _DEGREE_COMMAND.sub(lambda m: "^{\\circ}", text)
+    # A temperature is its number, like other units: 45^\circ C is otherwise 45*C (math-verify drops only
+    # \text{C}, and only at the very end). Only after a degree mark: a bare C or K is a constant or a variable.
+    text = _TEMPERATURE_SCALE.sub(r"\g<degree>", text)
     # "5\,\%" (SI style) is unparsable, "5\%" is 5. Only after a digit, so a long run of spaces is scanned once.
     text = _SPACE_BEFORE_PERCENT.sub("", text)
     # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
