@@ -161,6 +161,31 @@ NORMALISED_TABLE = [
     # spacing before \% (math-verify alone: unparsable)
     (r"\boxed{5\,\%}", "5", 1.0, "correct"),
     (r"\boxed{5\,\%}", "50", 0.0, "wrong answer"),
+    # ordinals (math-verify alone: 5^{\text{th}} unparsable, 5^{th} = 5^(t*h), 2nd = 2*n*d)
+    (r"\boxed{5^{\text{th}}}", "5", 1.0, "correct"),
+    (r"\boxed{5^{\text{th}}}", "6", 0.0, "wrong answer"),
+    (r"\boxed{21^\text{st}}", "21", 1.0, "correct"),
+    (r"\boxed{21^\text{st}}", "1", 0.0, "wrong answer"),
+    (r"\boxed{3^{\rm rd}}", "3", 1.0, "correct"),
+    (r"\boxed{12^{\mathrm{th}}}", "12", 1.0, "correct"),
+    (r"\boxed{5^{th}}", "5", 1.0, "correct"),
+    (r"\boxed{5^{th}}", "1", 0.0, "wrong answer"),  # was 5^(t*h)
+    (r"\boxed{4\textsuperscript{th}}", "4", 1.0, "correct"),
+    (r"\boxed{2nd}", "2", 1.0, "correct"),
+    (r"\boxed{2nd}", "3", 0.0, "wrong answer"),
+    (r"\boxed{22nd}", "22", 1.0, "correct"),
+    (r"\boxed{\text{101st}}", "101", 1.0, "correct"),
+    (r"\boxed{\text{101st}}", "11", 0.0, "wrong answer"),
+    (r"\boxed{(1^{\text{st}}, 3^{\text{rd}})}", "(1, 3)", 1.0, "correct"),
+    (r"\boxed{(1^{\text{st}}, 3^{\text{rd}})}", "(1, 2)", 0.0, "wrong answer"),
+    (r"\boxed{7}", r"7^{\text{th}}", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{8}", r"7^{\text{th}}", 0.0, "wrong answer"),
+    (r"\boxed{12nd}", "12", 0.0, "wrong answer"),  # not 12's suffix: left alone (12*n*d)
+    (r"\boxed{21^{\text{th}}}", "21", 0.0, "unparsable"),
+    (r"\boxed{2a+2nd}", "2a", 0.0, "wrong answer"),  # a bare suffix inside an expression is a product
+    (r"\boxed{2a+2nd}", "2nd+2a", 1.0, "correct"),
+    (r"\boxed{2.5^{th}}", "2.5", 0.0, "wrong answer"),  # a decimal has no ordinal
+    (r"\boxed{n^{th}}", "n", 0.0, "wrong answer"),  # nor a letter
     # plain-text Unicode math (math-verify alone: unparsable)
     (r"\boxed{√12}", r"2\sqrt{3}", 1.0, "correct"),  # the radical covers the whole number, not \sqrt{1}2
     (r"\boxed{√12}", "2", 0.0, "wrong answer"),

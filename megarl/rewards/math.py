@@ -80,6 +80,13 @@ math-verify misreads, each only where the reading is unambiguous:
     symbol (``45^\\circ Cx``, ``C_1``, ``C =``): a bare ``C`` or ``K`` is a
     constant or a variable (``273 K`` stays ``273*K``), and a bearing's
     ``45°N`` keeps its direction.
+  - an ordinal is its number: ``5^{\\text{th}}`` = ``5^\\text{th}`` = ``5^{\\rm th}``
+    = ``5^{th}`` = ``5\\textsuperscript{th}`` = ``22nd`` = ``\\text{5th}`` = the
+    number (otherwise unparsable, ``5^(t*h)`` or ``2*n*d``), only where the
+    suffix is the one English gives that integer (``12th``, not ``12nd``, which
+    stays a product). A bare suffix (``2nd``) only as the whole answer: inside an
+    expression, ``2a+2nd`` is a sum of products. Cost: a whole answer ``2nd``
+    or a power ``2^{nd}`` meant as ``2*n*d`` or ``2^(n*d)`` reads as 2.
   - spacing between a digit and ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI
     style; unparsable otherwise).
   - plain-text Unicode math becomes LaTeX (all unparsable otherwise): ``√12`` =
@@ -94,8 +101,7 @@ math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
 leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``. Still not read, as rare in final
-answers or ambiguous: ordinals ``5^{\\text{th}}``,
-``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``.
+answers or ambiguous: ``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -239,6 +245,26 @@ _REPEATING_DECIMAL = re.compile(
     r"|\((?P<paren>\d+)\)"
     r"|\\dot\s*\{?(?P<dot>\d)\}?(?:(?P<mid>\d*)\\dot\s*\{?(?P<last>\d)\}?)?)")
 
+# An ordinal's suffix on an integer, in a superscript or \text{}: 5^{\text{th}}, 5^\text{th}, 5^{\rm th},
+# 5^{th}, 5\textsuperscript{th}, 5\text{th}. Each form has its own group for the suffix (one name per group).
+_SUFFIX = "st|nd|rd|th"
+
+
+def _in_text(group: str) -> str:
+    return rf"\\(?:text|textrm|textnormal|textup|mathrm|mbox)\s*\{{\s*(?P<{group}>{_SUFFIX})\s*\}}"
+
+
+_ORDINAL = re.compile(
+    r"(?<![\w.])(?P<number>\d+)\s*(?:"
+    rf"\^\s*\{{\s*(?:{_in_text('s1')}|\\rm\s*(?P<s2>{_SUFFIX})|(?P<s3>{_SUFFIX}))\s*\}}"
+    rf"|\^\s*{_in_text('s4')}"
+    rf"|\\textsuperscript\s*\{{\s*(?P<s5>{_SUFFIX})\s*\}}"
+    rf"|{_in_text('s6')})")
+# A bare suffix (5th, 22nd) only as the whole answer, or the whole of a \text{}: inside an expression 2nd
+# can be the product 2*n*d.
+_WHOLE_ORDINAL = re.compile(
+    rf"\s*(?:(?P<number>\d+)(?P<s1>{_SUFFIX})|\\(?:text|textrm|mathrm|mbox)\s*\{{\s*(?P<n2>\d+)(?P<s2>{_SUFFIX})\s*\}})\s*")
+
 _SPACE_BEFORE_PERCENT = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\\%)")
 _TRAILING_PERIOD = re.compile(r"(?<![.\\])\.\s*$")  # one period: "..." is an ellipsis, "\." an accent
 
@@ -285,12 +311,30 @@ def normalize_answer(text: str) -> str:
     # A temperature is its number, like other units: 45^\circ C is otherwise 45*C (math-verify drops only
     # \text{C}, and only at the very end). Only after a degree mark: a bare C or K is a constant or a variable.
     text = _TEMPERATURE_SCALE.sub(r"\g<degree>", text)
+    # An ordinal answers with its number: 5^{\text{th}} is unparsable, 5^{th} is 5^(t*h), 2nd is 2*n*d.
+    text = _ORDINAL.sub(_ordinal_as_number, text)
+    if whole := _WHOLE_ORDINAL.fullmatch(text):
+        text = _ordinal_as_number(whole)
     # "5\,\%" (SI style) is unparsable, "5\%" is 5. Only after a digit, so a long run of spaces is scanned once.
     text = _SPACE_BEFORE_PERCENT.sub("", text)
     # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
     text = _DIGIT_GROUP_SEPARATOR.sub("", text)
     # math-verify cannot parse 0.\overline{3} and reads 0.1(6) as 0.1*6: write the exact fraction instead.
     return _REPEATING_DECIMAL.sub(_repeating_decimal_as_fraction, text)
+
+
+def _ordinal_as_number(match: re.Match) -> str:
+    """The number, if the suffix is the one English gives it (1st, 12th, 22nd): anything else is left as it is."""
+    groups = match.groupdict()
+    number = groups.get("number") or groups["n2"]
+    suffix = next(groups[g] for g in groups if g[0] == "s" and groups[g])
+    return number if suffix == _ordinal_suffix(int(number)) else match[0]
+
+
+def _ordinal_suffix(n: int) -> str:
+    if n % 100 in (11, 12, 13):
+        return "th"
+    return {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
 def _unicode_as_latex(text: str) -> str:
