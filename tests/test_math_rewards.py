@@ -107,6 +107,23 @@ NORMALISED_TABLE = [
     (r"\boxed{12\,34}", "1234", 0.0, "wrong answer"),  # not a group of three: left as it is (12*34)
     (r"\boxed{2\,x}", "2x", 1.0, "correct"),  # spacing before a letter is left alone
     (r"\boxed{2\,x}", "2", 0.0, "wrong answer"),
+    # a thin space after thousands commas (math-verify alone: 1,\,000 is the set {1, 0})
+    (r"\boxed{1,\,000}", "1000", 1.0, "correct"),
+    (r"\boxed{1,\,000}", "1", 0.0, "wrong answer"),
+    (r"\boxed{1,\,000}", r"\{0, 1\}", 0.0, "wrong answer"),  # scored 1 before
+    (r"\boxed{12,\thinspace 345,\,678.9}", "12345678.9", 1.0, "correct"),
+    (r"\boxed{12,\thinspace 345,\,678.9}", "12345678", 0.0, "wrong answer"),
+    (r"\boxed{-\$1,\,000}", "-1000", 1.0, "correct"),
+    (r"\boxed{1000000}", r"1,\,000,\,000", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{1000}", r"1,\,000,\,000", 0.0, "wrong answer"),
+    (r"\boxed{(1,\,2)}", "(1,2)", 1.0, "correct"),  # a tuple's spacing stays a tuple
+    (r"\boxed{(1,\,2)}", "12", 0.0, "wrong answer"),
+    (r"\boxed{(1,\,000)}", "(1,0)", 1.0, "correct"),  # in brackets a pair, as math-verify reads (1,000)
+    (r"\boxed{(1,\,000)}", "1000", 0.0, "wrong answer"),
+    (r"\boxed{1,\,2345}", "12345", 0.0, "wrong answer"),  # not a group of three: a list
+    (r"\boxed{0,\,100}", r"\{0, 100\}", 1.0, "correct"),  # no thousands start with 0: a list, not 0.1
+    (r"\boxed{0,\,100}", "0.1", 0.0, "wrong answer"),
+    (r"\boxed{1, 000}", "1000", 0.0, "wrong answer"),  # a plain space after a comma separates, as in math-verify
     # repeating decimals, graded as the exact fraction (math-verify alone: unparsable, or 0.1(6) = 0.1*6)
     (r"\boxed{0.\overline{3}}", r"\frac{1}{3}", 1.0, "correct"),
     (r"\boxed{0.\overline{3}}", "0.3", 0.0, "wrong answer"),

@@ -59,6 +59,16 @@ math-verify misreads, each only where the reading is unambiguous:
     digits after a space can only be thousands; anything else is left alone:
     ``2\\,x`` stays ``2x``, ``12\\,34`` stays ``12*34``, and a shorter last group
     of decimals (``3.141\\,59``) is not joined.
+  - a thin space (``\\,``, ``\\thinspace``) after each comma of a thousands-grouped
+    number (lead group 1-9 then up to two digits, then groups of exactly three) is
+    dropped, leaving math-verify's own reading of ``1,000``: ``1,\\,000`` =
+    ``1000`` as the whole answer (a set ``{1, 0}`` otherwise), while
+    ``(1,\\,000)`` stays a pair, as ``(1,000)`` is. A tuple's spacing is kept
+    where it cannot be thousands: ``(1,\\,2)``, ``1,\\,2345``, ``0,\\,100``
+    (math-verify reads ``0,100`` as the decimal 0.1). A plain space after a
+    comma (``1, 000``) stays a list separator, as math-verify has it. Cost:
+    a whole answer listing three-digit numbers with thin spaces
+    (``153,\\,370``) reads as one number, as ``153,370`` already does.
   - repeating decimals become the exact fraction: ``0.\\overline{3}`` =
     ``0.\\bar 3`` = ``0.(3)`` = ``1/3``, ``1.2\\overline{45}`` = ``137/110``,
     ``0.1\\dot{6}`` = ``1/6``, ``0.\\dot{1}4\\dot{2}`` = ``142/999`` (UK dots mark the
@@ -101,7 +111,7 @@ math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
 leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``. Still not read, as rare in final
-answers or ambiguous: ``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``.
+answers or ambiguous: ``\\text{infinity}``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -237,6 +247,11 @@ _SPACING = r"(?:\\[,:;>! ]|~|\{,\}|\\thinspace(?![a-zA-Z]))"
 # A run of them and of plain spaces (TeX ignores those in math mode), between a digit and exactly three digits.
 _DIGIT_GROUP_SEPARATOR = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\d{{3}}(?!\d))")
 
+# A number with a thin space after each thousands comma: 1,\,000 or 12,\,345,\,678.9. The lead group has no
+# leading zero: math-verify reads 0,100 as the decimal 0.100, so 0,\,100 stays the list it looks like.
+_THIN_SPACE = r"(?:\s*(?:\\,|\\thinspace(?![a-zA-Z])))+\s*"
+_THIN_SPACED_THOUSANDS = re.compile(rf"(?<![\w.])[1-9]\d{{0,2}}(?:,{_THIN_SPACE}\d{{3}})+(?!\d)")
+
 # A decimal (not inside a longer word or number) whose digits end in a marked repetend:
 # 0.1\overline{6}, 0.1\bar 6, 0.1(6), 0.1\dot{6}, or 0.\dot{1}4\dot{2} (dots over its first and last digits).
 _REPEATING_DECIMAL = re.compile(
@@ -317,6 +332,11 @@ def normalize_answer(text: str) -> str:
         text = _ordinal_as_number(whole)
     # "5\,\%" (SI style) is unparsable, "5\%" is 5. Only after a digit, so a long run of spaces is scanned once.
     text = _SPACE_BEFORE_PERCENT.sub("", text)
+    # 1,\,000 is a set {1, 0} to math-verify, which reads 1,000 as a number only when it is the whole answer and
+    # as a tuple's members inside brackets. Dropping the thin space leaves that call to math-verify: 1,\,000 is
+    # 1000 and (1,\,000) stays a pair, as (1,000) is; a thin space after a comma before fewer or more than three
+    # digits ((1,\,2), 1,\,2345) is a list's spacing and is kept.
+    text = _THIN_SPACED_THOUSANDS.sub(lambda m: re.sub(_THIN_SPACE, "", m[0]), text)
     # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
     text = _DIGIT_GROUP_SEPARATOR.sub("", text)
     # math-verify cannot parse 0.\overline{3} and reads 0.1(6) as 0.1*6: write the exact fraction instead.
