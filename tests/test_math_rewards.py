@@ -203,6 +203,26 @@ NORMALISED_TABLE = [
     (r"\boxed{2a+2nd}", "2nd+2a", 1.0, "correct"),
     (r"\boxed{2.5^{th}}", "2.5", 0.0, "wrong answer"),  # a decimal has no ordinal
     (r"\boxed{n^{th}}", "n", 0.0, "wrong answer"),  # nor a letter
+    # infinity in words or in \text{} (math-verify alone: the symbol "infty", a product of letters, or unparsable)
+    (r"\boxed{\text{infinity}}", r"\infty", 1.0, "correct"),
+    (r"\boxed{\text{infinity}}", r"-\infty", 0.0, "wrong answer"),
+    (r"\boxed{\text{Infinity}}", r"\infty", 1.0, "correct"),
+    (r"\boxed{\mathrm{\infty}}", r"\infty", 1.0, "correct"),
+    (r"\boxed{-\text{infinity}}", r"-\infty", 1.0, "correct"),  # unparsable before
+    (r"\boxed{-\text{infinity}}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{\text{-infinity}}", r"-\infty", 1.0, "correct"),
+    (r"\boxed{\text{negative infinity}}", r"-\infty", 1.0, "correct"),
+    (r"\boxed{\text{negative infinity}}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{Infinity}", r"\infty", 1.0, "correct"),
+    (r"\boxed{-Infinity}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{\infin}", r"\infty", 1.0, "correct"),  # KaTeX's alias
+    (r"\boxed{(-\text{infinity}, 2)}", r"(-\infty, 2)", 1.0, "correct"),
+    (r"\boxed{(-\text{infinity}, 2)}", r"(-\infty, 2]", 0.0, "wrong answer"),
+    (r"\boxed{\infty}", r"\text{infinity}", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{-\infty}", r"\text{infinity}", 0.0, "wrong answer"),
+    (r"\boxed{\text{infinitely many}}", r"\infty", 0.0, "wrong answer"),  # a count in words: not read
+    (r"\boxed{\text{inf}}", r"\infty", 0.0, "wrong answer"),  # inf may be the infimum: not read
+    (r"\boxed{Infinityx}", r"\infty", 0.0, "wrong answer"),  # a longer word
     # plain-text Unicode math (math-verify alone: unparsable)
     (r"\boxed{√12}", r"2\sqrt{3}", 1.0, "correct"),  # the radical covers the whole number, not \sqrt{1}2
     (r"\boxed{√12}", "2", 0.0, "wrong answer"),

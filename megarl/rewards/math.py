@@ -79,6 +79,12 @@ math-verify misreads, each only where the reading is unambiguous:
     neither is a plausible final answer to a math problem.
   - one trailing full stop is dropped (``2.`` and ``(1,2).`` are unparsable
     otherwise); ``...`` is an ellipsis and stays.
+  - infinity spelt out is ``\\infty``: ``\\text{infinity}`` (math-verify alone: the
+    symbol "infty"), ``\\text{Infinity}``, ``\\mathrm{\\infty}``, ``-\\text{infinity}``
+    (unparsable alone), ``\\text{-infinity}``, ``\\text{negative infinity}``, a
+    bare ``Infinity`` (a product of letters alone), KaTeX's ``\\infin``. The
+    whole ``\\text{}`` must be the (signed) word, and a bare word must stand
+    alone (``Infinityx`` is left as it is).
   - the Unicode degree sign and gensymb's ``\\degree`` become ``^{\\circ}``
     (``45°`` = ``45``; unparsable otherwise), and ``\\varnothing`` becomes
     ``\\emptyset`` (math-verify alone has ``\\emptyset`` = ``\\{\\}`` but
@@ -111,7 +117,15 @@ math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
 leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``. Still not read, as rare in final
-answers or ambiguous: ``\\text{infinity}``.
+answers or ambiguous: ``\\text{inf}`` and ``\\inf`` (the infimum's name in LaTeX);
+``\\text{infinitely many}``, ``\\text{infinite}`` (a count in words; datasets
+write it as ``\\infty`` or in words, so equating them is the ground truth's
+call); a temperature scale with no degree mark (``273 K``: K is a variable);
+a bearing's letter (``45°N``); an ordinal whose suffix is not its number's
+(``21^{\\text{th}}``) or a bare suffix inside an expression (``2a+2nd``);
+``1, 000`` with a plain space (math-verify's list separator); the en dash
+``2–3`` (a range more often than a minus); other Unicode that only NFKC
+folds (full-width digits): NFKC would also turn ``x²`` into ``x2``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -303,6 +317,14 @@ _SUBSCRIPT = re.compile("[₊₋]?[₀₁₂₃₄₅₆₇₈₉]+")
 _RADICALS = {"√": r"\sqrt", "∛": r"\sqrt[3]", "∜": r"\sqrt[4]"}
 _RADICAND_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)")
 
+# Infinity in words or in \text{} (math-verify reads \text{infinity} as the symbol "infty", Infinity as a product
+# of letters): \text{infinity}, \mathrm{\infty}, \text{-infinity}, \text{negative infinity}, \infin (KaTeX).
+_INFINITY_WORD = r"(?:infinity|infty|\\infty(?![a-zA-Z]))"
+_INFINITY_IN_TEXT = re.compile(
+    r"\\(?:text|textrm|textnormal|textup|mathrm|mbox)\s*\{\s*"
+    rf"(?:(?P<sign>[+-])\s*|(?P<word>positive|negative|plus|minus)\s+)?{_INFINITY_WORD}\s*\}}", re.IGNORECASE)
+_INFINITY_BARE = re.compile(r"(?<![a-zA-Z\\])infinity(?![a-zA-Z])|\\infin(?![a-zA-Z])", re.IGNORECASE)
+
 # A degree mark: ^\circ, ^{\circ} (what ° becomes), or the gensymb/textcomp commands \degree, \textdegree.
 _DEGREE_COMMAND = re.compile(r"\\(?:text)?degree(?![a-zA-Z])")
 _DEGREE = r"\^\s*(?:\\circ(?![a-zA-Z])|\{\s*\\circ\s*\})"
@@ -319,6 +341,9 @@ def normalize_answer(text: str) -> str:
     text = _TRAILING_PERIOD.sub("", text)
     # Plain-text Unicode math (√2, 3½, x², ∞): math-verify's LaTeX grammar leaves it unparsable.
     text = _unicode_as_latex(text)
+    # Infinity spelt out, or in \text{}: math-verify reads only \infty (and a lower-case bare "infinity").
+    text = _INFINITY_IN_TEXT.sub(_infinity_as_latex, text)
+    text = _INFINITY_BARE.sub(lambda m: "\\infty ", text)
     # Unicode degrees and \varnothing: math-verify knows ^\circ and \emptyset only (\varnothing != \emptyset there).
     text = text.replace("℃", "°C").replace("℉", "°F")  # the one-character Celsius and Fahrenheit signs
     text = text.replace("°", "^{\\circ}").replace("\\varnothing", "\\emptyset")
@@ -341,6 +366,11 @@ def normalize_answer(text: str) -> str:
     text = _DIGIT_GROUP_SEPARATOR.sub("", text)
     # math-verify cannot parse 0.\overline{3} and reads 0.1(6) as 0.1*6: write the exact fraction instead.
     return _REPEATING_DECIMAL.sub(_repeating_decimal_as_fraction, text)
+
+
+def _infinity_as_latex(match: re.Match) -> str:
+    negative = match["sign"] == "-" or (match["word"] or "").lower() in ("negative", "minus")
+    return "-\\infty " if negative else "\\infty "
 
 
 def _ordinal_as_number(match: re.Match) -> str:
