@@ -309,12 +309,14 @@ _VULGAR_FRACTIONS = {
     "⅑": (1, 9), "⅒": (1, 10), "↉": (0, 3),
 }
 # An integer right before a vulgar fraction makes a mixed number (3½ = 7/2, not 3 * 1/2); a decimal does not.
-_VULGAR_FRACTION = re.compile(rf"(?<![\d.])(?P<whole>\d+)?\s*(?P<frac>[{''.join(_VULGAR_FRACTIONS)}])")
+# The spaces belong to the integer, so a long run of spaces is not rescanned from each of its positions.
+_VULGAR_FRACTION = re.compile(rf"(?<![\d.])(?:(?P<whole>\d+)\s*)?(?P<frac>[{''.join(_VULGAR_FRACTIONS)}])")
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻", "0123456789+-")
 _SUBSCRIPTS = str.maketrans("₀₁₂₃₄₅₆₇₈₉₊₋", "0123456789+-")
 _SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _SUBSCRIPT = re.compile("[₊₋]?[₀₁₂₃₄₅₆₇₈₉]+")
 _RADICALS = {"√": r"\sqrt", "∛": r"\sqrt[3]", "∜": r"\sqrt[4]"}
+_RADICAL_OR_CLOSE = re.compile("[√∛∜)]")
 _RADICAND_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)")
 
 # Infinity in words or in \text{} (math-verify reads \text{infinity} as the symbol "infty", Infinity as a product
@@ -410,37 +412,46 @@ def _vulgar_fraction_as_latex(match: re.Match) -> str:
         numerator += int(match["whole"]) * denominator
     latex = f"\\frac{{{numerator}}}{{{denominator}}}"
     # After ^ or _ a bare \frac is misread (x^\frac{1}{2} parses as 1/2); braces keep it one group.
-    return f"{{{latex}}}" if match.string[:match.start()].rstrip().endswith(("^", "_")) else latex
+    return f"{{{latex}}}" if match.string[match.start() - 1:match.start()] in ("^", "_") else latex
 
 
 def _radicals_as_latex(text: str) -> str:
     """√12 -> \\sqrt{12} and √(x+1) -> \\sqrt{x+1}, as plain text means them; otherwise TeX's one-token argument."""
-    out, i = [], 0
-    while (starts := [j for j in (text.find(r, i) for r in _RADICALS) if j >= 0]):
-        j = min(starts)
+    if not any(radical in text for radical in _RADICALS):
+        return text
+    matching = _matching_parens(text)
+    out, braced_closes, i = [], set(), 0
+    for match in _RADICAL_OR_CLOSE.finditer(text):  # one pass, so nested or unclosed radicals stay linear
+        j = match.start()
         out.append(text[i:j])
-        out.append(_RADICALS[text[j]])
         i = j + 1
-        # Plain text's radical covers the whole number (√12 is sqrt(12)); TeX's \sqrt12 would be sqrt(1)*2.
-        if number := _RADICAND_NUMBER.match(text, i):
-            out.append(f"{{{number[1]}}}")
-            i = number.end()
-        elif text[i:i + 1] == "(" and (close := _matching_paren(text, i)) is not None:
-            out.append(f"{{{text[i + 1:close]}}}")
-            i = close + 1
+        if text[j] == ")":
+            out.append("}" if j in braced_closes else ")")
         else:
-            out.append(" ")  # \sqrt x, \sqrt{...}: the next token is the radicand, as in TeX
+            out.append(_RADICALS[text[j]])
+            # Plain text's radical covers the whole number (√12 is sqrt(12)); TeX's \sqrt12 would be sqrt(1)*2.
+            if number := _RADICAND_NUMBER.match(text, i):
+                out.append(f"{{{number[1]}}}")
+                i = number.end()
+            elif i in matching:
+                out.append("{")
+                braced_closes.add(matching[i])
+                i += 1
+            else:
+                out.append(" ")  # \sqrt x, \sqrt{...}: the next token is the radicand, as in TeX
     out.append(text[i:])
     return "".join(out)
 
 
-def _matching_paren(text: str, open_at: int) -> int | None:
-    depth = 0
-    for k in range(open_at, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[k], 0)
-        if depth == 0:
-            return k
-    return None
+def _matching_parens(text: str) -> dict[int, int]:
+    """The index of each "(" that is closed, mapped to its ")"."""
+    matching, open_at = {}, []
+    for k, char in enumerate(text):
+        if char == "(":
+            open_at.append(k)
+        elif char == ")" and open_at:
+            matching[open_at.pop()] = k
+    return matching
 
 
 def _repeating_decimal_as_fraction(match: re.Match) -> str:
