@@ -231,6 +231,8 @@ NORMALISED_TABLE = [
     (r"\boxed{√(x+1)}", r"\sqrt{x+1}", 1.0, "correct"),
     (r"\boxed{√(x+1)}", r"\sqrt{x}+1", 0.0, "wrong answer"),
     (r"\boxed{√3/2}", r"\frac{\sqrt{3}}{2}", 1.0, "correct"),
+    (r"\boxed{√(2+√4)}", "2", 1.0, "correct"),  # nested
+    (r"\boxed{√(2+√4)}", r"\sqrt{2}+2", 0.0, "wrong answer"),
     (r"\boxed{∛8}", "2", 1.0, "correct"),
     (r"\boxed{∛8}", r"\sqrt{8}", 0.0, "wrong answer"),
     (r"\boxed{\sqrt{2}}", "√2", 1.0, "correct"),  # a Unicode ground truth

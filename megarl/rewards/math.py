@@ -51,34 +51,18 @@ words parse as products of single-letter symbols, so ``five`` != ``5`` while
 
 Normalisation (`normalize_answer`, applied to both the answer and the ground
 truth inside `_judge`, so both judge paths below apply it): rewrites forms that
-math-verify misreads, each only where the reading is unambiguous:
-  - digit-group spacing: a run of ``\\,`` ``\\:`` ``\\;`` ``\\>`` ``\\!`` ``\\ `` ``~``
-    ``{,}`` ``\\thinspace`` or plain spaces between a digit and exactly three
-    digits (not followed by a fourth) is dropped: ``1\\,000\\,000`` = ``1000000``
-    (math-verify alone reads ``1\\,000`` as ``1*000`` = 0). A group of three
-    digits after a space can only be thousands; anything else is left alone:
-    ``2\\,x`` stays ``2x``, ``12\\,34`` stays ``12*34``, and a shorter last group
-    of decimals (``3.141\\,59``) is not joined.
-  - a thin space (``\\,``, ``\\thinspace``) after each comma of a thousands-grouped
-    number (lead group 1-9 then up to two digits, then groups of exactly three) is
-    dropped, leaving math-verify's own reading of ``1,000``: ``1,\\,000`` =
-    ``1000`` as the whole answer (a set ``{1, 0}`` otherwise), while
-    ``(1,\\,000)`` stays a pair, as ``(1,000)`` is. A tuple's spacing is kept
-    where it cannot be thousands: ``(1,\\,2)``, ``1,\\,2345``, ``0,\\,100``
-    (math-verify reads ``0,100`` as the decimal 0.1). A plain space after a
-    comma (``1, 000``) stays a list separator, as math-verify has it. Cost:
-    a whole answer listing three-digit numbers with thin spaces
-    (``153,\\,370``) reads as one number, as ``153,370`` already does.
-  - repeating decimals become the exact fraction: ``0.\\overline{3}`` =
-    ``0.\\bar 3`` = ``0.(3)`` = ``1/3``, ``1.2\\overline{45}`` = ``137/110``,
-    ``0.1\\dot{6}`` = ``1/6``, ``0.\\dot{1}4\\dot{2}`` = ``142/999`` (UK dots mark the
-    repetend's first and last digits). Only right after a decimal point and its
-    digits, with no space: ``(0.5,(3))`` stays a tuple and ``\\overline{12}`` (a
-    digit string, or a segment) is untouched. ``0.1(6)`` is thus never the
-    product ``0.1*6`` nor physics' uncertainty notation (``1.23(4)`` = 1.23 +- 0.04);
-    neither is a plausible final answer to a math problem.
+math-verify misreads, each only where one reading is the plain one (the few
+costs are named), in this order:
   - one trailing full stop is dropped (``2.`` and ``(1,2).`` are unparsable
     otherwise); ``...`` is an ellipsis and stays.
+  - plain-text Unicode math becomes LaTeX (all unparsable otherwise): ``√12`` =
+    ``\\sqrt{12}`` (the radical covers a whole number or a parenthesised group,
+    as plain text means it: ``√(x+1)`` = ``\\sqrt{x+1}``; anything else is TeX's
+    one-token argument), ``∛8`` = 2; vulgar fractions, a mixed number after an
+    integer (``½`` = 0.5, ``3½`` = 7/2, not 3*1/2); superscript and subscript
+    digits (``x²`` = ``x^2``, ``10⁻³``, ``a₁``); ``·`` is multiplication (as
+    prm800k's grader reads it; ``3·4`` = 12, not 3.4); ``∞`` = ``\\infty``;
+    the fraction slash ``1⁄2`` = ``1/2``.
   - infinity spelt out is ``\\infty``: ``\\text{infinity}`` (math-verify alone: the
     symbol "infty"), ``\\text{Infinity}``, ``\\mathrm{\\infty}``, ``-\\text{infinity}``
     (unparsable alone), ``\\text{-infinity}``, ``\\text{negative infinity}``, a
@@ -105,27 +89,45 @@ math-verify misreads, each only where the reading is unambiguous:
     or a power ``2^{nd}`` meant as ``2*n*d`` or ``2^(n*d)`` reads as 2.
   - spacing between a digit and ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI
     style; unparsable otherwise).
-  - plain-text Unicode math becomes LaTeX (all unparsable otherwise): ``√12`` =
-    ``\\sqrt{12}`` (the radical covers a whole number or a parenthesised group,
-    as plain text means it: ``√(x+1)`` = ``\\sqrt{x+1}``; anything else is TeX's
-    one-token argument), ``∛8`` = 2; vulgar fractions, a mixed number after an
-    integer (``½`` = 0.5, ``3½`` = 7/2, not 3*1/2); superscript and subscript
-    digits (``x²`` = ``x^2``, ``10⁻³``, ``a₁``); ``·`` is multiplication (as
-    prm800k's grader reads it; ``3·4`` = 12, not 3.4); ``∞`` = ``\\infty``;
-    the fraction slash ``1⁄2`` = ``1/2``.
+  - a thin space (``\\,``, ``\\thinspace``) after each comma of a thousands-grouped
+    number (lead group 1-9 then up to two digits, then groups of exactly three) is
+    dropped, leaving math-verify's own reading of ``1,000``: ``1,\\,000`` =
+    ``1000`` as the whole answer (a set ``{1, 0}`` otherwise), while
+    ``(1,\\,000)`` stays a pair, as ``(1,000)`` is. A tuple's spacing is kept
+    where it cannot be thousands: ``(1,\\,2)``, ``1,\\,2345``, ``0,\\,100``
+    (math-verify reads ``0,100`` as the decimal 0.1). A plain space after a
+    comma (``1, 000``) stays a list separator, as math-verify has it. Cost:
+    a whole answer listing three-digit numbers with thin spaces
+    (``153,\\,370``) reads as one number, as ``153,370`` already does.
+  - digit-group spacing: a run of ``\\,`` ``\\:`` ``\\;`` ``\\>`` ``\\!`` ``\\ `` ``~``
+    ``{,}`` ``\\thinspace`` or plain spaces between a digit and exactly three
+    digits (not followed by a fourth) is dropped: ``1\\,000\\,000`` = ``1000000``
+    (math-verify alone reads ``1\\,000`` as ``1*000`` = 0). A group of three
+    digits after a space can only be thousands; anything else is left alone:
+    ``2\\,x`` stays ``2x``, ``12\\,34`` stays ``12*34``, and a shorter last group
+    of decimals (``3.141\\,59``) is not joined.
+  - repeating decimals become the exact fraction: ``0.\\overline{3}`` =
+    ``0.\\bar 3`` = ``0.(3)`` = ``1/3``, ``1.2\\overline{45}`` = ``137/110``,
+    ``0.1\\dot{6}`` = ``1/6``, ``0.\\dot{1}4\\dot{2}`` = ``142/999`` (UK dots mark the
+    repetend's first and last digits). Only right after a decimal point and its
+    digits, with no space: ``(0.5,(3))`` stays a tuple and ``\\overline{12}`` (a
+    digit string, or a segment) is untouched. ``0.1(6)`` is thus never the
+    product ``0.1*6`` nor physics' uncertainty notation (``1.23(4)`` = 1.23 +- 0.04);
+    neither is a plausible final answer to a math problem.
 math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
-leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``. Still not read, as rare in final
-answers or ambiguous: ``\\text{inf}`` and ``\\inf`` (the infimum's name in LaTeX);
-``\\text{infinitely many}``, ``\\text{infinite}`` (a count in words; datasets
-write it as ``\\infty`` or in words, so equating them is the ground truth's
-call); a temperature scale with no degree mark (``273 K``: K is a variable);
-a bearing's letter (``45°N``); an ordinal whose suffix is not its number's
-(``21^{\\text{th}}``) or a bare suffix inside an expression (``2a+2nd``);
-``1, 000`` with a plain space (math-verify's list separator); the en dash
-``2–3`` (a range more often than a minus); other Unicode that only NFKC
-folds (full-width digits): NFKC would also turn ``x²`` into ``x2``.
+leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``.
+Still not read, as rare in final answers or ambiguous: ``\\text{inf}`` and
+``\\inf`` (the infimum's name in LaTeX); ``\\text{infinitely many}``,
+``\\text{infinite}`` (a count in words; datasets write it as ``\\infty`` or in
+words, so equating them is the ground truth's call); a temperature scale with
+no degree mark (``273 K``: K is a variable); a bearing's letter (``45°N``); an
+ordinal whose suffix is not its number's (``21^{\\text{th}}``) or a bare suffix
+inside an expression (``2a+2nd``); ``1, 000`` with a plain space
+(math-verify's list separator); the en dash ``2–3`` (a range more often than
+a minus); other Unicode that only NFKC folds (full-width digits): NFKC would
+also turn ``x²`` into ``x2``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
