@@ -276,13 +276,16 @@ _REPEATING_DECIMAL = re.compile(
     r"|\((?P<paren>\d+)\)"
     r"|\\dot\s*\{?(?P<dot>\d)\}?(?:(?P<mid>\d*)\\dot\s*\{?(?P<last>\d)\}?)?)")
 
+# The commands that typeset a word upright; math-verify keeps \text{} content as one symbol.
+_TEXT = r"\\(?:text|textrm|textnormal|textup|mathrm|mbox)"
+
 # An ordinal's suffix on an integer, in a superscript or \text{}: 5^{\text{th}}, 5^\text{th}, 5^{\rm th},
 # 5^{th}, 5\textsuperscript{th}, 5\text{th}. Each form has its own group for the suffix (one name per group).
 _SUFFIX = "st|nd|rd|th"
 
 
 def _in_text(group: str) -> str:
-    return rf"\\(?:text|textrm|textnormal|textup|mathrm|mbox)\s*\{{\s*(?P<{group}>{_SUFFIX})\s*\}}"
+    return rf"{_TEXT}\s*\{{\s*(?P<{group}>{_SUFFIX})\s*\}}"
 
 
 _ORDINAL = re.compile(
@@ -294,7 +297,7 @@ _ORDINAL = re.compile(
 # A bare suffix (5th, 22nd) only as the whole answer, or the whole of a \text{}: inside an expression 2nd
 # can be the product 2*n*d.
 _WHOLE_ORDINAL = re.compile(
-    rf"\s*(?:(?P<number>\d+)(?P<s1>{_SUFFIX})|\\(?:text|textrm|mathrm|mbox)\s*\{{\s*(?P<n2>\d+)(?P<s2>{_SUFFIX})\s*\}})\s*")
+    rf"\s*(?:(?P<number>\d+)(?P<s1>{_SUFFIX})|{_TEXT}\s*\{{\s*(?P<n2>\d+)(?P<s2>{_SUFFIX})\s*\}})\s*")
 
 _SPACE_BEFORE_PERCENT = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\\%)")
 _TRAILING_PERIOD = re.compile(r"(?<![.\\])\.\s*$")  # one period: "..." is an ellipsis, "\." an accent
@@ -325,7 +328,7 @@ _RADICAND_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)")
 # of letters): \text{infinity}, \mathrm{\infty}, \text{-infinity}, \text{negative infinity}, \infin (KaTeX).
 _INFINITY_WORD = r"(?:infinity|infty|\\infty(?![a-zA-Z]))"
 _INFINITY_IN_TEXT = re.compile(
-    r"\\(?:text|textrm|textnormal|textup|mathrm|mbox)\s*\{\s*"
+    rf"{_TEXT}\s*\{{\s*"
     rf"(?:(?P<sign>[+-])\s*|(?P<word>positive|negative|plus|minus)\s+)?{_INFINITY_WORD}\s*\}}", re.IGNORECASE)
 _INFINITY_BARE = re.compile(r"(?<![a-zA-Z\\])infinity(?![a-zA-Z])|\\infin(?![a-zA-Z])", re.IGNORECASE)
 
@@ -336,7 +339,7 @@ _DEGREE = r"\^\s*(?:\\circ(?![a-zA-Z])|\{\s*\\circ\s*\})"
 # goes on as a word or a symbol (45^\circ Cx, 45^\circ C', C_1, C^2), nor the left side of an equation (C = ...).
 _TEMPERATURE_SCALE = re.compile(
     rf"(?P<degree>{_DEGREE})(?:\s|\\[,:;! ]|~|\{{\}})*"
-    r"(?:\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*[CFK]\s*\}|[CFK](?![\w'^_]))(?!\s*=)")
+    rf"(?:{_TEXT}\s*\{{\s*[CFK]\s*\}}|[CFK](?![\w'^_]))(?!\s*=)")
 
 
 def normalize_answer(text: str) -> str:
