@@ -221,7 +221,9 @@ NORMALISED_TABLE = [
     (r"\boxed{\infty}", r"\text{infinity}", 1.0, "correct"),  # the ground truth is normalised too
     (r"\boxed{-\infty}", r"\text{infinity}", 0.0, "wrong answer"),
     (r"\boxed{\text{infinitely many}}", r"\infty", 0.0, "wrong answer"),  # a count in words: not read
-    (r"\boxed{\text{inf}}", r"\infty", 0.0, "wrong answer"),  # inf may be the infimum: not read
+    (r"\boxed{\text{inf}}", r"\infty", 1.0, "correct"),  # as math-verify reads a bare inf
+    (r"\boxed{\text{-inf}}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{\inf}", r"\infty", 0.0, "unparsable"),  # LaTeX's infimum operator: not read
     (r"\boxed{Infinityx}", r"\infty", 0.0, "wrong answer"),  # a longer word
     # plain-text Unicode math (math-verify alone: unparsable)
     (r"\boxed{√12}", r"2\sqrt{3}", 1.0, "correct"),  # the radical covers the whole number, not \sqrt{1}2

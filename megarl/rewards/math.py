@@ -65,10 +65,11 @@ costs are named), in this order:
     the fraction slash ``1⁄2`` = ``1/2``.
   - infinity spelt out is ``\\infty``: ``\\text{infinity}`` (math-verify alone: the
     symbol "infty"), ``\\text{Infinity}``, ``\\mathrm{\\infty}``, ``-\\text{infinity}``
-    (unparsable alone), ``\\text{-infinity}``, ``\\text{negative infinity}``, a
-    bare ``Infinity`` (a product of letters alone), KaTeX's ``\\infin``. The
-    whole ``\\text{}`` must be the (signed) word, and a bare word must stand
-    alone (``Infinityx`` is left as it is).
+    (unparsable alone), ``\\text{-infinity}``, ``\\text{negative infinity}``,
+    ``\\text{inf}`` (math-verify reads a bare ``inf`` as ``\\infty``), a bare
+    ``Infinity`` (a product of letters alone), KaTeX's ``\\infin``. The whole
+    ``\\text{}`` must be the (signed) word, and a bare word must stand alone
+    (``Infinityx`` is left as it is).
   - the Unicode degree sign and gensymb's ``\\degree`` become ``^{\\circ}``
     (``45°`` = ``45``; unparsable otherwise), and ``\\varnothing`` becomes
     ``\\emptyset`` (math-verify alone has ``\\emptyset`` = ``\\{\\}`` but
@@ -118,16 +119,16 @@ math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
 leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``.
-Still not read, as rare in final answers or ambiguous: ``\\text{inf}`` and
-``\\inf`` (the infimum's name in LaTeX); ``\\text{infinitely many}``,
-``\\text{infinite}`` (a count in words; datasets write it as ``\\infty`` or in
-words, so equating them is the ground truth's call); a temperature scale with
-no degree mark (``273 K``: K is a variable); a bearing's letter (``45°N``); an
-ordinal whose suffix is not its number's (``21^{\\text{th}}``) or a bare suffix
-inside an expression (``2a+2nd``); ``1, 000`` with a plain space
-(math-verify's list separator); the en dash ``2–3`` (a range more often than
-a minus); other Unicode that only NFKC folds (full-width digits): NFKC would
-also turn ``x²`` into ``x2``.
+Still not read, as rare in final answers or ambiguous: ``\\inf`` (LaTeX's
+infimum operator); ``\\text{infinitely many}``, ``\\text{infinite}`` (a count
+in words; datasets write it as ``\\infty`` or in words, so equating them is
+the ground truth's call); a temperature scale with no degree mark (``273 K``,
+``45C``: C and K are variables); the ASCII degree ``45^o`` (a power of o); a
+bearing's letter (``45°N``); an ordinal whose suffix is not its number's
+(``21^{\\text{th}}``) or a bare suffix inside an expression (``2a+2nd``);
+``1, 000`` with a plain space (math-verify's list separator); the en dash
+``2–3`` (a range more often than a minus); other Unicode that only NFKC
+folds (full-width digits): NFKC would also turn ``x²`` into ``x2``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -325,8 +326,9 @@ _RADICAL_OR_CLOSE = re.compile("[√∛∜)]")
 _RADICAND_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)")
 
 # Infinity in words or in \text{} (math-verify reads \text{infinity} as the symbol "infty", Infinity as a product
-# of letters): \text{infinity}, \mathrm{\infty}, \text{-infinity}, \text{negative infinity}, \infin (KaTeX).
-_INFINITY_WORD = r"(?:infinity|infty|\\infty(?![a-zA-Z]))"
+# of letters): \text{infinity}, \mathrm{\infty}, \text{-infinity}, \text{negative infinity}, \text{inf},
+# \infin (KaTeX).
+_INFINITY_WORD = r"(?:infinity|infty|inf|\\infty(?![a-zA-Z]))"  # math-verify reads a bare inf as \infty too
 _INFINITY_IN_TEXT = re.compile(
     rf"{_TEXT}\s*\{{\s*"
     rf"(?:(?P<sign>[+-])\s*|(?P<word>positive|negative|plus|minus)\s+)?{_INFINITY_WORD}\s*\}}", re.IGNORECASE)
