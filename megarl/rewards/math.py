@@ -305,7 +305,7 @@ _TRAILING_PERIOD = re.compile(r"(?<![.\\])\.\s*$")  # one period: "..." is an el
 
 # Unicode math that math-verify's LaTeX grammar cannot read (it does read × ÷ − ⋅ ∙ π ≤ ≥ ≠ ∪ ∅ ± ℝ and Greek).
 _UNICODE_SYMBOLS = {
-    "·": r"\cdot ",  # U+00B7: multiplication, as prm800k reads it (the old British decimal point is not LLM output)
+    "·": r"\cdot ",  # U+00B7: multiplication, as prm800k reads it (a raised decimal point is old British print)
     "∞": r"\infty ",
     "⁄": "/", "∕": "/",  # fraction slash, division slash: 1⁄2 is a fraction
 }
@@ -353,7 +353,8 @@ def normalize_answer(text: str) -> str:
     # Infinity spelt out, or in \text{}: math-verify reads only \infty (and a lower-case bare "infinity").
     text = _INFINITY_IN_TEXT.sub(_infinity_as_latex, text)
     text = _INFINITY_BARE.sub(lambda m: "\\infty ", text)
-    # Unicode degrees and \varnothing: math-verify knows ^\circ and \emptyset only (\varnothing != \emptyset there).
+    # Unicode degrees, gensymb's \degree and \varnothing: math-verify knows ^\circ and \emptyset only
+    # (\degree is unparsable there, and \varnothing != \emptyset).
     text = text.replace("℃", "°C").replace("℉", "°F")  # the one-character Celsius and Fahrenheit signs
     text = text.replace("°", "^{\\circ}").replace("\\varnothing", "\\emptyset")
     text = _DEGREE_COMMAND.sub(lambda m: "^{\\circ}", text)
