@@ -107,6 +107,23 @@ NORMALISED_TABLE = [
     (r"\boxed{12\,34}", "1234", 0.0, "wrong answer"),  # not a group of three: left as it is (12*34)
     (r"\boxed{2\,x}", "2x", 1.0, "correct"),  # spacing before a letter is left alone
     (r"\boxed{2\,x}", "2", 0.0, "wrong answer"),
+    # a thin space after thousands commas (math-verify alone: 1,\,000 is the set {1, 0})
+    (r"\boxed{1,\,000}", "1000", 1.0, "correct"),
+    (r"\boxed{1,\,000}", "1", 0.0, "wrong answer"),
+    (r"\boxed{1,\,000}", r"\{0, 1\}", 0.0, "wrong answer"),  # scored 1 before
+    (r"\boxed{12,\thinspace 345,\,678.9}", "12345678.9", 1.0, "correct"),
+    (r"\boxed{12,\thinspace 345,\,678.9}", "12345678", 0.0, "wrong answer"),
+    (r"\boxed{-\$1,\,000}", "-1000", 1.0, "correct"),
+    (r"\boxed{1000000}", r"1,\,000,\,000", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{1000}", r"1,\,000,\,000", 0.0, "wrong answer"),
+    (r"\boxed{(1,\,2)}", "(1,2)", 1.0, "correct"),  # a tuple's spacing stays a tuple
+    (r"\boxed{(1,\,2)}", "12", 0.0, "wrong answer"),
+    (r"\boxed{(1,\,000)}", "(1,0)", 1.0, "correct"),  # in brackets a pair, as math-verify reads (1,000)
+    (r"\boxed{(1,\,000)}", "1000", 0.0, "wrong answer"),
+    (r"\boxed{1,\,2345}", "12345", 0.0, "wrong answer"),  # not a group of three: a list
+    (r"\boxed{0,\,100}", r"\{0, 100\}", 1.0, "correct"),  # no thousands start with 0: a list, not 0.1
+    (r"\boxed{0,\,100}", "0.1", 0.0, "wrong answer"),
+    (r"\boxed{1, 000}", "1000", 0.0, "wrong answer"),  # a plain space after a comma separates, as in math-verify
     # repeating decimals, graded as the exact fraction (math-verify alone: unparsable, or 0.1(6) = 0.1*6)
     (r"\boxed{0.\overline{3}}", r"\frac{1}{3}", 1.0, "correct"),
     (r"\boxed{0.\overline{3}}", "0.3", 0.0, "wrong answer"),
@@ -134,6 +151,26 @@ NORMALISED_TABLE = [
     # the Unicode degree sign (math-verify alone: unparsable)
     (r"\boxed{45°}", "45", 1.0, "correct"),
     (r"\boxed{45°}", r"90^\circ", 0.0, "wrong answer"),
+    # a temperature scale after a degree mark (math-verify alone: 45^\circ C is 45*C, 45°C unparsable)
+    (r"\boxed{45°C}", "45", 1.0, "correct"),
+    (r"\boxed{45°C}", "50", 0.0, "wrong answer"),
+    (r"\boxed{45^\circ C}", "45", 1.0, "correct"),
+    (r"\boxed{45^\circ C}", r"45^\circ", 1.0, "correct"),
+    (r"\boxed{-5 ℃}", "-5", 1.0, "correct"),  # the one-character Celsius sign
+    (r"\boxed{-5 ℃}", "5", 0.0, "wrong answer"),
+    (r"\boxed{98.6^{\circ}F}", "98.6", 1.0, "correct"),
+    (r"\boxed{98.6^{\circ}F}", "98", 0.0, "wrong answer"),
+    (r"\boxed{45\degree C}", "45", 1.0, "correct"),  # gensymb's \degree (math-verify alone: unparsable)
+    (r"\boxed{45\degree}", "45", 1.0, "correct"),
+    (r"\boxed{45\degree}", "54", 0.0, "wrong answer"),
+    (r"\boxed{(20°C, 25°C)}", "(20, 25)", 1.0, "correct"),  # not only at the end
+    (r"\boxed{(20°C, 25°C)}", "(20, 30)", 0.0, "wrong answer"),
+    (r"\boxed{45}", "45°C", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{40}", r"45^\circ\mathrm{C}", 0.0, "wrong answer"),
+    (r"\boxed{45^\circ Cx}", "45", 0.0, "wrong answer"),  # a word or a symbol, not a scale: left alone
+    (r"\boxed{45^\circ C_1}", "45", 0.0, "wrong answer"),
+    (r"\boxed{273 K}", "273", 0.0, "wrong answer"),  # no degree mark: K is a variable
+    (r"\boxed{45°N}", "45", 0.0, "wrong answer"),  # a bearing's N, E, S, W is not dropped
     # \varnothing (math-verify alone: not equal to \emptyset)
     (r"\boxed{\varnothing}", r"\emptyset", 1.0, "correct"),
     (r"\boxed{\emptyset}", r"\varnothing", 1.0, "correct"),
@@ -141,6 +178,108 @@ NORMALISED_TABLE = [
     # spacing before \% (math-verify alone: unparsable)
     (r"\boxed{5\,\%}", "5", 1.0, "correct"),
     (r"\boxed{5\,\%}", "50", 0.0, "wrong answer"),
+    # ordinals (math-verify alone: 5^{\text{th}} unparsable, 5^{th} = 5^(t*h), 2nd = 2*n*d)
+    (r"\boxed{5^{\text{th}}}", "5", 1.0, "correct"),
+    (r"\boxed{5^{\text{th}}}", "6", 0.0, "wrong answer"),
+    (r"\boxed{21^\text{st}}", "21", 1.0, "correct"),
+    (r"\boxed{21^\text{st}}", "1", 0.0, "wrong answer"),
+    (r"\boxed{3^{\rm rd}}", "3", 1.0, "correct"),
+    (r"\boxed{12^{\mathrm{th}}}", "12", 1.0, "correct"),
+    (r"\boxed{5^{th}}", "5", 1.0, "correct"),
+    (r"\boxed{5^{th}}", "1", 0.0, "wrong answer"),  # was 5^(t*h)
+    (r"\boxed{4\textsuperscript{th}}", "4", 1.0, "correct"),
+    (r"\boxed{2nd}", "2", 1.0, "correct"),
+    (r"\boxed{2nd}", "3", 0.0, "wrong answer"),
+    (r"\boxed{22nd}", "22", 1.0, "correct"),
+    (r"\boxed{\text{101st}}", "101", 1.0, "correct"),
+    (r"\boxed{\text{101st}}", "11", 0.0, "wrong answer"),
+    (r"\boxed{(1^{\text{st}}, 3^{\text{rd}})}", "(1, 3)", 1.0, "correct"),
+    (r"\boxed{(1^{\text{st}}, 3^{\text{rd}})}", "(1, 2)", 0.0, "wrong answer"),
+    (r"\boxed{7}", r"7^{\text{th}}", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{8}", r"7^{\text{th}}", 0.0, "wrong answer"),
+    (r"\boxed{12nd}", "12", 0.0, "wrong answer"),  # not 12's suffix: left alone (12*n*d)
+    (r"\boxed{21^{\text{th}}}", "21", 0.0, "unparsable"),
+    (r"\boxed{2a+2nd}", "2a", 0.0, "wrong answer"),  # a bare suffix inside an expression is a product
+    (r"\boxed{2a+2nd}", "2nd+2a", 1.0, "correct"),
+    (r"\boxed{2.5^{th}}", "2.5", 0.0, "wrong answer"),  # a decimal has no ordinal
+    (r"\boxed{n^{th}}", "n", 0.0, "wrong answer"),  # nor a letter
+    # infinity in words or in \text{} (math-verify alone: the symbol "infty", a product of letters, or unparsable)
+    (r"\boxed{\text{infinity}}", r"\infty", 1.0, "correct"),
+    (r"\boxed{\text{infinity}}", r"-\infty", 0.0, "wrong answer"),
+    (r"\boxed{\text{Infinity}}", r"\infty", 1.0, "correct"),
+    (r"\boxed{\mathrm{\infty}}", r"\infty", 1.0, "correct"),
+    (r"\boxed{-\text{infinity}}", r"-\infty", 1.0, "correct"),  # unparsable before
+    (r"\boxed{-\text{infinity}}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{\text{-infinity}}", r"-\infty", 1.0, "correct"),
+    (r"\boxed{\text{negative infinity}}", r"-\infty", 1.0, "correct"),
+    (r"\boxed{\text{negative infinity}}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{Infinity}", r"\infty", 1.0, "correct"),
+    (r"\boxed{-Infinity}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{\infin}", r"\infty", 1.0, "correct"),  # KaTeX's alias
+    (r"\boxed{(-\text{infinity}, 2)}", r"(-\infty, 2)", 1.0, "correct"),
+    (r"\boxed{(-\text{infinity}, 2)}", r"(-\infty, 2]", 0.0, "wrong answer"),
+    (r"\boxed{\infty}", r"\text{infinity}", 1.0, "correct"),  # the ground truth is normalised too
+    (r"\boxed{-\infty}", r"\text{infinity}", 0.0, "wrong answer"),
+    (r"\boxed{\text{infinitely many}}", r"\infty", 0.0, "wrong answer"),  # a count in words: not read
+    (r"\boxed{\text{inf}}", r"\infty", 1.0, "correct"),  # as math-verify reads a bare inf
+    (r"\boxed{\text{-inf}}", r"\infty", 0.0, "wrong answer"),
+    (r"\boxed{\inf}", r"\infty", 0.0, "unparsable"),  # LaTeX's infimum operator: not read
+    (r"\boxed{Infinityx}", r"\infty", 0.0, "wrong answer"),  # a longer word
+    # plain-text Unicode math (math-verify alone: unparsable)
+    (r"\boxed{√12}", r"2\sqrt{3}", 1.0, "correct"),  # the radical covers the whole number, not \sqrt{1}2
+    (r"\boxed{√12}", "2", 0.0, "wrong answer"),
+    (r"\boxed{2√3}", r"\sqrt{12}", 1.0, "correct"),
+    (r"\boxed{2√3}", r"\sqrt{6}", 0.0, "wrong answer"),
+    (r"\boxed{√(x+1)}", r"\sqrt{x+1}", 1.0, "correct"),
+    (r"\boxed{√(x+1)}", r"\sqrt{x}+1", 0.0, "wrong answer"),
+    (r"\boxed{√3/2}", r"\frac{\sqrt{3}}{2}", 1.0, "correct"),
+    (r"\boxed{√(2+√4)}", "2", 1.0, "correct"),  # nested
+    (r"\boxed{√(2+√4)}", r"\sqrt{2}+2", 0.0, "wrong answer"),
+    (r"\boxed{∛8}", "2", 1.0, "correct"),
+    (r"\boxed{∛8}", r"\sqrt{8}", 0.0, "wrong answer"),
+    (r"\boxed{\sqrt{2}}", "√2", 1.0, "correct"),  # a Unicode ground truth
+    (r"\boxed{2}", "√2", 0.0, "wrong answer"),
+    (r"\boxed{½}", "0.5", 1.0, "correct"),
+    (r"\boxed{½}", "2", 0.0, "wrong answer"),
+    (r"\boxed{⅔}", r"\frac{2}{3}", 1.0, "correct"),
+    (r"\boxed{⅔}", r"\frac{3}{2}", 0.0, "wrong answer"),
+    (r"\boxed{3½}", r"\frac{7}{2}", 1.0, "correct"),  # a mixed number
+    (r"\boxed{3½}", "1.5", 0.0, "wrong answer"),  # not 3 * 1/2
+    (r"\boxed{-2¾}", "-2.75", 1.0, "correct"),
+    (r"\boxed{x^½}", r"\sqrt{x}", 1.0, "correct"),
+    (r"\boxed{1⁄4}", "0.25", 1.0, "correct"),  # the fraction slash
+    (r"\boxed{3·4}", "12", 1.0, "correct"),  # the middle dot multiplies
+    (r"\boxed{3·4}", "3.4", 0.0, "wrong answer"),
+    (r"\boxed{x²+1}", "x^2+1", 1.0, "correct"),
+    (r"\boxed{x²+1}", "2x+1", 0.0, "wrong answer"),
+    (r"\boxed{2×10³}", "2000", 1.0, "correct"),
+    (r"\boxed{2×10³}", "60", 0.0, "wrong answer"),
+    (r"\boxed{10⁻²}", "0.01", 1.0, "correct"),
+    (r"\boxed{x¹⁰}", "x^{10}", 1.0, "correct"),
+    (r"\boxed{\log₂ 8}", "3", 1.0, "correct"),
+    (r"\boxed{a₁₀}", "a_{10}", 1.0, "correct"),
+    (r"\boxed{a₁₀}", "a_{1}", 0.0, "wrong answer"),
+    (r"\boxed{(−∞, 2]}", r"(-\infty, 2]", 1.0, "correct"),
+    (r"\boxed{(-\infty, 2]}", "(−∞, 2]", 1.0, "correct"),
+    (r"\boxed{∞}", r"-\infty", 0.0, "wrong answer"),
+    (r"\boxed{(−∞, 2]}", r"(-\infty, 2)", 0.0, "wrong answer"),
+]
+
+# Unicode math-verify reads itself (left to it, pinned here): each right form scores 1, a wrong one 0.
+UNICODE_READ_BY_MATH_VERIFY = [
+    (r"\boxed{3×4}", "12", 1.0, "correct"),
+    (r"\boxed{3×4}", "7", 0.0, "wrong answer"),
+    (r"\boxed{12÷4}", "3", 1.0, "correct"),
+    (r"\boxed{−5}", "-5", 1.0, "correct"),  # U+2212 minus sign
+    (r"\boxed{5}", "−5", 0.0, "wrong answer"),
+    (r"\boxed{2⋅3}", "6", 1.0, "correct"),  # U+22C5 dot operator
+    (r"\boxed{2π}", r"2\pi", 1.0, "correct"),
+    (r"\boxed{2π}", "6.28", 0.0, "wrong answer"),
+    (r"\boxed{x≥3}", r"x\ge 3", 1.0, "correct"),
+    (r"\boxed{x≥3}", r"x\le 3", 0.0, "wrong answer"),
+    (r"\boxed{[1,2]∪[3,4]}", r"[1,2]\cup[3,4]", 1.0, "correct"),
+    (r"\boxed{∅}", r"\emptyset", 1.0, "correct"),
+    (r"\boxed{±2}", r"\pm 2", 1.0, "correct"),
 ]
 
 # (response, gt_answer, score, reason); a well-formed wrong answer earns the 0.1 format score.
@@ -181,6 +320,12 @@ def test_boxed(response, gt, score, reason):
 
 @pytest.mark.parametrize("response,gt,score,reason", NORMALISED_TABLE, ids=_ids(NORMALISED_TABLE))
 def test_normalised_forms(response, gt, score, reason):
+    assert boxed(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
+
+
+@pytest.mark.parametrize("response,gt,score,reason", UNICODE_READ_BY_MATH_VERIFY,
+                         ids=_ids(UNICODE_READ_BY_MATH_VERIFY))
+def test_unicode_read_by_math_verify(response, gt, score, reason):
     assert boxed(response, {"gt_answer": gt}) == math_rewards.RewardOutput(score, reason)
 
 

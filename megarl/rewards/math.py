@@ -51,7 +51,55 @@ words parse as products of single-letter symbols, so ``five`` != ``5`` while
 
 Normalisation (`normalize_answer`, applied to both the answer and the ground
 truth inside `_judge`, so both judge paths below apply it): rewrites forms that
-math-verify misreads, each only where the reading is unambiguous:
+math-verify misreads, each only where one reading is the plain one (the few
+costs are named), in this order:
+  - one trailing full stop is dropped (``2.`` and ``(1,2).`` are unparsable
+    otherwise); ``...`` is an ellipsis and stays.
+  - plain-text Unicode math becomes LaTeX (all unparsable otherwise): ``√12`` =
+    ``\\sqrt{12}`` (the radical covers a whole number or a parenthesised group,
+    as plain text means it: ``√(x+1)`` = ``\\sqrt{x+1}``; anything else is TeX's
+    one-token argument), ``∛8`` = 2; vulgar fractions, a mixed number after an
+    integer (``½`` = 0.5, ``3½`` = 7/2, not 3*1/2); superscript and subscript
+    digits (``x²`` = ``x^2``, ``10⁻³``, ``a₁``); ``·`` is multiplication (as
+    prm800k's grader reads it; ``3·4`` = 12, not 3.4); ``∞`` = ``\\infty``;
+    the fraction slash ``1⁄2`` = ``1/2``.
+  - infinity spelt out is ``\\infty``: ``\\text{infinity}`` (math-verify alone: the
+    symbol "infty"), ``\\text{Infinity}``, ``\\mathrm{\\infty}``, ``-\\text{infinity}``
+    (unparsable alone), ``\\text{-infinity}``, ``\\text{negative infinity}``,
+    ``\\text{inf}`` (math-verify reads a bare ``inf`` as ``\\infty``), a bare
+    ``Infinity`` (a product of letters alone), KaTeX's ``\\infin``. The whole
+    ``\\text{}`` must be the (signed) word, and a bare word must stand alone
+    (``Infinityx`` is left as it is).
+  - the Unicode degree sign and gensymb's ``\\degree`` become ``^{\\circ}``
+    (``45°`` = ``45``; unparsable otherwise), and ``\\varnothing`` becomes
+    ``\\emptyset`` (math-verify alone has ``\\emptyset`` = ``\\{\\}`` but
+    ``\\varnothing`` != ``\\emptyset``).
+  - a temperature scale right after a degree mark is dropped, as math-verify
+    drops other units: ``45°C`` = ``45^\\circ C`` = ``45 ℃`` = ``98.6^\\circ F``
+    = the number (otherwise unparsable, or ``45*C``). Only ``C``, ``F``, ``K``
+    (bare or in ``\\text{}``) after a degree mark, not going on as a word or a
+    symbol (``45^\\circ Cx``, ``C_1``, ``C =``): a bare ``C`` or ``K`` is a
+    constant or a variable (``273 K`` stays ``273*K``), and a bearing's
+    ``45°N`` keeps its direction.
+  - an ordinal is its number: ``5^{\\text{th}}`` = ``5^\\text{th}`` = ``5^{\\rm th}``
+    = ``5^{th}`` = ``5\\textsuperscript{th}`` = ``22nd`` = ``\\text{5th}`` = the
+    number (otherwise unparsable, ``5^(t*h)`` or ``2*n*d``), only where the
+    suffix is the one English gives that integer (``12th``, not ``12nd``, which
+    stays a product). A bare suffix (``2nd``) only as the whole answer: inside an
+    expression, ``2a+2nd`` is a sum of products. Cost: a whole answer ``2nd``
+    or a power ``2^{nd}`` meant as ``2*n*d`` or ``2^(n*d)`` reads as 2.
+  - spacing between a digit and ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI
+    style; unparsable otherwise).
+  - a thin space (``\\,``, ``\\thinspace``) after each comma of a thousands-grouped
+    number (lead group 1-9 then up to two digits, then groups of exactly three) is
+    dropped, leaving math-verify's own reading of ``1,000``: ``1,\\,000`` =
+    ``1000`` as the whole answer (a set ``{1, 0}`` otherwise), while
+    ``(1,\\,000)`` stays a pair, as ``(1,000)`` is. A tuple's spacing is kept
+    where it cannot be thousands: ``(1,\\,2)``, ``1,\\,2345``, ``0,\\,100``
+    (math-verify reads ``0,100`` as the decimal 0.1). A plain space after a
+    comma (``1, 000``) stays a list separator, as math-verify has it. Cost:
+    a whole answer listing three-digit numbers with thin spaces
+    (``153,\\,370``) reads as one number, as ``153,370`` already does.
   - digit-group spacing: a run of ``\\,`` ``\\:`` ``\\;`` ``\\>`` ``\\!`` ``\\ `` ``~``
     ``{,}`` ``\\thinspace`` or plain spaces between a digit and exactly three
     digits (not followed by a fourth) is dropped: ``1\\,000\\,000`` = ``1000000``
@@ -67,19 +115,20 @@ math-verify misreads, each only where the reading is unambiguous:
     digit string, or a segment) is untouched. ``0.1(6)`` is thus never the
     product ``0.1*6`` nor physics' uncertainty notation (``1.23(4)`` = 1.23 +- 0.04);
     neither is a plausible final answer to a math problem.
-  - one trailing full stop is dropped (``2.`` and ``(1,2).`` are unparsable
-    otherwise); ``...`` is an ellipsis and stays.
-  - the Unicode degree sign becomes ``^{\\circ}`` (``45°`` = ``45``), and
-    ``\\varnothing`` becomes ``\\emptyset`` (math-verify alone has
-    ``\\emptyset`` = ``\\{\\}`` but ``\\varnothing`` != ``\\emptyset``).
-  - spacing between a digit and ``\\%`` is dropped: ``5\\,\\%`` = ``5\\%`` (SI
-    style; unparsable otherwise).
 math-verify already handles, so these are left to it (tests pin them down):
 ``\\$``, ``\\text{}``/``\\mbox{}`` units, ``^\\circ``, ``\\left(``/``\\right)``,
 ``\\dfrac``/``\\tfrac``, ``x =``, ``\\%``, ``1,000`` and ``1,\\!000`` (thousands),
-leading zeros (AIME's ``042`` = ``42``). Still not read, as rare in final
-answers or ambiguous: ``45°C`` (``45*C``), ordinals ``5^{\\text{th}}``,
-``1,\\,000`` (a tuple's spacing too), ``\\text{infinity}``, Unicode ``√ ½ ·``.
+leading zeros (AIME's ``042`` = ``42``), Unicode ``× ÷ − ⋅ π ≤ ≥ ≠ ∪ ∅ ±``.
+Still not read, as rare in final answers or ambiguous: ``\\inf`` (LaTeX's
+infimum operator); ``\\text{infinitely many}``, ``\\text{infinite}`` (a count
+in words; datasets write it as ``\\infty`` or in words, so equating them is
+the ground truth's call); a temperature scale with no degree mark (``273 K``,
+``45C``: C and K are variables); the ASCII degree ``45^o`` (a power of o); a
+bearing's letter (``45°N``); an ordinal whose suffix is not its number's
+(``21^{\\text{th}}``) or a bare suffix inside an expression (``2a+2nd``);
+``1, 000`` with a plain space (math-verify's list separator); the en dash
+``2–3`` (a range more often than a minus); other Unicode that only NFKC
+folds (full-width digits): NFKC would also turn ``x²`` into ``x2``.
 
 Timeouts: sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``), and one hung
 reward stalls every rank of a run. math-verify's own timeouts use SIGALRM,
@@ -215,6 +264,11 @@ _SPACING = r"(?:\\[,:;>! ]|~|\{,\}|\\thinspace(?![a-zA-Z]))"
 # A run of them and of plain spaces (TeX ignores those in math mode), between a digit and exactly three digits.
 _DIGIT_GROUP_SEPARATOR = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\d{{3}}(?!\d))")
 
+# A number with a thin space after each thousands comma: 1,\,000 or 12,\,345,\,678.9. The lead group has no
+# leading zero: math-verify reads 0,100 as the decimal 0.100, so 0,\,100 stays the list it looks like.
+_THIN_SPACE = r"(?:\s*(?:\\,|\\thinspace(?![a-zA-Z])))+\s*"
+_THIN_SPACED_THOUSANDS = re.compile(rf"(?<![\w.])[1-9]\d{{0,2}}(?:,{_THIN_SPACE}\d{{3}})+(?!\d)")
+
 # A decimal (not inside a longer word or number) whose digits end in a marked repetend:
 # 0.1\overline{6}, 0.1\bar 6, 0.1(6), 0.1\dot{6}, or 0.\dot{1}4\dot{2} (dots over its first and last digits).
 _REPEATING_DECIMAL = re.compile(
@@ -223,22 +277,189 @@ _REPEATING_DECIMAL = re.compile(
     r"|\((?P<paren>\d+)\)"
     r"|\\dot\s*\{?(?P<dot>\d)\}?(?:(?P<mid>\d*)\\dot\s*\{?(?P<last>\d)\}?)?)")
 
+# The commands that typeset a word upright; math-verify keeps \text{} content as one symbol.
+_TEXT = r"\\(?:text|textrm|textnormal|textup|mathrm|mbox)"
+
+# An ordinal's suffix on an integer, in a superscript or \text{}: 5^{\text{th}}, 5^\text{th}, 5^{\rm th},
+# 5^{th}, 5\textsuperscript{th}, 5\text{th}. Each form has its own group for the suffix (one name per group).
+_SUFFIX = "st|nd|rd|th"
+
+
+def _in_text(group: str) -> str:
+    return rf"{_TEXT}\s*\{{\s*(?P<{group}>{_SUFFIX})\s*\}}"
+
+
+_ORDINAL = re.compile(
+    r"(?<![\w.])(?P<number>\d+)\s*(?:"
+    rf"\^\s*\{{\s*(?:{_in_text('s1')}|\\rm\s*(?P<s2>{_SUFFIX})|(?P<s3>{_SUFFIX}))\s*\}}"
+    rf"|\^\s*{_in_text('s4')}"
+    rf"|\\textsuperscript\s*\{{\s*(?P<s5>{_SUFFIX})\s*\}}"
+    rf"|{_in_text('s6')})")
+# A bare suffix (5th, 22nd) only as the whole answer, or the whole of a \text{}: inside an expression 2nd
+# can be the product 2*n*d.
+_WHOLE_ORDINAL = re.compile(
+    rf"\s*(?:(?P<number>\d+)(?P<s1>{_SUFFIX})|{_TEXT}\s*\{{\s*(?P<n2>\d+)(?P<s2>{_SUFFIX})\s*\}})\s*")
+
 _SPACE_BEFORE_PERCENT = re.compile(rf"(?<=\d)(?:\s|{_SPACING})+(?=\\%)")
 _TRAILING_PERIOD = re.compile(r"(?<![.\\])\.\s*$")  # one period: "..." is an ellipsis, "\." an accent
+
+# Unicode math that math-verify's LaTeX grammar cannot read (it does read × ÷ − ⋅ ∙ π ≤ ≥ ≠ ∪ ∅ ± ℝ and Greek).
+_UNICODE_SYMBOLS = {
+    "·": r"\cdot ",  # U+00B7: multiplication, as prm800k reads it (a raised decimal point is old British print)
+    "∞": r"\infty ",
+    "⁄": "/", "∕": "/",  # fraction slash, division slash: 1⁄2 is a fraction
+}
+_VULGAR_FRACTIONS = {
+    "½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5),
+    "⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅐": (1, 7), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8),
+    "⅑": (1, 9), "⅒": (1, 10), "↉": (0, 3),
+}
+# An integer right before a vulgar fraction makes a mixed number (3½ = 7/2, not 3 * 1/2); a decimal does not.
+# The spaces belong to the integer, so a long run of spaces is not rescanned from each of its positions.
+_VULGAR_FRACTION = re.compile(rf"(?<![\d.])(?:(?P<whole>\d+)\s*)?(?P<frac>[{''.join(_VULGAR_FRACTIONS)}])")
+_SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻", "0123456789+-")
+_SUBSCRIPTS = str.maketrans("₀₁₂₃₄₅₆₇₈₉₊₋", "0123456789+-")
+_SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
+_SUBSCRIPT = re.compile("[₊₋]?[₀₁₂₃₄₅₆₇₈₉]+")
+_RADICALS = {"√": r"\sqrt", "∛": r"\sqrt[3]", "∜": r"\sqrt[4]"}
+_RADICAL_OR_CLOSE = re.compile("[√∛∜)]")
+_RADICAND_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)")
+
+# Infinity in words or in \text{} (math-verify reads \text{infinity} as the symbol "infty", Infinity as a product
+# of letters): \text{infinity}, \mathrm{\infty}, \text{-infinity}, \text{negative infinity}, \text{inf},
+# \infin (KaTeX).
+_INFINITY_WORD = r"(?:infinity|infty|inf|\\infty(?![a-zA-Z]))"  # math-verify reads a bare inf as \infty too
+_INFINITY_IN_TEXT = re.compile(
+    rf"{_TEXT}\s*\{{\s*"
+    rf"(?:(?P<sign>[+-])\s*|(?P<word>positive|negative|plus|minus)\s+)?{_INFINITY_WORD}\s*\}}", re.IGNORECASE)
+_INFINITY_BARE = re.compile(r"(?<![a-zA-Z\\])infinity(?![a-zA-Z])|\\infin(?![a-zA-Z])", re.IGNORECASE)
+
+# A degree mark: ^\circ, ^{\circ} (what ° becomes), or the gensymb/textcomp commands \degree, \textdegree.
+_DEGREE_COMMAND = re.compile(r"\\(?:text)?degree(?![a-zA-Z])")
+_DEGREE = r"\^\s*(?:\\circ(?![a-zA-Z])|\{\s*\\circ\s*\})"
+# A temperature scale right after a degree mark: a bare C F K, or one in \text{} and the like. Not a letter that
+# goes on as a word or a symbol (45^\circ Cx, 45^\circ C', C_1, C^2), nor the left side of an equation (C = ...).
+_TEMPERATURE_SCALE = re.compile(
+    rf"(?P<degree>{_DEGREE})(?:\s|\\[,:;! ]|~|\{{\}})*"
+    rf"(?:{_TEXT}\s*\{{\s*[CFK]\s*\}}|[CFK](?![\w'^_]))(?!\s*=)")
 
 
 def normalize_answer(text: str) -> str:
     """`text` with the forms math-verify misreads rewritten (see the module docstring), applied to both sides."""
     # A sentence's full stop: math-verify cannot parse "2." nor "(1,2).".
     text = _TRAILING_PERIOD.sub("", text)
-    # Unicode degrees and \varnothing: math-verify knows ^\circ and \emptyset only (\varnothing != \emptyset there).
+    # Plain-text Unicode math (√2, 3½, x², ∞): math-verify's LaTeX grammar leaves it unparsable.
+    text = _unicode_as_latex(text)
+    # Infinity spelt out, or in \text{}: math-verify reads only \infty (and a lower-case bare "infinity").
+    text = _INFINITY_IN_TEXT.sub(_infinity_as_latex, text)
+    text = _INFINITY_BARE.sub(lambda m: "\\infty ", text)
+    # Unicode degrees, gensymb's \degree and \varnothing: math-verify knows ^\circ and \emptyset only
+    # (\degree is unparsable there, and \varnothing != \emptyset).
+    text = text.replace("℃", "°C").replace("℉", "°F")  # the one-character Celsius and Fahrenheit signs
     text = text.replace("°", "^{\\circ}").replace("\\varnothing", "\\emptyset")
+    text = _DEGREE_COMMAND.sub(lambda m: "^{\\circ}", text)
+    # A temperature is its number, like other units: 45^\circ C is otherwise 45*C (math-verify drops only
+    # \text{C}, and only at the very end). Only after a degree mark: a bare C or K is a constant or a variable.
+    text = _TEMPERATURE_SCALE.sub(r"\g<degree>", text)
+    # An ordinal answers with its number: 5^{\text{th}} is unparsable, 5^{th} is 5^(t*h), 2nd is 2*n*d.
+    text = _ORDINAL.sub(_ordinal_as_number, text)
+    if whole := _WHOLE_ORDINAL.fullmatch(text):
+        text = _ordinal_as_number(whole)
     # "5\,\%" (SI style) is unparsable, "5\%" is 5. Only after a digit, so a long run of spaces is scanned once.
     text = _SPACE_BEFORE_PERCENT.sub("", text)
+    # 1,\,000 is a set {1, 0} to math-verify, which reads 1,000 as a number only when it is the whole answer and
+    # as a tuple's members inside brackets. Dropping the thin space leaves that call to math-verify: 1,\,000 is
+    # 1000 and (1,\,000) stays a pair, as (1,000) is; a thin space after a comma before fewer or more than three
+    # digits ((1,\,2), 1,\,2345) is a list's spacing and is kept.
+    text = _THIN_SPACED_THOUSANDS.sub(lambda m: re.sub(_THIN_SPACE, "", m[0]), text)
     # math-verify reads "1\,000" as 1*000 = 0: drop the separator, a group of three digits can only be thousands.
     text = _DIGIT_GROUP_SEPARATOR.sub("", text)
     # math-verify cannot parse 0.\overline{3} and reads 0.1(6) as 0.1*6: write the exact fraction instead.
     return _REPEATING_DECIMAL.sub(_repeating_decimal_as_fraction, text)
+
+
+def _infinity_as_latex(match: re.Match) -> str:
+    negative = match["sign"] == "-" or (match["word"] or "").lower() in ("negative", "minus")
+    return "-\\infty " if negative else "\\infty "
+
+
+def _ordinal_as_number(match: re.Match) -> str:
+    """The number, if the suffix is the one English gives it (1st, 12th, 22nd): anything else is left as it is."""
+    groups = match.groupdict()
+    number = groups.get("number") or groups["n2"]
+    suffix = next(groups[g] for g in groups if g[0] == "s" and groups[g])
+    return number if suffix == _ordinal_suffix(int(number)) else match[0]
+
+
+def _ordinal_suffix(n: int) -> str:
+    if n % 100 in (11, 12, 13):
+        return "th"
+    return {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
+def _unicode_as_latex(text: str) -> str:
+    """`text` with the Unicode math math-verify cannot read written as LaTeX: √12 -> \\sqrt{12}, x² -> x^2, ..."""
+    if text.isascii():
+        return text
+    for char, latex in _UNICODE_SYMBOLS.items():
+        text = text.replace(char, latex)
+    text = _VULGAR_FRACTION.sub(_vulgar_fraction_as_latex, text)
+    # A single digit stays unbraced: math-verify strips a unit's power only in the form \text{ m}^2.
+    text = _SUPERSCRIPT.sub(lambda m: _script("^", m[0].translate(_SUPERSCRIPTS)), text)
+    text = _SUBSCRIPT.sub(lambda m: _script("_", m[0].translate(_SUBSCRIPTS)), text)
+    return _radicals_as_latex(text)
+
+
+def _script(mark: str, content: str) -> str:
+    return f"{mark}{content}" if len(content) == 1 else f"{mark}{{{content}}}"
+
+
+def _vulgar_fraction_as_latex(match: re.Match) -> str:
+    numerator, denominator = _VULGAR_FRACTIONS[match["frac"]]
+    if match["whole"]:
+        numerator += int(match["whole"]) * denominator
+    latex = f"\\frac{{{numerator}}}{{{denominator}}}"
+    # After ^ or _ a bare \frac is misread (x^\frac{1}{2} parses as 1/2); braces keep it one group.
+    return f"{{{latex}}}" if match.string[match.start() - 1:match.start()] in ("^", "_") else latex
+
+
+def _radicals_as_latex(text: str) -> str:
+    """√12 -> \\sqrt{12} and √(x+1) -> \\sqrt{x+1}, as plain text means them; otherwise TeX's one-token argument."""
+    if not any(radical in text for radical in _RADICALS):
+        return text
+    matching = _matching_parens(text)
+    out, braced_closes, i = [], set(), 0
+    for match in _RADICAL_OR_CLOSE.finditer(text):  # one pass, so nested or unclosed radicals stay linear
+        j = match.start()
+        out.append(text[i:j])
+        i = j + 1
+        if text[j] == ")":
+            out.append("}" if j in braced_closes else ")")
+        else:
+            out.append(_RADICALS[text[j]])
+            # Plain text's radical covers the whole number (√12 is sqrt(12)); TeX's \sqrt12 would be sqrt(1)*2.
+            if number := _RADICAND_NUMBER.match(text, i):
+                out.append(f"{{{number[1]}}}")
+                i = number.end()
+            elif i in matching:
+                out.append("{")
+                braced_closes.add(matching[i])
+                i += 1
+            else:
+                out.append(" ")  # \sqrt x, \sqrt{...}: the next token is the radicand, as in TeX
+    out.append(text[i:])
+    return "".join(out)
+
+
+def _matching_parens(text: str) -> dict[int, int]:
+    """The index of each "(" that is closed, mapped to its ")"."""
+    matching, open_at = {}, []
+    for k, char in enumerate(text):
+        if char == "(":
+            open_at.append(k)
+        elif char == ")" and open_at:
+            matching[open_at.pop()] = k
+    return matching
 
 
 def _repeating_decimal_as_fraction(match: re.Match) -> str:
