@@ -4,7 +4,7 @@ The same run as `python tests/fault_injection.py --all` (every kill point in bot
 both, the 500-step long run in both), plus the full disk on a real tmpfs where this process may mount one. Its
 progress lines and the table go to the terminal as they come (pytest's capture is off for them); every row
 must be ok. Marked `soak`, which tests/conftest.py leaves out of every run whose -m does not name it: CI (unit
-+ slow, about 46 minutes against a 90-minute limit) has no room for it. tests/test_faults.py is the CI subset.
++ slow, 48-51 minutes with the install against a 90-minute limit) has no room for it. tests/test_faults.py is the CI subset.
 """
 
 import os
