@@ -104,7 +104,7 @@ import json, time, sys
 sys.path.insert(0, {ROOT!r})
 from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
-from megarl.tasks import arithmetic
+from megarl.data.tasks import arithmetic
 tok = AutoTokenizer.from_pretrained({model!r})
 llm = LLM(model={model!r}, dtype="float32", seed=0, max_model_len=512, enforce_eager=True)
 problems = arithmetic.make_problems({JOB['prompts']}, 0)

@@ -4,7 +4,7 @@ the Python of a separate environment that has TRL (see bench/e2e.py's docstring)
     python bench/trl_grpo.py --model DIR --mode transformers|vllm --steps N --out result.json
 
 One process with every core (TRL's single-process CPU path). The same job as megarl's side: the
-built-in arithmetic prompts (megarl.tasks.arithmetic, the same seed and chat template), 8 prompts x
+built-in arithmetic prompts (megarl.data.tasks.arithmetic, the same seed and chat template), 8 prompts x
 4 samples per step, up to 128 new tokens at temperature 1, fp32, one optimizer step per generation
 (32 samples per step, steps_per_generation 1, num_iterations 1), no KL (beta 0), the same exact-match
 reward. Writes {"step_seconds": [...], "generated_tokens": [...]} from a callback's wall clock.
@@ -36,7 +36,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from megarl.tasks import arithmetic
+    from megarl.data.tasks import arithmetic
 
     problems = arithmetic.make_problems(args.prompts * args.steps * 2, seed=0)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}], "answer": p["answer"]}

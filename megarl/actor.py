@@ -29,7 +29,8 @@ import contextlib
 
 import torch
 
-from megarl import batch as batching, kernels, vocab_parallel
+from megarl import batch as batching, kernels
+from megarl.kernels import naive
 from megarl.algorithms import (KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, entropy_bonus,
                                kl_penalty_in_loss)
 from megarl.model_runner import MicroBatch, SampledLogprobs, TrainableModel, output_weight, response_aligned
@@ -61,7 +62,7 @@ class Actor(TrainableModel, SampledLogprobs):
             return kernels.logprobs_and_entropy(output, batch.labels, vocab_size, args.temperature, args.kernels,
                                                 weight_shard=self._weight(hidden))
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(args.entropy_coef)):
-            entropy = vocab_parallel.entropy(output, vocab_size, args.temperature)
+            entropy = naive.entropy(output, vocab_size, args.temperature)
         return self.token_logprobs(batch, output), entropy
 
     def _full_kl(self, logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:

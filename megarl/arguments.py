@@ -291,7 +291,7 @@ def _add_data_args(parser):
     g = parser.add_argument_group("data")
     g.add_argument("--train-data", nargs="*", default=[],
                    help="JSONL / Parquet files, globs or directories of prompts (none: the built-in "
-                        "arithmetic task); layouts in megarl/datasets.py")
+                        "arithmetic task); layouts in megarl/data/datasets.py")
     g.add_argument("--data-format", default="auto", choices=["auto", "colossalchat", "verl", "swift"],
                    help="row layout (auto: detected per row)")
     g.add_argument("--prompt-key", default="prompt", help="verl layout: the column holding the chat")
@@ -322,7 +322,7 @@ def _add_reward_args(parser):
                         "corrects the gap); off: every step samples with the newest weights")
     g.add_argument("--reward-workers", type=int, default=1,
                    help="threads that score each prompt's samples as soon as the engine finishes them, while the "
-                        "rest still generate (megarl/scoring.py); more than 1 also scores prompts in parallel "
+                        "rest still generate (megarl/rewards/scoring.py); more than 1 also scores prompts in parallel "
                         "(a plugin reward must then be thread-safe); 0: score after generation, in the main thread. "
                         "With --reward-timeout: that many reward worker processes (at least 1)")
     g.add_argument("--reward-timeout", type=float, default=0.0, metavar="SECONDS",

@@ -5,7 +5,7 @@ rewards give 1.0 for a correct answer). Each phase of the step (megarl/phases.py
 reports its own seconds and metrics: `<phase>_seconds` (generate, score,
 prepare, advantages, update, sync), `step_seconds` their sum, and
 `reward_seconds` what the rewards added to generate (the slowest rollout rank): with
---reward-workers > 0 they are scored while the engine generates (megarl/scoring.py) and this is
+--reward-workers > 0 they are scored while the engine generates (megarl/rewards/scoring.py) and this is
 the wait after generation ended; with 0, all of the scoring.
 rss_mb is rank 0's resident memory after the step (/proc/self/status), to see a leak.
 tokens_per_second counts prompt and response tokens of the step's samples over

@@ -45,11 +45,11 @@ from megarl import accelerator, batch as batching, distributed
 from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, distill_token_rewards, dynamic_sampling_keep,
                                kl_penalty_in_reward, sequence_rewards_to_tokens)
 from megarl.batch import Batch
-from megarl.dumps import write_samples
+from megarl.data.dumps import write_samples
 from megarl.model_runner import make_micro_batches
 from megarl.rewards import SCORER_TIMEOUT
-from megarl.scoring import OverlappedScoring
-from megarl.prompts import reference_response_ids
+from megarl.rewards.scoring import OverlappedScoring
+from megarl.data.prompts import reference_response_ids
 from megarl.rollout import Sample, stable_seed
 from megarl.run import Run
 

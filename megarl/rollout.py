@@ -93,7 +93,7 @@ class VllmEngine:
         (default --temperature; 0 is greedy), each at least `min_tokens` long (vLLM's min_tokens;
         the caller passes --min-new-tokens for training samples only, so an evaluation measures
         where the policy itself stops). `on_prompt_done(i, samples)` is called with prompt i's
-        samples as soon as its request finishes (the rewards overlap the rest: megarl/scoring.py);
+        samples as soon as its request finishes (the rewards overlap the rest: megarl/rewards/scoring.py);
         the engine runs the same steps either way, so the samples do not depend on it.
 
         Randomness: before each call the process RNG (which vLLM's sampler draws from

@@ -97,7 +97,7 @@ def load_inputs(args) -> Inputs:
     group starts and before anything is written: a bad input fails here with one line (ConfigError)."""
     from transformers import AutoTokenizer
 
-    from megarl.data import eval_prompts, prompt_source
+    from megarl.data.sources import eval_prompts, prompt_source
     from megarl.rewards import default_system_prompt
 
     hf_config = check_model_dir("--model", args.model)
@@ -199,7 +199,7 @@ def _build_reward(args, colocated: bool):
     a code reward's sandbox pool gets this rank's share of --sandbox-memory-budget-mb."""
     from megarl.arguments import loaded_plugins
     from megarl.rewards import build_reward
-    from megarl.scoring import TimedRewards, sandbox_memory_budget_mb
+    from megarl.rewards.scoring import TimedRewards, sandbox_memory_budget_mb
 
     # The reward model on this rollout rank's device; colocated with the trainer and vLLM it waits in host
     # memory between scoring calls (a GPU-only move, megarl.accelerator; a no-op on CPU).

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from megarl import accelerator, kernels, vocab_parallel
+from megarl import accelerator, kernels
+from megarl.kernels import naive
 from megarl.model_runner import FrozenModel, MicroBatch, response_aligned
 from megarl.rollout import VllmEngine
 
@@ -45,7 +46,7 @@ class Teacher(FrozenModel):
 
         def score_of(batch, logits, _):
             sampled = kernels.token_logprobs(logits, batch.labels, vocab_size, args.temperature, args.kernels)
-            return (sampled,) + (vocab_parallel.topk_logprobs(logits, k, vocab_size, args.gkd_temperature) if k else ())
+            return (sampled,) + (naive.topk_logprobs(logits, k, vocab_size, args.gkd_temperature) if k else ())
 
         # OPSD rows are run after their teacher prompt; response-aligned, they line up with the student's.
         views = [batch.teacher_view or batch for batch in micro_batches]

@@ -13,7 +13,7 @@ from megarl.arguments import ConfigError, parse_args
 from megarl.checkpoint import CheckpointError
 from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger
-from megarl.scoring import check_sandbox
+from megarl.rewards.scoring import check_sandbox
 from megarl.rollout import release_shared_memory
 from megarl.run import load_inputs
 

@@ -12,7 +12,7 @@ from megarl.rewards.code import (
     read_test_cases,
     score_batch,
 )
-from megarl.sandbox import SandboxLimits, SandboxPool
+from megarl.rewards.sandbox import SandboxLimits, SandboxPool
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)"
 # Right for non-negative numbers only.

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import ROOT
-from megarl.datasets import load_rows
+from megarl.data.datasets import load_rows
 
 GSM8K = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import scalars, torchrun
 
-from megarl.tasks import arithmetic
+from megarl.data.tasks import arithmetic
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 

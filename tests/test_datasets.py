@@ -1,4 +1,4 @@
-"""megarl/datasets.py: layouts, rendering, truncation, ordering, resumption, errors."""
+"""megarl/data/datasets.py: layouts, rendering, truncation, ordering, resumption, errors."""
 
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from helpers import ROOT
 from megarl.arguments import ConfigError
-from megarl.datasets import (DATASET_PREPROCESSORS, DatasetError, PromptDataset, load_eval_dataset, load_rows,
+from megarl.data.datasets import (DATASET_PREPROCESSORS, DatasetError, PromptDataset, load_eval_dataset, load_rows,
                              make_prompts, register_preprocessor, render, shard)
 
 GENERATION_PROMPT = "<|im_start|>assistant\n"

@@ -129,7 +129,7 @@ def _arithmetic_rows(path, teacher_prompts: bool) -> str:
     privileged teacher prompt that states the answer (OPSD), the others fall back to plain GKD."""
     import json
 
-    from megarl.tasks import arithmetic
+    from megarl.data.tasks import arithmetic
 
     rows = []
     for i, problem in enumerate(arithmetic.make_problems(16, seed=3)):

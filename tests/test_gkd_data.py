@@ -23,7 +23,7 @@ def test_response_source_follows_lmbda_and_is_a_function_of_seed_and_step():
 def test_reference_response_is_the_assistant_turn_up_to_its_end(tiny_model):
     from transformers import AutoTokenizer
 
-    from megarl.prompts import chat_token_ids, reference_response_ids
+    from megarl.data.prompts import chat_token_ids, reference_response_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     messages = [{"role": "user", "content": "What is 12 + 30?"}]
@@ -50,8 +50,8 @@ def test_the_teacher_group_of_a_yaml_config_is_a_standalone_teacher(tiny_model, 
 
 
 def test_off_policy_steps_on_a_dataset_need_its_responses(tiny_model, tmp_path):
-    from megarl.data import prompt_source
-    from megarl.datasets import DatasetError
+    from megarl.data.sources import prompt_source
+    from megarl.data.datasets import DatasetError
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant",
@@ -72,8 +72,8 @@ def test_the_opsd_example_gives_every_row_a_privileged_teacher_prompt(tiny_model
     (rendered like the student's) carries the answer the student's prompt lacks."""
     from transformers import AutoTokenizer
 
-    from megarl.data import prompt_source
-    from megarl.tasks import arithmetic
+    from megarl.data.sources import prompt_source
+    from megarl.data.tasks import arithmetic
 
     rows = tmp_path / "arithmetic.jsonl"
     arithmetic.write_jsonl(rows, arithmetic.make_problems(8, seed=5))

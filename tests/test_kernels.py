@@ -1,5 +1,5 @@
-"""megarl/kernels.py: the chunked implementations against the naive reference (today's
-vocab_parallel math), and both against a full-vocabulary torch reference, in fp32.
+"""megarl/kernels: the chunked implementations against the naive reference (kernels/naive.py),
+and both against a full-vocabulary torch reference, in fp32.
 
 The unit lane runs the cases in-process at TP=1 (a one-rank gloo world with Megatron's parallel
 state); the slow lane runs the same cases under real torchrun at TP=1 and TP=2, where the

@@ -1,4 +1,4 @@
-"""Rewards scored while the engine generates (megarl/scoring.py, --reward-workers)."""
+"""Rewards scored while the engine generates (megarl/rewards/scoring.py, --reward-workers)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_overlapped_scoring_scores_every_sample_where_it_should(workers):
     thread (so while it generates), without, in it at `finish`."""
     from megarl.rewards import RewardSpec
     from megarl.rewards.arithmetic import arithmetic_reward
-    from megarl.scoring import OverlappedScoring
+    from megarl.rewards.scoring import OverlappedScoring
 
     threads = []
 

@@ -1,4 +1,4 @@
-"""Rewards that hang or crash (--reward-timeout, megarl/reward_workers.py): real plugin rewards in real
+"""Rewards that hang or crash (--reward-timeout, megarl/rewards/workers.py): real plugin rewards in real
 worker processes. Time bounds are generous (a loaded 2-core machine): they tell "bounded" from "hung"."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _samples(responses):
 def _timed(name: str, workers: int = 2, timeout: float = TIMEOUT):
     from megarl.arguments import loaded_plugins
     from megarl.rewards import get_reward
-    from megarl.scoring import TimedRewards
+    from megarl.rewards.scoring import TimedRewards
 
     return TimedRewards(get_reward(name), workers, timeout, loaded_plugins())
 
@@ -50,7 +50,7 @@ def test_a_reward_that_hangs_for_ever_scores_timeout_and_the_step_goes_on(worker
     reason timeout, the others keep their verdicts, scoring returns within timeout + grace, the count is
     reported, the hung worker is gone and a new one scores what follows."""
     from megarl.phases import _reward_errors
-    from megarl.scoring import OverlappedScoring
+    from megarl.rewards.scoring import OverlappedScoring
 
     timed = _timed("hanging_arithmetic", workers)
     try:
@@ -111,7 +111,7 @@ def test_in_process_parts_stay_in_the_trainer():
     from megarl.arguments import loaded_plugins
     from megarl.rewards import RewardOutput, RewardSpec
     from megarl.rewards.combine import combine_rewards
-    from megarl.scoring import TimedRewards
+    from megarl.rewards.scoring import TimedRewards
 
     def local(response, row):
         return RewardOutput(0.5, str(os.getpid()))
@@ -130,7 +130,7 @@ def test_in_process_parts_stay_in_the_trainer():
 
 
 def test_a_worker_that_cannot_start_is_a_setup_error():
-    from megarl.reward_workers import RewardProcessPool, RewardWorkerError
+    from megarl.rewards.workers import RewardProcessPool, RewardWorkerError
 
     with pytest.raises(RewardWorkerError, match="not registered"):
         RewardProcessPool(["no_such_reward"], 1, 5.0)
@@ -154,7 +154,7 @@ def test_a_run_with_a_hanging_reward_finishes_and_counts_the_timeouts(tiny_model
 def test_a_worker_that_cannot_be_replaced_breaks_the_pool_loudly(tmp_path):
     """The reward kills its worker, and the plugin no longer imports: the sample that killed it is an
     error, and what follows raises (the run stops) instead of waiting for ever."""
-    from megarl.reward_workers import RewardProcessPool, RewardWorkerError
+    from megarl.rewards.workers import RewardProcessPool, RewardWorkerError
 
     marker = tmp_path / "broken"
     plugin = tmp_path / "fragile.py"
@@ -186,7 +186,7 @@ def test_the_math_graders_own_timeout_counts_and_a_programs_time_limit_does_not(
     from types import SimpleNamespace
 
     from megarl import phases
-    from megarl.reward_workers import timeout_reason
+    from megarl.rewards.workers import timeout_reason
     from megarl.rewards import math as math_rewards
 
     reasons = [timeout_reason(2.0), math_rewards.GRADING_TIMEOUT, "timeout", "correct", "error: reward worker died"]

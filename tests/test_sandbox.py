@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl import sandbox
-from megarl.sandbox import (
+from megarl.rewards import sandbox
+from megarl.rewards.sandbox import (
     RunResult,
     SandboxLimits,
     SandboxPool,
@@ -312,10 +312,10 @@ def test_refuses_to_run_when_the_sandbox_cannot_be_made(tmp_path):
     marker = tmp_path / "ran"
     program = f"open({str(marker)!r}, 'w')"  # unsandboxed, it would create the marker
     script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-              "from megarl.sandbox import run_program\n"
+              "from megarl.rewards.sandbox import run_program\n"
               f"run_program({program!r})\n")
     proc = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", script],
                           check=False, capture_output=True, text=True, timeout=60)
     last_line = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode != 0 and last_line.startswith("megarl.sandbox.SandboxError: sandbox unavailable")
+    assert proc.returncode != 0 and last_line.startswith("megarl.rewards.sandbox.SandboxError: sandbox unavailable")
     assert not marker.exists()

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from helpers import ROOT
-from megarl import sandbox
-from megarl.sandbox import SandboxError, SandboxLimits, SandboxPool, pool_concurrency, probe
+from megarl.rewards import sandbox
+from megarl.rewards.sandbox import SandboxError, SandboxLimits, SandboxPool, pool_concurrency, probe
 
 SMALL = SandboxLimits(cpu_seconds=1, wall_seconds=3.0, memory_mb=64, max_processes=2, max_file_mb=4,
                       max_output_bytes=1 << 20)  # run_memory_mb = 2 * 64 + 4 + 2 = 134
@@ -38,7 +38,7 @@ def broken_sandbox(monkeypatch):
 
 
 def test_the_probe_passes_where_the_sandbox_works():
-    from megarl.scoring import check_sandbox
+    from megarl.rewards.scoring import check_sandbox
 
     probe(SMALL)
     check_sandbox(_args())
@@ -47,7 +47,7 @@ def test_the_probe_passes_where_the_sandbox_works():
 
 def test_the_probe_fails_in_one_line(broken_sandbox):
     from megarl.arguments import ConfigError
-    from megarl.scoring import check_sandbox
+    from megarl.rewards.scoring import check_sandbox
 
     with pytest.raises(SandboxError, match=r"^sandbox unavailable: \[Errno 38\] syscall\(99999") as raised:
         probe(SMALL)
@@ -117,7 +117,7 @@ def test_the_budget_bounds_how_many_programs_run_at_once():
 def test_the_budget_is_split_between_ranks_and_reward_processes():
     from megarl.arguments import ConfigError
     from megarl.rewards.code import LIMITS
-    from megarl.scoring import check_sandbox, sandbox_memory_budget_mb
+    from megarl.rewards.scoring import check_sandbox, sandbox_memory_budget_mb
 
     bound = LIMITS.run_memory_mb
     assert sandbox_memory_budget_mb(_args(reward="boxed")) is None  # no code reward, no budget
@@ -157,7 +157,7 @@ def test_the_code_reward_in_reward_worker_processes():
     of the budget), its reasons come back unchanged."""
     from megarl.rewards import get_reward
     from megarl.rewards.code import LIMITS
-    from megarl.scoring import TimedRewards
+    from megarl.rewards.scoring import TimedRewards
 
     timed = TimedRewards(get_reward("code"), 1, 60.0, sandbox_memory_budget_mb=LIMITS.run_memory_mb)
     try:

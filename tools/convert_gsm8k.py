@@ -7,13 +7,13 @@ The question becomes the user message (no instruction is added: the answer
 format belongs to the system prompt, --system-prompt or the reward's default),
 the number after the last "####" with its thousands commas removed becomes the
 ground truth, and the worked solution is kept as the `reference_solution`
-column. The output loads with `megarl.datasets.load_rows`.
+column. The output loads with `megarl.data.datasets.load_rows`.
 """
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megarl.datasets import DatasetError, Row, converter_main, read_file  # noqa: E402
+from megarl.data.datasets import DatasetError, Row, converter_main, read_file  # noqa: E402
 
 # verl's reward routing recognises this name (verl/utils/reward_score).
 DATA_SOURCE = "openai/gsm8k"

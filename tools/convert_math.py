@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megarl.datasets import DatasetError, Row, converter_main, read_file  # noqa: E402
-from megarl.tasks.arithmetic import extract_boxed  # noqa: E402
+from megarl.data.datasets import DatasetError, Row, converter_main, read_file  # noqa: E402
+from megarl.data.tasks.arithmetic import extract_boxed  # noqa: E402
 
 # verl's reward routing recognises this name for MATH (verl/utils/reward_score).
 DATA_SOURCE = "lighteval/MATH"

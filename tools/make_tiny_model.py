@@ -66,7 +66,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megarl.tasks import arithmetic  # noqa: E402
+from megarl.data.tasks import arithmetic  # noqa: E402
 
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2's ChatML layout, without Qwen's default system message (it would triple

@@ -7,11 +7,11 @@ chosen. Here the privileged information is the answer itself; in practice it is 
 worked solution, a reference proof, passing tests, ...
 
 Raw rows are the built-in task's problems, {"prompt": "What is 3 + 4?", "answer": "7"}, e.g.
-    python -c "from megarl.tasks import arithmetic as a; a.write_jsonl('artifacts/arithmetic.jsonl', \
+    python -c "from megarl.data.tasks import arithmetic as a; a.write_jsonl('artifacts/arithmetic.jsonl', \
 a.make_problems(5000, seed=5))"
 """
 
-from megarl.datasets import register_preprocessor
+from megarl.data.datasets import register_preprocessor
 
 
 @register_preprocessor("arithmetic_opsd")

@@ -2,7 +2,7 @@
 implementations selected by name (--kernels; the platform layer picks the default,
 accelerator.default_kernels):
 
-    "naive"    the unfused math of megarl/vocab_parallel.py on full fp32 [tokens, V/TP] tensors:
+    "naive"    the unfused math of megarl/kernels/naive.py on full fp32 [tokens, V/TP] tensors:
                the reference the others are tested against.
     "chunked"  plain torch over chunks of token rows (kernels/torch_ops.py): besides the gradient
                it returns, nothing of size [tokens, V/TP] is held beyond one chunk; from hidden
@@ -81,10 +81,10 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size:
         return logprobs_and_entropy_from_hidden(logits, weight_shard, labels, vocab_size, temperature, impl,
                                                 chunk_tokens)
     if impl == "naive":
-        from megarl import vocab_parallel
+        from megarl.kernels import naive
 
-        return (vocab_parallel.logprobs(logits, labels, vocab_size, temperature),
-                vocab_parallel.entropy(logits, vocab_size, temperature))
+        return (naive.logprobs(logits, labels, vocab_size, temperature),
+                naive.entropy(logits, vocab_size, temperature))
     return fused.TokenLogprobEntropy.apply(backend(impl), fused.LogitsSource, vocab_size, temperature,
                                            _chunk(chunk_tokens, logits.shape[-1]), labels, logits)
 
@@ -106,9 +106,9 @@ def token_logprobs(output: torch.Tensor, labels: torch.Tensor, vocab_size: int, 
                    weight_shard: torch.Tensor | None = None) -> torch.Tensor:
     """The labels' log softmax(z) [b, L] alone, from logits or (with `weight_shard`) hidden states."""
     if impl == "naive" and weight_shard is None:
-        from megarl import vocab_parallel
+        from megarl.kernels import naive
 
-        return vocab_parallel.logprobs(output, labels, vocab_size, temperature)
+        return naive.logprobs(output, labels, vocab_size, temperature)
     return logprobs_and_entropy(output, labels, vocab_size, temperature, impl, weight_shard=weight_shard)[0]
 
 
@@ -120,12 +120,12 @@ def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temp
     [..., H] and the logits are hidden @ weight_shard.T, formed one chunk at a time."""
     tail_wanted = ids.shape[-1] < vocab_size
     if impl == "naive":
-        from megarl import vocab_parallel
+        from megarl.kernels import naive
 
         if weight_shard is not None:
             logits = logits_from_hidden(logits, weight_shard)
-        tail = vocab_parallel._tail_logprob(logits, ids, vocab_size, temperature)[..., 0] if tail_wanted else None
-        return vocab_parallel.gather_logprobs(logits, ids, vocab_size, temperature), tail
+        tail = naive._tail_logprob(logits, ids, vocab_size, temperature)[..., 0] if tail_wanted else None
+        return naive.gather_logprobs(logits, ids, vocab_size, temperature), tail
     if weight_shard is None:
         args = (fused.LogitsSource, vocab_size, temperature, _chunk(chunk_tokens, logits.shape[-1]), ids, logits)
     else:
@@ -152,9 +152,9 @@ def full_divergence(logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_si
     """algorithms.distill_full per position (the generalized JSD with beta over the whole vocabulary)
     from both models' shard logits; differentiable in the student's, the teacher's are constants."""
     if impl == "naive":
-        from megarl import vocab_parallel
+        from megarl.kernels import naive
 
-        return vocab_parallel.distill_full(logits, teacher_logits, vocab_size, beta, temperature)
+        return naive.distill_full(logits, teacher_logits, vocab_size, beta, temperature)
     return fused.FullDivergence.apply(backend(impl), vocab_size, temperature, beta,
                                       _chunk(chunk_tokens, logits.shape[-1]), logits, teacher_logits.detach())
 
@@ -163,9 +163,9 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, tem
             chunk_tokens: int | None = None) -> torch.Tensor:
     """Exact KL(pi || ref) per position over the whole vocabulary (the reverse KL: beta = 1)."""
     if impl == "naive":
-        from megarl import vocab_parallel
+        from megarl.kernels import naive
 
-        return vocab_parallel.full_kl(logits, ref_logits, vocab_size, temperature)
+        return naive.full_kl(logits, ref_logits, vocab_size, temperature)
     return full_divergence(logits, ref_logits, vocab_size, 1.0, temperature, impl, chunk_tokens)
 
 

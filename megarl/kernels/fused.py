@@ -184,7 +184,7 @@ class TokenLogprobEntropy(torch.autograd.Function):
         return (None,) * 6 + _gradients(ctx.needs_input_grad[6:], tensors, source_cls, vocab_size, chunk, grad_of)
 
 
-# A tail mass below this is floored (vocab_parallel._tail_logprob clamps at the float's tiny).
+# A tail mass below this is floored (kernels.naive._tail_logprob clamps at the float's tiny).
 _TINY = torch.finfo(torch.float32).tiny
 
 

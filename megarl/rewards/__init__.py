@@ -2,7 +2,7 @@
 
 A reward function is `fn(response: str, row: dict) -> RewardOutput | float`:
   response  the generated text (no prompt);
-  row       the dataset row's normalised fields (see megarl/datasets.py):
+  row       the dataset row's normalised fields (see megarl/data/datasets.py):
             "messages" (the prompt as a chat list), "gt_answer" (math),
             "test_cases" ({"inputs": [...], "outputs": [...]}, code),
             "data_source", "id", and any extra columns.

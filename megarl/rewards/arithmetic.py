@@ -1,7 +1,7 @@
 """The built-in arithmetic task's reward: exact match of the last \\boxed{} answer."""
 
 from megarl.rewards import RewardOutput, register_reward
-from megarl.tasks import arithmetic
+from megarl.data.tasks import arithmetic
 
 
 @register_reward("arithmetic")

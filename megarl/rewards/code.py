@@ -17,7 +17,7 @@ Conventions:
   reason      "correct" when every case passes, else the first failing case's:
               "wrong answer" (ran fine, other output) or the sandbox status ("timeout",
               "memory limit", "output limit", "runtime error"); "no code".
-  sandbox     every run is its own sandbox (megarl/sandbox.py) with `LIMITS`, on a
+  sandbox     every run is its own sandbox (megarl/rewards/sandbox.py) with `LIMITS`, on a
               process-wide SandboxPool of os.cpu_count() workers, so the runs of a batch
               (all cases of all responses) overlap; fewer when `configure_pool` gives it
               a memory budget (--sandbox-memory-budget-mb). A sandbox that cannot be set
@@ -33,8 +33,8 @@ from concurrent.futures import Future
 from functools import partial
 
 from megarl.rewards import RewardOutput, register_reward
-from megarl import sandbox
-from megarl.sandbox import SandboxLimits, SandboxPool
+from megarl.rewards import sandbox
+from megarl.rewards.sandbox import SandboxLimits, SandboxPool
 
 SYSTEM_PROMPT = (
     "Solve the programming problem. Write a complete Python 3 program that reads the input "
@@ -80,7 +80,7 @@ def read_test_cases(row: dict) -> tuple[list[str], list[str]]:
 
 def configure_pool(memory_budget_mb: int | None) -> None:
     """Bound the runs of this process's pool to `memory_budget_mb` together (see
-    megarl.sandbox.pool_concurrency); before the pool's first use. ValueError when it is below one run."""
+    megarl.rewards.sandbox.pool_concurrency); before the pool's first use. ValueError when it is below one run."""
     global _memory_budget_mb
     with _pool_lock:
         if _pool is not None:

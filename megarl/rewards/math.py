@@ -161,7 +161,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from megarl.rewards import SCORER_TIMEOUT, RewardOutput, register_reward
-from megarl.tasks.arithmetic import extract_boxed
+from megarl.data.tasks.arithmetic import extract_boxed
 
 MATH_VERIFY_TIMEOUT_S = 5.0
 """Wall-clock budget of one judgement (parse gold + parse answer + compare)."""

@@ -61,7 +61,7 @@ from megarl.rewards import RewardOutput, RewardSpec
 class RewardModelReward:
     """`fn(response, row) -> RewardOutput` scoring with an HF reward model (see the module docstring)."""
 
-    # Scored in the trainer even under --reward-timeout (megarl/reward_workers.py): a worker process
+    # Scored in the trainer even under --reward-timeout (megarl/rewards/workers.py): a worker process
     # would load the model again (and its GPU memory); a forward pass does not hang.
     in_process = True
 

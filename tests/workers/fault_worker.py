@@ -30,7 +30,8 @@ import signal
 import sys
 import time
 
-from megarl import actor, checkpoint, model_runner, phases, preemption, rollout, scoring, train
+from megarl import actor, checkpoint, model_runner, phases, preemption, rollout, train
+from megarl.rewards import scoring
 
 FAULT_POINTS = ("generate", "reward", "old_logprobs", "advantages", "backward", "optimizer", "metric_allreduce",
                 "sync", "eval", "preempt_check", "save", "save_publish")

@@ -15,7 +15,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from megarl.prompts import render_chat
+    from megarl.data.prompts import render_chat
     from sync_worker import GREEDY_PROMPTS
 
     path, out = sys.argv[1], sys.argv[2]

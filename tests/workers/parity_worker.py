@@ -17,7 +17,7 @@ from megarl.models.families import family_of
 from megarl.models.megatron_gpt import build_gpt_model, rope_parameters
 from megarl.algorithms import kl_full
 from megarl.critic import attach_value_head
-from megarl import vocab_parallel
+from megarl.kernels import naive
 
 
 def _full_kl_parity(shard_logits, reference, vocab_size) -> dict:
@@ -26,7 +26,7 @@ def _full_kl_parity(shard_logits, reference, vocab_size) -> dict:
     from megatron.core import parallel_state
 
     shard = shard_logits.detach().clone().requires_grad_(True)
-    kl = vocab_parallel.full_kl(shard, 0.5 * shard.detach(), vocab_size, 0.7)
+    kl = naive.full_kl(shard, 0.5 * shard.detach(), vocab_size, 0.7)
     kl.sum().backward()
     full = reference.detach().clone().requires_grad_(True)
     expected = kl_full(torch.log_softmax(full / 0.7, -1), torch.log_softmax(0.5 * full.detach() / 0.7, -1))
@@ -50,7 +50,7 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
 
     k, temperature, report = 8, 0.7, {}
     teacher = 0.5 * reference.detach()
-    ids, logprobs = vocab_parallel.topk_logprobs(0.5 * shard_logits.detach(), k, vocab_size, temperature)
+    ids, logprobs = naive.topk_logprobs(0.5 * shard_logits.detach(), k, vocab_size, temperature)
     expected_logprobs, expected_ids = torch.log_softmax(teacher / temperature, -1).topk(k, dim=-1)
     # Megatron's and HF's logits differ by ~1e-5: ids may swap only where the ranking is that close.
     ranked = torch.log_softmax(teacher / temperature, -1).topk(k + 1, dim=-1).values
@@ -63,7 +63,7 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
     real = max(min(vocab_size - start, width), 0)
     for mode in ("renorm", "tail"):
         shard = shard_logits.detach().clone().requires_grad_(True)
-        loss = vocab_parallel.distill_topk(shard, expected_ids, expected_logprobs, vocab_size, 0.5, temperature, mode)
+        loss = naive.distill_topk(shard, expected_ids, expected_logprobs, vocab_size, 0.5, temperature, mode)
         loss.sum().backward()
         full = reference.detach().clone().requires_grad_(True)
         expected = GKD_TOPK_MODES[mode](full, expected_ids, expected_logprobs, 0.5, temperature)
@@ -76,14 +76,14 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
     # rolled by half the vocabulary, so that its mass sits on the other shard at TP=2: a gradient
     # that missed the other shard's share of a normaliser would show. The pure function gets
     # Megatron's own logits, gathered (HF's differ by ~5e-6, which these large gradients amplify).
-    gathered = vocab_parallel._all_gather_last_dim(shard_logits.detach(),
+    gathered = naive._all_gather_last_dim(shard_logits.detach(),
                                                    parallel_state.get_tensor_model_parallel_group())[..., :vocab_size]
     teacher_full = torch.roll(gathered, shifts=vocab_size // 2, dims=-1)
     teacher_shard = torch.zeros_like(shard_logits)
     teacher_shard[..., :real] = teacher_full[..., start: start + real]
     for beta in (0.0, 0.5, 1.0):
         shard = shard_logits.detach().clone().requires_grad_(True)
-        loss = vocab_parallel.distill_full(shard, teacher_shard, vocab_size, beta, temperature)
+        loss = naive.distill_full(shard, teacher_shard, vocab_size, beta, temperature)
         loss.sum().backward()
         full = gathered.clone().requires_grad_(True)
         expected = distill_full(full, teacher_full, beta, temperature)
@@ -92,7 +92,7 @@ def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
         report[f"max_abs_gkd_full_beta{beta:g}_grad_diff"] = (shard.grad[..., :real]
                                                               - full.grad[..., start: start + real]).abs().max().item()
         report[f"gkd_full_beta{beta:g}_mean"] = expected.mean().item()
-    mass = vocab_parallel.topk_mass(shard_logits, expected_ids, vocab_size, temperature)
+    mass = naive.topk_mass(shard_logits, expected_ids, vocab_size, temperature)
     expected_mass = student_topk_mass(reference, expected_ids, temperature)
     report["max_abs_topk_mass_diff"] = (mass - expected_mass).abs().max().item()
     return report
@@ -167,8 +167,8 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
             # against a full-vocabulary softmax of the HF logits.
             labels = torch.roll(tokens, -1, dims=1)
             full = torch.log_softmax(reference / 0.7, dim=-1)
-            logprobs = vocab_parallel.logprobs(shard_logits, labels, hf_config.vocab_size, 0.7)
-            entropy = vocab_parallel.entropy(shard_logits, hf_config.vocab_size, 0.7)
+            logprobs = naive.logprobs(shard_logits, labels, hf_config.vocab_size, 0.7)
+            entropy = naive.entropy(shard_logits, hf_config.vocab_size, 0.7)
         report["max_abs_logit_diff"] = (logits - reference).abs().max().item()
         report["max_abs_logprob_diff"] = (logprobs - full.gather(-1, labels[..., None])[..., 0]).abs().max().item()
         report["max_abs_entropy_diff"] = (entropy + (full.exp() * full).sum(-1)).abs().max().item()

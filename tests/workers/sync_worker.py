@@ -53,7 +53,7 @@ def main():
     report["sync"], report["after"] = report["syncs"][0]["sync"], report["syncs"][0]["after"]
 
     if run.rollout is not None:
-        from megarl.prompts import render_chat
+        from megarl.data.prompts import render_chat
 
         prompts = [render_chat(run.tokenizer, text) for text in GREEDY_PROMPTS]
         greedy = run.rollout.generate(prompts, list(range(len(prompts))), step=0, greedy=True)

@@ -14,7 +14,7 @@ import torch
 from megarl import distributed, phases
 from megarl.arguments import parse_args
 from megarl.model_runner import make_micro_batches
-from megarl.prompts import render_chat
+from megarl.data.prompts import render_chat
 from megarl.rollout import release_shared_memory
 from megarl.run import build_run
 

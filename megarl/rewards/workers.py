@@ -18,7 +18,7 @@ rebuilt in the worker from the registry after importing the run's plugin files a
 multi-threaded trainer: vLLM, gloo and torch threads may hold locks a fork would copy locked).
 A plugin therefore runs in the worker, with the worker's module state, not the trainer's.
 The reward model (`rm`) stays in the trainer: it holds a torch model (and a GPU) that a worker
-would have to load again; `megarl.scoring` scores it in-process, beside the workers.
+would have to load again; `megarl.rewards.scoring` scores it in-process, beside the workers.
 
 Lifetime: workers start with the pool (in parallel; about a second each, the imports), exit when
 the pool closes or the trainer's end of their pipe closes (the trainer died), and ask the kernel
@@ -48,8 +48,8 @@ START_TIMEOUT_S = 120.0
 """How long a new worker may take to import megarl, the rewards and the plugins."""
 TIMEOUT_MARK = f"{SCORER_TIMEOUT}reward call"
 """The start of TIMEOUT_REASON (a SCORER_TIMEOUT reason, counted in reward_timeouts)."""
-_ROOT = str(Path(__file__).resolve().parents[1])
-_WORKER_MAIN = f"import sys; sys.path.insert(0, {_ROOT!r}); from megarl.reward_workers import _serve; _serve()"
+_ROOT = str(Path(__file__).resolve().parents[2])
+_WORKER_MAIN = f"import sys; sys.path.insert(0, {_ROOT!r}); from megarl.rewards.workers import _serve; _serve()"
 
 
 def timeout_reason(seconds: float) -> str:
@@ -129,7 +129,7 @@ class RewardProcessPool:
     """`workers` reward worker processes scoring the named reward `parts` under `timeout` seconds a call.
 
     parts: the registered reward names the workers score, each sample getting one RewardOutput per
-           part (the caller combines them; see megarl.scoring).
+           part (the caller combines them; see megarl.rewards.scoring).
     plugins: plugin files the workers import first (those the trainer imported, in order).
     sys_path: the workers' sys.path (default: the trainer's).
     sandbox_memory_budget_mb: this pool's share of the sandbox memory budget, split between its

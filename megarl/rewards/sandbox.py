@@ -522,7 +522,7 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     stderr = capture.stderr.decode(errors="replace")
     if report[:1] == ["error"]:
         raise SandboxError(f"sandbox unavailable: {' '.join(report[1:])}; it needs Linux user, mount, pid and "
-                           "network namespaces (see megarl/sandbox.py) and will not run code without them")
+                           "network namespaces (see megarl/rewards/sandbox.py) and will not run code without them")
     if report[:1] != ["exit"] and not killed:
         raise SandboxError(f"sandbox: the launcher died without a report; its stderr: {stderr[-500:]}")
     returncode = None if killed else int(report[1])

@@ -79,7 +79,7 @@ Ordering and resumption (`PromptDataset`)
 
 Preprocessors
     A plugin maps a custom layout onto a known one:
-        from megarl.datasets import register_preprocessor
+        from megarl.data.datasets import register_preprocessor
         @register_preprocessor("my_qa")
         def my_qa(raw: dict) -> dict:
             return {"messages": [{"role": "user", "content": raw["q"]}], "gt_answer": raw["a"]}
@@ -97,7 +97,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from megarl.arguments import ConfigError
-from megarl.prompts import Prompt, chat_token_ids
+from megarl.data.prompts import Prompt, chat_token_ids
 
 FORMATS = ("auto", "colossalchat", "verl", "swift")
 TRUNCATIONS = ("error", "left", "right")
@@ -468,7 +468,7 @@ def shard(items: list, rank: int, world: int) -> list:
 # ------------------------------------------------------------- training set ----
 
 class PromptDataset:
-    """Training prompts: `batch(step, attempt)` like `megarl.data.ArithmeticPrompts`.
+    """Training prompts: `batch(step, attempt)` like `megarl.data.sources.ArithmeticPrompts`.
 
     Ordering and the resumable `extra` counter are described in the module
     docstring; every rank builds the same batches without communication.

@@ -8,9 +8,9 @@ data -> datasets (files and layouts) -> prompts (the Prompt record, chat renderi
 
 from __future__ import annotations
 
-from megarl.datasets import DatasetError, PromptDataset, load_eval_dataset, load_rows, make_prompts
-from megarl.prompts import Prompt, render_chat
-from megarl.tasks import arithmetic
+from megarl.data.datasets import DatasetError, PromptDataset, load_eval_dataset, load_rows, make_prompts
+from megarl.data.prompts import Prompt, render_chat
+from megarl.data.tasks import arithmetic
 
 
 # `--eval-dataset NAME=builtin[:N]`: N held-out problems of the built-in task (default 200), drawn
@@ -58,7 +58,7 @@ def arithmetic_prompts(problems, tokenizer, max_prompt_length: int, where: str) 
 
 
 def prompt_source(args, tokenizer, system_prompt: str | None):
-    """Training prompts: --train-data files (megarl/datasets.py), else the built-in arithmetic task."""
+    """Training prompts: --train-data files (megarl/data/datasets.py), else the built-in arithmetic task."""
     if not args.train_data:
         return ArithmeticPrompts(args, tokenizer)
     rows = load_rows(args.train_data, format=args.data_format, prompt_key=args.prompt_key,

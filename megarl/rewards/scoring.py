@@ -15,7 +15,7 @@ in the calling thread, as before this module.
 
 --reward-timeout SECONDS (`TimedRewards`): a thread cannot be killed, so a reward that never returns
 would hold the step for ever. With a timeout every reward call runs in one of max(1, --reward-workers)
-worker processes (megarl/reward_workers.py), one sample a call; a call past the timeout is killed
+worker processes (megarl/rewards/workers.py), one sample a call; a call past the timeout is killed
 with its worker (the sample scores 0, reason "timeout: reward call over N s"), a worker that dies
 is replaced ("error: reward worker died ..."), and the step goes on. The threads above then only
 hand the samples over and wait. The reward model part (`rm`) stays in this process (it holds a
@@ -32,7 +32,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-from megarl.reward_workers import RewardProcessPool
+from megarl.rewards.workers import RewardProcessPool
 from megarl.rewards import RewardOutput, RewardSpec, reward_parts, score_all
 from megarl.rewards.combine import combine_outputs
 
@@ -100,10 +100,10 @@ def sandbox_memory_budget_mb(args, local_ranks: int | None = None) -> int | None
 
 def check_sandbox(args) -> None:
     """At start-up, when the reward runs programs in the sandbox: the memory budget fits one program,
-    and a real sandboxed run works (`megarl.sandbox.probe`). Raises ConfigError, one line."""
+    and a real sandboxed run works (`megarl.rewards.sandbox.probe`). Raises ConfigError, one line."""
     from megarl.arguments import ConfigError
     from megarl.rewards import sandbox_limits
-    from megarl.sandbox import SandboxError, probe
+    from megarl.rewards.sandbox import SandboxError, probe
 
     try:
         if sandbox_memory_budget_mb(args) is not None:
