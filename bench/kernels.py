@@ -151,11 +151,11 @@ def main():
                         help="default: kernels.default_chunk_tokens (its budget from logits, or from hidden states)")
     parser.add_argument("--ops", default=",".join(OPERATIONS), help=f"comma-separated subset of {OPERATIONS}")
     args = parser.parse_args()
-    from megarl import distributed, kernels
+    from megarl import accelerator, distributed, kernels
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     distributed.init_single_process_world()
-    impls = ["naive", "chunked"] + (["triton"] if device.type == "cuda" and kernels.triton_available() else [])
+    impls = ["naive", "chunked"] + (["triton"] if device.type == "cuda" and accelerator.triton_available() else [])
     chunk = args.chunk_tokens
     inputs = make_inputs(args.tokens, args.hidden, args.topk, device)
     warm = make_inputs(4, args.hidden, args.topk, device, seed=1)

@@ -1,15 +1,16 @@
 """The one place that knows whether megarl runs on CUDA or on CPU ranks.
 
 Everything device- or backend-dependent is decided here: the torch device, the
-collective backend, the Megatron layer spec, and -- only when CUDA is absent --
-the shims that let Megatron-core 0.16 run on CPU. Megatron-core hard-codes CUDA in
+collective backend, whether Transformer Engine and Triton run, and -- only when CUDA
+is absent -- the shims that let Megatron-core 0.16 run on CPU. Megatron-core hard-codes CUDA in
 a handful of places (docs/design.md lists them); rather than fork it, we rebind those
 names to CPU equivalents once, at start-up, before any Megatron object exists.
 With CUDA present `apply_megatron_shims()` does nothing.
 
 GPU-only code paths in megarl (all of them live here or are selected here):
   * NCCL process groups (`backend()`, `store_group`) and `cuda:<local_rank>` devices;
-  * the Transformer Engine layer spec, when transformer_engine is importable, and with it
+  * the Transformer Engine layer spec, when transformer_engine is importable
+    (`transformer_engine_available`; megarl.models.megatron_gpt builds the spec), and with it
     Transformer Engine's varlen attention for --padding-free rows (elsewhere the local spec's
     core attention is megarl.models.attention's per-sequence one);
   * pinned host memory for offloaded tensors and handing freed memory back
@@ -18,8 +19,8 @@ GPU-only code paths in megarl (all of them live here or are selected here):
   * vLLM sleep/wake (see megarl.rollout) -- a logged no-op on CPU;
   * the reward model (--reward-model) on the rollout rank's GPU, and its moves to host memory between
     scoring calls when colocated (`module_to_host`, `module_to_device`; no-ops on CPU);
-  * the Triton kernels of megarl/kernels (`default_kernels`, `check_supported`): on CPU only
-    under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+  * the Triton kernels of megarl/kernels (`triton_available`, `default_kernels`, `check_supported`):
+    on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
 
 from __future__ import annotations
@@ -55,19 +56,6 @@ def set_device(local_rank: int) -> None:
 
 def transformer_engine_available() -> bool:
     return ON_CUDA and importlib.util.find_spec("transformer_engine") is not None
-
-
-def gpt_layer_spec(qk_layernorm: bool = False):
-    """Transformer Engine spec on GPU hosts that have TE, the local spec otherwise."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if transformer_engine_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    from megarl.models.attention import PackedDotProductAttention
-
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # takes --padding-free rows
-    return spec
 
 
 def packed_sequence_params(lengths: list[int]):
@@ -173,11 +161,17 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here: Triton installed, and a CUDA device or the
+    Triton interpreter (TRITON_INTERPRET=1, which runs the kernels on CPU tensors, for tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def default_kernels() -> str:
     """--kernels auto: Triton's fused kernels on a GPU host that has Triton, the chunked torch ones otherwise."""
-    from megarl import kernels
-
-    return "triton" if ON_CUDA and kernels.triton_available() else "chunked"
+    return "triton" if ON_CUDA and triton_available() else "chunked"
 
 
 def check_supported(args) -> str | None:
@@ -185,12 +179,9 @@ def check_supported(args) -> str | None:
     if not ON_CUDA and args.params_dtype == "float16":
         return ("--fp16 (--params-dtype float16) needs a GPU host: vLLM's CPU backend does not run float16 "
                 "and Megatron's loss scaler keeps its scale on a CUDA device; use --bf16 on CPU ranks")
-    if args.kernels == "triton":
-        from megarl import kernels
-
-        if not kernels.triton_available():
-            return ("--kernels triton needs Triton and a GPU (or Triton's interpreter, TRITON_INTERPRET=1, "
-                    "for tests); use --kernels chunked on this host")
+    if args.kernels == "triton" and not triton_available():
+        return ("--kernels triton needs Triton and a GPU (or Triton's interpreter, TRITON_INTERPRET=1, "
+                "for tests); use --kernels chunked on this host")
     return None
 
 

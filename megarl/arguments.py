@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from megarl import algorithms
+from megarl.errors import ConfigError
 from megarl.placement import ROLES, Placement, PlacementError
 
 DEFAULT_MODEL = "artifacts/tiny-qwen2"
@@ -36,10 +37,6 @@ DEFAULT_MODEL = "artifacts/tiny-qwen2"
 # Role keys whose option is not `<role>_<key>`: `teacher_model` (top level) is the teacher
 # colocated on the train ranks, so the teacher group's model has an option of its own.
 ROLE_KEY_DESTS = {("teacher", "model"): "standalone_teacher_model"}
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; the message is one line that names the option."""
 
 
 def _json_dict(text: str) -> dict:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import accelerator
-from megarl.arguments import ConfigError
+from megarl.errors import ConfigError
 from megarl.placement import Placement
 
 

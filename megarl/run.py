@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from megarl import distributed
 from megarl.algorithms import KL_CONTROLLERS
-from megarl.arguments import ConfigError
+from megarl.errors import ConfigError
 
 if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play them load those
     from megarl.actor import Actor

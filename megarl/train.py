@@ -9,7 +9,8 @@ import os
 import sys
 import traceback
 
-from megarl.arguments import ConfigError, parse_args
+from megarl.arguments import parse_args
+from megarl.errors import ConfigError
 from megarl.checkpoint import CheckpointError
 from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger

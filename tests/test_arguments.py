@@ -7,7 +7,8 @@ import pytest
 
 from helpers import ROOT
 
-from megarl.arguments import ConfigError, build_parser, load_yaml_config, parse_args
+from megarl.arguments import build_parser, load_yaml_config, parse_args
+from megarl.errors import ConfigError
 
 
 def _yaml(tmp_path, text):

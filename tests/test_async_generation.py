@@ -15,7 +15,8 @@ SMALL = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens"
     (SEPARATE + ["--dynamic-sampling", "0", "1"], ["--async-generation does not support --dynamic-sampling"]),
 ])
 def test_unsupported_combinations_are_refused_in_one_line(flags, words, tiny_model):
-    from megarl.arguments import ConfigError, parse_args
+    from megarl.arguments import parse_args
+    from megarl.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
         parse_args([*flags, "--model", tiny_model, "--async-generation"], world_size=2)

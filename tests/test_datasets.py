@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import ROOT
-from megarl.arguments import ConfigError
+from megarl.errors import ConfigError
 from megarl.data.datasets import (DATASET_PREPROCESSORS, DatasetError, PromptDataset, load_eval_dataset, load_rows,
                              make_prompts, register_preprocessor, render, shard)
 

@@ -12,7 +12,8 @@ import pytest
 
 from helpers import ROOT, read_json, scalars, torchrun
 
-from megarl.arguments import ConfigError, parse_args
+from megarl.arguments import parse_args
+from megarl.errors import ConfigError
 
 SMALL = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12", "--micro-batch-size", "8",
          "--rollout-kv-cache-gb", "1", "--train-steps", "3"]

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from megarl.arguments import ConfigError, parse_args
+from megarl.arguments import parse_args
+from megarl.errors import ConfigError
 from megarl.phases import response_source
 
 

@@ -16,7 +16,8 @@ COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean")
 @pytest.mark.parametrize("flags", [["--kl-estimator", "full", "--kl-coef", "0.1"],
                                    ["--teacher-model", "TINY", "--distill-coef", "1"]])
 def test_full_vocabulary_companions_are_refused_in_one_line(flags, tiny_model):
-    from megarl.arguments import ConfigError, parse_args
+    from megarl.arguments import parse_args
+    from megarl.errors import ConfigError
 
     flags = [tiny_model if flag == "TINY" else flag for flag in flags]
     with pytest.raises(ConfigError) as error:

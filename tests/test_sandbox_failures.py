@@ -46,7 +46,7 @@ def test_the_probe_passes_where_the_sandbox_works():
 
 
 def test_the_probe_fails_in_one_line(broken_sandbox):
-    from megarl.arguments import ConfigError
+    from megarl.errors import ConfigError
     from megarl.rewards.scoring import check_sandbox
 
     with pytest.raises(SandboxError, match=r"^sandbox unavailable: \[Errno 38\] syscall\(99999") as raised:
@@ -115,7 +115,7 @@ def test_the_budget_bounds_how_many_programs_run_at_once():
 
 
 def test_the_budget_is_split_between_ranks_and_reward_processes():
-    from megarl.arguments import ConfigError
+    from megarl.errors import ConfigError
     from megarl.rewards.code import LIMITS
     from megarl.rewards.scoring import check_sandbox, sandbox_memory_budget_mb
 

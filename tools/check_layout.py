@@ -30,7 +30,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.arguments import ConfigError, parse_args  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.errors import ConfigError  # noqa: E402
 from megarl.models.megatron_gpt import padded_vocab_size  # noqa: E402
 
 GIB = 2**30

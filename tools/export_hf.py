@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.arguments import ConfigError  # noqa: E402
+from megarl.errors import ConfigError  # noqa: E402
 
 
 def parse_own_args(argv=None):

@@ -96,7 +96,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from megarl.arguments import ConfigError
+from megarl.errors import ConfigError
 from megarl.data.prompts import Prompt, chat_token_ids
 
 FORMATS = ("auto", "colossalchat", "verl", "swift")

@@ -22,7 +22,6 @@ All take z = logits / T: a temperature scales the logits before every softmax.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 
@@ -168,12 +167,3 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, tem
         return naive.full_kl(logits, ref_logits, vocab_size, temperature)
     return full_divergence(logits, ref_logits, vocab_size, 1.0, temperature, impl, chunk_tokens)
 
-
-def triton_available() -> bool:
-    """Whether the Triton implementation can run here: Triton installed, and a CUDA device or the
-    Triton interpreter (TRITON_INTERPRET=1, which runs the kernels on CPU tensors, for tests)."""
-    import os
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

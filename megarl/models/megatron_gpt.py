@@ -158,6 +158,19 @@ def trainer_config_overrides(args) -> dict:
                 recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
 
 
+def gpt_layer_spec(qk_layernorm: bool = False):
+    """Transformer Engine spec on GPU hosts that have TE, the local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if accelerator.transformer_engine_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    from megarl.models.attention import PackedDotProductAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # takes --padding-free rows
+    return spec
+
+
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
                     **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device.
@@ -183,7 +196,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     rope_kwargs, late_llama3_scaling = rope_arguments(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=accelerator.gpt_layer_spec(qk_layernorm=family.qk_layernorm),
+        transformer_layer_spec=gpt_layer_spec(qk_layernorm=family.qk_layernorm),
         vocab_size=padded_vocab_size(hf_config.vocab_size, divisible_by, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

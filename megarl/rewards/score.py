@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from megarl.arguments import ConfigError
+from megarl.errors import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -101,7 +101,7 @@ def sandbox_memory_budget_mb(args, local_ranks: int | None = None) -> int | None
 def check_sandbox(args) -> None:
     """At start-up, when the reward runs programs in the sandbox: the memory budget fits one program,
     and a real sandboxed run works (`megarl.rewards.sandbox.probe`). Raises ConfigError, one line."""
-    from megarl.arguments import ConfigError
+    from megarl.errors import ConfigError
     from megarl.rewards import sandbox_limits
     from megarl.rewards.sandbox import SandboxError, probe
 

@@ -14,12 +14,12 @@ import json
 import torch
 import torch.distributed as dist
 
-from megarl import kernels
+from megarl import accelerator, kernels
 
 # The fused implementations checked against the naive one: Triton too where it can run (a GPU, or
 # its interpreter on CPU: TRITON_INTERPRET=1 in the test run's environment, before Triton is imported).
 FUSED = ["chunked"]
-if kernels.triton_available():
+if accelerator.triton_available():
     FUSED.append("triton")
 
 # (vocab_size, temperature): 250 leaves 6 padding columns in the last shard; 100 at TP=2 leaves

@@ -1,0 +1,7 @@
+"""Errors any layer may raise, in a module that imports nothing of megarl: the dataset reader,
+the launcher and the scorers raise ConfigError without importing the argument parser (and through
+it the algorithms, rewards and models)."""
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message is one line that names the option."""

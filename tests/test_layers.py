@@ -1,0 +1,128 @@
+"""megarl's modules in layers: no import, at module level or inside a function, runs from a lower
+layer to a higher one. A lower layer is what a higher one is built from; an import running back up
+drags the higher layer (and everything it imports) into every user of the lower one: a dataset
+reader that imports the argument parser imports the algorithms, rewards and models with it.
+
+Imports inside one layer are free. Every module of megarl/ must be in a layer: a new module is
+placed deliberately, not left out of the check.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import ROOT
+
+# Lowest first. A module's layer is that of the longest entry equal to its name or a package
+# above it ("megarl.rewards" holds megarl.rewards.scoring; "megarl.rewards.score" is placed apart).
+LAYERS = [
+    ("foundation", [  # pure records and math: nothing of megarl beneath them
+        "megarl", "megarl.errors", "megarl.algorithms", "megarl.placement", "megarl.batch", "megarl.packing",
+        "megarl.context_parallel", "megarl.vllm_logging"]),
+    ("platform", [  # the device, the process groups, host memory
+        "megarl.accelerator", "megarl.distributed", "megarl.offload"]),
+    ("components", [  # what the roles are built from
+        "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards"]),
+    ("roles", [  # the objects that hold a model or an engine
+        "megarl.model_runner", "megarl.actor", "megarl.critic", "megarl.reference", "megarl.rollout",
+        "megarl.teacher", "megarl.weight_sync"]),
+    ("run", [  # the parser, the run's roles and state, what persists across steps
+        "megarl.arguments", "megarl.run", "megarl.checkpoint", "megarl.preemption", "megarl.metrics"]),
+    ("phases", [  # one step over a Run
+        "megarl.phases"]),
+    ("entry points", [  # the commands
+        "megarl.train", "megarl.score", "megarl.rewards.score"]),
+]
+
+
+def module_files(package_dir: Path) -> dict[str, Path]:
+    """{dotted module name: file} for every .py under `package_dir` (a package's name for its __init__)."""
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]):
+    """(line, imported module) for every import in the file, at any depth, of a module in `modules`:
+    `from p import x` is the module p.x when there is one, else p."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def known(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: up from this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            resolved = known(target)
+            if resolved and resolved != name:
+                yield node.lineno, resolved
+
+
+def layer_index(layers) -> dict[str, int]:
+    return {entry: rank for rank, (_, entries) in enumerate(layers) for entry in entries}
+
+
+def layer_of(name: str, index: dict[str, int], root: str) -> int | None:
+    entries = [entry for entry in index if name == entry or (entry != root and name.startswith(entry + "."))]
+    return index[max(entries, key=len)] if entries else None
+
+
+def violations(package_dir: Path, layers) -> list[str]:
+    """One line per upward import ("file:line: a (layer) imports b (layer)"), per module in no layer,
+    and per layer entry that names no module."""
+    modules = module_files(package_dir)
+    index, names, root = layer_index(layers), [layer for layer, _ in layers], package_dir.name
+    problems = [f"layer entry {entry!r} names no module under {package_dir.name}/" for entry in index
+                if not any(module == entry or module.startswith(entry + ".") for module in modules)]
+    for name, path in modules.items():
+        rank = layer_of(name, index, root)
+        if rank is None:
+            problems.append(f"{path.relative_to(package_dir.parent)}: {name} is in no layer (add it to LAYERS)")
+            continue
+        for line, target in imports_of(name, path, modules):
+            target_rank = layer_of(target, index, root)
+            if target_rank is not None and target_rank > rank:
+                problems.append(f"{path.relative_to(package_dir.parent)}:{line}: {name} ({names[rank]}) imports "
+                                f"{target} ({names[target_rank]})")
+    return problems
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
+    problems = violations(ROOT / "megarl", LAYERS)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_reports_each_upward_import_by_file_and_line(tmp_path):
+    """The checker on a small package: an upward import inside a function and a relative one are
+    found at their lines, a downward and a same-layer one are not, and so is an unplaced module."""
+    package = tmp_path / "pkg"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("")
+    (package / "low" / "util.py").write_text("import os\n\n\ndef f():\n    from pkg import high\n    return high\n")
+    (package / "low" / "other.py").write_text("from . import util\nfrom ..high import thing\n")
+    (package / "high.py").write_text("from pkg.low import util\nthing = 1\n")
+    (package / "stray.py").write_text("")
+    layers = [("low", ["pkg", "pkg.low"]), ("high", ["pkg.high"])]
+    assert violations(package, layers) == [
+        "pkg/low/other.py:2: pkg.low.other (low) imports pkg.high (high)",
+        "pkg/low/util.py:5: pkg.low.util (low) imports pkg.high (high)",
+        "pkg/stray.py: pkg.stray is in no layer (add it to LAYERS)",
+    ]
+    assert violations(package, layers + [("gone", ["pkg.gone"])])[0] == "layer entry 'pkg.gone' names no module under pkg/"
