@@ -171,11 +171,14 @@ import math
 
 import torch
 
-ADVANTAGE_ESTIMATORS = {}
-POLICY_LOSSES = {}
-LOSS_AGGREGATIONS = {}
-KL_ESTIMATORS = {}
-KL_CONTROLLERS = {}
+# `register` is also the plugins' API: @megarl.algorithms.register(REGISTRY, name).
+from megarl.registry import Registry, register
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+POLICY_LOSSES = Registry("policy loss")
+LOSS_AGGREGATIONS = Registry("loss aggregation")
+KL_ESTIMATORS = Registry("KL estimator")
+KL_CONTROLLERS = Registry("KL controller")
 
 EPS = 1e-6  # group-std epsilon, outside the sqrt (verl)
 WHITEN_EPS = 1e-8  # whitening epsilon, inside the sqrt (verl's masked_whiten)
@@ -183,15 +186,6 @@ LOG_RATIO_BOUND = 20.0  # |log ratio| clamp before exp (verl)
 
 ADVANTAGE_OPTIONS = frozenset({"scale_rewards", "eps", "gamma", "lam", "values", "whiten"})
 POLICY_LOSS_OPTIONS = frozenset({"mask", "clip_ratio_c", "skip_threshold"})
-
-
-def register(registry: dict, name: str):
-    def wrap(fn):
-        if name in registry:
-            raise ValueError(f"{name!r} is already registered")
-        registry[name] = fn
-        return fn
-    return wrap
 
 
 def _check_options(options: dict, known: frozenset) -> None:
@@ -679,7 +673,7 @@ def truncated_importance_weights(old_logprobs, rollout_logprobs, mask, level: st
 # -------------------------------------------------------------- distillation ----
 # Conventions: the module docstring, section Distillation.
 
-GKD_TOPK_MODES = {}
+GKD_TOPK_MODES = Registry("GKD top-k mode")
 
 LOGPROB_FLOOR = -1e4  # log-probs below this are floored (exp(-1e4) == 0 in float32)
 GKD_TAIL_MASS_FLOOR = 1e-7  # tail-bin masses are at least this (about float32 resolution of 1 - sum)

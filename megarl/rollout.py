@@ -1,7 +1,7 @@
 """Rollout role: a vLLM engine inside this rank (`distributed_executor_backend="external_launcher"`).
 
 `VllmEngine` is one in-rank engine of a vLLM role (start-up, seeded generation);
-`RolloutEngine` adds what the rollout needs (weight loading, sleep/wake). The
+`RolloutEngine` adds what the rollout needs (weight loading, offload/onload). The
 standalone teacher's engine (megarl/teacher.py) is the other kind.
 
 Every rank of one engine's tensor-parallel group must call `generate` with the
@@ -14,10 +14,10 @@ processing, i.e. of the distribution actually sampled. The trainer divides its
 logits by the same temperature, so with top_p=1 and top_k=-1 both sides compute
 the same quantity and their difference after a weight sync is numerical noise.
 
-Memory: on GPU, `sleep()` frees the KV cache and offloads (level 1) or drops
-(level 2) the weights while the trainer works; `wake_up()` restores weights
-first, then the weight sync runs, then the KV cache comes back. On CPU vLLM has
-no sleep mode, so both are logged no-ops.
+Memory: on GPU, `offload()` puts vLLM to sleep, which frees the KV cache and offloads
+(level 1) or drops (level 2) the weights while the trainer works; `onload()` wakes it:
+the weight sync onloads the weights first, loads them, then the KV cache. On CPU vLLM
+has no sleep mode, so both are logged no-ops.
 """
 
 from __future__ import annotations
@@ -171,26 +171,21 @@ class RolloutEngine(VllmEngine):
         self.llm.collective_rpc(_load_in_place, kwargs=dict(weights=weights))
         self.llm.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
+    # The verbs every role uses for its device memory (vLLM's sleep and wake-up underneath).
+    def offload(self) -> None:
+        """Give the device back to the colocated trainer (vLLM sleep at --rollout-sleep-level); no-op on CPU."""
         if not accelerator.ON_CUDA:
             log.debug("vLLM sleep is not supported on CPU: no-op")
             return
-        self.llm.sleep(level=level)
+        self.llm.sleep(level=self.args.rollout_sleep_level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake `weights` before a sync and `kv_cache` after it (GPU); no-op on CPU."""
+    def onload(self, tags: list[str] | None = None) -> None:
+        """Take the device back: all of it, or only `tags` (a weight sync onloads `weights`, loads them, then
+        `kv_cache`, so the cache never takes the memory the weights need); no-op on CPU."""
         if not accelerator.ON_CUDA:
             log.debug("vLLM wake_up is not supported on CPU: no-op")
             return
         self.llm.wake_up(tags=tags)
-
-    # The role verbs the loop uses; a weight sync wakes the engine in its own order.
-    def offload(self) -> None:
-        """Give the device back to the colocated trainer (--rollout-sleep-level)."""
-        self.sleep(level=self.args.rollout_sleep_level)
-
-    def onload(self) -> None:
-        self.wake_up()
 
 
 def _load_in_place(worker, weights) -> None:

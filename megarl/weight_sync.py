@@ -34,15 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from megarl import accelerator, distributed
+from megarl.registry import Registry, register
 
-WEIGHT_SYNC_STRATEGIES = {}
-
-
-def register_strategy(name: str):
-    def wrap(cls):
-        WEIGHT_SYNC_STRATEGIES[name] = cls
-        return cls
-    return wrap
+WEIGHT_SYNC_STRATEGIES = Registry("weight-sync strategy")
 
 
 @dataclass
@@ -69,7 +63,7 @@ def build_weight_sync(context: distributed.DistContext, bucket_bytes: int):
     return WEIGHT_SYNC_STRATEGIES[name](context, bucket_bytes)
 
 
-@register_strategy("colocated")
+@register(WEIGHT_SYNC_STRATEGIES, "colocated")
 class ColocatedSync:
     def __init__(self, context: distributed.DistContext, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
@@ -78,14 +72,14 @@ class ColocatedSync:
         if actor is None:  # a standalone teacher's rank: no policy here
             return SyncStats()
         start = time.perf_counter()
-        engine.wake_up(tags=["weights"])
+        engine.onload(tags=["weights"])
         stream = _Counted(actor.hf_weights(self.bucket_bytes))
         engine.load_weights(iter(stream))
-        engine.wake_up(tags=["kv_cache"])
+        engine.onload(tags=["kv_cache"])
         return SyncStats(time.perf_counter() - start, stream.bytes)
 
 
-@register_strategy("broadcast")
+@register(WEIGHT_SYNC_STRATEGIES, "broadcast")
 class BroadcastSync:
     """Separate placement. The group spans train rank 0 (member 0, the sender) and every rollout rank.
 

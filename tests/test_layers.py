@@ -18,8 +18,8 @@ from helpers import ROOT
 # above it ("megarl.rewards" holds megarl.rewards.scoring; "megarl.rewards.score" is placed apart).
 LAYERS = [
     ("foundation", [  # pure records and math: nothing of megarl beneath them
-        "megarl", "megarl.errors", "megarl.algorithms", "megarl.placement", "megarl.batch", "megarl.packing",
-        "megarl.context_parallel", "megarl.vllm_logging"]),
+        "megarl", "megarl.errors", "megarl.registry", "megarl.algorithms", "megarl.placement", "megarl.batch",
+        "megarl.packing", "megarl.context_parallel", "megarl.vllm_logging"]),
     ("platform", [  # the device, the process groups, host memory
         "megarl.accelerator", "megarl.distributed", "megarl.offload"]),
     ("components", [  # what the roles are built from

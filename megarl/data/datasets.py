@@ -93,11 +93,12 @@ import glob
 import json
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from megarl.errors import ConfigError
 from megarl.data.prompts import Prompt, chat_token_ids
+from megarl.errors import ConfigError
+from megarl.registry import Registry, register
 
 FORMATS = ("auto", "colossalchat", "verl", "swift")
 TRUNCATIONS = ("error", "left", "right")
@@ -131,17 +132,12 @@ class Row:
 
 # ------------------------------------------------------------ preprocessors ----
 
-DATASET_PREPROCESSORS: dict[str, Callable[[dict], dict]] = {}
+DATASET_PREPROCESSORS = Registry("dataset preprocessor")  # name -> fn(raw_row) -> row
 
 
 def register_preprocessor(name: str):
     """Decorator: register `fn(raw_row) -> row in a known layout` under `name`."""
-    def wrap(fn):
-        if name in DATASET_PREPROCESSORS:
-            raise ValueError(f"dataset preprocessor {name!r} is registered twice")
-        DATASET_PREPROCESSORS[name] = fn
-        return fn
-    return wrap
+    return register(DATASET_PREPROCESSORS, name)
 
 
 def _preprocessor(name: str | None):

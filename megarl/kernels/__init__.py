@@ -26,8 +26,14 @@ import importlib
 import torch
 
 from megarl.kernels import fused
+from megarl.registry import Registry
 
-IMPLS = ("naive", "chunked", "triton")
+# The fused implementations: the module of each one's per-chunk math, imported on first use (Triton's
+# fails in one line without Triton). "naive" has no chunks: kernels/naive.py, called by each operation.
+BACKENDS = Registry("kernel implementation")
+BACKENDS.add("chunked", "megarl.kernels.torch_ops")
+BACKENDS.add("triton", "megarl.kernels.triton_ops")
+IMPLS = ("naive", *BACKENDS)
 
 # Tokens per chunk, when not given: as many as keep one fp32 [tokens, shard width] temporary
 # within a budget, so the peak follows the shard width (vocabulary / TP), not a fixed count.
@@ -45,13 +51,9 @@ def default_chunk_tokens(shard_width: int, budget: int = CHUNK_BYTES) -> int:
 
 def backend(impl: str):
     """The per-chunk math module of a fused implementation."""
-    if impl == "chunked":
-        from megarl.kernels import torch_ops
-
-        return torch_ops
-    if impl == "triton":
-        return importlib.import_module("megarl.kernels.triton_ops")  # fails in one line without Triton
-    raise ValueError(f"unknown kernel implementation {impl!r} ({', '.join(IMPLS)})")
+    if impl not in BACKENDS:
+        raise ValueError(f"unknown kernel implementation {impl!r} ({', '.join(IMPLS)})")
+    return importlib.import_module(BACKENDS[impl])
 
 
 def _chunk(chunk_tokens: int | None, shard_width: int, from_hidden: bool = False) -> int:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megarl.registry import Registry
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -121,7 +123,9 @@ LLAMA = Family(
     layer_rules=_DENSE_LAYER_RULES,
 )
 
-FAMILIES = {family.name: family for family in (QWEN2, QWEN3, LLAMA)}
+FAMILIES = Registry("model family")
+for _family in (QWEN2, QWEN3, LLAMA):
+    FAMILIES.add(_family.name, _family)
 
 TE_FUSED_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from megarl.registry import Registry
+
 
 SCORER_TIMEOUT = "timeout: "
 
@@ -40,15 +42,13 @@ class RewardSpec:
     system_prompt: str | None = None
 
 
-REWARDS: dict[str, RewardSpec] = {}
+REWARDS = Registry("reward")  # name -> RewardSpec
 
 
 def register_reward(name: str, system_prompt: str | None = None):
     """Decorator: register `fn(response, row)` under `name` (the value --reward takes)."""
     def wrap(fn):
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is registered twice")
-        REWARDS[name] = RewardSpec(name, fn, system_prompt)
+        REWARDS.add(name, RewardSpec(name, fn, system_prompt))
         return fn
     return wrap
 
