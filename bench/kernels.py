@@ -34,6 +34,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# torch.profiler's Kineto logs "USDT: ... profiler_start" and "profiler_stop" around every CPU memory
+# profile (peak_bytes), between the table's rows. Kineto reads its level once, at the first profile;
+# 6 is above its highest (USDT, 5): no Kineto lines. A KINETO_LOG_LEVEL given by the caller wins.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 VOCAB = 151_936  # Qwen2's; a multiple of 128, so Megatron adds no padding at TP=1
 MIB = 2**20
@@ -153,6 +157,7 @@ def main():
     args = parser.parse_args()
     from megarl import accelerator, distributed, kernels
 
+    accelerator.apply_megatron_shims()  # as a run does: on CPU, before Megatron is imported (its warnings)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     distributed.init_single_process_world()
     impls = ["naive", "chunked"] + (["triton"] if device.type == "cuda" and accelerator.triton_available() else [])
