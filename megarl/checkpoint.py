@@ -290,3 +290,13 @@ def _prune(save_dir: str, keep: int) -> None:
     for name in os.listdir(save_dir):
         if name.startswith((".partial_step_", ".deleting_step_", ".replaced_step_")):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def save_hf(run, out_dir: str) -> None:
+    """The current policy as an HF checkpoint (an export, not a resumable checkpoint), written by train
+    rank 0; collective over the train ranks."""
+    if run.actor is not None:
+        from megarl.models.convert import save_hf_checkpoint
+
+        save_hf_checkpoint(run.actor.model, run.hf_config, out_dir, tokenizer=run.tokenizer,
+                           is_writer=run.is_main, source_dir=run.args.model)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megarl.arguments import ConfigError, parse_args
-from megarl.phases import response_source
+from megarl.generation import response_source
 
 
 def test_response_source_follows_lmbda_and_is_a_function_of_seed_and_step():
