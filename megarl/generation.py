@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -40,6 +40,16 @@ class ShardSamples:
     reward_seconds: float = 0.0
     seconds: float = 0.0  # generating and scoring
     what: str = "samples"  # named in the count check's error
+
+    def state_dict(self) -> dict:
+        """Plain values (the samples as dicts), for a checkpoint of what is in flight (checkpoint.save)."""
+        return {"step": self.step, "expected": self.expected, "samples": [asdict(s) for s in self.mine],
+                "reward_seconds": self.reward_seconds, "seconds": self.seconds}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> ShardSamples:
+        return cls(state["step"], state["expected"], [Sample(**s) for s in state["samples"]],
+                   state["reward_seconds"], state["seconds"])
 
 
 def generate_ahead(run: Run, step: int) -> ShardSamples:

@@ -89,11 +89,13 @@ class Run:
                 role.onload()
 
     def state_dict(self) -> dict:
-        """Run state outside the models: the KL controller and the data position."""
+        """Run state outside the models: the KL controller, the data position and the weight version (what the
+        staleness of --async-generation's in-flight samples is measured against)."""
         return {"kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None,
-                "data": self.prompts.state_dict()}
+                "data": self.prompts.state_dict(), "weight_version": self.weight_version}
 
     def load_state_dict(self, state: dict) -> None:
+        self.weight_version = state.get("weight_version", self.weight_version)
         if self.kl_controller is not None and state.get("kl_controller"):
             self.kl_controller.load_state_dict(state["kl_controller"])
         if state.get("data"):

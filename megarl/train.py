@@ -29,20 +29,22 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
     preemption = Preemption()
     run = build_run(args, context, inputs, activity)
     logger = MetricsLogger(args, is_main=run.is_main)
-    start = _resume(run)
+    start, ahead = _resume(run)
     if run.is_main and run.actor is not None:
         print(f"megarl: {batching.describe_old_logprobs_path(args)}", flush=True)
     if start == 0 and evaluation.should_evaluate(run, 0):
         logger.log_eval(0, evaluation.evaluate(run, 0))
     # --async-generation: the rollout ranks generate step k+1's samples while the train ranks train on
     # step k's (generation.generate_ahead; the sync of step k's weights follows), one weight version behind.
-    ahead = generation.generate_ahead(run, start) if args.async_generation and start < args.train_steps else None
+    # `ahead` is what is in flight: a checkpoint keeps it, so a resumed run takes it from there.
+    if ahead is None and args.async_generation and start < args.train_steps:
+        ahead = generation.generate_ahead(run, start)
     for step in range(start, args.train_steps):
         run.activity.step = step + 1
         shortcut = batching.on_policy_update(args, step)  # no separate old-logprob pass
         samples, generated = phases.generate(run, step, ahead)
-        if ahead is not None and step + 1 < args.train_steps:
-            ahead = generation.generate_ahead(run, step + 1)
+        ahead = generation.generate_ahead(run, step + 1) if ahead is not None and step + 1 < args.train_steps \
+            else None
         batch, scored = phases.score_and_filter(run, samples)
         batch, prepared = phases.prepare(run, batch, shortcut)
         batch, taught = phases.teach(run, batch)
@@ -60,7 +62,7 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
         if args.save_dir and (stop or completed == args.train_steps
                               or (args.save_interval and completed % args.save_interval == 0)):
             run.activity.phase = "checkpoint save"
-            path = checkpoint.save(run, completed, args.save_dir, args.save_keep)
+            path = checkpoint.save(run, completed, args.save_dir, args.save_keep, in_flight=ahead)
             if run.is_main:
                 print(f"megarl: saved {path}", flush=True)
         if args.save_hf_interval and completed % args.save_hf_interval == 0:
@@ -78,21 +80,25 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
         checkpoint.save_hf(run, args.save_hf_dir)
 
 
-def _resume(run) -> int:
+def _resume(run):
     """Load the checkpoint --resume names (rank 0 decides which, so every rank loads the same)
-    and give the rollout engines the loaded policy; the number of steps already done."""
-    from megarl import checkpoint, distributed, phases
+    and give the rollout engines the loaded policy; the number of steps already done, and
+    --async-generation's samples of the next step when the checkpoint holds them (else None)."""
+    from megarl import checkpoint, distributed
 
     args = run.args
     path = checkpoint.resolve_resume(args.resume, args.save_dir) if run.is_main else None
     path = distributed.all_gather_objects(path, run.context)[0]
     if path is None:
-        return 0
+        return 0, None
     completed = checkpoint.load(run, path)
-    phases.sync(run)
+    in_flight = checkpoint.load_in_flight(run, path, completed)
+    # The engines get the weights they held when the checkpoint was written: the saved weight version, not a
+    # new one (phases.sync counts one), so staleness continues as in the uninterrupted run.
+    run.weight_sync.sync(run.actor, run.rollout)
     if run.is_main:
         print(f"megarl: resumed from {path} after step {completed}", flush=True)
-    return completed
+    return completed, in_flight
 
 
 def main(argv=None) -> None:

@@ -145,7 +145,7 @@ def install() -> None:
     wrap(preemption.Preemption, "requested", lambda *a, **k: maybe_die("preempt_check"))
     wrap(checkpoint, "save", lambda run, completed, *a, **k: _limit_file_size(completed))
     wrap(checkpoint, "_rng_state", lambda: maybe_die("save", current["saving"]))
-    wrap(checkpoint, "_run_state", lambda run, completed: maybe_die("save_publish", completed))
+    wrap(checkpoint, "_run_state", lambda run, completed, *a: maybe_die("save_publish", completed))
     original_save = checkpoint.save
 
     def save(run, completed, *args, **kwargs):
