@@ -229,3 +229,14 @@ def two_pass_reason(args, step: int) -> str | None:
 def on_policy_update(args, step: int) -> bool:
     """Whether step `step` takes the on-policy shortcut (`two_pass_reason` gives the conditions)."""
     return two_pass_reason(args, step) is None
+
+
+def describe_old_logprobs_path(args) -> str:
+    """Where the old logprobs come from in this run (`two_pass_reason` at the first step the actor updates),
+    said once at the start."""
+    first = args.critic_warmup
+    reason = two_pass_reason(args, first)
+    if reason is not None:
+        return f"old logprobs: a separate forward pass before each update ({reason})"
+    warmup = f" (from step {first + 1}; a separate pass during the critic warm-up)" if first else ""
+    return f"old logprobs: from the update's own forward, on-policy, no separate pass{warmup}"

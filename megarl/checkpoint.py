@@ -10,9 +10,11 @@ Layout of --save-dir:
                               layout (shaped like the parameters), so they load at
                               another DP size too
         rng/rank_00000.pt     each rank's torch / Python / numpy RNG states
+        in_flight.pt          --async-generation: the next step's samples, generated and
+                              scored during this step by the rollout ranks (see below)
         hf_config/            the policy's HF config and tokenizer (for tools/export_hf.py)
         state.json            step, each role's state (LR schedule), the run's (KL
-                              controller, data position), seeds; written last
+                              controller, data position, weight version), seeds; written last
     .partial_step_00000012/   a checkpoint being written
 
 Publishing: every rank writes into `.partial_step_N`, all ranks meet, then rank 0
@@ -26,9 +28,24 @@ fails (a full disk) fails on every rank after the same collectives, with one lin
 
 What is not saved, because it is rebuilt exactly: the reference model (from
 --ref-model), the rollout engines (they receive the policy by a weight sync right
-after loading), sampling state (each generate call reseeds from --seed and the
-step; see RolloutEngine.generate), and the prompts (a function of --seed and the
-step, plus the data position saved here).
+after loading, which is not a new weight version), sampling state (each generate
+call reseeds from --seed and the step; see RolloutEngine.generate), and the prompts
+(a function of --seed and the step, plus the data position saved here).
+
+In flight (--async-generation): when step k is saved, the rollout ranks have already
+generated and scored step k+1's samples with the weights of version k-1; resumed,
+they would be regenerated with the loaded weights, one version newer, and the run
+would not continue as it would have. So they are saved: every rank's part is gathered
+(the rollout ranks hold them; generation.ShardSamples.state_dict) and rank 0 writes the
+whole step's samples, each with its weight version, in one file. A resumed run with
+--async-generation hands them all to its rank 0, whose share the generate phase then
+gathers and orders by prompt as it gathers the engines' shares: the same samples in the
+same order, at any placement or layout (the samples carry their weight version and
+reward; nothing about the engines that made them is needed). The data position and
+the RNG states saved with them are those after they were drawn, as in the run that
+continued. A run
+resumed without --async-generation ignores them and generates step k+1 with the loaded
+weights, as a synchronous run does.
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ import torch
 from megarl import distributed
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_IN_FLIGHT = "in_flight.pt"
 
 
 class CheckpointError(Exception):
@@ -114,8 +132,10 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def save(run, completed_steps: int, save_dir: str, keep: int) -> str:
+def save(run, completed_steps: int, save_dir: str, keep: int, in_flight=None) -> str:
     """Write a checkpoint of the run after `completed_steps` steps; collective over every rank.
+    `in_flight`: --async-generation's generation.ShardSamples of the next step, already generated (every rank
+    passes its own, or every rank None).
 
     A write that fails (a full disk, a quota, a file size limit) fails on every rank alike, after the same
     collectives: CheckpointWriteError, one line naming the checkpoint and the newest complete one, which
@@ -123,6 +143,7 @@ def save(run, completed_steps: int, save_dir: str, keep: int) -> str:
     from megatron.core import dist_checkpointing
 
     context, rank = run.context, run.context.rank
+    in_flight = _gather_in_flight(run, in_flight, completed_steps) if in_flight is not None else None
     final = os.path.join(save_dir, step_dir_name(completed_steps))
     partial = os.path.join(save_dir, "." + step_dir_name(completed_steps).replace("step_", "partial_step_"))
 
@@ -139,9 +160,11 @@ def save(run, completed_steps: int, save_dir: str, keep: int) -> str:
         torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
         if rank == 0:
             _save_hf_config(run, os.path.join(partial, "hf_config"))
+            if in_flight is not None:
+                torch.save(in_flight, os.path.join(partial, _IN_FLIGHT))
 
     def publish():
-        _write_json(os.path.join(partial, "state.json"), _run_state(run, completed_steps))
+        _write_json(os.path.join(partial, "state.json"), _run_state(run, completed_steps, in_flight))
         _replace(partial, final)
 
     # Each stage ends with every rank meeting and sharing its failure, if any: the directory exists for
@@ -160,6 +183,20 @@ def save(run, completed_steps: int, save_dir: str, keep: int) -> str:
     if rank == 0:
         _prune(save_dir, keep)
     return final
+
+
+def _gather_in_flight(run, shard, completed_steps: int) -> dict | None:
+    """Collective: every rank's part of the in-flight step (generation.ShardSamples) -> the whole step on rank 0,
+    the samples in launch-rank order (the generate phase orders them by prompt, stably), the slowest rank's
+    seconds (what the generate phase would report); None elsewhere."""
+    if shard.step != completed_steps:
+        raise ValueError(f"in-flight samples of step {shard.step + 1} saved after step {completed_steps}")
+    parts = distributed.all_gather_objects(shard.state_dict(), run.context)
+    if run.context.rank != 0:
+        return None
+    return {**parts[0], "samples": [sample for part in parts for sample in part["samples"]],
+            "reward_seconds": max(part["reward_seconds"] for part in parts),
+            "seconds": max(part["seconds"] for part in parts)}
 
 
 def _write_failure(write) -> str | None:
@@ -225,6 +262,31 @@ def load(run, path: str) -> int:
     return int(state["completed_steps"])
 
 
+def load_in_flight(run, path: str, completed_steps: int):
+    """--async-generation: the next step's samples saved in checkpoint `path` (see the module docstring) as this
+    rank's generation.ShardSamples: all of them on rank 0, none elsewhere. None without --async-generation or
+    when the checkpoint has none (saved by a synchronous run, or after the last step)."""
+    from megarl.generation import ShardSamples
+
+    file = os.path.join(path, _IN_FLIGHT)
+    if not run.args.async_generation or not os.path.exists(file):
+        return None
+    state = torch.load(file, weights_only=False)
+    args = run.args
+    expected = args.prompts_per_step * args.num_generations
+    if state["step"] != completed_steps:  # save() writes only the next step's
+        raise CheckpointError(f"--resume {path}: its in-flight samples are of step {state['step'] + 1}, "
+                              f"not of the next step, {completed_steps + 1}")
+    if state["expected"] != expected:
+        raise CheckpointMismatchError(
+            f"--resume {path}: its in-flight samples (--async-generation) are {state['expected']}, this run's step "
+            f"has {expected} (prompts_per_step * num_generations): resume with the saved values or without "
+            f"--async-generation")
+    if run.context.rank != 0:
+        state = {**state, "samples": [], "reward_seconds": 0.0, "seconds": 0.0}
+    return ShardSamples.from_state_dict(state)
+
+
 def _check_optimizer_layout(saved: dict, args, path: str) -> None:
     """--use-distributed-optimizer must match the saved run's: the two optimizers lay out their states
     differently (the distributed one adds fp32 main parameters and renames param-group keys), and
@@ -253,11 +315,12 @@ def _strip_prefix(state: dict, name: str) -> dict:
     return {key.removeprefix(f"{name}."): value for key, value in state.items()}
 
 
-def _run_state(run, completed_steps: int) -> dict:
+def _run_state(run, completed_steps: int, in_flight: dict | None) -> dict:
     """state.json: written by rank 0, which trains (train ranks come first), so it sees the roles."""
     args = run.args
     return {
         "completed_steps": completed_steps,
+        "in_flight_samples": len(in_flight["samples"]) if in_flight is not None else 0,  # in in_flight.pt
         "roles": {name: role.state_dict() for name, role in run.trainables().items()},
         "run": run.state_dict(),
         "seed": args.seed,
@@ -290,3 +353,13 @@ def _prune(save_dir: str, keep: int) -> None:
     for name in os.listdir(save_dir):
         if name.startswith((".partial_step_", ".deleting_step_", ".replaced_step_")):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def save_hf(run, out_dir: str) -> None:
+    """The current policy as an HF checkpoint (an export, not a resumable checkpoint), written by train
+    rank 0; collective over the train ranks."""
+    if run.actor is not None:
+        from megarl.models.convert import save_hf_checkpoint
+
+        save_hf_checkpoint(run.actor.model, run.hf_config, out_dir, tokenizer=run.tokenizer,
+                           is_writer=run.is_main, source_dir=run.args.model)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megarl import distributed
@@ -29,6 +29,17 @@ if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play
 
 
 @dataclass
+class Activity:
+    """What this rank is doing: the 1-based step and its phase (or "evaluate", "checkpoint save", ...),
+    for the line a rank prints when it fails or stops because another rank died (train.main)."""
+    step: int = 0
+    phase: str = "start-up"
+
+    def __str__(self) -> str:
+        return f"step {self.step}, {self.phase}" if self.step else self.phase
+
+
+@dataclass
 class Run:
     args: argparse.Namespace
     context: distributed.DistContext
@@ -41,12 +52,18 @@ class Run:
     actor: Actor | None  # on train ranks
     critic: Critic | None  # on train ranks with --advantage-estimator gae
     reference: Reference | None  # on train ranks when a KL term needs one
-    teacher: Teacher | TeacherEngine | None  # distillation: on the train ranks with --teacher-model
-    # (a frozen Megatron model), or on the standalone teacher ranks (a vLLM engine)
+    teacher: Teacher | None  # colocated distillation teacher: a frozen Megatron model on the train ranks
+    teacher_engine: TeacherEngine | None  # standalone distillation teacher: a vLLM engine on the teacher ranks
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
     weight_sync: object  # a weight_sync.WEIGHT_SYNC_STRATEGIES entry
     weight_version: int = 0  # trainer -> rollout syncs so far, the same count on every rank (SPMD)
     timed_rewards: object | None = None  # scoring.TimedRewards on rollout ranks with --reward-timeout
+    activity: Activity = field(default_factory=Activity)
+
+    @property
+    def teacher_engine_placed(self) -> bool:
+        """The launch has standalone teacher ranks (`teacher_engine` is set on those ranks only)."""
+        return self.context.placement.teacher is not None
 
     @property
     def is_main(self) -> bool:
@@ -72,11 +89,13 @@ class Run:
                 role.onload()
 
     def state_dict(self) -> dict:
-        """Run state outside the models: the KL controller and the data position."""
+        """Run state outside the models: the KL controller, the data position and the weight version (what the
+        staleness of --async-generation's in-flight samples is measured against)."""
         return {"kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None,
-                "data": self.prompts.state_dict()}
+                "data": self.prompts.state_dict(), "weight_version": self.weight_version}
 
     def load_state_dict(self, state: dict) -> None:
+        self.weight_version = state.get("weight_version", self.weight_version)
         if self.kl_controller is not None and state.get("kl_controller"):
             self.kl_controller.load_state_dict(state["kl_controller"])
         if state.get("data"):
@@ -148,14 +167,16 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def build_run(args, context: distributed.DistContext, inputs: Inputs | None = None) -> Run:
-    """The roles of this rank; `inputs` from `load_inputs` (read here when not given)."""
+def build_run(args, context: distributed.DistContext, inputs: Inputs | None = None,
+              activity: Activity | None = None) -> Run:
+    """The roles of this rank; `inputs` from `load_inputs` (read here when not given); `activity`: the
+    caller's, when it reports failures (train.main)."""
     from megarl.weight_sync import build_weight_sync
 
     inputs = inputs or load_inputs(args)
     placement, rank = context.placement, context.rank
     hf_config, tokenizer = inputs.hf_config, inputs.tokenizer
-    rollout = actor = critic = reference = teacher = None
+    rollout = actor = critic = reference = teacher = teacher_engine = None
     if context.is_rollout:  # engines before Megatron's parallel state (the measured order)
         from megarl.rollout import RolloutEngine
 
@@ -163,7 +184,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
     if rank in placement.teacher_ranks:
         from megarl.teacher import TeacherEngine
 
-        teacher = TeacherEngine(args, placement.teacher, rank)
+        teacher_engine = TeacherEngine(args, placement.teacher, rank)
     distributed.init_megatron_parallel(context, args.seed)
     if context.is_train:
         from megarl.actor import Actor
@@ -178,7 +199,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
 
             reference = Reference(args, hf_config)
         if args.teacher_model:
-            from megarl.teacher import Teacher, TeacherEngine
+            from megarl.teacher import Teacher
 
             teacher = Teacher(args)
     kl_controller = None
@@ -190,7 +211,8 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
         prompts=inputs.prompts, eval_sets=inputs.eval_sets,
         reward=reward, rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
-        kl_controller=kl_controller, timed_rewards=timed_rewards,
+        teacher_engine=teacher_engine, kl_controller=kl_controller, timed_rewards=timed_rewards,
+        activity=activity or Activity(),
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
 
 

@@ -13,7 +13,7 @@ full-vocabulary distillation, beside each student micro-batch so that only one
 micro-batch of teacher logits exists at a time.
 
 `TeacherEngine`, standalone: a vLLM engine on the teacher ranks (the `teacher:`
-group), with `score` from vLLM's prompt logprobs and `generate` for --seq-kd.
+group), with `score_samples` from vLLM's prompt logprobs and `generate` for --seq-kd.
 
 OPSD rows (a teacher prompt) are scored after that prompt; every output is
 response-aligned, so it lines up with the student's response token by token.
@@ -72,7 +72,7 @@ class Teacher(FrozenModel):
 
 class TeacherEngine(VllmEngine):
     """Standalone teacher: one vLLM engine of the teacher ranks (own world, own TP), serving
-    teacher.model. `score` gives, per response position of each sample, the teacher's top-K ids
+    teacher.model. `score_samples` gives, per response position of each sample, the teacher's top-K ids
     and logprobs from vLLM's `prompt_logprobs=K` over prompt + response (the teacher prompt for
     OPSD rows), and the sampled token's logprob; `generate` (the base class's) serves --seq-kd.
 
@@ -90,7 +90,7 @@ class TeacherEngine(VllmEngine):
                                                            args.teacher_gpu_memory_utilization, sleep_mode=False),
                           **args.teacher_engine_kwargs})
 
-    def score(self, samples, width: int, k: int) -> dict[str, torch.Tensor]:
+    def score_samples(self, samples, width: int, k: int) -> dict[str, torch.Tensor]:
         """Response-aligned `teacher_topk_ids` [n, width, k] (long), `teacher_topk_logprobs` [n, width, k]
         (at --gkd-temperature) and, at --temperature 1, `teacher_logprobs` [n, width] of `samples`."""
         from vllm import SamplingParams

@@ -1,8 +1,8 @@
 """megarl's one entry point: `torchrun --nproc_per_node N megarl/train.py --config x.yaml [flags]`.
 
-One step is the phases of megarl/phases.py, one call each; evaluation before the
-first step, every --eval-interval steps and after the last; checkpoints and
-preemption after a step.
+One step is the phases of megarl/phases.py, one call each (its docstring describes
+the step); evaluation (megarl/evaluation.py) before the first step, every
+--eval-interval steps and after the last; checkpoints and preemption after a step.
 """
 
 import os
@@ -16,32 +16,36 @@ from megarl.distributed import init_distributed, launch_env
 from megarl.metrics import MetricsLogger
 from megarl.rewards.scoring import check_sandbox
 from megarl.rollout import release_shared_memory
-from megarl.run import load_inputs
+from megarl.run import Activity, load_inputs
 
 
-def train(args, inputs=None) -> None:
-    """The run; `inputs`: run.load_inputs(args), the files already read and checked."""
-    from megarl import batch as batching, checkpoint, distributed, phases
+def train(args, inputs=None, activity: Activity | None = None) -> None:
+    """The run; `inputs`: run.load_inputs(args), the files already read and checked; `activity`: where
+    the run is, kept up to date for the caller's failure report."""
+    from megarl import batch as batching, checkpoint, distributed, evaluation, generation, phases
     from megarl.preemption import Preemption
     from megarl.run import build_run
 
     context = init_distributed(args)
     preemption = Preemption()
-    run = build_run(args, context, inputs)
+    run = build_run(args, context, inputs, activity)
     logger = MetricsLogger(args, is_main=run.is_main)
-    start = _resume(run)
-    phases.report_old_logprobs_path(run)
-    if start == 0 and phases.should_evaluate(run, 0):
-        logger.log_eval(0, phases.evaluate(run, 0))
+    start, ahead = _resume(run)
+    if run.is_main and run.actor is not None:
+        print(f"megarl: {batching.describe_old_logprobs_path(args)}", flush=True)
+    if start == 0 and evaluation.should_evaluate(run, 0):
+        logger.log_eval(0, evaluation.evaluate(run, 0))
     # --async-generation: the rollout ranks generate step k+1's samples while the train ranks train on
-    # step k's (phases.generate_ahead; the sync of step k's weights follows), one weight version behind.
-    ahead = phases.generate_ahead(run, start) if args.async_generation and start < args.train_steps else None
+    # step k's (generation.generate_ahead; the sync of step k's weights follows), one weight version behind.
+    # `ahead` is what is in flight: a checkpoint keeps it, so a resumed run takes it from there.
+    if ahead is None and args.async_generation and start < args.train_steps:
+        ahead = generation.generate_ahead(run, start)
     for step in range(start, args.train_steps):
-        phases.activity["step"] = step + 1
+        run.activity.step = step + 1
         shortcut = batching.on_policy_update(args, step)  # no separate old-logprob pass
         samples, generated = phases.generate(run, step, ahead)
-        if ahead is not None and step + 1 < args.train_steps:
-            ahead = phases.generate_ahead(run, step + 1)
+        ahead = generation.generate_ahead(run, step + 1) if ahead is not None and step + 1 < args.train_steps \
+            else None
         batch, scored = phases.score_and_filter(run, samples)
         batch, prepared = phases.prepare(run, batch, shortcut)
         batch, taught = phases.teach(run, batch)
@@ -52,20 +56,19 @@ def train(args, inputs=None) -> None:
                                       "teacher": taught, "advantages": advantaged, "update": updated,
                                       "sync": synced})
         completed = step + 1
-        if phases.should_evaluate(run, completed):
-            phases.activity["phase"] = "evaluate"
-            logger.log_eval(completed, phases.evaluate(run, completed))
-        phases.activity["phase"] = "preemption check"
+        if evaluation.should_evaluate(run, completed):
+            logger.log_eval(completed, evaluation.evaluate(run, completed))
+        run.activity.phase = "preemption check"
         stop = preemption.requested(context)
         if args.save_dir and (stop or completed == args.train_steps
                               or (args.save_interval and completed % args.save_interval == 0)):
-            phases.activity["phase"] = "checkpoint save"
-            path = checkpoint.save(run, completed, args.save_dir, args.save_keep)
+            run.activity.phase = "checkpoint save"
+            path = checkpoint.save(run, completed, args.save_dir, args.save_keep, in_flight=ahead)
             if run.is_main:
                 print(f"megarl: saved {path}", flush=True)
         if args.save_hf_interval and completed % args.save_hf_interval == 0:
             # Beside the final export, not inside it: that one replaces its directory.
-            phases.save_hf(run, f"{args.save_hf_dir.rstrip('/')}_step_{completed}")
+            checkpoint.save_hf(run, f"{args.save_hf_dir.rstrip('/')}_step_{completed}")
         if stop:
             if run.is_main:
                 where = (f"checkpoint saved in {args.save_dir}; resume with --resume auto" if args.save_dir
@@ -75,24 +78,28 @@ def train(args, inputs=None) -> None:
             return
     logger.finish()
     if args.save_hf_dir:
-        phases.save_hf(run, args.save_hf_dir)
+        checkpoint.save_hf(run, args.save_hf_dir)
 
 
-def _resume(run) -> int:
+def _resume(run):
     """Load the checkpoint --resume names (rank 0 decides which, so every rank loads the same)
-    and give the rollout engines the loaded policy; the number of steps already done."""
-    from megarl import checkpoint, distributed, phases
+    and give the rollout engines the loaded policy; the number of steps already done, and
+    --async-generation's samples of the next step when the checkpoint holds them (else None)."""
+    from megarl import checkpoint, distributed
 
     args = run.args
     path = checkpoint.resolve_resume(args.resume, args.save_dir) if run.is_main else None
     path = distributed.all_gather_objects(path, run.context)[0]
     if path is None:
-        return 0
+        return 0, None
     completed = checkpoint.load(run, path)
-    phases.sync(run)
+    in_flight = checkpoint.load_in_flight(run, path, completed)
+    # The engines get the weights they held when the checkpoint was written: the saved weight version, not a
+    # new one (phases.sync counts one), so staleness continues as in the uninterrupted run.
+    run.weight_sync.sync(run.actor, run.rollout)
     if run.is_main:
         print(f"megarl: resumed from {path} after step {completed}", flush=True)
-    return completed
+    return completed, in_flight
 
 
 def main(argv=None) -> None:
@@ -106,12 +113,13 @@ def main(argv=None) -> None:
         print(f"megarl: error: {error}", file=sys.stderr)
         sys.exit(2)
     rank = launch_env().rank  # now: a rollout engine later rewrites RANK to its role rank
+    activity = Activity()
     try:
-        train(args, inputs)
+        train(args, inputs, activity)
     except BaseException as error:  # noqa: BLE001 - any failure must end this rank, not hang it
         if isinstance(error, SystemExit) and not error.code:
             raise
-        _report_failure(rank, error)
+        _report_failure(rank, error, activity)
         release_shared_memory()
         # Hard exit: vLLM and gloo threads must not keep this rank alive, so the
         # launcher sees the failure at once and stops the other ranks.
@@ -122,13 +130,12 @@ def main(argv=None) -> None:
     os._exit(0)
 
 
-def _report_failure(rank: int, error: BaseException) -> None:
+def _report_failure(rank: int, error: BaseException, activity: Activity) -> None:
     """One line when another rank died (this rank's collective then fails: that rank is the news, not this
     traceback) or when a checkpoint could not be written or resumed; else the error and its traceback."""
     from megarl import distributed
 
-    phases = sys.modules.get("megarl.phases")
-    doing = f"step {phases.activity['step']}, {phases.activity['phase']}" if phases else "start-up"
+    doing = str(activity)
     message = (str(error).strip().splitlines() or [""])[0][:300]
     if isinstance(error, CheckpointError):  # every rank raises it alike; one prints
         if rank == 0:

@@ -202,7 +202,7 @@ def test_a_crash_on_a_teacher_rank_ends_every_rank(tiny_model, teacher_model):
 def test_gkd_lmbda_trains_some_steps_on_the_datasets_responses(tiny_model, teacher_model, tmp_path):
     """--gkd-lmbda 0.5 on the built-in task: the steps response_source picks from (seed, step) train on the
     reference responses (all correct, so reward 1 on those steps); the others on the student's samples."""
-    from megarl.phases import response_source
+    from megarl.generation import response_source
 
     steps = 6
     torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_colocate.yaml",
@@ -225,15 +225,17 @@ def test_gkd_lmbda_trains_some_steps_on_the_datasets_responses(tiny_model, teach
 def test_seq_kd_trains_on_the_teachers_samples(teacher, tiny_model, teacher_model, tmp_path):
     """--seq-kd --gkd-lmbda 0: every step's responses are sampled by the teacher (its standalone vLLM engine,
     or the rollout engines serving a colocated teacher's weights), scored on the rollout ranks, with no
-    rollout logprobs (no mismatch metric)."""
+    rollout logprobs (no mismatch metric). The teacher's samples are off-policy by design, not stale:
+    staleness 0 (serving the colocated teacher and handing the student's weights back is no new version)."""
     placement = (["--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml", "--standalone-teacher-model",
                   teacher_model] if teacher == "standalone" else
                  ["--config", "examples/gkd/rollout_colocate_teacher_colocate.yaml", "--teacher-model", teacher_model])
     torchrun("../../megarl/train.py", *placement, "--model", tiny_model, *SMALL, "--train-steps", "2",
              "--seq-kd", "--gkd-lmbda", "0", "--rollout-save-dir", tmp_path / "dumps", "--log-dir", tmp_path / "tb",
              timeout=900)
-    series = scalars(tmp_path / "tb", ["on_policy", "distill_loss", "mismatch", "teacher_kl"])
+    series = scalars(tmp_path / "tb", ["on_policy", "distill_loss", "mismatch", "teacher_kl", "staleness"])
     assert series["on_policy"] == {0: 0.0, 1: 0.0} and "mismatch" not in series, series
+    assert series["staleness"] == {0: 0.0, 1: 0.0}, series
     assert min(series["distill_loss"].values()) > 0, series
     # On the teacher's own samples the student is the one that finds them unlikely: KL(student || teacher)
     # estimated from them (k1) is negative.

@@ -7,7 +7,7 @@ import pytest
 
 from megarl.arguments import parse_args
 from megarl.errors import ConfigError
-from megarl.phases import response_source
+from megarl.generation import response_source
 
 
 def test_response_source_follows_lmbda_and_is_a_function_of_seed_and_step():

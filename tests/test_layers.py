@@ -25,12 +25,14 @@ LAYERS = [
     ("components", [  # what the roles are built from
         "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards"]),
     ("roles", [  # the objects that hold a model or an engine
-        "megarl.model_runner", "megarl.actor", "megarl.critic", "megarl.reference", "megarl.rollout",
-        "megarl.teacher", "megarl.weight_sync"]),
-    ("run", [  # the parser, the run's roles and state, what persists across steps
-        "megarl.arguments", "megarl.run", "megarl.checkpoint", "megarl.preemption", "megarl.metrics"]),
-    ("phases", [  # one step over a Run
-        "megarl.phases"]),
+        "megarl.model_runner", "megarl.actor", "megarl.loss", "megarl.critic", "megarl.reference",
+        "megarl.rollout", "megarl.teacher", "megarl.weight_sync"]),
+    ("run", [  # the parser, the run's roles and state, its preemption and metrics
+        "megarl.arguments", "megarl.run", "megarl.preemption", "megarl.metrics"]),
+    ("phases", [  # one step over a Run: its phases, the rollout they orchestrate, evaluation
+        "megarl.phases", "megarl.generation", "megarl.evaluation"]),
+    ("checkpoints", [  # save and restore what every layer below holds (in-flight samples included)
+        "megarl.checkpoint"]),
     ("entry points", [  # the commands
         "megarl.train", "megarl.score", "megarl.rewards.score"]),
 ]

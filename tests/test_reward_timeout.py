@@ -49,7 +49,7 @@ def test_a_reward_that_hangs_for_ever_scores_timeout_and_the_step_goes_on(worker
     """The scoring path of a step (OverlappedScoring + phases' count): the hanging sample scores 0 with
     reason timeout, the others keep their verdicts, scoring returns within timeout + grace, the count is
     reported, the hung worker is gone and a new one scores what follows."""
-    from megarl.phases import _reward_errors
+    from megarl.generation import reward_errors
     from megarl.rewards.scoring import OverlappedScoring
 
     timed = _timed("hanging_arithmetic", workers)
@@ -66,7 +66,7 @@ def test_a_reward_that_hangs_for_ever_scores_timeout_and_the_step_goes_on(worker
         assert [(s.reward, s.reason) for s in samples] == [
             (1.0, "correct"), (0.0, "timeout: reward call over 5 s"), (0.0, "wrong answer"), (1.0, "correct")]
         assert TIMEOUT <= seconds < TIMEOUT + GRACE
-        assert _reward_errors(samples, "step 1", report=True) == {"reward_errors": 0, "reward_timeouts": 1}
+        assert reward_errors(samples, "step 1", report=True) == {"reward_errors": 0, "reward_timeouts": 1}
         warning = capsys.readouterr().out
         assert "ran past --reward-timeout on 1 of 4 samples" in warning and "timeout: reward call" in warning
         deadline = time.monotonic() + GRACE  # the replacement starts after the sample was answered
@@ -87,7 +87,7 @@ def test_a_reward_that_hangs_for_ever_scores_timeout_and_the_step_goes_on(worker
 def test_a_worker_that_dies_is_replaced():
     """os._exit in the reward: that sample is an error naming the death, the pool starts a new worker
     and goes on scoring; nothing is left running after close."""
-    from megarl.phases import _reward_errors
+    from megarl.generation import reward_errors
 
     timed = _timed("dying_arithmetic", workers=1, timeout=60.0)
     try:
@@ -99,7 +99,7 @@ def test_a_worker_that_dies_is_replaced():
         assert timed.pool.replaced == 1 and timed.pool.pids() != [first] and not _alive(first)
         samples = _samples(["DIE"])
         samples[0].reward, samples[0].reason = outputs[1].score, outputs[1].reason
-        assert _reward_errors(samples, "step 1", report=False) == {"reward_errors": 1, "reward_timeouts": 0}
+        assert reward_errors(samples, "step 1", report=False) == {"reward_errors": 1, "reward_timeouts": 0}
     finally:
         timed.close()
     assert not any(_alive(pid) for pid in timed.pool.pids())
@@ -185,10 +185,10 @@ def test_the_math_graders_own_timeout_counts_and_a_programs_time_limit_does_not(
     sample whose program ran past its time limit is a verdict on the sample (reason "timeout"), not one."""
     from types import SimpleNamespace
 
-    from megarl import phases
+    from megarl import generation
     from megarl.rewards.workers import timeout_reason
     from megarl.rewards import math as math_rewards
 
     reasons = [timeout_reason(2.0), math_rewards.GRADING_TIMEOUT, "timeout", "correct", "error: reward worker died"]
-    counts = phases._reward_errors([SimpleNamespace(reason=r) for r in reasons], "step 1", report=False)
+    counts = generation.reward_errors([SimpleNamespace(reason=r) for r in reasons], "step 1", report=False)
     assert counts == {"reward_errors": 1, "reward_timeouts": 2}

@@ -17,7 +17,7 @@ def failing_generate(self, prompts, prompt_indices, step, **options):
     return original_generate(self, prompts, prompt_indices, step, **options)
 
 
-original_score = teacher.TeacherEngine.score
+original_score = teacher.TeacherEngine.score_samples
 scoring_calls = []
 
 
@@ -29,5 +29,5 @@ def failing_score(self, samples, width, k):
 
 
 rollout.RolloutEngine.generate = failing_generate
-teacher.TeacherEngine.score = failing_score
+teacher.TeacherEngine.score_samples = failing_score
 train.main(sys.argv[1:])

@@ -12,7 +12,7 @@ MEGARL_FAULT=POINT:STEP:RANK  SIGKILLs launch rank RANK at POINT of step STEP (1
   metric_allreduce  the update's metric all-reduce over data-parallel ranks (reduce_over_data_parallel)
   sync              the weight sync, mid-stream: after the first tensor left the trainer (a rank with a
                     policy) or reached the engine (a rollout-only rank)
-  eval              entering phases.evaluate
+  eval              entering evaluation.evaluate
   preempt_check     the post-step all-gather of preemption flags
   save              checkpoint save, after this rank's Megatron shards are written, before the meeting
   save_publish      checkpoint save, on rank 0 only, after every part is on disk and before state.json
@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 
-from megarl import actor, checkpoint, model_runner, phases, preemption, rollout, train
+from megarl import actor, checkpoint, evaluation, model_runner, phases, preemption, rollout, train
 from megarl.rewards import scoring
 
 FAULT_POINTS = ("generate", "reward", "old_logprobs", "advantages", "backward", "optimizer", "metric_allreduce",
@@ -142,11 +142,11 @@ def install() -> None:
     wrap(model_runner, "reduce_over_data_parallel", lambda *a, **k: maybe_die("metric_allreduce"))
     wrap(actor.Actor, "hf_weights", make=lambda original: _stream_then_die(original, "sync"))
     wrap(rollout.RolloutEngine, "load_weights", make=_load_weights)
-    wrap(phases, "evaluate", lambda run, completed, *a, **k: maybe_die("eval", completed))
+    wrap(evaluation, "evaluate", lambda run, completed, *a, **k: maybe_die("eval", completed))
     wrap(preemption.Preemption, "requested", lambda *a, **k: maybe_die("preempt_check"))
     wrap(checkpoint, "save", lambda run, completed, *a, **k: _limit_file_size(completed))
     wrap(checkpoint, "_rng_state", lambda: maybe_die("save", current["saving"]))
-    wrap(checkpoint, "_run_state", lambda run, completed: maybe_die("save_publish", completed))
+    wrap(checkpoint, "_run_state", lambda run, completed, *a: maybe_die("save_publish", completed))
     original_save = checkpoint.save
 
     def save(run, completed, *args, **kwargs):

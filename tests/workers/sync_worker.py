@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from megarl import distributed, phases
+from megarl import checkpoint, distributed, phases
 from megarl.arguments import parse_args
 from megarl.batch import mismatch_metrics
 from megarl.rollout import release_shared_memory
@@ -58,7 +58,7 @@ def main():
         prompts = [render_chat(run.tokenizer, text) for text in GREEDY_PROMPTS]
         greedy = run.rollout.generate(prompts, list(range(len(prompts))), step=0, greedy=True)
         report["greedy"] = [s.response_ids for s in greedy]
-    phases.save_hf(run, f"{out}_hf")
+    checkpoint.save_hf(run, f"{out}_hf")
     reports = distributed.all_gather_objects(report, context)
     if context.env.rank == 0:
         with open(f"{out}.json", "w") as f:
