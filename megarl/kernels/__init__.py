@@ -29,7 +29,7 @@ import importlib.util
 import torch
 
 from megarl.kernels import fused
-from megarl.kernels.fused import HeldBack  # noqa: F401 (the type the operations take)
+from megarl.kernels.fused import HeldBack  # the sampler constraint the operations take
 
 IMPLS = ("naive", "chunked", "triton")
 
