@@ -18,8 +18,8 @@ writes them, the settings and the sha256 of the weights to <out>/megarl_tiny.jso
 
 Reproducibility: one thread, fixed seeds, problems drawn from --seed alone, and,
 set below before torch is imported, the CPU code paths pinned so that the
-floating-point result does not depend on the machine's instruction set or
-vendor: torch's own kernels run their AVX2 build (not AVX-512, whose wider
+floating-point result depends less on the machine's instruction set or vendor
+(not at all would be the aim; see below): torch's own kernels run their AVX2 build (not AVX-512, whose wider
 vectors change reduction orders), MKL's sgemm runs its conditional numerical
 reproducibility branch COMPATIBLE (the only branch MKL honours on non-Intel
 CPUs: AVX2/AVX512 fall back to AUTO there) and oneDNN is capped at AVX2. Each
@@ -34,8 +34,8 @@ Intel Xeons, all with AVX-512, printed two different hashes): docs/testing.md,
 tokenizer (so the same vocabulary), the same architecture, seed and pins, and
 only a longer warm-up (1200 steps instead of 400: about three times the
 student's build time), which lifted pass@1 at T=1 to 0.888 (greedy 0.906) on the
-machine where the student printed 6ce6c77b.... Without --teacher nothing changes: the default build's
-weights hash is the same as before the flag.
+machine whose student build printed hash 6ce6c77b. Without --teacher nothing
+changes: the default build's weights hash is the same as before the flag.
 """
 import os
 import sys
