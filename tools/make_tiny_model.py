@@ -17,10 +17,10 @@ writes them, the settings and the sha256 of the weights to <out>/megarl_tiny.jso
 (written last: its presence marks a complete model), and prints them.
 
 Reproducibility: one thread, fixed seeds, problems drawn from --seed alone, and,
-set below before torch is imported, the CPU code paths pinned so that the
-floating-point result depends less on the machine's instruction set or vendor
-(not at all would be the aim; see below): torch's own kernels run their AVX2 build (not AVX-512, whose wider
-vectors change reduction orders), MKL's sgemm runs its conditional numerical
+set below before torch is imported, the CPU code paths pinned to make the
+floating-point result depend less on the machine's instruction set or vendor:
+torch's own kernels run their AVX2 build (not AVX-512, whose wider vectors
+change reduction orders), MKL's sgemm runs its conditional numerical
 reproducibility branch COMPATIBLE (the only branch MKL honours on non-Intel
 CPUs: AVX2/AVX512 fall back to AUTO there) and oneDNN is capped at AVX2. Each
 pin changes the weights (measured on one AVX-512 machine: pass@1 0.31-0.41 over
