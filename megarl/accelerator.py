@@ -3,7 +3,7 @@
 Everything device- or backend-dependent is decided here: the torch device, the
 collective backend, whether Transformer Engine and Triton run, and -- only when CUDA
 is absent -- the shims that let Megatron-core 0.16 run on CPU. Megatron-core hard-codes CUDA in
-a handful of places (docs/design.md lists them); rather than fork it, we rebind those
+a handful of places (docs/platform.md, "Megatron-core on CPU", lists them); rather than fork it, we rebind those
 names to CPU equivalents once, at start-up, before any Megatron object exists.
 With CUDA present `apply_megatron_shims()` does nothing.
 

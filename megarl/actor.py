@@ -42,8 +42,8 @@ class Actor(TrainableModel, SampledLogprobs):
 
         def both(batch, logits, companion_outputs):
             return (kernels.token_logprobs(logits, batch.labels, self.hf_config.vocab_size, self.args.temperature,
-                                           self.args.kernels),
-                    full_kl(self.args, self.hf_config.vocab_size, logits, companion_outputs["ref"]))
+                                           self.args.kernels, held_back=batch.held_back()),
+                    full_kl(self.args, self.hf_config.vocab_size, logits, companion_outputs["ref"], batch.held_back()))
 
         with full_kl_to.resident():
             outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to.companion_logits})

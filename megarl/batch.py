@@ -20,7 +20,8 @@ from megarl.algorithms import soft_overlong_penalty, truncated_importance_weight
 
 # The per-token fields of a Batch a micro-batch can carry, in a fixed order.
 TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "ref_kl", "old_values", "advantages",
-                "returns", "is_weights", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
+                "returns", "is_weights", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs",
+                "constrained")
 
 
 @dataclass
@@ -40,6 +41,10 @@ class Batch:
     teacher_logprobs: torch.Tensor | None = None  # the teacher's logprobs of the sampled tokens (GKD)
     teacher_topk_ids: torch.Tensor | None = None  # [N, R, K] long: the teacher's top-k next tokens (GKD)
     teacher_topk_logprobs: torch.Tensor | None = None  # [N, R, K] their logprobs at --gkd-temperature
+    # The sampler's constraint (`sampler_constraint`): [N, R] bool, True where `held_back_ids` were held back
+    # (None: nowhere). The policy and the reference are scored under it, the teacher is not.
+    constrained: torch.Tensor | None = None
+    held_back_ids: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -94,7 +99,34 @@ def score_and_filter(samples, max_new_tokens: int, overlong_buffer_len: int = 0,
         metrics["truncated_filtered"] = 1.0 - keep.float().mean().item()
     # Dataset and teacher responses have no rollout logprobs (0 here; `prepare` gives them the trainer's).
     rollout = response_aligned([s.logprobs if s.logprobs is not None else [] for s in samples], width)
-    return Batch(samples, scores, response_mask, loss_mask, rollout), metrics
+    held_back_ids, constrained = sampler_constraint(samples, width)
+    return Batch(samples, scores, response_mask, loss_mask, rollout, constrained=constrained,
+                 held_back_ids=held_back_ids), metrics
+
+
+def sampler_constraint(samples, width: int) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """What the sampler held back from the samples' responses: vLLM's min_tokens (--min-new-tokens) sets
+    the logits of EOS and the stop ids (`Sample.held_back_ids`) to -inf before response token
+    `Sample.min_tokens`, so the rollout logprobs there come from the softmax without them. Returns
+    (those ids, [N, width] bool True at response token j < min_tokens of each sample they apply to),
+    or ((), None) when no sample was constrained (evaluation, dataset and teacher responses never are).
+    The trainer scores the policy under the same constraint (kernels.HeldBack), so that its logprobs
+    and the rollout's compare the same distribution."""
+    ids = {tuple(s.held_back_ids) for s in samples if s.min_tokens and s.held_back_ids}
+    if not ids:
+        return (), None
+    if len(ids) > 1:
+        raise ValueError(f"the samples were generated with different held-back token ids {sorted(ids)}: one "
+                         f"batch is scored under one set")
+    (ids,) = ids
+    limits = torch.tensor([s.min_tokens if s.held_back_ids else 0 for s in samples])
+    for i, s in enumerate(samples):
+        held = [j for j, token in enumerate(s.response_ids[:limits[i]]) if token in ids]
+        if held:
+            raise ValueError(f"sample {i}: response token {held[0]} is id {s.response_ids[held[0]]}, which the "
+                             f"sampler held back before token {int(limits[i])}: the sample and its constraint disagree")
+    positions = torch.arange(width)[None, :]
+    return tuple(ids), (positions < limits[:, None]) & (positions < response_lengths(samples)[:, None])
 
 
 def contiguous_shard(count: int, index: int, parts: int) -> slice:

@@ -6,7 +6,7 @@ the first host of SLURM_JOB_NODELIST; rank 0 then serves the TCPStore itself).
 Either way, init_distributed leaves torchrun's variables set (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT): vLLM's external launcher and accelerator.device() read them.
 
-Worlds (docs/design.md, "Placements"): vLLM and Megatron both assume they own the
+Worlds (docs/platform.md, "Placements"; docs/design.md, "Ranks, roles and groups"): vLLM and Megatron both assume they own the
 whole default world, so
   * colocate: one world of the train (= rollout) ranks; they train and generate;
   * separate: each role gets a world of its own (`init_process_group` on a

@@ -41,9 +41,11 @@ class LossTerms:
     hidden: bool = False  # the output is the final hidden states; the kernels form the logits chunk by chunk
 
 
-def full_kl(args, vocab_size: int, logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """The exact per-token KL(pi || ref) over the vocabulary (--kl-estimator full)."""
-    return kernels.full_kl(logits, ref_logits, vocab_size, args.temperature, args.kernels)
+def full_kl(args, vocab_size: int, logits: torch.Tensor, ref_logits: torch.Tensor,
+            held_back: kernels.HeldBack | None = None) -> torch.Tensor:
+    """The exact per-token KL(pi || ref) over the vocabulary (--kl-estimator full), both under the
+    sampler's constraint `held_back` (MicroBatch.held_back) where there is one."""
+    return kernels.full_kl(logits, ref_logits, vocab_size, args.temperature, args.kernels, held_back=held_back)
 
 
 class ActorLoss:
@@ -66,7 +68,7 @@ class ActorLoss:
         distill_loss, topk_mass = part.gather(self._distill(part, output, companion_outputs)) \
             if terms.distill else (None, None)
         kl_in_loss = terms.kl_coef > 0
-        exact_kl = part.gather(full_kl(args, self.vocab_size, output, companion_outputs["ref"])) \
+        exact_kl = part.gather(full_kl(args, self.vocab_size, output, companion_outputs["ref"], part.held_back())) \
             if kl_in_loss and self.full_kl else None
         batch = part.whole
         mask = batch.loss_mask
@@ -121,21 +123,24 @@ class ActorLoss:
         return metrics
 
     def logprobs_and_entropy(self, batch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampled tokens' logprobs and the entropy per token. The naive path keeps the entropy out
-        of autograd unless --entropy-coef puts it in the loss."""
-        args = self.args
+        """The sampled tokens' logprobs and the entropy per token, under the sampler's constraint (the
+        --min-new-tokens mask, MicroBatch.held_back). The naive path keeps the entropy out of autograd
+        unless --entropy-coef puts it in the loss."""
+        args, held_back = self.args, batch.held_back()
         if args.kernels != "naive":
             return kernels.logprobs_and_entropy(output, batch.labels, self.vocab_size, args.temperature,
-                                                args.kernels, weight_shard=self._weight())
+                                                args.kernels, weight_shard=self._weight(), held_back=held_back)
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(args.entropy_coef)):
-            entropy = naive.entropy(output, self.vocab_size, args.temperature)
-        return kernels.token_logprobs(output, batch.labels, self.vocab_size, args.temperature, "naive"), entropy
+            entropy = naive.entropy(output, self.vocab_size, args.temperature, held_back)
+        return kernels.token_logprobs(output, batch.labels, self.vocab_size, args.temperature, "naive",
+                                      held_back=held_back), entropy
 
     def _weight(self) -> torch.Tensor | None:
         return self.output_weight() if self.terms.hidden else None
 
     def _distill(self, batch, output: torch.Tensor, companion_outputs: dict):
-        """Per-token GKD loss and (top-k) the student's mass on the teacher's top-k ids."""
+        """Per-token GKD loss and (top-k) the student's mass on the teacher's top-k ids, between the
+        distributions without --min-new-tokens' mask (docs/design.md: the teacher is never masked)."""
         args = self.args
         if not args.gkd_logits_topk:
             return kernels.full_divergence(output, companion_outputs["teacher"], self.vocab_size, args.gkd_beta,

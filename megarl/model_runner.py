@@ -64,11 +64,20 @@ class MicroBatch:
     # Context parallelism: the whole micro-batch this is this CP rank's part of (None: it is whole).
     # A part's per-token tensors hold its own positions, and its packed_lengths are the whole slots.
     part_of: MicroBatch | None = None
+    # The token ids the sampler held back where the `constrained` field is True (Batch.held_back_ids).
+    held_back_ids: tuple[int, ...] = ()
 
     def __getattr__(self, name):  # batch.advantages etc.: the field, or None when the batch has none
         if name in TOKEN_FIELDS:
             return self.__dict__["fields"].get(name)
         raise AttributeError(name)
+
+    def held_back(self) -> kernels.HeldBack | None:
+        """The sampler's constraint on these positions, for scoring the policy (and the reference) as
+        the sampler did (batch.sampler_constraint); None when there is none."""
+        if not self.held_back_ids or self.constrained is None:
+            return None
+        return kernels.HeldBack(torch.tensor(self.held_back_ids, device=self.constrained.device), self.constrained)
 
     @property
     def whole(self) -> MicroBatch:
@@ -102,7 +111,7 @@ class MicroBatch:
 
         return MicroBatch(part(self.tokens), part(self.labels), part(self.loss_mask), [],
                           {name: part(values) for name, values in self.fields.items()}, part(self.position_ids),
-                          self.indices, self.packed_lengths, part_of=self)
+                          self.indices, self.packed_lengths, part_of=self, held_back_ids=self.held_back_ids)
 
     def response_positions(self, sample: int) -> tuple[int, slice]:
         """(row, columns) of the positions scoring sample `sample`'s response tokens."""
@@ -154,6 +163,7 @@ def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int, max_tok
         chunk = [batch.samples[i] for i in rows]
         micro_batch = _micro_batch([s.prompt_ids for s in chunk], chunk, pad_id, batch.loss_mask[rows],
                                    {name: values[rows] for name, values in fields.items()}, rows, packed)
+        micro_batch.held_back_ids = batch.held_back_ids
         if any(s.teacher_prompt_ids for s in chunk):
             micro_batch.teacher_view = _micro_batch([s.teacher_prompt_ids or s.prompt_ids for s in chunk], chunk,
                                                     pad_id, batch.loss_mask[rows], {}, rows, packed)
@@ -465,11 +475,13 @@ class SampledLogprobs:
                                                                  hidden=self.args.kernels != "naive"), width)
 
     def token_logprobs(self, batch: MicroBatch, output: torch.Tensor, _=None) -> torch.Tensor:
-        """The labels' logprobs [b, L] from this model's output (hidden states unless --kernels naive)."""
+        """The labels' logprobs [b, L] from this model's output (hidden states unless --kernels naive), under
+        the sampler's constraint (the policy's old logprobs and the reference's: both compare with
+        distributions the samples were drawn under)."""
         args = self.args
         weight = None if args.kernels == "naive" else output_weight(self.model)
         return kernels.token_logprobs(output, batch.labels, self.hf_config.vocab_size, args.temperature, args.kernels,
-                                      weight_shard=weight)
+                                      weight_shard=weight, held_back=batch.held_back())
 
 
 class FrozenModel(SampledLogprobs):

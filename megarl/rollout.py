@@ -54,6 +54,10 @@ class Sample:
     metadata: dict = field(default_factory=dict)  # the prompt's dataset row
     teacher_prompt_ids: list[int] | None = None  # OPSD: the teacher scores the response after this prompt
     weight_version: int = 0  # how many trainer -> rollout syncs the engine had taken when it sampled this
+    # vLLM's min_tokens: these token ids (EOS and the stop ids) had logit -inf before response token
+    # `min_tokens` (0: nowhere); the trainer scores the policy under the same constraint (batch.sampler_constraint).
+    min_tokens: int = 0
+    held_back_ids: tuple[int, ...] = ()
 
 
 class VllmEngine:
@@ -114,12 +118,13 @@ class VllmEngine:
                                  max_tokens=args.max_new_tokens, min_tokens=min_tokens, stop=args.stop or None,
                                  logprobs=0)
                   for _ in prompts]
+        constraint = (min_tokens, self.held_back_ids(params[0])) if min_tokens and prompts else (0, ())
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         if on_prompt_done is None:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             return [s for index, prompt, output in zip(prompt_indices, prompts, outputs)
-                    for s in _samples_of(index, prompt, output)]
+                    for s in _samples_of(index, prompt, output, *constraint)]
         # LLM.generate is enqueue + this loop (vLLM's _run_engine), with each finished request handed on.
         # Outputs carry LLM's own request numbers, consecutive from its counter (_run_engine sorts by them).
         first = self.llm.request_counter.counter
@@ -133,19 +138,34 @@ class VllmEngine:
                     if not 0 <= i < len(prompts) or per_prompt[i] is not None:
                         raise RuntimeError(f"vLLM returned request {output.request_id!r}, not one of the "
                                            f"{len(prompts)} just enqueued from {first}: its request numbering changed")
-                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output)
+                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output, *constraint)
                     on_prompt_done(i, per_prompt[i])
         return [s for samples in per_prompt for s in samples]
 
+    def held_back_ids(self, params) -> tuple[int, ...]:
+        """The token ids vLLM's min_tokens holds back (logit -inf) before a request's min_tokens-th token:
+        the request's all_stop_token_ids once the engine has added the tokenizer's EOS and the
+        generation config's (what InputProcessor.process_inputs does to each request's own copy of
+        `params`, through vLLM's own method; the MinTokensLogitsProcessor masks exactly these). A
+        --stop string masks nothing: it only stops the text after the min_tokens-th token."""
+        processor = self.llm.llm_engine.input_processor
+        resolved = params.clone()
+        resolved.update_from_generation_config(processor.generation_config_fields,
+                                               processor.renderer.get_eos_token_id())
+        return tuple(sorted(resolved.all_stop_token_ids))
 
-def _samples_of(index: int, prompt: list[int], output) -> list[Sample]:
-    """A finished vLLM request's completions as Samples (with the sampled tokens' logprobs)."""
+
+def _samples_of(index: int, prompt: list[int], output, min_tokens: int = 0,
+                held_back_ids: tuple[int, ...] = ()) -> list[Sample]:
+    """A finished vLLM request's completions as Samples (with the sampled tokens' logprobs and the
+    min_tokens constraint they were sampled under)."""
     samples = []
     for completion in output.outputs:
         token_ids = list(completion.token_ids)
         logprobs = [step_logprobs[token].logprob for token, step_logprobs in zip(token_ids, completion.logprobs)]
         samples.append(Sample(index, list(prompt), token_ids, completion.text, logprobs,
-                              truncated=completion.finish_reason == "length"))
+                              truncated=completion.finish_reason == "length", min_tokens=min_tokens,
+                              held_back_ids=held_back_ids))
     return samples
 
 

@@ -1,10 +1,10 @@
 """Print megarl's configuration reference (Markdown) from the argument parser.
 
     python tools/config_reference.py            # print it
-    python tools/config_reference.py --write    # refresh the README section in place
+    python tools/config_reference.py --write    # refresh docs/configuration.md in place
 
-The README section between the config-reference markers is this output; a test
-checks that the two agree, so the reference cannot drift from the parser.
+The section of docs/configuration.md between the config-reference markers is this
+output; a test checks that the two agree, so the reference cannot drift from the parser.
 """
 
 import argparse
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megarl.arguments import build_parser  # noqa: E402
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def reference() -> str:
@@ -41,10 +41,10 @@ def main():
     if not parser.parse_args().write:
         print(reference(), end="")
         return
-    text = README.read_text()
+    text = PAGE.read_text()
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n{reference()}{END}{tail}")
+    PAGE.write_text(f"{head}{START}\n{reference()}{END}{tail}")
 
 
 if __name__ == "__main__":

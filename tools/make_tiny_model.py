@@ -17,24 +17,25 @@ writes them, the settings and the sha256 of the weights to <out>/megarl_tiny.jso
 (written last: its presence marks a complete model), and prints them.
 
 Reproducibility: one thread, fixed seeds, problems drawn from --seed alone, and,
-set below before torch is imported, the CPU code paths pinned so that the
-floating-point result does not depend on the machine's instruction set or
-vendor: torch's own kernels run their AVX2 build (not AVX-512, whose wider
-vectors change reduction orders), MKL's sgemm runs its conditional numerical
+set below before torch is imported, the CPU code paths pinned to make the
+floating-point result depend less on the machine's instruction set or vendor:
+torch's own kernels run their AVX2 build (not AVX-512, whose wider vectors
+change reduction orders), MKL's sgemm runs its conditional numerical
 reproducibility branch COMPATIBLE (the only branch MKL honours on non-Intel
 CPUs: AVX2/AVX512 fall back to AUTO there) and oneDNN is capped at AVX2. Each
 pin changes the weights (measured on one AVX-512 machine: pass@1 0.31-0.41 over
-the four torch x MKL combinations). Two builds on one machine print the same
-weights hash; an x86-64 machine with AVX2 and the same pinned packages is
-expected to print it too (see the README for what was measured).
+the four torch x MKL combinations). Builds on one machine print the same weights
+hash; the pins do not make it the same on every machine (an AMD EPYC and two
+Intel Xeons, all with AVX-512, printed two different hashes): docs/testing.md,
+"Reproducibility", has what was measured where.
 
 --teacher builds the stronger teacher of the distillation quickstart
 (examples/quickstart_gkd.yaml) into artifacts/tiny-qwen2-teacher: the same
 tokenizer (so the same vocabulary), the same architecture, seed and pins, and
 only a longer warm-up (1200 steps instead of 400: about three times the
-student's build time), which lifts pass@1 at T=1 to 0.888 (greedy 0.906) on the
-pinned code path. Without --teacher nothing changes: the default build's
-weights hash is the same as before the flag.
+student's build time), which lifted pass@1 at T=1 to 0.888 (greedy 0.906) on the
+machine whose student build printed hash 6ce6c77b. Without --teacher nothing
+changes: the default build's weights hash is the same as before the flag.
 """
 import os
 import sys

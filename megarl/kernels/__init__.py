@@ -16,7 +16,9 @@ Operations (every one correct at TP > 1; the outputs are the same on every TP ra
     topk_logprobs[_from_hidden]          log-probs at the teacher's top-k ids and the tail log-mass
     distill_topk                         the top-k GKD loss (algorithms.topk_divergence) on those
     full_divergence / full_kl            full-vocabulary generalized JSD / KL(pi || ref) to logits
-All take z = logits / T: a temperature scales the logits before every softmax.
+All take z = logits / T: a temperature scales the logits before every softmax. The sampled-token
+operations and the KL to a reference also take a `HeldBack` (token ids the sampler held back at some
+positions, --min-new-tokens): there those logits take no part in the softmax, as in the sampler's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import importlib
 import torch
 
 from megarl.kernels import fused
+from megarl.kernels.fused import HeldBack  # the sampler constraint the operations take
 from megarl.registry import Registry
 
 # The fused implementations: the module of each one's per-chunk math, imported on first use (Triton's
@@ -72,45 +75,48 @@ def logits_from_hidden(hidden: torch.Tensor, weight_shard: torch.Tensor) -> torc
 
 
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float,
-                         impl: str, chunk_tokens: int | None = None,
-                         weight_shard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         impl: str, chunk_tokens: int | None = None, weight_shard: torch.Tensor | None = None,
+                         held_back: HeldBack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log softmax(z)[label], entropy of softmax(z)), each [b, L], from this TP rank's shard logits
     [b, L, V/TP]; differentiable in `logits` through both. A label no shard owns (e.g. -100) gives
     log p = M - log Z (M the largest z), as Megatron's vocab_parallel_cross_entropy. With
-    `weight_shard`, `logits` are the hidden states (`logprobs_and_entropy_from_hidden`)."""
+    `weight_shard`, `logits` are the hidden states (`logprobs_and_entropy_from_hidden`). With
+    `held_back`, its ids are left out of the softmax at its positions (and get no gradient there)."""
     if weight_shard is not None:
         return logprobs_and_entropy_from_hidden(logits, weight_shard, labels, vocab_size, temperature, impl,
-                                                chunk_tokens)
+                                                chunk_tokens, held_back)
     if impl == "naive":
         from megarl.kernels import naive
 
-        return (naive.logprobs(logits, labels, vocab_size, temperature),
-                naive.entropy(logits, vocab_size, temperature))
+        return (naive.logprobs(logits, labels, vocab_size, temperature, held_back),
+                naive.entropy(logits, vocab_size, temperature, held_back))
     return fused.TokenLogprobEntropy.apply(backend(impl), fused.LogitsSource, vocab_size, temperature,
-                                           _chunk(chunk_tokens, logits.shape[-1]), labels, logits)
+                                           _chunk(chunk_tokens, logits.shape[-1]), held_back, labels, logits)
 
 
 def logprobs_and_entropy_from_hidden(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
-                                     vocab_size: int, temperature: float, impl: str,
-                                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                     vocab_size: int, temperature: float, impl: str, chunk_tokens: int | None = None,
+                                     held_back: HeldBack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`logprobs_and_entropy` of the logits hidden @ weight_shard.T (Megatron's column-parallel output
     layer), differentiable in `hidden` [b, L, H] (replicated over the TP ranks) and `weight_shard`
     [V/TP, H]."""
     if impl == "naive":
-        return logprobs_and_entropy(logits_from_hidden(hidden, weight_shard), labels, vocab_size, temperature, impl)
+        return logprobs_and_entropy(logits_from_hidden(hidden, weight_shard), labels, vocab_size, temperature, impl,
+                                    held_back=held_back)
     return fused.TokenLogprobEntropy.apply(backend(impl), fused.HiddenSource, vocab_size, temperature,
-                                           _chunk(chunk_tokens, weight_shard.shape[0], True), labels, hidden,
-                                           weight_shard)
+                                           _chunk(chunk_tokens, weight_shard.shape[0], True), held_back, labels,
+                                           hidden, weight_shard)
 
 
 def token_logprobs(output: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float, impl: str,
-                   weight_shard: torch.Tensor | None = None) -> torch.Tensor:
+                   weight_shard: torch.Tensor | None = None, held_back: HeldBack | None = None) -> torch.Tensor:
     """The labels' log softmax(z) [b, L] alone, from logits or (with `weight_shard`) hidden states."""
     if impl == "naive" and weight_shard is None:
         from megarl.kernels import naive
 
-        return naive.logprobs(output, labels, vocab_size, temperature)
-    return logprobs_and_entropy(output, labels, vocab_size, temperature, impl, weight_shard=weight_shard)[0]
+        return naive.logprobs(output, labels, vocab_size, temperature, held_back)
+    return logprobs_and_entropy(output, labels, vocab_size, temperature, impl, weight_shard=weight_shard,
+                                held_back=held_back)[0]
 
 
 def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float, impl: str,
@@ -156,16 +162,21 @@ def full_divergence(logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_si
         from megarl.kernels import naive
 
         return naive.distill_full(logits, teacher_logits, vocab_size, beta, temperature)
+    return _full_divergence(logits, teacher_logits, vocab_size, beta, temperature, impl, chunk_tokens)
+
+
+def _full_divergence(logits, other_logits, vocab_size, beta, temperature, impl, chunk_tokens, held_back=None):
     return fused.FullDivergence.apply(backend(impl), vocab_size, temperature, beta,
-                                      _chunk(chunk_tokens, logits.shape[-1]), logits, teacher_logits.detach())
+                                      _chunk(chunk_tokens, logits.shape[-1]), held_back, logits, other_logits.detach())
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, temperature: float, impl: str,
-            chunk_tokens: int | None = None) -> torch.Tensor:
-    """Exact KL(pi || ref) per position over the whole vocabulary (the reverse KL: beta = 1)."""
+            chunk_tokens: int | None = None, held_back: HeldBack | None = None) -> torch.Tensor:
+    """Exact KL(pi || ref) per position over the whole vocabulary (the reverse KL: beta = 1); with
+    `held_back`, between both distributions without its ids at its positions."""
     if impl == "naive":
         from megarl.kernels import naive
 
-        return naive.full_kl(logits, ref_logits, vocab_size, temperature)
-    return full_divergence(logits, ref_logits, vocab_size, 1.0, temperature, impl, chunk_tokens)
+        return naive.full_kl(logits, ref_logits, vocab_size, temperature, held_back)
+    return _full_divergence(logits, ref_logits, vocab_size, 1.0, temperature, impl, chunk_tokens, held_back)
 

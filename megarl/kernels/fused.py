@@ -9,12 +9,82 @@ rank's backward gives the gradient of those replicated outputs w.r.t. its own sh
 backward of the sums, as Megatron's vocab_parallel_cross_entropy), so a caller's loss needs no
 TP reduction. From hidden states, the hidden's gradient sums every shard's part (all-reduced
 here, Megatron's copy_to_tensor_model_parallel_region).
+
+A `HeldBack` (token ids the sampler held back at some positions: vLLM's min_tokens) is applied
+by the sources, chunk by chunk: the held-back logits of a chunk's constrained rows are set to a
+huge negative value before the backend sees them, and their gradient is set to 0 after.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class HeldBack:
+    """Token ids the sampler held back at some positions, to score the policy under the sampler's own
+    constraint: vLLM's min_tokens (--min-new-tokens) sets the logits of EOS and the stop ids to -inf
+    before the N-th generated token, so the sampled tokens' logprobs there come from the softmax
+    without them. At the `where` positions the `ids` take no part in any softmax of the operations
+    that accept a HeldBack (probability 0, gradient 0); elsewhere nothing changes.
+
+    ids    [K] long, global vocabulary ids (any TP shard may own them)
+    where  bool, shaped like the labels (the logits without their vocabulary dimension)
+    """
+
+    ids: torch.Tensor
+    where: torch.Tensor
+
+    def on_shard(self, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the constrained positions, flattened [n], this shard's held-back columns [k], local to the
+        shard of `width` columns whose first global id is `start`)."""
+        local = self.ids.to(self.where.device) - start
+        return self.where.reshape(-1).nonzero()[:, 0], local[(local >= 0) & (local < width)]
+
+
+# z = x / T of a held-back logit in the fused path: finite (a -inf would give the backends' sums of
+# p (z - m) 0 * -inf = NaN; the naive path uses the float's min, as for padding), and so far below any
+# real logit that exp(z - M) is exactly 0 in fp32 and z - M stays finite.
+HELD_BACK_Z = -1e30
+
+
+class _Constraint:
+    """A HeldBack on one source's rows and shard columns, applied one chunk of rows at a time (no
+    [tokens, V/TP] mask is formed: only the constrained rows' held-back columns are written)."""
+
+    def __init__(self, held_back: HeldBack, start: int, width: int, temperature: float):
+        self.rows, self.columns = held_back.on_shard(start, width)
+        self.x = HELD_BACK_Z * temperature  # the logit whose z = x / T is HELD_BACK_Z
+
+    def _hit(self, rows: slice) -> torch.Tensor | None:
+        """The constrained rows of the chunk `rows`, local to it (None: nothing to do here)."""
+        if not len(self.columns):
+            return None
+        inside = self.rows[(self.rows >= rows.start) & (self.rows < rows.stop)] - rows.start
+        return inside if len(inside) else None
+
+    def chunk(self, x: torch.Tensor, rows: slice, fresh: bool) -> torch.Tensor:
+        """The chunk's logits with the held-back ones set: an fp32 copy when any is (the value does not
+        fit fp16), else `x` itself. `fresh`: `x` is the caller's own temporary (no copy needed in fp32)."""
+        hit = self._hit(rows)
+        if hit is None:
+            return x
+        x = x.float() if fresh else x.to(torch.float32, copy=True)
+        x[hit[:, None], self.columns[None, :]] = self.x
+        return x
+
+    def zero_grad(self, buffer: torch.Tensor, rows: slice) -> None:
+        """A held-back logit's gradient is 0 (it was replaced by a constant), whatever the backend wrote."""
+        hit = self._hit(rows)
+        if hit is not None:
+            buffer[hit[:, None], self.columns[None, :]] = 0.0
+
+
+def _constraint(held_back: HeldBack | None, start: int, width: int, temperature: float) -> _Constraint | None:
+    return None if held_back is None else _Constraint(held_back, start, width, temperature)
 
 
 def tp_group():
@@ -39,14 +109,17 @@ class LogitsSource:
     """Chunks of this shard's logits [*, V/TP]; the gradient goes into one [*, V/TP] buffer
     (padding columns keep 0)."""
 
-    def __init__(self, logits: torch.Tensor, vocab_size: int, group):
+    def __init__(self, logits: torch.Tensor, vocab_size: int, group, held_back: HeldBack | None = None,
+                 temperature: float = 1.0):
         self.logits = logits
         self.x = logits.reshape(-1, logits.shape[-1])
         self.start, self.real = _real_columns(self.x.shape[-1], vocab_size, group)
         self.rows = self.x.shape[0]
+        self.constraint = _constraint(held_back, self.start, self.real, temperature)
 
     def chunk(self, rows: slice) -> torch.Tensor:
-        return self.x[rows, :self.real]
+        x = self.x[rows, :self.real]
+        return x if self.constraint is None else self.constraint.chunk(x, rows, fresh=False)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         self.grad = torch.zeros_like(self.x)
@@ -65,15 +138,18 @@ class HiddenSource:
     """Chunks of hidden [*, H] @ weight_shard[:real].T; the gradients of both are accumulated chunk by
     chunk (the weight's in fp32)."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, group):
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, group,
+                 held_back: HeldBack | None = None, temperature: float = 1.0):
         self.hidden, self.weight = hidden, weight
         self.h = hidden.reshape(-1, hidden.shape[-1])
         self.start, self.real = _real_columns(weight.shape[0], vocab_size, group)
         self.w = weight[:self.real]  # padding rows of the output layer take no part
         self.rows = self.h.shape[0]
+        self.constraint = _constraint(held_back, self.start, self.real, temperature)
 
     def chunk(self, rows: slice) -> torch.Tensor:
-        return self.h[rows] @ self.w.t()
+        x = self.h[rows] @ self.w.t()
+        return x if self.constraint is None else self.constraint.chunk(x, rows, fresh=True)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         self.want_hidden, self.want_weight = needs
@@ -130,58 +206,69 @@ def _run(op_forward, source, chunk: int):
     return torch.cat([op_forward(source.chunk(rows), rows) for rows in _chunks(source.rows, chunk)])
 
 
-def _statistics(tensors, source_cls, vocab_size: int, chunk: int, local_of, stats_of):
+def _statistics(tensors, source_cls, vocab_size: int, chunk: int, local_of, stats_of, **constraint):
     """The forward's chunk loop: (source, the local labels/ids local_of(source), per-row statistics
-    stats_of(x, local rows) of every chunk, concatenated)."""
-    source = source_cls(*tensors, vocab_size, tp_group())
+    stats_of(x, local rows) of every chunk, concatenated). `constraint`: the source's held_back and
+    temperature, when it has one."""
+    source = source_cls(*tensors, vocab_size, tp_group(), **constraint)
     local = local_of(source)
     return source, local, _run(lambda x, rows: stats_of(x, local[rows]), source, chunk)
 
 
-def _gradients(needs_input_grad, tensors, source_cls, vocab_size: int, chunk: int, grad_of) -> tuple:
+def _add_grad(source, rows: slice, buffer: torch.Tensor) -> None:
+    """A chunk's logit gradient into the source's inputs' gradients, 0 at its held-back logits."""
+    if source.constraint is not None:
+        source.constraint.zero_grad(buffer, rows)
+    source.add_grad(rows, buffer)
+
+
+def _gradients(needs_input_grad, tensors, source_cls, vocab_size: int, chunk: int, grad_of, **constraint) -> tuple:
     """The backward's chunk loop: grad_of(x, rows, buffer) writes each chunk's logit gradient into
-    its buffer; the source turns them into the inputs' gradients."""
+    its buffer (0 at held-back logits); the source turns them into the inputs' gradients."""
     group = tp_group()
-    source = source_cls(*tensors, vocab_size, group)
+    source = source_cls(*tensors, vocab_size, group, **constraint)
     source.begin_backward(needs_input_grad)
     for rows in _chunks(source.rows, chunk):
         buffer = source.grad_buffer(rows)
         grad_of(source.chunk(rows), rows, buffer)
-        source.add_grad(rows, buffer)
+        _add_grad(source, rows, buffer)
     return source.grads(group)
 
 
 # ------------------------------------------------------------ the operations ----
 class TokenLogprobEntropy(torch.autograd.Function):
-    """(log softmax(z)[label], entropy of softmax(z)) per row, z = logits / T."""
+    """(log softmax(z)[label], entropy of softmax(z)) per row, z = logits / T, the held-back logits
+    (a HeldBack or None) left out of the softmax at their positions."""
 
     @staticmethod
-    def forward(ctx, backend, source_cls, vocab_size, temperature, chunk, labels, *tensors):
+    def forward(ctx, backend, source_cls, vocab_size, temperature, chunk, held_back, labels, *tensors):
         ctx.set_materialize_grads(False)
         _, local, stats = _statistics(tensors, source_cls, vocab_size, chunk,
                                       lambda source: labels.reshape(-1) - source.start,
-                                      lambda x, local: backend.token_stats(x, local, temperature))
+                                      lambda x, local: backend.token_stats(x, local, temperature),
+                                      held_back=held_back, temperature=temperature)
         m, sums = _combine_max_and_sums(stats, tp_group(), sum_columns=[3, 4], exp_columns=[1], weighted=(2, 1))
         log_sum, expected = sums[:, 0].log(), sums[:, 1] / sums[:, 0]
         # A label no shard owns (e.g. -100) gives z = M (vocab_parallel_cross_entropy's convention).
         picked = torch.where(sums[:, 3] > 0, sums[:, 2], m)
         ctx.save_for_backward(local, m, log_sum, expected, *tensors)
-        ctx.args = (backend, source_cls, vocab_size, temperature, chunk)
+        ctx.args = (backend, source_cls, vocab_size, temperature, chunk, held_back)
         return (picked - m - log_sum).view(labels.shape), (log_sum - expected).view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         local, m, log_sum, expected, *tensors = ctx.saved_tensors
-        backend, source_cls, vocab_size, temperature, chunk = ctx.args
+        backend, source_cls, vocab_size, temperature, chunk, held_back = ctx.args
         if grad_logprob is None and grad_entropy is None:
-            return (None,) * (6 + len(tensors))
+            return (None,) * (7 + len(tensors))
         g_lp, g_h = [None if g is None else g.reshape(-1).float() for g in (grad_logprob, grad_entropy)]
 
         def grad_of(x, rows, buffer):
             backend.token_grad(x, local[rows], temperature, m[rows], log_sum[rows], expected[rows],
                                None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows], buffer)
 
-        return (None,) * 6 + _gradients(ctx.needs_input_grad[6:], tensors, source_cls, vocab_size, chunk, grad_of)
+        return (None,) * 7 + _gradients(ctx.needs_input_grad[7:], tensors, source_cls, vocab_size, chunk, grad_of,
+                                        held_back=held_back, temperature=temperature)
 
 
 # A tail mass below this is floored (kernels.naive._tail_logprob clamps at the float's tiny).
@@ -226,14 +313,15 @@ class TopkLogprobs(torch.autograd.Function):
 
 class FullDivergence(torch.autograd.Function):
     """algorithms.generalized_jsd(log softmax(zs), log softmax(zt), beta) per row over the whole
-    vocabulary, differentiable in the student's logits (the teacher's are constants)."""
+    vocabulary, differentiable in the student's logits (the teacher's are constants); a HeldBack
+    leaves its logits out of both softmaxes at its positions."""
 
     @staticmethod
-    def forward(ctx, backend, vocab_size, temperature, beta, chunk, logits, teacher_logits):
+    def forward(ctx, backend, vocab_size, temperature, beta, chunk, held_back, logits, teacher_logits):
         ctx.set_materialize_grads(False)
         group = tp_group()
-        student = LogitsSource(logits, vocab_size, group)
-        teacher = LogitsSource(teacher_logits, vocab_size, group)
+        student = LogitsSource(logits, vocab_size, group, held_back, temperature)
+        teacher = LogitsSource(teacher_logits, vocab_size, group, held_back, temperature)
         log_z = []
         for source in (student, teacher):
             stats = _run(lambda x, rows: backend.lse_stats(x, temperature), source, chunk)
@@ -244,18 +332,18 @@ class FullDivergence(torch.autograd.Function):
         if _tp_size(group) > 1:
             dist.all_reduce(loss, group=group)
         ctx.save_for_backward(logits, teacher_logits, *log_z)
-        ctx.args = (backend, vocab_size, temperature, beta, chunk)
+        ctx.args = (backend, vocab_size, temperature, beta, chunk, held_back)
         return loss.view(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return (None,) * 7
+            return (None,) * 8
         logits, teacher_logits, log_zs, log_zt = ctx.saved_tensors
-        backend, vocab_size, temperature, beta, chunk = ctx.args
+        backend, vocab_size, temperature, beta, chunk, held_back = ctx.args
         group = tp_group()
-        student = LogitsSource(logits, vocab_size, group)
-        teacher = LogitsSource(teacher_logits, vocab_size, group)
+        student = LogitsSource(logits, vocab_size, group, held_back, temperature)
+        teacher = LogitsSource(teacher_logits, vocab_size, group, held_back, temperature)
         g = grad.reshape(-1).float()
         # Every column's log-prob depends on log Zs: its share of the gradient needs the sum over the
         # whole vocabulary of the direct derivatives, one pass and one all-reduce before the second.
@@ -266,6 +354,8 @@ class FullDivergence(torch.autograd.Function):
             dist.all_reduce(direct_sum, group=group)
         student.begin_backward((True,))
         for rows in _chunks(student.rows, chunk):
+            buffer = student.grad_buffer(rows)
             backend.full_grad(student.chunk(rows), teacher.chunk(rows), temperature, log_zs[rows], log_zt[rows], beta,
-                              g[rows], direct_sum[rows], student.grad_buffer(rows))
-        return (None,) * 5 + (student.grads(group)[0], None)
+                              g[rows], direct_sum[rows], buffer)
+            _add_grad(student, rows, buffer)
+        return (None,) * 6 + (student.grads(group)[0], None)

@@ -18,23 +18,31 @@ import torch
 import torch.distributed as dist
 
 
-def scaled_logits(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-    """logits / T in fp32, with Megatron's vocabulary-padding columns of this shard set to -inf (finite min)."""
+def scaled_logits(logits: torch.Tensor, vocab_size: int, temperature: float, held_back=None) -> torch.Tensor:
+    """logits / T in fp32, with Megatron's vocabulary-padding columns of this shard set to -inf (finite min),
+    and so are the ids of `held_back` (a kernels.HeldBack) this shard owns, at its positions."""
     from megatron.core import parallel_state
 
     z = logits.float() / temperature
     shard = z.shape[-1]
-    first_padded = vocab_size - parallel_state.get_tensor_model_parallel_rank() * shard
+    start = parallel_state.get_tensor_model_parallel_rank() * shard
+    first_padded = vocab_size - start
     if first_padded < shard:
         z[..., max(first_padded, 0):] = torch.finfo(z.dtype).min
+    if held_back is not None:
+        held = torch.zeros(shard, dtype=torch.bool, device=z.device)
+        held[held_back.on_shard(start, shard)[1]] = True
+        z = z.masked_fill(held_back.where[..., None] & held, torch.finfo(z.dtype).min)
     return z
 
 
-def logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+def logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float,
+             held_back=None) -> torch.Tensor:
     """log softmax(logits / T)[label] from this TP rank's vocabulary shard, [b, L]."""
     from megatron.core import tensor_parallel
 
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled_logits(logits, vocab_size, temperature), labels)
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled_logits(logits, vocab_size, temperature, held_back),
+                                                         labels)
 
 
 def _shifted_exp_sum(z: torch.Tensor):
@@ -60,23 +68,24 @@ def _weighted_vocab_sum(exp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region((exp * torch.where(exp > 0, x, 0.0)).sum(dim=-1))
 
 
-def entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+def entropy(logits: torch.Tensor, vocab_size: int, temperature: float, held_back=None) -> torch.Tensor:
     """Entropy of softmax(logits / T) per position, [b, L], from this TP rank's vocabulary shard:
     H = log Z - sum_v p_v z_v, from global sums."""
-    z = scaled_logits(logits, vocab_size, temperature)
+    z = scaled_logits(logits, vocab_size, temperature, held_back)
     exp, z_max, sum_exp = _shifted_exp_sum(z)
     return torch.log(sum_exp) + z_max - _weighted_vocab_sum(exp, z) / sum_exp
 
 
-def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, temperature: float,
+            held_back=None) -> torch.Tensor:
     """Exact KL(pi || ref) per position over the full vocabulary, [b, L], shard by shard.
 
     The formula of algorithms.kl_full, sum_v p (log p - log q), rewritten over global sums:
     KL = sum_v p_v (z_v - z'_v) - log Z + log Z' with z, z' the scaled logits of the
     policy and the reference. Differentiable in `logits`; ref_logits are constants.
     """
-    return _kl_over_shards(scaled_logits(logits, vocab_size, temperature),
-                           scaled_logits(ref_logits.detach(), vocab_size, temperature))
+    return _kl_over_shards(scaled_logits(logits, vocab_size, temperature, held_back),
+                           scaled_logits(ref_logits.detach(), vocab_size, temperature, held_back))
 
 
 def _kl_over_shards(z_p: torch.Tensor, z_q: torch.Tensor) -> torch.Tensor:
