@@ -155,12 +155,15 @@ def assert_fp32_close(actual, reference, scale: float | None = None, what: str =
 # Two fp32 computations of the same thing by different paths (CP=2 vs CP=1, packed vs padded, PP=2 vs
 # PP=1), neither in float64: each is within the rule above of the exact value, so they are within twice
 # it of each other.
+FP32_PATHS_ULPS = 2 * FP32_ULPS
+
+
 def assert_fp32_paths_agree(a, b, what: str = ""):
     import torch
 
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     error = ulps(a, b, max(a.abs().max().item(), b.abs().max().item()) if a.numel() else 0.0)
-    assert error <= 2 * FP32_ULPS, f"{what}: {error:.1f} ulps of the larger's scale > {2 * FP32_ULPS}"
+    assert error <= FP32_PATHS_ULPS, f"{what}: {error:.1f} ulps of the larger's scale > {FP32_PATHS_ULPS}"
 
 
 # Two whole training runs that should agree (chunked vs naive kernels, CP=2 vs CP=1, a resumed run vs
