@@ -94,3 +94,109 @@ def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: 
 def make_random_qwen2(path, tied: bool, seed: int = 0, vocab_size: int = 250) -> str:
     """A small random Qwen2 checkpoint with GQA, QKV bias and an unpadded vocabulary."""
     return make_random_model(path, "qwen2", tied, seed, vocab_size)
+
+
+# ------------------------------------------------------------------------------ tolerances ----
+# How close fp32 results must be, stated once for every suite. An fp32 result is the exact value plus
+# rounding whose *size* follows from the computation (its magnitude, the number of terms summed) but
+# whose *pattern* follows from the summation order: the BLAS, the vector width (AVX2 vs AVX-512), the
+# thread count and our own chunking each reorder the sums. An absolute 1e-5 is a few ulps of an O(10)
+# logit-sized number and so a property of one machine (issue 22). So a test computes the reference in
+# float64 (the same formula, rounding ~1e-16, exact at this scale) and bounds the fp32 result's error
+# relative to the magnitude of what is compared:
+#
+#     |x32 - ref64| <= FP32_ULPS * EPS32 * scale,   scale = max |ref64| over the compared tensor
+#
+# (a gradient is compared as a whole tensor, so its small entries are judged on its largest entry's
+# scale, which is what the rounding of the sums behind it is proportional to). The classic worst case of
+# summing n terms in fp32 is (n - 1) ulps of the terms' magnitude; these suites sum at most 256 terms
+# (a padded vocabulary shard; hidden sizes are 16-96), and chain a few such steps (log-softmax, entropy,
+# a tail's log(1 - mass), a matmul), so FP32_ULPS = 4 * 256. Measured: up to 75 ulps for the fused
+# kernels' top-k gradients (the tail's log(1 - mass) amplifies), 160 between two fp32 implementations on
+# another AVX-512 host. A wrong kernel misses by a relative O(1) (a missing temperature, a dropped
+# chunk, a lost gradient term): millions of ulps.
+EPS32 = 2.0**-23  # torch.finfo(torch.float32).eps
+FP32_ULPS = 1024
+# bf16 results (the GPU dtype) are fp32 arithmetic rounded to bf16 a handful of times (the logits of a
+# bf16 matmul, the outputs, the gradients): a few bf16 ulps of the scale; measured 1.4.
+BF16_EPS = 2.0**-7  # torch.finfo(torch.bfloat16).eps
+BF16_ULPS = 8
+
+
+def ulps(actual, reference, scale: float | None = None, eps: float = EPS32) -> float:
+    """max |actual - reference| in units of eps * scale (scale = max |reference| unless given, e.g. the
+    whole tensor's when `reference` is one rank's shard of it), computed in float64; equal infinities
+    count as 0 and NaN as inf. 0 when both are empty."""
+    import torch
+
+    actual, reference = torch.as_tensor(actual).double(), torch.as_tensor(reference).double()
+    if actual.numel() == 0 and reference.numel() == 0:
+        return 0.0
+    same_inf = torch.isinf(reference) & (actual == reference)
+    diff = torch.where(same_inf, 0.0, (actual - reference).abs())
+    if scale is None:
+        finite = reference[torch.isfinite(reference)]
+        scale = finite.abs().max().item() if finite.numel() else 0.0
+    error = diff.max().item()
+    if error != error:  # NaN
+        return float("inf")
+    if error == 0.0:
+        return 0.0
+    return error / (eps * scale) if scale > 0 else float("inf")
+
+
+def assert_fp32_close(actual, reference, scale: float | None = None, what: str = "", bf16: bool = False):
+    """`actual` (fp32, or bf16 with `bf16`) within FP32_ULPS (BF16_ULPS) of its float64 `reference` (see above)."""
+    eps, limit = (BF16_EPS, BF16_ULPS) if bf16 else (EPS32, FP32_ULPS)
+    error = ulps(actual, reference, scale, eps)
+    assert error <= limit, f"{what}: {error:.1f} ulps of the reference's scale > {limit}"
+
+
+# Two fp32 computations of the same thing by different paths (CP=2 vs CP=1, packed vs padded, PP=2 vs
+# PP=1), neither in float64: each is within the rule above of the exact value, so they are within twice
+# it of each other.
+FP32_PATHS_ULPS = 2 * FP32_ULPS
+
+
+def assert_fp32_paths_agree(a, b, what: str = ""):
+    import torch
+
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    error = ulps(a, b, max(a.abs().max().item(), b.abs().max().item()) if a.numel() else 0.0)
+    assert error <= FP32_PATHS_ULPS, f"{what}: {error:.1f} ulps of the larger's scale > {FP32_PATHS_ULPS}"
+
+
+# Two whole training runs that should agree (chunked vs naive kernels, CP=2 vs CP=1, a resumed run vs
+# an uninterrupted one at another layout) cannot be rerun in float64 cheaply. Their first step differs by
+# fp32 rounding (the rule above, ~1e-4 relative at most), and each Adam step amplifies it: an entry whose
+# gradient is at rounding level in both runs (v ~ g^2 tiny) gets an update of up to +-lr in either, so the
+# weights, and the next step's loss and gradient norm, drift apart by a relative 1e-5 to 1e-4 (a grad
+# norm of 0.437 differed by 2.25e-5 at step 1 on an AVX-512 host). RUN_RTOL bounds that relative to the
+# magnitude of the compared series (max |value| over its steps, so a metric that starts at 0 is judged
+# on its later values); a run that computes something else differs by O(1) already at step 0.
+RUN_RTOL = 1e-3
+# Metrics that are themselves rounding-level differences of O(1) log-probs (rollout vs trainer, old vs
+# new on the same weights): their own magnitude (~1e-7) is no scale; judged on 1.0.
+ROUNDING_LEVEL_METRICS = {"mismatch", "mismatch_max", "mismatch_kl", "ratio_dev_max", "kl_old_new"}
+
+
+def assert_runs_agree(a: dict, b: dict, what: str = "", steps=None, rtol: float = RUN_RTOL,
+                      scale: float | None = None):
+    """Series {step: value} of two runs equal within rtol of the series' magnitude at `steps` (all
+    of `a`'s steps unless given), each step present in both. `scale` replaces the magnitude (1.0 for
+    ROUNDING_LEVEL_METRICS, named by `what`)."""
+    steps = sorted(a) if steps is None else list(steps)
+    assert steps and all(step in a and step in b for step in steps), (what, steps, a, b)
+    if scale is None and what.split()[-1] in ROUNDING_LEVEL_METRICS:
+        scale = 1.0
+    if scale is None:
+        scale = max(abs(v) for series in (a, b) for v in series.values())
+    off = {step: (a[step], b[step]) for step in steps if not abs(a[step] - b[step]) <= rtol * scale}
+    assert not off, f"{what}: differ by more than {rtol:g} of {scale:.4g} at steps {off}"
+
+
+def flat_series(nested) -> dict:
+    """{i: value} of a (nested) list of numbers, for assert_runs_agree on a per-token output."""
+    import torch
+
+    return dict(enumerate(torch.as_tensor(nested, dtype=torch.float64).flatten().tolist()))

@@ -6,7 +6,7 @@ trains at CP=2, syncs its weights to vLLM and resumes at CP=1."""
 import pytest
 import torch
 
-from helpers import read_json, scalars, torchrun
+from helpers import assert_fp32_paths_agree, assert_runs_agree, flat_series, read_json, scalars, torchrun
 
 from megarl import context_parallel
 
@@ -63,13 +63,15 @@ def test_two_context_parallel_ranks_give_the_outputs_and_gradients_of_one(layout
              "--rollout-gpus", "1", nproc=1, timeout=600)
     one, two = read_json(tmp_path / "cp1.json"), read_json(tmp_path / "cp2.json")
     # Measured: up to 9.5e-6 on logprobs of about -10 (fp32, the attention's sums in another order).
-    for key in ("logprobs", "values", "logprobs_after"):
-        assert torch.allclose(torch.tensor(two[key]), torch.tensor(one[key]), atol=1e-5, rtol=1e-6), key
+    for key in ("logprobs", "values"):
+        assert_fp32_paths_agree(two[key], one[key], key)
+    assert_runs_agree(flat_series(two["logprobs_after"]), flat_series(one["logprobs_after"]), "logprobs_after")  # 2 steps later
     for role, names in (("actor", ("loss", "grad_norm", "kl_loss", "entropy", "kl_old_new", "clip_fraction")),
                         ("critic", ("value_loss", "critic_grad_norm", "value_mean"))):
-        for step_two, step_one in zip(two[role], one[role]):
-            for name in names:
-                assert step_two[name] == pytest.approx(step_one[name], rel=1e-5, abs=1e-6), (role, name)
+        assert len(two[role]) == len(one[role]) > 0, role
+        for name in names:
+            assert_runs_agree(dict(enumerate(s[name] for s in two[role])), dict(enumerate(s[name] for s in one[role])),
+                              f"{role} {name}")
     assert two["logprobs_after"] != two["logprobs"]  # the steps changed the policy
 
 
@@ -90,4 +92,4 @@ def test_grpo_with_distillation_at_two_context_parallel_ranks_syncs_and_resumes_
     assert two["kl_ref"][0] == pytest.approx(0, abs=1e-6) and two["kl_ref"][2] > 1e-6  # the policy left the reference
     assert two["teacher_kl"][2] > 1e-6 and two["distill_loss"][2] > 0  # ... and the teacher (the same tiny model)
     for tag in COMPARED:  # step 3 at CP=1 (DP=2) from the CP=2 checkpoint is the CP=2 run's step 3
-        assert one[tag][2] == pytest.approx(two[tag][2], abs=1e-5), tag
+        assert_runs_agree(one[tag], two[tag], tag, steps=[2])

@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -189,13 +188,13 @@ def test_standalone_teacher_topk_equals_the_colocated_teachers(engines, tiny_mod
 
 @pytest.mark.slow
 def test_a_crash_on_a_teacher_rank_ends_every_rank(tiny_model, teacher_model):
-    start = time.monotonic()
+    # The launcher must end every rank: the torchrun timeout (a hang guard) is inside the 10-minute
+    # collective timeout that would otherwise end them.
     result = torchrun("crash_worker.py", "--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml",
                       "--model", tiny_model, "--standalone-teacher-model", teacher_model, *SMALL, "--train-steps", "5",
-                      env={"MEGARL_TEST_FAIL_RANK": "1"}, check=False, timeout=600)
+                      env={"MEGARL_TEST_FAIL_RANK": "1"}, check=False, timeout=540)
     assert result.returncode != 0
     assert "megarl: rank 1 failed: RuntimeError: injected teacher failure" in result.stderr, result.stderr[-3000:]
-    assert time.monotonic() - start < 300  # ended by the launcher, far inside the 10-minute collective timeout
 
 
 @pytest.mark.slow

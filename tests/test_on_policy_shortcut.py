@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import scalars, torchrun
+from helpers import assert_runs_agree, scalars, torchrun
 from megarl.arguments import parse_args
 from megarl.batch import on_policy_update, two_pass_reason
 
@@ -70,15 +70,16 @@ RUNS = [
 @pytest.mark.parametrize("name,flags,shortcut_steps,tags", RUNS, ids=[run[0] for run in RUNS])
 def test_shortcut_matches_the_two_pass_path(name, flags, shortcut_steps, tags, tiny_model, tmp_path):
     """Three GRPO (or PPO) steps with the shortcut and with --no-on-policy-shortcut, same seed: every
-    loss, gradient, mismatch and TIS metric equal within 1e-6 (2 micro-batches per rank: the sums and
-    maxima add up over them). The shortcut's prepare ran no forward pass."""
+    loss, gradient, mismatch and TIS metric equal within tests/helpers.py's rule for two training runs
+    (2 micro-batches per rank: the sums and maxima add up over them). The shortcut's prepare ran no
+    forward pass: on_policy_shortcut is 1 exactly at the steps whose prepare skipped it."""
     series, output, tags = {}, {}, [*COMPARED, *tags]
     for path, extra in (("shortcut", []), ("two_pass", ["--no-on-policy-shortcut"])):
         result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
                           "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12",
                           "--micro-batch-size", "4", "--lr", "1e-3", "--train-steps", "3", *flags, *extra,
                           "--log-dir", tmp_path / path, timeout=900)
-        series[path] = scalars(tmp_path / path, [*tags, "on_policy_shortcut", "prepare_seconds"])
+        series[path] = scalars(tmp_path / path, [*tags, "on_policy_shortcut"])
         output[path] = result.stdout
     assert "old logprobs: from the update's own forward" in output["shortcut"]
     assert "old logprobs: a separate forward pass before each update (--no-on-policy-shortcut)" in output["two_pass"]
@@ -88,11 +89,6 @@ def test_shortcut_matches_the_two_pass_path(name, flags, shortcut_steps, tags, t
     for tag in tags:
         steps = sorted(two_pass[tag])
         assert sorted(shortcut[tag]) == steps and set(shortcut_steps) <= set(steps), (tag, series)
-        for step in steps:
-            assert abs(shortcut[tag][step] - two_pass[tag][step]) <= 1e-6, (tag, step, series)
+        assert_runs_agree(shortcut[tag], two_pass[tag], tag)
     assert max(shortcut["tis_clipped_fraction"].values()) > 0, series  # the weights were exercised
     assert max(shortcut["mismatch"].values()) > 0, series
-    if "gae" not in flags:  # (the critic's values pass stays in prepare)
-        # No forward pass: bookkeeping only, a small fraction of the two-pass prepare's time.
-        skipped = sum(shortcut["prepare_seconds"].values())
-        assert skipped < 0.5 * sum(two_pass["prepare_seconds"].values()), series

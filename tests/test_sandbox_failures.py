@@ -68,14 +68,13 @@ def test_a_run_with_a_code_reward_stops_at_start_when_the_sandbox_cannot_run(tin
     """Under a user namespace that maps root only, the sandbox cannot drop to its uid (as on a host
     without unprivileged user namespaces, it cannot be made): train.py stops before any model loads,
     exit code 2, with one line. (Rank 0 of the config's two, alone: it stops before it would connect.)"""
-    started = time.monotonic()
     proc = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "megarl/train.py",
                            *_code_run(tiny_model)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2"})
     errors = [line for line in proc.stderr.splitlines() if line.startswith("megarl:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert errors == [errors[0]] and errors[0].startswith("megarl: error: --reward code: sandbox unavailable: ")
-    assert "step 1/" not in proc.stdout and time.monotonic() - started < 200
+    assert "step 1/" not in proc.stdout
 
 
 @pytest.mark.slow

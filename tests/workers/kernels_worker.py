@@ -1,20 +1,26 @@
-"""torchrun worker: megarl/kernels.py's implementations against each other and against a
-full-vocabulary torch reference, at the TP size of the launch (every rank is one TP rank).
+"""torchrun worker: megarl/kernels.py's implementations (naive, chunked, Triton where it runs) in fp32
+against a full-vocabulary torch reference in float64, at the TP size of the launch (every rank is one TP rank).
 
 Each case builds the same full-vocabulary inputs on every rank (seeded), hands each rank its
 Megatron shard (vocabulary padded to a multiple of 128 * TP), and backpropagates
 sum(mask * (a * logprob + c * entropy)) with random per-token a, c, so that both outputs carry
-gradient and masked positions carry none. Writes {case: {metric: max over ranks}} from rank 0.
+gradient and masked positions carry none. Each metric is an error in ulps of what
+is compared (tests/helpers.py); writes {case: {metric: max over ranks}} from rank 0.
 The case functions also run in-process at TP=1 (tests/test_kernels.py).
 """
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megarl import accelerator, kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
+from helpers import ulps  # noqa: E402
 
 # The fused implementations checked against the naive one: Triton too where it can run (a GPU, or
 # its interpreter on CPU: TRITON_INTERPRET=1 in the test run's environment, before Triton is imported).
@@ -70,72 +76,70 @@ def _shard(tensor, dim: int):
     return tensor.chunk(tp, dim=dim)[rank]
 
 
-def _max_diff(x, y) -> float:
-    return (x - y).abs().max().item()
+def _double_leaves(*tensors):
+    """float64 copies that take gradient: the reference runs the same inputs in double."""
+    return [t.double().requires_grad_(True) for t in tensors]
+
+
+def _compare(report: dict, impl: str, pairs):
+    """report[f"{impl}_{name}"] = ulps(value, reference, scale) (tests/helpers.py: the fp32 rule) for each
+    (name, value, reference, scale); scale None means max |reference|."""
+    for name, value, reference, scale in pairs:
+        report[f"{impl}_{name}"] = ulps(value, reference, scale)
+
+
+def _max_abs(tensor) -> float:
+    return tensor.abs().max().item()
 
 
 def check_from_logits(vocab_size: int, temperature: float, chunk, seed: int = 0) -> dict:
-    """Values and logit gradients of naive and chunked (and of naive against the full-vocabulary
-    reference, its gradient on this shard's columns)."""
+    """Values and logit gradients of every implementation (fp32) against the full-vocabulary reference
+    in float64 (its gradient on this shard's columns), in ulps (tests/helpers.py); masked tokens get
+    exactly zero gradient."""
     from megatron.core import parallel_state
 
     case = inputs(vocab_size, parallel_state.get_tensor_model_parallel_world_size(), seed)
-    full = case["logits"].clone().requires_grad_(True)
+    [full] = _double_leaves(case["logits"])
     expected = _reference(case, full, vocab_size, temperature)
     _loss(case, *expected).backward()
-    results = {}
+    grad_scale = _max_abs(full.grad)  # the whole gradient's: a shard may be padding only
+    report, masked = {}, case["mask"] == 0
     for impl in ["naive", *FUSED]:
         shard = _shard(case["logits"], -1).clone().requires_grad_(True)
-        results[impl] = (*kernels.logprobs_and_entropy(shard, case["labels"], vocab_size, temperature, impl,
-                                                        chunk_tokens=chunk), shard)
-        _loss(case, *results[impl][:2]).backward()
-    lp_n, h_n, x_n = results["naive"]
-    report = {"naive_vs_full_logprob": _max_diff(lp_n, expected[0]),
-              "naive_vs_full_entropy": _max_diff(h_n, expected[1]),
-              "naive_vs_full_grad_logits": _max_diff(x_n.grad, _shard(full.grad, -1))}
-    masked = case["mask"] == 0
-    for impl in FUSED:
-        lp, h, x = results[impl]
-        report.update({f"{impl}_logprob": _max_diff(lp, lp_n), f"{impl}_entropy": _max_diff(h, h_n),
-                       f"{impl}_grad_logits": _max_diff(x.grad, x_n.grad),
-                       f"{impl}_masked_grad_max": x.grad[masked].abs().max().item() if masked.any() else 0.0})
+        lp, h = kernels.logprobs_and_entropy(shard, case["labels"], vocab_size, temperature, impl, chunk_tokens=chunk)
+        _loss(case, lp, h).backward()
+        _compare(report, impl, [("logprob", lp, expected[0], None), ("entropy", h, expected[1], None),
+                                ("grad_logits", shard.grad, _shard(full.grad, -1), grad_scale),
+                                ("masked_grad", shard.grad[masked], 0 * shard.grad[masked], grad_scale)])
     return report
 
 
 def check_from_hidden(vocab_size: int, temperature: float, chunk, seed: int = 0) -> dict:
-    """Values and hidden / weight-shard gradients of naive and chunked (and of both against the
-    full-vocabulary reference: the hidden gradient must include every shard's part)."""
+    """Values and hidden / weight-shard gradients of every implementation (fp32) against the
+    full-vocabulary reference in float64 (the hidden gradient must include every shard's part), in ulps."""
     from megatron.core import parallel_state
 
     case = inputs(vocab_size, parallel_state.get_tensor_model_parallel_world_size(), seed)
-    hidden, weight = case["hidden"].clone().requires_grad_(True), case["weight"].clone().requires_grad_(True)
+    hidden, weight = _double_leaves(case["hidden"], case["weight"])
     expected = _reference(case, hidden @ weight.t(), vocab_size, temperature)
     _loss(case, *expected).backward()
-    results = {}
+    report = {}
     for impl in ["naive", *FUSED]:
         h = case["hidden"].clone().requires_grad_(True)
         w = _shard(case["weight"], 0).clone().requires_grad_(True)
-        results[impl] = (*kernels.logprobs_and_entropy_from_hidden(h, w, case["labels"], vocab_size, temperature,
-                                                                    impl, chunk_tokens=chunk), h, w)
-        _loss(case, *results[impl][:2]).backward()
-    lp_n, h_n, hid_n, w_n = results["naive"]
-    report = {f"{impl}_{name}": _max_diff(value, reference)
-              for impl in FUSED
-              for name, value, reference in zip(("logprob", "entropy", "grad_hidden", "grad_weight"),
-                                                (results[impl][0], results[impl][1], results[impl][2].grad,
-                                                 results[impl][3].grad), (lp_n, h_n, hid_n.grad, w_n.grad))}
-    return {**report, **{f"{impl}_vs_full_{name}": _max_diff(value, reference)
-               for impl, (lp, h, hid, w) in results.items()
-               for name, value, reference in (("logprob", lp, expected[0]), ("entropy", h, expected[1]),
-                                              ("grad_hidden", hid.grad, hidden.grad),
-                                              ("grad_weight", w.grad, _shard(weight.grad, 0)))}}
+        lp, ent = kernels.logprobs_and_entropy_from_hidden(h, w, case["labels"], vocab_size, temperature, impl,
+                                                           chunk_tokens=chunk)
+        _loss(case, lp, ent).backward()
+        _compare(report, impl, [("logprob", lp, expected[0], None), ("entropy", ent, expected[1], None),
+                                ("grad_hidden", h.grad, hidden.grad, None),
+                                ("grad_weight", w.grad, _shard(weight.grad, 0), _max_abs(weight.grad))])
+    return report
 
 
 def _teacher(case: dict, vocab_size: int, temperature: float, k: int, seed: int):
     """Teacher logits [.., padded V] and their top-k (global ids, log softmax(logits / T) there). The
     teacher is the student's logits plus unit noise, so the divergences are O(1), as between a student
-    and its teacher (between two independent draws of std 3 they are O(20), where fp32's own rounding,
-    a few units of 2e-6, reaches the 1e-5 tolerance whatever the implementation)."""
+    and its teacher."""
     g = torch.Generator().manual_seed(seed + 1)
     logits = case["logits"] + torch.randn(case["logits"].shape, generator=g)
     logprobs = torch.log_softmax(logits[..., :vocab_size] / temperature, dim=-1)
@@ -145,18 +149,27 @@ def _teacher(case: dict, vocab_size: int, temperature: float, k: int, seed: int)
 
 def check_topk(vocab_size: int, temperature: float, chunk, mode: str, beta: float, from_hidden: bool,
                k: int = 5, seed: int = 0) -> dict:
-    """The top-k GKD loss (and the student's top-k mass) of each fused implementation against naive,
-    values and gradients, from logits or from hidden states; naive against algorithms'
-    full-vocabulary GKD_TOPK_MODES."""
+    """The top-k GKD loss, its gradients and the student's top-k mass, of every implementation (fp32),
+    from logits or from hidden states, against algorithms' full-vocabulary GKD_TOPK_MODES and
+    student_topk_mass in float64 on the same inputs, in ulps."""
     from megatron.core import parallel_state
 
-    from megarl.algorithms import GKD_TOPK_MODES
+    from megarl.algorithms import GKD_TOPK_MODES, student_topk_mass
 
     case = inputs(vocab_size, parallel_state.get_tensor_model_parallel_world_size(), seed)
     _, ids, teacher_logprobs = _teacher(case, vocab_size, temperature, k, seed)
-    full = (case["hidden"] @ case["weight"].t() if from_hidden else case["logits"])[..., :vocab_size]
-    expected = GKD_TOPK_MODES[mode](full, ids, teacher_logprobs, beta, temperature)
-    results = {}
+    names = ("hidden", "weight") if from_hidden else ("logits",)
+    reference = _double_leaves(*(case[name] for name in names))
+    full = (reference[0] @ reference[1].t() if from_hidden else reference[0])[..., :vocab_size]
+    expected = GKD_TOPK_MODES[mode](full, ids, teacher_logprobs.double(), beta, temperature)
+    (case["mask"] * case["a"] * expected).sum().backward()
+    expected_mass = student_topk_mass(full.detach(), ids, temperature)
+    # (the reference gradient of each leaf on this rank, the whole gradient's scale)
+    reference_grads = [(reference[0].grad, None)] if from_hidden else [(_shard(reference[0].grad, -1),
+                                                                          _max_abs(reference[0].grad))]
+    if from_hidden:
+        reference_grads.append((_shard(reference[1].grad, 0), _max_abs(reference[1].grad)))
+    report = {}
     for impl in ["naive", *FUSED]:
         if from_hidden:
             leaves = [case["hidden"].clone().requires_grad_(True),
@@ -166,28 +179,26 @@ def check_topk(vocab_size: int, temperature: float, chunk, mode: str, beta: floa
         loss, mass = kernels.distill_topk(leaves[0], ids, teacher_logprobs, vocab_size, beta, temperature, mode, impl,
                                           weight_shard=leaves[1] if from_hidden else None, chunk_tokens=chunk)
         (case["mask"] * case["a"] * loss).sum().backward()
-        results[impl] = (loss, mass, [leaf.grad for leaf in leaves])
-    loss_n, mass_n, grads_n = results["naive"]
-    report = {"naive_vs_full_loss": _max_diff(loss_n, expected)}
-    for impl in FUSED:
-        loss, mass, grads = results[impl]
-        report.update({f"{impl}_loss": _max_diff(loss, loss_n), f"{impl}_mass": _max_diff(mass, mass_n),
-                       **{f"{impl}_grad{i}": _max_diff(g, g_n) for i, (g, g_n) in enumerate(zip(grads, grads_n))}})
+        _compare(report, impl, [("loss", loss, expected, None), ("mass", mass, expected_mass, None),
+                                *((f"grad{i}", leaf.grad, grad, scale)
+                                  for i, (leaf, (grad, scale)) in enumerate(zip(leaves, reference_grads)))])
     return report
 
 
 def check_full(vocab_size: int, temperature: float, chunk, beta: float | None, seed: int = 0) -> dict:
-    """The full-vocabulary divergence (beta) or, with beta None, the KL to a reference, of each fused
-    implementation against naive; naive against algorithms.distill_full / kl_full."""
+    """The full-vocabulary divergence (beta) or, with beta None, the KL to a reference, and its logit
+    gradient, of every implementation (fp32) against algorithms.distill_full in float64, in ulps."""
     from megatron.core import parallel_state
 
     from megarl.algorithms import distill_full
 
     case = inputs(vocab_size, parallel_state.get_tensor_model_parallel_world_size(), seed)
     teacher, _, _ = _teacher(case, vocab_size, temperature, 1, seed)
-    expected = distill_full(case["logits"][..., :vocab_size], teacher[..., :vocab_size], 1.0 if beta is None else beta,
-                            temperature)
-    results = {}
+    [full] = _double_leaves(case["logits"])
+    expected = distill_full(full[..., :vocab_size], teacher[..., :vocab_size].double(),
+                            1.0 if beta is None else beta, temperature)
+    (case["mask"] * case["a"] * expected).sum().backward()
+    report = {}
     for impl in ["naive", *FUSED]:
         shard = _shard(case["logits"], -1).clone().requires_grad_(True)
         if beta is None:
@@ -196,12 +207,8 @@ def check_full(vocab_size: int, temperature: float, chunk, beta: float | None, s
             loss = kernels.full_divergence(shard, _shard(teacher, -1), vocab_size, beta, temperature, impl,
                                            chunk_tokens=chunk)
         (case["mask"] * case["a"] * loss).sum().backward()
-        results[impl] = (loss, shard.grad)
-    loss_n, grad_n = results["naive"]
-    report = {"naive_vs_full_loss": _max_diff(loss_n, expected)}
-    for impl in FUSED:
-        report.update({f"{impl}_loss": _max_diff(results[impl][0], loss_n),
-                       f"{impl}_grad": _max_diff(results[impl][1], grad_n)})
+        _compare(report, impl, [("loss", loss, expected, None),
+                                ("grad", shard.grad, _shard(full.grad, -1), _max_abs(full.grad))])
     return report
 
 
