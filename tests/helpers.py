@@ -12,6 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
 
 
+def load_script(path) -> object:
+    """A script that is not a package module (a tool in tools/, a torchrun worker in tests/workers/) imported
+    as a module, for its functions and case lists."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def torchrun(worker: str, *args: str, nproc: int = 2, timeout: float = 600, env: dict | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
     """Run tests/workers/<worker> under a real `torchrun --standalone` (gloo on CPU)."""

@@ -1,17 +1,14 @@
 """tools/check_layout.py: the 7B example's layout on 2 x 8 GPUs validates and its estimate fits 80 GB; a wrong
 shape is refused in one line; the parameter count is the model's."""
 
-import importlib.util
 import json
 import re
 
 import pytest
 
-from helpers import ROOT, make_random_model
+from helpers import ROOT, load_script, make_random_model
 
-spec = importlib.util.spec_from_file_location("check_layout", ROOT / "tools" / "check_layout.py")
-check_layout = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check_layout)
+check_layout = load_script(ROOT / "tools" / "check_layout.py")
 
 EXAMPLE = str(ROOT / "examples" / "qwen7b_2x8.yaml")
 

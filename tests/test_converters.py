@@ -1,6 +1,5 @@
 """tools/convert_gsm8k.py and tools/convert_math.py: published layouts in, loadable files out."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, load_script
 from megarl.data.datasets import load_rows
 
 GSM8K = [
@@ -32,10 +31,7 @@ MATH = {  # path under train/ -> problem, as MATH ships them
 
 
 def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "tools" / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,12 @@
 """megarl/data/datasets.py: layouts, rendering, truncation, ordering, resumption, errors."""
 
-import importlib.util
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, load_script
 from megarl.errors import ConfigError
 from megarl.data.datasets import (DATASET_PREPROCESSORS, DatasetError, PromptDataset, load_eval_dataset, load_rows,
                              make_prompts, register_preprocessor, render, shard)
@@ -18,10 +17,7 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 @pytest.fixture(scope="module")
 def tokenizer():
     """The tiny model's byte-level tokenizer and ChatML template, built offline (no model, a few seconds)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "tools" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_tokenizer()
+    return load_script(ROOT / "tools" / "make_tiny_model.py").build_tokenizer()
 
 
 def write_jsonl(path, rows):

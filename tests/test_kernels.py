@@ -8,22 +8,15 @@ second shard is partly (V=250) or entirely (V=100) Megatron padding.
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
-from helpers import FP32_ULPS, WORKERS, assert_fp32_close, assert_runs_agree, read_json, scalars, torchrun
+from helpers import (FP32_ULPS, WORKERS, assert_fp32_close, assert_runs_agree, load_script, read_json, scalars,
+                     torchrun)
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("kernels_worker", WORKERS / "kernels_worker.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script(WORKERS / "kernels_worker.py")
 
 
 @pytest.fixture(scope="module")

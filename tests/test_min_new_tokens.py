@@ -22,20 +22,13 @@ import importlib.util
 import pytest
 import torch
 
-from helpers import WORKERS, read_json, scalars, torchrun
+from helpers import WORKERS, load_script, read_json, scalars, torchrun
 from megarl.batch import sampler_constraint, score_and_filter
 from megarl.model_runner import make_micro_batches
 from megarl.rollout import Sample
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("held_back_worker", WORKERS / "held_back_worker.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script(WORKERS / "held_back_worker.py")
 
 
 def _assert_within_bounds(case: str, metrics: dict) -> None:

@@ -1,12 +1,11 @@
 """tools/plot_metrics.py: a PNG of a real run's curves, merged resumed logs, globs, and the error exits."""
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, torchrun
+from helpers import ROOT, load_script, torchrun
 
 TOOL = ROOT / "tools" / "plot_metrics.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -19,10 +18,7 @@ def plot_tool(*args) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("plot_metrics", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOL)
 
 
 @pytest.mark.slow

@@ -1,13 +1,12 @@
 """The reward-model reward against an independent transformers forward, on the tiny RM the tool builds."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, load_script
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -26,10 +25,7 @@ ROWS = [{"messages": MESSAGES, "gt_answer": "7"}] * len(RESPONSES)
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("make_tiny_reward_model", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOL)
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,13 @@ import sys
 
 import pytest
 
-from helpers import FP32_PATHS_ULPS, FP32_ULPS, ROOT, WORKERS, read_json
+from helpers import FP32_PATHS_ULPS, FP32_ULPS, ROOT, WORKERS, load_script, read_json
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
 
 
-def _load_worker():  # for its case list; importing it imports torch, not Triton
-    spec = importlib.util.spec_from_file_location("triton_kernels_worker", WORKERS / "triton_kernels_worker.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script(WORKERS / "triton_kernels_worker.py")  # its case list; it imports torch, not Triton
 
 FUNCTIONS = ["token_stats", "token_grad", "topk_stats", "topk_grad", "lse_stats", "full_terms", "full_direct_sum",
              "full_grad"]
