@@ -23,7 +23,6 @@ not from one machine's rounding.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -207,16 +206,9 @@ def all_cases() -> dict:
 
 
 def main():
-    own = argparse.ArgumentParser()
-    own.add_argument("--out", required=True)
-    mine = own.parse_args()
-    from megatron.core import parallel_state
+    from kernels_worker import start_tensor_parallel_world  # beside this script (sys.path[0] under torchrun)
 
-    from megarl import accelerator
-
-    dist.init_process_group("gloo")
-    accelerator.apply_megatron_shims()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    out = start_tensor_parallel_world()
     report = all_cases()
     keys = [(case, metric) for case in report for metric in report[case]]
     values = torch.tensor([report[case][metric] for case, metric in keys], dtype=torch.float64)
@@ -229,7 +221,7 @@ def main():
     for (case, metric), high, low in zip(keys, worst.tolist(), least.tolist()):
         merged.setdefault(case, {})[metric] = low if metric.endswith("_unconstrained") else high
     if dist.get_rank() == 0:
-        with open(mine.out, "w") as f:
+        with open(out, "w") as f:
             json.dump({"tp": dist.get_world_size(), "fused": FUSED, "cases": merged}, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -245,10 +245,12 @@ def max_over_ranks(report: dict) -> dict:
     return out
 
 
-def main():
+def start_tensor_parallel_world() -> str:
+    """A kernel worker's start: its --out path, and a gloo world whose every rank is one TP rank (with
+    Megatron's CPU shims and parallel state)."""
     own = argparse.ArgumentParser()
     own.add_argument("--out", required=True)
-    mine = own.parse_args()
+    out = own.parse_args().out
     from megatron.core import parallel_state
 
     from megarl import accelerator
@@ -256,9 +258,14 @@ def main():
     dist.init_process_group("gloo")
     accelerator.apply_megatron_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    return out
+
+
+def main():
+    out = start_tensor_parallel_world()
     report = max_over_ranks(all_cases())
     if dist.get_rank() == 0:
-        with open(mine.out, "w") as f:
+        with open(out, "w") as f:
             json.dump({"tp": dist.get_world_size(), "cases": report}, f)
     dist.barrier()
     dist.destroy_process_group()
