@@ -5,8 +5,15 @@ trains at CP=2, syncs its weights to vLLM and resumes at CP=1."""
 
 import pytest
 import torch
-
-from helpers import assert_fp32_paths_agree, assert_runs_agree, flat_series, read_json, scalars, torchrun
+from helpers import (
+    ROUNDING_LEVEL,
+    assert_fp32_paths_agree,
+    assert_runs_agree,
+    flat_series,
+    read_json,
+    scalars,
+    torchrun,
+)
 
 from megarl import context_parallel
 
@@ -88,8 +95,9 @@ def test_grpo_with_distillation_at_two_context_parallel_ranks_syncs_and_resumes_
     two, one = scalars(tmp_path / "cp2", COMPARED), scalars(tmp_path / "cp1", COMPARED)
     assert sorted(two["loss"]) == [0, 1, 2]
     # The trained weights reach the engines: the rollout's logprobs are the trainer's after each sync.
-    assert max(two["mismatch"].values()) < 1e-5, two["mismatch"]
-    assert two["kl_ref"][0] == pytest.approx(0, abs=1e-6) and two["kl_ref"][2] > 1e-6  # the policy left the reference
+    assert max(two["mismatch"].values()) <= ROUNDING_LEVEL, two["mismatch"]
+    # At step 0 the policy is the reference (0 up to rounding); by step 2 it has left it.
+    assert abs(two["kl_ref"][0]) <= ROUNDING_LEVEL and two["kl_ref"][2] > 1e-6, two["kl_ref"]
     assert two["teacher_kl"][2] > 1e-6 and two["distill_loss"][2] > 0  # ... and the teacher (the same tiny model)
     for tag in COMPARED:  # step 3 at CP=1 (DP=2) from the CP=2 checkpoint is the CP=2 run's step 3
         assert_runs_agree(one[tag], two[tag], tag, steps=[2])

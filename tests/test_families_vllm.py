@@ -9,7 +9,7 @@ Each family runs one torchrun launch; the Llama uses the "custom" Llama-3 values
 
 import pytest
 
-from helpers import make_random_model, read_json, torchrun
+from helpers import FP32_ULPS, make_random_model, read_json, torchrun
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
@@ -29,8 +29,9 @@ def test_family_in_vllm_fresh_and_synced(family, tmp_path):
     report = read_json(out)
     for stage in ("fresh", "synced"):
         result = report[stage]
-        assert result["max_abs_prompt_logprob_diff"] <= 1e-4, (stage, result)
-        assert result["max_greedy_gap"] <= 1e-4, (stage, result)  # vLLM's greedy token is transformers' argmax
+        # vLLM (fp32) against transformers in float64, within the fp32 rule (tests/helpers.py).
+        assert result["prompt_logprob_ulps"] <= FP32_ULPS, (stage, result)
+        assert result["greedy_gap_ulps"] <= FP32_ULPS, (stage, result)  # vLLM's greedy token is transformers' argmax
         if rope is not None:
             assert result["rope_scaling_effect"] > 1e-2, (stage, result)
     assert report["synced"]["sync_bytes"] > 0

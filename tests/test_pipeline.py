@@ -3,8 +3,15 @@ outputs of one stage, a GRPO run trains and syncs every stage's weights, and its
 another pipeline size."""
 
 import pytest
-
-from helpers import assert_fp32_paths_agree, assert_runs_agree, flat_series, read_json, scalars, torchrun
+from helpers import (
+    ROUNDING_LEVEL,
+    assert_fp32_paths_agree,
+    assert_runs_agree,
+    flat_series,
+    read_json,
+    scalars,
+    torchrun,
+)
 
 WORKER = ["--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--advantage-estimator", "gae"]
 SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
@@ -57,7 +64,8 @@ def test_grpo_at_two_stages_trains_syncs_and_resumes_at_one(tiny_model, tmp_path
     two, one = scalars(tmp_path / "pp2", COMPARED), scalars(tmp_path / "pp1", COMPARED)
     assert sorted(two["loss"]) == [0, 1, 2]
     # Every stage's weights reach the engines: the rollout's logprobs are the trainer's after each sync.
-    assert max(two["mismatch"].values()) < 1e-5, two["mismatch"]
-    assert two["kl_ref"][0] == pytest.approx(0, abs=1e-6) and two["kl_ref"][2] > 1e-6  # the policy left the reference
+    assert max(two["mismatch"].values()) <= ROUNDING_LEVEL, two["mismatch"]
+    # At step 0 the policy is the reference (0 up to rounding); by step 2 it has left it.
+    assert abs(two["kl_ref"][0]) <= ROUNDING_LEVEL and two["kl_ref"][2] > 1e-6, two["kl_ref"]
     for tag in COMPARED:  # step 3 at PP=1 from the PP=2 checkpoint is the PP=2 run's step 3
         assert_runs_agree(one[tag], two[tag], tag, steps=[2])

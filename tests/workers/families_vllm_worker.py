@@ -27,13 +27,14 @@ from megarl import distributed  # noqa: E402
 from megarl.arguments import parse_args  # noqa: E402
 from megarl.models.megatron_gpt import rope_parameters  # noqa: E402
 from megarl.rollout import RolloutEngine, release_shared_memory  # noqa: E402
-from parity_worker import load_hf_model  # noqa: E402
+from parity_worker import load_hf_model  # noqa: E402  (it also puts tests/ on the path, for helpers)
+from helpers import ulps  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 96, 8
 
 
 def hf_logprobs(path: str, tokens: torch.Tensor, without_rope_scaling: bool = False):
-    """Under transformers (fp32): log p(token t | tokens < t) for t >= 1 [batch, len - 1],
+    """Under transformers (float64, the reference): log p(token t | tokens < t) for t >= 1 [batch, len - 1],
     and the whole distributions [batch, len - 1, vocab]."""
     with torch.no_grad():
         logits = load_hf_model(path, without_rope_scaling)(tokens).logits
@@ -51,16 +52,17 @@ def check_engine(engine, path: str, prompts: list[list[int]]) -> dict:
     vllm_logprobs = torch.tensor([[position[token].logprob for token, position in zip(p[1:], out.prompt_logprobs[1:])]
                                   for p, out in zip(prompts, scored)])
     expected, _ = hf_logprobs(path, torch.tensor(prompts))
-    report = {"max_abs_prompt_logprob_diff": (vllm_logprobs - expected).abs().max().item()}
+    report = {"prompt_logprob_ulps": ulps(vllm_logprobs, expected)}  # tests/helpers.py: the fp32 rule
 
     greedy = engine.llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, detokenize=False),
                                  use_tqdm=False)
     continued = torch.tensor([p + list(out.outputs[0].token_ids) for p, out in zip(prompts, greedy)])
     chosen, every = hf_logprobs(path, continued)
     chosen, every = chosen[:, -NEW_TOKENS:], every[:, -NEW_TOKENS:]
-    # How far below transformers' best token each of vLLM's greedy tokens is (0 = its argmax).
+    # How far below transformers' best token each of vLLM's greedy tokens is (0 = its argmax), in ulps
+    # of the log-probs' scale: only a near-tie within rounding may pick another token.
     report["greedy_tokens"] = continued[:, -NEW_TOKENS:].tolist()
-    report["max_greedy_gap"] = (every.max(-1).values - chosen).max().item()
+    report["greedy_gap_ulps"] = ulps(chosen, every.max(-1).values, every.max(-1).values.abs().max().item())
 
     if rope_parameters(AutoConfig.from_pretrained(path))["rope_type"] != "default":
         unscaled, _ = hf_logprobs(path, torch.tensor(prompts), without_rope_scaling=True)

@@ -2,107 +2,149 @@
 (1) compare logits with transformers, (2) export back to HF and compare every tensor.
 Several checkpoints share one launch (the parallel state is built once), so a family's
 tied and untied models cost one torchrun start-up. Writes a JSON report from rank 0:
-{"tp", "pp", "models": [one report per checkpoint, in the order given]}."""
+{"tp", "pp", "models": [one report per checkpoint, in the order given]}.
+
+Every float comparison is reported in ulps of the compared scale (tests/helpers.py: the fp32 rule),
+against a float64 reference: the forward (logits, values) against transformers run in float64 on
+the same fp32 weights; the trainer's vocabulary-parallel functions (logprobs, entropy, KL, GKD,
+top-k) against the pure full-vocabulary functions in float64 on Megatron's own logits, so that each
+check measures its own rounding and not the forward's."""
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megarl import distributed
+from megarl.algorithms import kl_full
 from megarl.arguments import parse_args
+from megarl.critic import attach_value_head
+from megarl.kernels import naive
 from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights
 from megarl.models.families import family_of
 from megarl.models.megatron_gpt import build_gpt_model, rope_parameters
-from megarl.algorithms import kl_full
-from megarl.critic import attach_value_head
-from megarl.kernels import naive
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
+from helpers import ulps
+
+TEMPERATURE = 0.7
 
 
-def _full_kl_parity(shard_logits, reference, vocab_size) -> dict:
-    """The trainer's vocab-parallel KL(pi || ref) and its gradient against algorithms.kl_full on
-    the gathered vocabulary; the reference policy's logits are the policy's scaled by 0.5."""
+def _tp_columns(shard_logits, vocab_size):
+    """(start, real): this TP rank's first vocabulary column and how many of its columns are real
+    (the rest is Megatron's vocabulary padding)."""
     from megatron.core import parallel_state
 
-    shard = shard_logits.detach().clone().requires_grad_(True)
-    kl = naive.full_kl(shard, 0.5 * shard.detach(), vocab_size, 0.7)
-    kl.sum().backward()
-    full = reference.detach().clone().requires_grad_(True)
-    expected = kl_full(torch.log_softmax(full / 0.7, -1), torch.log_softmax(0.5 * full.detach() / 0.7, -1))
-    expected.sum().backward()
-    width = shard.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * width
-    real = max(min(vocab_size - start, width), 0)  # columns of this shard inside the real vocabulary
-    grad_diff = (shard.grad[..., :real] - full.grad[..., start: start + real]).abs().max().item()
-    return {"max_abs_full_kl_diff": (kl - expected).abs().max().item(), "max_abs_full_kl_grad_diff": grad_diff,
-            "full_kl_mean": expected.mean().item(), "padding_grad_max": shard.grad[..., real:].abs().max().item()
-            if real < width else 0.0}
-
-
-def _distill_topk_parity(shard_logits, reference, vocab_size) -> dict:
-    """Vocabulary-parallel teacher top-k and the student's top-k GKD losses (renorm and tail, beta 0.5,
-    T = 0.7) with their gradients, against the pure full-vocabulary functions (algorithms); the
-    teacher's logits are the student's scaled by 0.5."""
-    from megatron.core import parallel_state
-
-    from megarl.algorithms import GKD_TOPK_MODES, distill_full, student_topk_mass
-
-    k, temperature, report = 8, 0.7, {}
-    teacher = 0.5 * reference.detach()
-    ids, logprobs = naive.topk_logprobs(0.5 * shard_logits.detach(), k, vocab_size, temperature)
-    expected_logprobs, expected_ids = torch.log_softmax(teacher / temperature, -1).topk(k, dim=-1)
-    # Megatron's and HF's logits differ by ~1e-5: ids may swap only where the ranking is that close.
-    ranked = torch.log_softmax(teacher / temperature, -1).topk(k + 1, dim=-1).values
-    clear = (ranked[..., :-1] - ranked[..., 1:]).min(dim=-1).values > 1e-3
-    report["topk_ids_differ_where_clear"] = int((ids != expected_ids).any(dim=-1)[clear].sum())
-    report["topk_clear_positions"] = int(clear.sum())
-    report["max_abs_topk_logprob_diff"] = (logprobs - expected_logprobs).abs().max().item()
     width = shard_logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * width
-    real = max(min(vocab_size - start, width), 0)
-    for mode in ("renorm", "tail"):
-        shard = shard_logits.detach().clone().requires_grad_(True)
-        loss = naive.distill_topk(shard, expected_ids, expected_logprobs, vocab_size, 0.5, temperature, mode)
-        loss.sum().backward()
-        full = reference.detach().clone().requires_grad_(True)
-        expected = GKD_TOPK_MODES[mode](full, expected_ids, expected_logprobs, 0.5, temperature)
+    return start, max(min(vocab_size - start, width), 0)
+
+
+def _gathered(shard_logits, vocab_size):
+    """Megatron's logits over the whole real vocabulary (every TP shard), detached."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    return naive._all_gather_last_dim(shard_logits.detach(), group)[..., :vocab_size]
+
+
+def _value_and_grad_ulps(report, name, shard_fn, reference_fn, shard_logits, vocab_size):
+    """report[name + "_ulps"], report[name + "_grad_ulps"]: the vocabulary-parallel `shard_fn(shard)`
+    (fp32) and its gradient on this shard's real columns against `reference_fn(full)` in float64 on the
+    same logits gathered; report[name + "_plain_ulps"] and [name + "_grad_plain_ulps"]: the same for
+    `reference_fn` itself run in fp32 (the plain formula's own rounding, which is what an
+    ill-conditioned result, a small difference of large terms, is judged against: tests/helpers.py);
+    report[name + "_mean"] the reference's mean (to show it is far from 0), and
+    report[name + "_padding_grad_max"] the gradient on padding columns (must be exactly 0)."""
+    start, real = _tp_columns(shard_logits, vocab_size)
+    shard = shard_logits.detach().clone().requires_grad_(True)
+    value = shard_fn(shard)
+    value.sum().backward()
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        full = _gathered(shard_logits, vocab_size).to(dtype).requires_grad_(True)
+        expected = reference_fn(full)
         expected.sum().backward()
-        report[f"max_abs_gkd_{mode}_diff"] = (loss - expected).abs().max().item()
-        report[f"max_abs_gkd_{mode}_grad_diff"] = (shard.grad[..., :real] - full.grad[..., start: start + real]
-                                                   ).abs().max().item()
-        report[f"gkd_{mode}_mean"] = expected.mean().item()
-    # Full vocabulary: forward KL, the JSD mixture, reverse KL. The teacher is the student's logits
-    # rolled by half the vocabulary, so that its mass sits on the other shard at TP=2: a gradient
-    # that missed the other shard's share of a normaliser would show. The pure function gets
-    # Megatron's own logits, gathered (HF's differ by ~5e-6, which these large gradients amplify).
-    gathered = naive._all_gather_last_dim(shard_logits.detach(),
-                                                   parallel_state.get_tensor_model_parallel_group())[..., :vocab_size]
+        results[dtype] = expected.detach(), full.grad
+    (expected, grad), (plain, plain_grad) = results[torch.float64], results[torch.float32]
+    grad_scale = grad.abs().max().item()  # the whole gradient's: a shard may hold padding only
+    report[f"{name}_ulps"] = ulps(value, expected)
+    report[f"{name}_grad_ulps"] = ulps(shard.grad[..., :real], grad[..., start: start + real], grad_scale)
+    report[f"{name}_plain_ulps"] = ulps(plain, expected)
+    report[f"{name}_grad_plain_ulps"] = ulps(plain_grad, grad)
+    report[f"{name}_mean"] = expected.mean().item()
+    report[f"{name}_padding_grad_max"] = shard.grad[..., real:].abs().max().item() if real < shard.shape[-1] else 0.0
+
+
+def _vocab_parallel_parity(shard_logits, labels, vocab_size) -> dict:
+    """The trainer's vocabulary-parallel logprobs, entropy and full KL(pi || ref) (the reference
+    policy's logits are the policy's scaled by 0.5), against full-vocabulary float64 softmaxes."""
+    report = {}
+    with torch.no_grad():
+        full = torch.log_softmax(_gathered(shard_logits, vocab_size).double() / TEMPERATURE, dim=-1)
+        logprobs = naive.logprobs(shard_logits, labels, vocab_size, TEMPERATURE)
+        entropy = naive.entropy(shard_logits, vocab_size, TEMPERATURE)
+    report["logprob_ulps"] = ulps(logprobs, full.gather(-1, labels[..., None])[..., 0])
+    report["entropy_ulps"] = ulps(entropy, -(full.exp() * full).sum(-1))
+    _value_and_grad_ulps(
+        report, "full_kl", lambda shard: naive.full_kl(shard, 0.5 * shard.detach(), vocab_size, TEMPERATURE),
+        lambda full: kl_full(torch.log_softmax(full / TEMPERATURE, -1),
+                             torch.log_softmax(0.5 * full.detach() / TEMPERATURE, -1)),
+        shard_logits, vocab_size)
+    return report
+
+
+def _distill_parity(shard_logits, vocab_size) -> dict:
+    """Vocabulary-parallel teacher top-k and the student's top-k GKD losses (renorm and tail, beta 0.5)
+    with their gradients, the teacher's logits being the student's scaled by 0.5; then the
+    full-vocabulary GKD (forward KL, the JSD mixture, reverse KL) against a teacher that is the
+    student's logits rolled by half the vocabulary, so that its mass sits on the other shard at TP=2: a
+    gradient that missed the other shard's share of a normaliser would show."""
+    from megarl.algorithms import GKD_TOPK_MODES, distill_full, student_topk_mass
+
+    k, report = 8, {}
+    gathered = _gathered(shard_logits, vocab_size).double()
+    teacher = 0.5 * gathered
+    with torch.no_grad():
+        ids, logprobs = naive.topk_logprobs(0.5 * shard_logits.detach(), k, vocab_size, TEMPERATURE)
+    teacher_logprobs = torch.log_softmax(teacher / TEMPERATURE, -1)
+    expected_logprobs, expected_ids = teacher_logprobs.topk(k, dim=-1)
+    # Ids may swap only between ranks whose log-probs are within rounding of each other.
+    ranked = teacher_logprobs.topk(k + 1, dim=-1).values
+    clear = (ranked[..., :-1] - ranked[..., 1:]).min(dim=-1).values > 1e-4
+    report["topk_ids_differ_where_clear"] = int((ids != expected_ids).any(dim=-1)[clear].sum())
+    report["topk_clear_positions"] = int(clear.sum())
+    report["topk_logprob_ulps"] = ulps(logprobs, expected_logprobs)  # sorted values: ids that swap are equal
+    for mode in ("renorm", "tail"):
+        _value_and_grad_ulps(
+            report, f"gkd_{mode}",
+            lambda shard, mode=mode: naive.distill_topk(shard, expected_ids, expected_logprobs.float(), vocab_size, 0.5,
+                                             TEMPERATURE, mode),
+            lambda full, mode=mode: GKD_TOPK_MODES[mode](full, expected_ids, expected_logprobs, 0.5, TEMPERATURE),
+            shard_logits, vocab_size)
+    start, real = _tp_columns(shard_logits, vocab_size)
     teacher_full = torch.roll(gathered, shifts=vocab_size // 2, dims=-1)
     teacher_shard = torch.zeros_like(shard_logits)
-    teacher_shard[..., :real] = teacher_full[..., start: start + real]
+    teacher_shard[..., :real] = teacher_full[..., start: start + real].float()
     for beta in (0.0, 0.5, 1.0):
-        shard = shard_logits.detach().clone().requires_grad_(True)
-        loss = naive.distill_full(shard, teacher_shard, vocab_size, beta, temperature)
-        loss.sum().backward()
-        full = gathered.clone().requires_grad_(True)
-        expected = distill_full(full, teacher_full, beta, temperature)
-        expected.sum().backward()
-        report[f"max_abs_gkd_full_beta{beta:g}_diff"] = (loss - expected).abs().max().item()
-        report[f"max_abs_gkd_full_beta{beta:g}_grad_diff"] = (shard.grad[..., :real]
-                                                              - full.grad[..., start: start + real]).abs().max().item()
-        report[f"gkd_full_beta{beta:g}_mean"] = expected.mean().item()
-    mass = naive.topk_mass(shard_logits, expected_ids, vocab_size, temperature)
-    expected_mass = student_topk_mass(reference, expected_ids, temperature)
-    report["max_abs_topk_mass_diff"] = (mass - expected_mass).abs().max().item()
+        _value_and_grad_ulps(
+            report, f"gkd_full_beta{beta:g}",
+            lambda shard, beta=beta: naive.distill_full(shard, teacher_shard, vocab_size, beta, TEMPERATURE),
+            lambda full, beta=beta: distill_full(full, teacher_full, beta, TEMPERATURE), shard_logits, vocab_size)
+    with torch.no_grad():
+        mass = naive.topk_mass(shard_logits, expected_ids, vocab_size, TEMPERATURE)
+    report["topk_mass_ulps"] = ulps(mass, student_topk_mass(gathered, expected_ids, TEMPERATURE))
     return report
 
 
 def _value_head_parity(hf_path, hf_config, tokens, positions, seed) -> dict:
-    """Critic values (trunk loaded tied-style, fresh value head) against HF's final hidden states @ head."""
+    """Critic values (trunk loaded tied-style, fresh value head) against HF's final hidden states @ head
+    in float64, in ulps of the dot product's own scale (sum of |hidden| * |weight|, + |bias|): its
+    rounding is proportional to that, not to the value, which a random head can put near 0."""
     import copy
-
-    from transformers import AutoModelForCausalLM
 
     trunk_config = copy.deepcopy(hf_config)
     trunk_config.tie_word_embeddings = True
@@ -112,15 +154,18 @@ def _value_head_parity(hf_path, hf_config, tokens, positions, seed) -> dict:
     critic.eval()
     with torch.no_grad():
         values = critic(tokens, positions, attention_mask=None).squeeze(-1)
-        hidden = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).model(tokens).last_hidden_state
+        hidden = load_hf_model(hf_path).model(tokens).last_hidden_state
         head = critic.output_layer.score
-        expected = hidden @ head.weight[0] + head.bias[0]
-    return {"max_abs_value_diff": (values - expected).abs().max().item(), "value_std": expected.std().item()}
+        weight, bias = head.weight[0].double(), head.bias[0].double()
+        expected = hidden @ weight + bias
+        scale = (hidden.abs() @ weight.abs() + bias.abs()).max().item()
+    return {"value_ulps": ulps(values, expected, scale), "value_std": expected.std().item()}
 
 
 def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
-    """The checkpoint as a transformers model in fp32, optionally with plain RoPE instead of
-    its scaled RoPE (to show how much the scaling matters)."""
+    """The checkpoint as a transformers model in float64 (the fp32 weights exactly; the reference of
+    every forward check), optionally with plain RoPE instead of its scaled RoPE (to show how much the
+    scaling matters)."""
     import copy
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -129,14 +174,15 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
     if without_rope_scaling:
         config = copy.deepcopy(config)
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope_parameters(config)["rope_theta"]}
-    return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64).eval()
 
 
 def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) -> dict:
     """RoPE frequencies against HF's; with RoPE scaling, also how far HF's logits move
     without it (so that the logit check cannot pass with the scaling ignored)."""
-    inv_freq_diff = (model.rotary_pos_emb.inv_freq.cpu() - hf_model.model.rotary_emb.inv_freq).abs().max().item()
-    report = {"max_abs_inv_freq_diff": inv_freq_diff, "rope_type": rope_parameters(hf_config)["rope_type"]}
+    inv_freq = model.rotary_pos_emb.inv_freq.cpu()
+    report = {"inv_freq_ulps": ulps(inv_freq, hf_model.model.rotary_emb.inv_freq.to(inv_freq.dtype)),
+              "rope_type": rope_parameters(hf_config)["rope_type"]}
     if report["rope_type"] != "default":
         with torch.no_grad():
             unscaled = load_hf_model(hf_path, without_rope_scaling=True)(tokens).logits
@@ -163,17 +209,11 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(shard_logits)[..., : hf_config.vocab_size]
             hf_model = load_hf_model(hf_path)
             reference = hf_model(tokens).logits
-            # The trainer's vocab-parallel logprobs and entropy (padding masked, T = 0.7)
-            # against a full-vocabulary softmax of the HF logits.
-            labels = torch.roll(tokens, -1, dims=1)
-            full = torch.log_softmax(reference / 0.7, dim=-1)
-            logprobs = naive.logprobs(shard_logits, labels, hf_config.vocab_size, 0.7)
-            entropy = naive.entropy(shard_logits, hf_config.vocab_size, 0.7)
-        report["max_abs_logit_diff"] = (logits - reference).abs().max().item()
-        report["max_abs_logprob_diff"] = (logprobs - full.gather(-1, labels[..., None])[..., 0]).abs().max().item()
-        report["max_abs_entropy_diff"] = (entropy + (full.exp() * full).sum(-1)).abs().max().item()
-        report.update(_full_kl_parity(shard_logits, reference, hf_config.vocab_size))
-        report.update(_distill_topk_parity(shard_logits, reference, hf_config.vocab_size))
+        report["logit_ulps"] = ulps(logits, reference)
+        report["logit_scale"] = reference.abs().max().item()
+        labels = torch.roll(tokens, -1, dims=1)
+        report.update(_vocab_parallel_parity(shard_logits, labels, hf_config.vocab_size))
+        report.update(_distill_parity(shard_logits, hf_config.vocab_size))
         report.update(_value_head_parity(hf_path, hf_config, tokens, positions, seed))
         report.update(_rope_parity(model, hf_model, reference, hf_path, hf_config, tokens))
 

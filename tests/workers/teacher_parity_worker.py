@@ -8,6 +8,7 @@ longer than its student prompt. Rank 0 writes the comparison to <out>.
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,9 @@ from megarl.model_runner import make_micro_batches
 from megarl.data.prompts import render_chat
 from megarl.rollout import release_shared_memory
 from megarl.run import build_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
+from helpers import fp32_paths_ulps  # noqa: E402
 
 
 def main():
@@ -52,9 +56,10 @@ def main():
                                       for s in batch.samples if s.teacher_prompt_ids),
             "ids_differ_where_clear": int((ids_differ & clear).sum()),
             "opsd_clear_positions": int((clear & opsd[:, None]).sum()),
-            "max_abs_topk_logprob_diff": (ranked - batch.teacher_topk_logprobs)[mask].abs().max().item(),
-            "max_abs_sampled_logprob_diff": (colocated["teacher_logprobs"] * mask - batch.teacher_logprobs)
-            .abs().max().item(),
+            # Two fp32 paths (tests/helpers.py): Megatron's and vLLM's forward of the same weights.
+            "topk_logprob_ulps": fp32_paths_ulps(ranked[mask], batch.teacher_topk_logprobs[mask]),
+            "sampled_logprob_ulps": fp32_paths_ulps(colocated["teacher_logprobs"][mask],
+                                                    batch.teacher_logprobs[mask]),
         }
         # The privileged prompt is what changes the teacher's view of the same responses.
         for sample in batch.samples:
