@@ -146,6 +146,7 @@ Both paths run the same `_judge`, so the score never depends on the thread.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import queue
@@ -236,8 +237,17 @@ def make_think_answer_reward(correct_score: float = 1.0, format_score: float = 0
 def judge_answer(answer: str, gt_answer) -> str:
     """Verdict on `answer` against `gt_answer`, bounded by MATH_VERIFY_TIMEOUT_S from any thread."""
     if threading.current_thread() is threading.main_thread():
+        _warm_up()
         return _judge_with_alarm(answer, gt_answer, MATH_VERIFY_TIMEOUT_S)
     return _judge_in_helper(answer, gt_answer, MATH_VERIFY_TIMEOUT_S)
+
+
+@functools.cache
+def _warm_up() -> None:
+    """Import math-verify and judge once, untimed: the import (sympy, the LaTeX grammar) and the first
+    parse take seconds on a loaded host, and counted inside the first judgement's timer they would turn
+    a correct answer into a timeout (seen under load 10 on 2 cores)."""
+    _judge("1", "1")
 
 
 def _judge(answer: str, gt_answer) -> str:
@@ -580,7 +590,7 @@ def _serve():
     """The helper process's loop (its main thread, so the alarm works); exits when stdin closes."""
     out = sys.stdout
     sys.stdout = sys.stderr  # the protocol owns stdout: stray prints go to stderr
-    import math_verify  # noqa: F401  (import before "ready": the parent's first wait excludes it)
+    _warm_up()  # before "ready": the parent's first wait excludes the import and first parse
 
     out.write(json.dumps("ready") + "\n")
     out.flush()
