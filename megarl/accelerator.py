@@ -117,7 +117,8 @@ def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bo
 def vllm_engine_kwargs(kv_cache_gb: float, gpu_memory_utilization: float, sleep_mode: bool) -> dict:
     """Memory and execution settings for an in-rank vLLM engine."""
     if ON_CUDA:
-        # Sleep mode lets a colocated trainer have the memory back between rollouts.
+        # Sleep mode lets a colocated trainer have the memory back between rollouts; only an engine that
+        # sleeps asks for it (it routes every allocation through vLLM's CuMem allocator).
         return dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
     # CPU: the KV cache must be sized explicitly (the default fails at start-up);
     # there is no CUDA graph to capture, and no sleep mode.

@@ -115,6 +115,9 @@ def _add_parallelism_args(parser):
                         "pipeline stage (block)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collectives that wait longer than this fail instead of hanging")
+    g.add_argument("--startup-timeout-minutes", type=float, default=60.0,
+                   help="how long ranks wait at start-up for the other roles to build their models and engines "
+                        "(a large vLLM engine compiles and captures CUDA graphs first)")
 
 
 def _add_placement_args(parser):
@@ -150,7 +153,8 @@ def _add_rollout_args(parser):
     g.add_argument("--rollout-gpu-memory-utilization", type=float, default=0.5,
                    help="fraction of GPU memory vLLM may take (GPU hosts)")
     g.add_argument("--rollout-sleep-level", type=int, default=1, choices=[1, 2],
-                   help="GPU, colocated: vLLM sleep level while training (1 offloads weights, 2 drops them)")
+                   help="GPU, colocated: vLLM sleep level while training (1 offloads weights; 2, which drops "
+                        "them, is refused: vLLM 0.32 would not restore what its model runner allocated at load)")
     g.add_argument("--rollout-engine-kwargs", type=_json_dict, default={},
                    help="extra keyword arguments for vllm.LLM, as JSON")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use it too)")
@@ -625,6 +629,17 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.reward_timeout < 0 or args.sandbox_memory_budget_mb < 0:
         raise ConfigError(f"--reward-timeout and --sandbox-memory-budget-mb must be >= 0, got "
                           f"{args.reward_timeout} and {args.sandbox_memory_budget_mb}")
+    if args.distributed_timeout_minutes <= 0 or args.startup_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes and --startup-timeout-minutes must be > 0, got "
+                          f"{args.distributed_timeout_minutes} and {args.startup_timeout_minutes}")
+    if args.rollout_sleep_level == 2:
+        # vLLM 0.32's level-2 wake restores only named_buffers() (and sleep_preserve_parameter_names),
+        # v1/worker/gpu_worker.py sleep/wake_up, while everything allocated during load_model sits in the
+        # discarded "weights" pool (gpu_worker.py load_model), Model Runner V2's runner state included
+        # (v1/worker/gpu/model_runner.py load_model: model state, samplers); a weight sync rewrites
+        # parameters only.
+        raise ConfigError("--rollout-sleep-level 2 is not supported: vLLM 0.32 restores only the model's "
+                          "buffers after it, and a weight sync rewrites only parameters; use level 1")
     _validate_teacher_group(args)
     try:
         placement = Placement.from_args(args, world_size)

@@ -161,6 +161,41 @@ def new_store_group(name: str, context: DistContext, members: tuple[int, ...] | 
                                    carries_device_tensors)
 
 
+class StartupTimeout(RuntimeError):
+    """Some ranks had not built their roles within --startup-timeout-minutes (train.main prints it as one line)."""
+
+
+def wait_for_every_rank(context: DistContext, minutes: float, phase: str = "start-up") -> None:
+    """Return once every launched rank has reached this call, or raise StartupTimeout after `minutes`.
+
+    At start-up the roles take very different times: the train ranks build Megatron quickly, the rollout
+    ranks' vLLM engines compile and capture CUDA graphs first. Waiting here, on the launcher's store
+    with its own bound (--startup-timeout-minutes), keeps that wait out of the first cross-role
+    collective, which is bounded by --distributed-timeout-minutes and would name no cause."""
+    store = dist.PrefixStore(f"megarl/reached/{phase}/", context.store)
+    store.set(str(context.rank), "1")
+    keys = [str(rank) for rank in range(context.env.world_size)]
+    try:
+        store.wait(keys, timedelta(minutes=minutes))
+    except dist.DistStoreError:
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        raise StartupTimeout(f"{phase}: ranks {_ranges(missing)} were not ready after --startup-timeout-minutes "
+                             f"{minutes:g} (the rollout and teacher ranks build their vLLM engines then); "
+                             f"raise it if they are still starting") from None
+
+
+def _ranges(ranks: list[int]) -> str:
+    """'0-3, 6' for [0, 1, 2, 3, 6]."""
+    parts, start = [], None
+    for index, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(parts)
+
+
 def init_megatron_parallel(context: DistContext, seed: int) -> None:
     """Megatron's TP x PP x CP x DP groups over the train world (train ranks only)."""
     if not context.is_train:

@@ -41,14 +41,13 @@ def _evaluate(run: Run, completed_steps: int, policy: str) -> dict:
     k = 1 if args.eval_temperature == 0 else args.eval_samples
     prefix = "" if policy == "student" else "teacher_"
     metrics = {}
-    with generation.serving(run, policy):
+    with generation.serving(run, policy), run.rollout_turn():  # one turn for all the eval sets
         for name, prompts in run.eval_sets.items():
-            with run.train_roles_offloaded():
-                options = dict(n=k, temperature=args.eval_temperature, seed_key=("eval", name))
-                if policy == "teacher" and run.teacher_engine_placed:
-                    samples, _ = generation.teacher_rollout(run, prompts, completed_steps, **options)
-                else:
-                    samples, _ = generation.rollout(run, prompts, completed_steps, policy=policy, **options)
+            options = dict(n=k, temperature=args.eval_temperature, seed_key=("eval", name))
+            if policy == "teacher" and run.teacher_engine_placed:
+                samples, _ = generation.teacher_rollout(run, prompts, completed_steps, **options)
+            else:
+                samples, _ = generation.rollout(run, prompts, completed_steps, policy=policy, **options)
             scores = torch.tensor([s.reward for s in samples]).view(len(prompts), k)
             correct = scores >= 1.0
             metrics[f"eval/{name}/{prefix}pass@1"] = correct.float().mean().item()

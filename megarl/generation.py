@@ -212,12 +212,6 @@ def _score(run: Run, samples) -> float:
     return scoring.wait_seconds
 
 
-def sleep_colocated_rollout(run: Run) -> None:
-    """Colocated: the engine gives its memory back to the trainer until the next sync wakes it."""
-    if run.rollout is not None and run.context.placement.colocated:
-        run.rollout.offload()
-
-
 def reward_errors(samples, where: str, report: bool) -> dict:
     """Count samples whose reward raised (or whose reward worker died) and those whose reward call ran
     past --reward-timeout (they scored 0), and warn once for the batch."""

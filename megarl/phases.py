@@ -94,7 +94,7 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
     source = generation.response_source(args.gkd_lmbda, args.seq_kd, args.seed, step)
     prompts = run.prompts.batch(step, 0)
     # --seq-kd with a colocated teacher: the rollout engines serve its weights for this generation.
-    with generation.serving(run, "teacher" if source == "teacher" else "student"), run.train_roles_offloaded():
+    with generation.serving(run, "teacher" if source == "teacher" else "student"), run.rollout_turn():
         metrics = {}
         if ahead is not None:
             samples, reward_seconds = generation.collect(run, ahead)
@@ -109,7 +109,6 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
                                                          min_tokens=args.min_new_tokens)
         else:
             samples, reward_seconds, metrics = generation.dynamic_sampling(run, step)
-        generation.sleep_colocated_rollout(run)
     if args.gkd_lmbda < 1.0:
         metrics["on_policy"] = float(source == "student")
     # Weight versions between the policy that sampled and the one about to train (0: on-policy).

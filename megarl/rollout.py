@@ -14,10 +14,13 @@ processing, i.e. of the distribution actually sampled. The trainer divides its
 logits by the same temperature, so with top_p=1 and top_k=-1 both sides compute
 the same quantity and their difference after a weight sync is numerical noise.
 
-Memory: on GPU, `offload()` puts vLLM to sleep, which frees the KV cache and offloads
-(level 1) or drops (level 2) the weights while the trainer works; `onload()` wakes it:
-the weight sync onloads the weights first, loads them, then the KV cache. On CPU vLLM
-has no sleep mode, so both are logged no-ops.
+Memory (colocated): on GPU, `offload()` puts vLLM to sleep (level 1: the KV cache is freed and
+the weights go to host memory) while the trainer works; `onload(tags)` wakes what is asleep
+of `tags`. The weight sync wakes only the weights (`load_weights` does); the KV cache wakes
+when the rollout's turn starts (`Run.rollout_turn`), after the trainer has offloaded,
+so an --offload-* configuration never holds the trainer and the KV cache at once. The engine
+keeps which parts sleep (`asleep`) on every host; on CPU vLLM has no sleep mode, so only the
+vLLM calls are skipped.
 """
 
 from __future__ import annotations
@@ -38,6 +41,19 @@ log = logging.getLogger("megarl.rollout")
 def stable_seed(*key) -> int:
     """A 63-bit seed from `key`, the same in every process and Python version (unlike hash())."""
     return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
+
+
+def request_seeds(seed: int, step: int, seed_key: tuple, prompt_indices: list[int]) -> list[int]:
+    """The SamplingParams.seed of each prompt's request: from (--seed, step, seed_key, the prompt's index
+    in the step), so not from the engine, its shard or what it sampled before. vLLM gives a request's
+    j-th sample seed + j (ParentRequest._get_child_sampling_params): 55 bits leave room for any n below
+    2**63 (Model Runner V2 keeps seeds as int64)."""
+    return [stable_seed("request", seed, step, *seed_key, index) >> 8 for index in prompt_indices]
+
+
+# vLLM's two sleep pools (vllm.v1.executor.abstract.SLEEP_TAGS), named here so that the CPU build,
+# which has no sleep mode, keeps the same bookkeeping.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 @dataclass
@@ -89,6 +105,14 @@ class VllmEngine:
         from megarl.vllm_logging import quiet_expected_reload_warnings
         quiet_expected_reload_warnings()
         self.llm = LLM(**kwargs)
+        # Model Runner V2 (vLLM's default on CUDA) seeds a request without a seed from numpy's global
+        # state (vllm/v1/worker/gpu/sample/states.py, SamplingStates.add_request), which the reseed in
+        # `generate` does not touch: there every request carries its seed (`request_seeds`). V1 (the CPU
+        # build, and CUDA where V2 is unsupported, e.g. pipeline parallelism under the external launcher)
+        # draws unseeded requests from torch's generator, which `generate` reseeds; seeded requests would
+        # fail on CPU (V1 rewinds a seeded request's generator after a chunked prefill, "CPU Generator
+        # does not use offset") and cost one generator call per request per step on CUDA.
+        self.seeds_per_request = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
@@ -100,24 +124,21 @@ class VllmEngine:
         samples as soon as its request finishes (the rewards overlap the rest: megarl/rewards/scoring.py);
         the engine runs the same steps either way, so the samples do not depend on it.
 
-        Randomness: before each call the process RNG (which vLLM's sampler draws from
-        when requests carry no seed) is reseeded from (--seed, engine index, step,
-        seed_key), the same on every TP rank of an engine. So a call's samples depend
-        only on its inputs and the weights, not on what the engine sampled before:
-        a resumed run samples exactly what the uninterrupted run did. No per-request
-        seeds: on CPU, vLLM rewinds a seeded request's generator after a chunked
-        prefill, which CPU generators cannot do ("CPU Generator does not use offset").
+        Randomness: a call's samples depend only on its inputs and the weights, not on what
+        the engine sampled before, and are the same on every TP rank of an engine: a resumed
+        run samples exactly what the uninterrupted run did. On Model Runner V2 (CUDA's
+        default) each request carries its seed (`request_seeds`: from --seed, step, seed_key
+        and the prompt's index); on V1 (CPU) requests carry none and the process RNG, which
+        V1's sampler draws from, is reseeded before each call from (--seed, engine index,
+        step, seed_key) (why not seeds on V1: `seeds_per_request` in __init__).
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         args = self.args
         temperature = 0.0 if greedy else (args.temperature if temperature is None else temperature)
         n = 1 if temperature == 0.0 else (args.num_generations if n is None else n)
-        params = [SamplingParams(n=n, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=args.max_new_tokens, min_tokens=min_tokens, stop=args.stop or None,
-                                 logprobs=0)
-                  for _ in prompts]
+        params = sampling_params(args, prompt_indices, step, seed_key, n, temperature, min_tokens,
+                                 self.seeds_per_request)
         constraint = (min_tokens, self.held_back_ids(params[0])) if min_tokens and prompts else (0, ())
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -155,6 +176,19 @@ class VllmEngine:
         return tuple(sorted(resolved.all_stop_token_ids))
 
 
+def sampling_params(args, prompt_indices: list[int], step: int, seed_key: tuple, n: int, temperature: float,
+                    min_tokens: int, seeded: bool) -> list:
+    """vLLM's SamplingParams of each prompt of a `VllmEngine.generate` call; `seeded`: each carries its
+    `request_seeds` seed (Model Runner V2), else none (V1: the process RNG)."""
+    from vllm import SamplingParams
+
+    seeds = request_seeds(args.seed, step, seed_key, prompt_indices) if seeded else [None] * len(prompt_indices)
+    return [SamplingParams(n=n, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+                           max_tokens=args.max_new_tokens, min_tokens=min_tokens, stop=args.stop or None,
+                           logprobs=0, seed=seed)
+            for seed in seeds]
+
+
 def _samples_of(index: int, prompt: list[int], output, min_tokens: int = 0,
                 held_back_ids: tuple[int, ...] = ()) -> list[Sample]:
     """A finished vLLM request's completions as Samples (with the sampled tokens' logprobs and the
@@ -172,12 +206,13 @@ def _samples_of(index: int, prompt: list[int], output, min_tokens: int = 0,
 class RolloutEngine(VllmEngine):
     """The rollout role: generates the student's samples and takes the trainer's weights."""
 
-    def __init__(self, args, engines, rank: int):
+    def __init__(self, args, engines, rank: int, colocated: bool):
+        """`colocated`: the engine shares its devices with the trainer and sleeps while it trains; an
+        engine of the separate placement never sleeps, so it is built without vLLM's sleep mode (whose
+        allocator it would otherwise pay for)."""
         super().__init__(args, engines, rank, args.rollout_model, args.seed,
-                         args.max_prompt_length + args.max_new_tokens,
-                         {**accelerator.vllm_engine_kwargs(args.rollout_kv_cache_gb,
-                                                           args.rollout_gpu_memory_utilization, sleep_mode=True),
-                          **args.rollout_engine_kwargs})
+                         args.max_prompt_length + args.max_new_tokens, rollout_engine_kwargs(args, colocated))
+        self.asleep: set[str] = set()  # the SLEEP_TAGS now asleep: vLLM's sleep_mode wakes one part at a time
 
     def load_weights(self, weights) -> None:
         """Stream (hf_name, tensor) pairs into the engine (any TP: vLLM shards them itself).
@@ -186,26 +221,47 @@ class RolloutEngine(VllmEngine):
         are consumed one at a time and never held all at once, and each is copied
         before the next is drawn (callers may reuse their buffers). Unquantized
         models load in place (`_load_in_place`); others go through vLLM's
-        `reload_weights`.
+        `reload_weights`. Asleep, the engine first wakes its weights (they must be
+        resident to be written), not its KV cache.
         """
+        self.onload(tags=["weights"])
         self.llm.collective_rpc(_load_in_place, kwargs=dict(weights=weights))
         self.llm.reset_prefix_cache()
 
     # The verbs every role uses for its device memory (vLLM's sleep and wake-up underneath).
     def offload(self) -> None:
-        """Give the device back to the colocated trainer (vLLM sleep at --rollout-sleep-level); no-op on CPU."""
+        """Give the device back to the colocated trainer (vLLM sleep at --rollout-sleep-level); the vLLM
+        call is skipped on CPU. vLLM sleeps only a fully awake engine (Executor.sleep), so a partly
+        awake one is woken first."""
+        if self.asleep == set(SLEEP_TAGS):
+            return
+        self.onload()
+        self.asleep = set(SLEEP_TAGS)
         if not accelerator.ON_CUDA:
             log.debug("vLLM sleep is not supported on CPU: no-op")
             return
         self.llm.sleep(level=self.args.rollout_sleep_level)
 
     def onload(self, tags: list[str] | None = None) -> None:
-        """Take the device back: all of it, or only `tags` (a weight sync onloads `weights`, loads them, then
-        `kv_cache`, so the cache never takes the memory the weights need); no-op on CPU."""
+        """Take the device back: all that sleeps, or only `tags` (a weight sync wakes `weights`; the
+        rollout's turn the rest, after the trainer offloaded: Run.rollout_turn). Parts already
+        awake are not woken again (vLLM refuses a tag that is not asleep); the vLLM call is skipped on CPU."""
+        waking = [tag for tag in (tags or SLEEP_TAGS) if tag in self.asleep]
+        if not waking:
+            return
+        self.asleep -= set(waking)
         if not accelerator.ON_CUDA:
             log.debug("vLLM wake_up is not supported on CPU: no-op")
             return
-        self.llm.wake_up(tags=tags)
+        self.llm.wake_up(tags=waking)
+
+
+def rollout_engine_kwargs(args, colocated: bool) -> dict:
+    """The rollout engine's memory settings (vLLM's sleep mode only when `colocated`), then
+    --rollout-engine-kwargs over them."""
+    return {**accelerator.vllm_engine_kwargs(args.rollout_kv_cache_gb, args.rollout_gpu_memory_utilization,
+                                             sleep_mode=colocated),
+            **args.rollout_engine_kwargs}
 
 
 def _load_in_place(worker, weights) -> None:

@@ -74,17 +74,24 @@ class Run:
         return {name: role for name, role in (("policy", self.actor), ("critic", self.critic)) if role is not None}
 
     @contextlib.contextmanager
-    def train_roles_offloaded(self):
-        """Colocated: the trainers' memory goes to host while the rollout generates
-        (--offload-model / --offload-optimizer; nothing moves without them)."""
+    def rollout_turn(self):
+        """Colocated: the rollout engine has the devices for the duration. The trainers' memory goes to
+        host first (--offload-model / --offload-optimizer; nothing moves without them), then the engine
+        wakes what still sleeps (the KV cache, after a weight sync woke only the weights), and at the
+        end it sleeps and the trainers come back. So the KV cache and the trainers' states never share
+        the device. Separate placement: nothing to do."""
         if not self.context.placement.colocated:
             yield
             return
         for role in self.trainables().values():
             role.offload()
         try:
+            if self.rollout is not None:
+                self.rollout.onload()
             yield
         finally:
+            if self.rollout is not None:
+                self.rollout.offload()
             for role in self.trainables().values():
                 role.onload()
 
@@ -180,7 +187,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
     if context.is_rollout:  # engines before Megatron's parallel state (the measured order)
         from megarl.rollout import RolloutEngine
 
-        rollout = RolloutEngine(args, placement.rollout, rank)
+        rollout = RolloutEngine(args, placement.rollout, rank, colocated=placement.colocated)
     if rank in placement.teacher_ranks:
         from megarl.teacher import TeacherEngine
 
@@ -207,6 +214,8 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \
             KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
     reward, timed_rewards = _build_reward(args, context.placement.colocated) if context.is_rollout else (None, None)
+    # Every role built before the first group that spans them (the weight sync's) waits for the others.
+    distributed.wait_for_every_rank(context, args.startup_timeout_minutes)
     return Run(
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
         prompts=inputs.prompts, eval_sets=inputs.eval_sets,

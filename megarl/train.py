@@ -143,7 +143,9 @@ def _report_failure(rank: int, error: BaseException, activity: Activity) -> None
         return
     # A peer's death reaches a collective as an error (gloo: "Connection reset by peer", a RuntimeError).
     dead = distributed.dead_peers(rank, wait_seconds=3.0 if isinstance(error, RuntimeError) else 0.0)
-    if dead:
+    if isinstance(error, distributed.StartupTimeout) and not dead:  # every waiting rank says it alike
+        print(f"megarl: rank {rank}: {error}", file=sys.stderr, flush=True)
+    elif dead:
         # A failure of its own (not the lost connection) keeps its traceback.
         own = "" if "peer" in str(error) or "Connection" in str(error) else f"\n{traceback.format_exc()}"
         print(f"megarl: {'; '.join(dead)}; rank {rank} stops ({doing}: {type(error).__name__}: {message}){own}",

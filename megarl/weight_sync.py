@@ -9,9 +9,11 @@ placement needs from `WEIGHT_SYNC_STRATEGIES`:
 
   colocated  every rank trains and generates: the train world streams the model
              out of Megatron (`Actor.hf_weights`: TP all-gather per bucket, PP
-             broadcast) and each rank loads the stream into its own engine. It
-             owns the engine's wake order on GPU: weights, then the load, then
-             the KV cache (the KV cache must not take the memory first).
+             broadcast) and each rank loads the stream into its own engine. On
+             GPU only the engine's weights wake for it (`load_weights`): the
+             trainer's parameters and optimizer are still on the device, and the
+             KV cache wakes when the rollout's turn starts, after they have left
+             (`Run.rollout_turn`).
   broadcast  separate ranks: the train ranks stream the model the same way and
              train rank 0 packs it into flat buckets of `--sync-bucket-mb`,
              broadcast over a group of {train rank 0} + rollout ranks (NCCL on
@@ -72,10 +74,8 @@ class ColocatedSync:
         if actor is None:  # a standalone teacher's rank: no policy here
             return SyncStats()
         start = time.perf_counter()
-        engine.onload(tags=["weights"])
         stream = _Counted(actor.hf_weights(self.bucket_bytes))
-        engine.load_weights(iter(stream))
-        engine.onload(tags=["kv_cache"])
+        engine.load_weights(iter(stream))  # wakes the engine's weights, not its KV cache
         return SyncStats(time.perf_counter() - start, stream.bytes)
 
 

@@ -99,6 +99,11 @@ BAD = [
     (None, ["--bf16", "--params-dtype", "bfloat16"], 1, []),
     (None, ["--reward-model-max-length", "512"], 1, ["--reward-model-max-length needs --reward-model"]),
     (None, ["--reward-model-micro-batch-size", "0"], 1, ["--reward-model-micro-batch-size must be >= 1"]),
+    # vLLM sleep and the waits (issue 23: findings 9 and 15)
+    (None, ["--rollout-sleep-level", "2"], 1, ["--rollout-sleep-level 2", "buffers", "level 1"]),
+    (None, ["--rollout-sleep-level", "1"], 1, []),
+    (None, ["--startup-timeout-minutes", "0"], 1, ["--startup-timeout-minutes must be > 0"]),
+    (None, ["--distributed-timeout-minutes", "-1"], 1, ["--distributed-timeout-minutes", "must be > 0"]),
 ]
 
 
