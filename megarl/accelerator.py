@@ -76,8 +76,28 @@ def packed_sequence_params(lengths: list[int]):
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
-    """Host bytes for an offloaded tensor: pinned on GPU hosts (the copy back is a DMA)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=ON_CUDA)
+    """Host bytes for an offloaded tensor, exactly `nbytes`: pinned on GPU hosts (the copies are DMAs and can
+    be non-blocking). Pinned by registering plain host memory (cudaHostRegister, as vLLM's KV offload does),
+    not with pin_memory=True: torch's caching host allocator rounds each size up to a power of two
+    (ATen/core/CachingHostAllocator.h, `PowerOf2Ceil`), up to twice the bytes. Registered for the life of
+    the tensor (unregistered when it is freed)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if ON_CUDA and nbytes:
+        import weakref
+
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if error:
+            raise RuntimeError(f"offload: pinning {nbytes} bytes of host memory failed (cudaHostRegister error "
+                               f"{error})")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
+
+
+def synchronize() -> None:
+    """Wait for this rank's device work (non-blocking copies); a no-op on CPU, where copies are synchronous."""
+    if ON_CUDA:
+        torch.cuda.current_stream().synchronize()
 
 
 def release_cached_memory() -> None:
