@@ -120,18 +120,38 @@ def module_to_device(module: torch.nn.Module) -> None:
         module.to(device())
 
 
-def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool):
+def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool, name: str):
     """A process group built directly on a store, outside the default world (it may span roles
     that live in different worlds). NCCL when it carries GPU tensors (weights), gloo for CPU
-    tensors and pickled objects. Use its own collectives (`group.broadcast(t, root).wait()`)."""
+    tensors and pickled objects. Use its own collectives (`group.broadcast(t, root).wait()`).
+
+    Named `name` (NCCL's log lines and flight recorder show it). Warmed up before it is returned: one
+    all-reduce of a one-element tensor on the group's device, so that NCCL's communicator is created
+    here, on this rank's device (NCCL creates it lazily, at the first collective: without this, inside
+    the first weight sync), and a member that never joins fails the build, naming the group."""
     if ON_CUDA and carries_device_tensors:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, size, options)
+        options.group_name = name
+        group, on = dist.ProcessGroupNCCL(store, rank, size, options), device()
+        # The communicator on this rank's device now (what torch's new_group(device_id=...) does).
+        group.eager_connect_single_device(on)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        options.group_name = name
+        group, on = dist.ProcessGroupGloo(store, rank, size, options), torch.device("cpu")
+    ones = torch.ones(1, device=on)
+    try:
+        group.allreduce([ones]).wait()
+    except RuntimeError as error:
+        raise RuntimeError(f"process group {name!r} ({size} members): the warm-up collective at its build "
+                           f"failed: {str(error).strip().splitlines()[0]}") from error
+    if int(ones.item()) != size:
+        raise RuntimeError(f"process group {name!r}: the warm-up all-reduce counted {int(ones.item())} "
+                           f"members, expected {size}")
+    return group
 
 
 def vllm_engine_kwargs(kv_cache_gb: float, gpu_memory_utilization: float, sleep_mode: bool) -> dict:

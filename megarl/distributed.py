@@ -154,11 +154,13 @@ def new_store_group(name: str, context: DistContext, members: tuple[int, ...] | 
     (`group.broadcast(tensor, root).wait()`), since torch.distributed's
     helpers only know groups of the default world. gloo for objects and CPU
     tensors; NCCL on GPU hosts when it carries device tensors (accelerator.store_group).
+    Named "megarl/<name>", and warmed up by one collective before it is returned (an
+    NCCL communicator is created here, on this rank's device, not at the group's first use).
     """
     members = tuple(range(context.env.world_size)) if members is None else members
     return accelerator.store_group(dist.PrefixStore(f"megarl/group/{name}/", context.store),
                                    members.index(context.env.rank), len(members), context.timeout,
-                                   carries_device_tensors)
+                                   carries_device_tensors, name=f"megarl/{name}")
 
 
 def init_megatron_parallel(context: DistContext, seed: int) -> None:

@@ -15,7 +15,9 @@ placement needs from `WEIGHT_SYNC_STRATEGIES`:
   broadcast  separate ranks: the train ranks stream the model the same way and
              train rank 0 packs it into flat buckets of `--sync-bucket-mb`,
              broadcast over a group of {train rank 0} + rollout ranks (NCCL on
-             GPU hosts, gloo on CPU: accelerator.store_group), packing the next
+             GPU hosts, gloo on CPU: accelerator.store_group, which names it
+             "megarl/weight-sync" and warms it up when the strategy is built, so
+             NCCL's communicator is not created inside the first sync), packing the next
              bucket while one is on the wire; each rollout rank streams views
              of the received buckets into its engine. Rollout engines of
              a separate placement never sleep, so there is nothing to wake.
