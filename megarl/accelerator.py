@@ -25,6 +25,7 @@ GPU-only code paths in megarl (all of them live here or are selected here):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -106,18 +107,27 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def module_to_host(module: torch.nn.Module) -> None:
-    """GPU: move a module's weights to host memory and hand the device memory back (a colocated reward
-    model between scoring calls); CPU: the weights are already there, a no-op."""
-    if ON_CUDA:
+def module_to_host(module: torch.nn.Module, on: torch.device) -> None:
+    """Move a module's weights from accelerator device `on` to host memory and hand the device memory back
+    (a colocated reward model between scoring calls); a no-op when `on` is the CPU."""
+    if on.type != "cpu":
         module.to("cpu")
         release_cached_memory()
 
 
-def module_to_device(module: torch.nn.Module) -> None:
-    """Back onto this rank's device (GPU); a no-op on CPU."""
-    if ON_CUDA:
-        module.to(device())
+def module_to_device(module: torch.nn.Module, on: torch.device) -> None:
+    """Back onto device `on` (the module's own, given by its owner: not necessarily `device()`); a no-op on
+    the CPU."""
+    if on.type != "cpu":
+        module.to(on)
+
+
+def device_context(on: torch.device):
+    """Make `on` this thread's current CUDA device for a block; nothing for other devices. The current
+    device is per thread: a thread the rank starts later (a reward pool's) begins on cuda:0, whatever
+    set_device did in the main thread, so device work there (moves, the allocator's empty_cache, library
+    handles) would otherwise run with GPU 0 current."""
+    return torch.cuda.device(on) if on.type == "cuda" else contextlib.nullcontext()
 
 
 def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool, name: str):
