@@ -201,6 +201,66 @@ def all_gather_objects(obj, context: DistContext) -> list:
     return [pickle.loads(buf[: int(n.item())].numpy().tobytes()) for buf, n in zip(buffers, lengths)]
 
 
+def gather_tensor_dicts(mine: dict[str, torch.Tensor] | None, context: DistContext) -> list[dict | None]:
+    """Every launched rank's dict of tensors (None where a rank contributes none), in launch-rank order, on
+    every rank, over the cross-role group (a placement with more than one world has it), as tensors, not
+    pickles: first each rank's layout (name, shape, dtype, byte offset per field: a small object gather),
+    then each contributing rank broadcasts its fields packed into one flat byte buffer. A receiver's
+    tensors are views into its copy of that buffer (host memory); the contributor gets its own dict back.
+    (all_gather_objects would pickle every rank's tensors and pad each to the longest, on every rank.)"""
+    group = context.cross_role_group
+    if group is None:
+        raise RuntimeError("gather_tensor_dicts runs over the cross-role group; this placement has one world")
+    tensors, layout = None, None
+    if mine is not None:
+        tensors = {name: value.detach().cpu().contiguous() for name, value in mine.items()}
+        layout, size = [], 0
+        for name, value in tensors.items():
+            offset = align(size, TENSOR_ALIGN)
+            layout.append((name, tuple(value.shape), value.dtype, offset))
+            size = offset + value.numel() * value.element_size()
+    gathered = []
+    for source, fields in enumerate(all_gather_objects(layout, context)):
+        if fields is None:
+            gathered.append(None)
+            continue
+        buffer = torch.empty(layout_nbytes(fields), dtype=torch.uint8)
+        if source == context.env.rank:
+            for name, shape, dtype, offset in fields:
+                byte_view(buffer, shape, dtype, offset).copy_(tensors[name])
+        if buffer.numel():
+            group.broadcast(buffer, source).wait()  # group rank = launch rank: the group spans every rank
+        gathered.append(mine if source == context.env.rank else
+                        {name: byte_view(buffer, shape, dtype, offset) for name, shape, dtype, offset in fields})
+    return gathered
+
+
+# Flat byte buffers holding several tensors (weight-sync buckets, gather_tensor_dicts): each tensor starts at
+# a multiple of TENSOR_ALIGN bytes, so a view of any dtype is aligned.
+TENSOR_ALIGN = 64
+
+
+def align(offset: int, alignment: int) -> int:
+    return (offset + alignment - 1) // alignment * alignment
+
+
+def nbytes_of(shape, dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def layout_nbytes(layout) -> int:
+    """Bytes of a flat buffer holding [(name, shape, dtype, byte offset), ...] (offsets ascending)."""
+    if not layout:
+        return 0
+    _, shape, dtype, offset = layout[-1]
+    return offset + nbytes_of(shape, dtype)
+
+
+def byte_view(buffer: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
+    """The tensor of `shape` and `dtype` at byte `offset` of the flat uint8 `buffer` (a view)."""
+    return buffer[offset: offset + nbytes_of(shape, dtype)].view(dtype).view(shape)
+
+
 _processes: list[tuple[str, int]] = []  # (host, pid) of each launched rank, in launch-rank order
 
 

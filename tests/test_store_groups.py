@@ -65,3 +65,30 @@ def test_cross_role_group_is_warmed_up_at_build():
         return context.cross_role_group._get_sequence_number_for_group(), context.cross_role_group.size()
 
     assert in_thread_ranks(separate(train=1, rollout=1), rank) == [(1, 2), (1, 2)]
+
+
+def test_tensor_dicts_cross_roles_as_tensors_in_rank_order():
+    """Standalone teacher -> every rank: two teacher engines' shards of different sizes and dtypes arrive
+    bit for bit on every rank, in launch-rank order; ranks without a part give None."""
+    from megarl.distributed import gather_tensor_dicts
+
+    def part(rank):
+        n = 3 if rank == 2 else 2  # uneven shards, as contiguous_shard gives
+        generator = torch.Generator().manual_seed(rank)
+        return {"teacher_topk_ids": torch.randint(0, 2**31 - 1, (n, 5, 4), generator=generator, dtype=torch.int32),
+                "teacher_topk_logprobs": torch.randn(n, 5, 4, generator=generator),
+                "teacher_logprobs": torch.randn(n, 5, generator=generator, dtype=torch.float64)[:, 1:],  # a view
+                "empty": torch.zeros(0, 5)}
+
+    def rank(context):
+        return gather_tensor_dicts(part(context.rank) if "teacher" in context.roles else None, context)
+
+    placement = separate(train=1, rollout=1, teacher=2)
+    for gathered in in_thread_ranks(placement, rank):
+        assert gathered[:2] == [None, None]
+        for source in (2, 3):
+            expected = part(source)
+            assert list(gathered[source]) == list(expected)
+            for name, tensor in expected.items():
+                got = gathered[source][name]
+                assert got.dtype == tensor.dtype and torch.equal(got, tensor), (source, name)
