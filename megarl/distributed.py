@@ -23,6 +23,7 @@ import pickle
 import re
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -140,6 +141,7 @@ def init_distributed(args, env: LaunchEnv | None = None) -> DistContext:
         context.cross_role_group = new_store_group("cross-role", context)
     # Where every rank runs, for the message when one dies (dead_peers).
     _processes[:] = all_gather_objects((socket.gethostname(), os.getpid()), context)
+    _failure_store[:] = [store]
     if env.rank == 0:
         print(f"[megarl] {placement.describe()}", flush=True)
     return context
@@ -262,16 +264,58 @@ def byte_view(buffer: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
 
 
 _processes: list[tuple[str, int]] = []  # (host, pid) of each launched rank, in launch-rank order
+_failure_store: list = []  # the launcher's store, where a rank that fails on its own leaves a line (publish_failure)
+_STORE_SECONDS = 2.0  # the most a failure report waits on the store (it may have died with its rank)
+
+
+def publish_failure(rank: int, what: str) -> None:
+    """Leave 'rank N failed on HOST: what' in the store, for the ranks of other hosts (whose dead_peers
+    cannot see this process end). Best effort and bounded: the store may be gone."""
+    if _failure_store:
+        line = f"rank {rank} failed on {socket.gethostname()} ({what[:200]})"
+        _within(_STORE_SECONDS, lambda: _failure_store[0].set(f"megarl/failed/{rank}", line))
+
+
+def _published_failures(rank: int, skip: set[int]) -> list[str]:
+    if not _failure_store:
+        return []
+    store = _failure_store[0]
+    keys = {peer: f"megarl/failed/{peer}" for peer in range(len(_processes)) if peer != rank and peer not in skip}
+
+    def read():
+        return [store.get(key).decode() for peer, key in keys.items() if store.check([key])]
+
+    return _within(_STORE_SECONDS, read) or []
+
+
+def _within(seconds: float, fn):
+    """fn() in a daemon thread, waiting at most `seconds` for it (None then, or when it raised)."""
+    result = []
+
+    def call():
+        try:
+            result.append(fn())
+        except Exception:  # noqa: BLE001 - a store that is gone: nothing to learn from it
+            pass
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result[0] if result else None
 
 
 def dead_peers(rank: int, wait_seconds: float = 0.0) -> list[str]:
-    """'rank N died (...)' for each other rank on this host whose process has ended, looking again for up to
-    `wait_seconds` while none has (a peer's sockets close, failing our collective, a moment before the
-    kernel marks it dead). Ranks on other hosts cannot be seen from here: their launchers report them."""
+    """'rank N died (...)' for each other rank on this host whose process has ended, and 'rank N failed on
+    HOST (...)' for each rank that published its own failure (publish_failure: ranks of other hosts too),
+    looking again for up to `wait_seconds` while none has (a peer's sockets close, failing our collective,
+    a moment before the kernel marks it dead). A rank of another host killed outright cannot be seen from
+    here: its launcher reports it."""
     host, deadline = socket.gethostname(), time.monotonic() + wait_seconds
     while True:
-        found = [f"rank {peer} died ({_how_it_ended(pid)})" for peer, (peer_host, pid) in enumerate(_processes)
-                 if peer != rank and peer_host == host and _how_it_ended(pid) is not None]
+        ended = {peer: _how_it_ended(pid) for peer, (peer_host, pid) in enumerate(_processes)
+                 if peer != rank and peer_host == host}
+        found = [f"rank {peer} died ({how})" for peer, how in ended.items() if how is not None]
+        found += _published_failures(rank, skip={peer for peer, how in ended.items() if how is not None})
         if found or time.monotonic() >= deadline:
             return found
         time.sleep(0.1)
