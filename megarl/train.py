@@ -8,6 +8,7 @@ the step); evaluation (megarl/evaluation.py) before the first step, every
 import os
 import sys
 import threading
+import time
 import traceback
 
 from megarl.arguments import parse_args
@@ -135,15 +136,18 @@ def main(argv=None) -> None:
 
 
 _REPORTING = threading.Lock()  # one failure line per rank: the main thread's or the stop-signal watcher's
+_REPORT_SECONDS = 10.0  # the most either waits for the other's line (each reads /proc and the store, bounded)
 
 
 def _stop_for_dead_peer(rank: int, dead: list[str], activity: Activity) -> None:
     """The launcher's SIGTERM after a peer's death (preemption.Preemption's watcher thread): one line naming
     the dead rank and what this rank was doing, then this rank ends now, whether or not its main thread is
     stuck in a collective with the dead rank (on NCCL it may not fail before the launcher's grace runs out)."""
-    if _REPORTING.acquire(blocking=False):
-        print(f"megarl: {'; '.join(dead)}; rank {rank} stops ({activity}: stop signal from the launcher, "
-              f"no checkpoint)", file=sys.stderr, flush=True)
+    # The main thread may be writing its own line about the same death: let it finish (it ends the process);
+    # should it be stuck, say it here after all.
+    _REPORTING.acquire(timeout=_REPORT_SECONDS)
+    print(f"megarl: {'; '.join(dead)}; rank {rank} stops ({activity}: stop signal from the launcher, "
+          f"no checkpoint)", file=sys.stderr, flush=True)
     release_shared_memory()
     os._exit(1)
 
@@ -155,7 +159,8 @@ def _report_failure(rank: int, error: BaseException, activity: Activity) -> None
     from megarl import distributed
 
     if not _REPORTING.acquire(blocking=False):
-        return  # the stop-signal watcher is reporting and ending this rank
+        time.sleep(_REPORT_SECONDS)  # the stop-signal watcher is reporting and ends this rank meanwhile
+        return
     doing = str(activity)
     message = (str(error).strip().splitlines() or [""])[0][:300]
     if isinstance(error, CheckpointError):  # every rank raises it alike; one prints
