@@ -9,10 +9,12 @@ Bookkeeping, the same on CPU and GPU: each distinct storage behind the role's
 tensors gets a host copy (pinned on GPU, `accelerator.host_buffer`), then the
 storage is resized to 0 bytes. The host buffers are allocated at the first
 offload and kept: every later offload of the same storage copies into the same
-buffer, so a rank's host memory stays at one copy of what it offloads (a fresh
-pinned allocation per offload would go through torch's caching host allocator,
-which rounds every size up to a power of two). The copies are issued
-non-blocking and waited for once per offload/onload (`accelerator.synchronize`). That frees the memory while every tensor object
+buffer, so a rank's host memory stays at one copy of what it offloads, pinned at
+exactly its size (`accelerator.host_buffer` registers plain host memory; torch's
+pinned allocator would round each size up to a power of two), and pinning is paid
+once, not per cycle. The copies are issued
+non-blocking and waited for once per offload/onload (`accelerator.synchronize`).
+Resizing frees the device memory while every tensor object
 and view stays valid (Megatron's `param.main_grad` views into the DDP gradient
 buffer, the optimizer's references to its parameters), so nothing needs
 rebinding. Onload resizes each storage back and copies the bytes in:
@@ -59,8 +61,9 @@ class Offloader:
         self.collect = collect
         self._held: list[_Held] = []
         self._tensors: list[torch.Tensor] = []
-        # Host copies kept across cycles, by storage (StorageImpl address, stable while the storage lives;
-        # the _Held entry and this dict keep it alive, so the address cannot be reused by another storage).
+        # Host copies kept across cycles, by storage (its StorageImpl's address, stable while it lives; resize_
+        # keeps it). Should a freed storage's address come back for a new one of the same size, the buffer
+        # serves it just as well: a host buffer is only scratch for whichever storage it holds this cycle.
         self._host: dict[int, torch.Tensor] = {}
 
     def host_buffers(self) -> list[torch.Tensor]:
