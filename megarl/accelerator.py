@@ -25,6 +25,7 @@ GPU-only code paths in megarl (all of them live here or are selected here):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -76,8 +77,28 @@ def packed_sequence_params(lengths: list[int]):
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
-    """Host bytes for an offloaded tensor: pinned on GPU hosts (the copy back is a DMA)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=ON_CUDA)
+    """Host bytes for an offloaded tensor, exactly `nbytes`: pinned on GPU hosts (the copies are DMAs and can
+    be non-blocking). Pinned by registering plain host memory (cudaHostRegister, as vLLM's KV offload does),
+    not with pin_memory=True: torch's caching host allocator rounds each size up to a power of two
+    (ATen/core/CachingHostAllocator.h, `PowerOf2Ceil`), up to twice the bytes. Registered for the life of
+    the tensor (unregistered when it is freed)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if ON_CUDA and nbytes:
+        import weakref
+
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if error:
+            raise RuntimeError(f"offload: pinning {nbytes} bytes of host memory failed (cudaHostRegister error "
+                               f"{error})")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
+
+
+def synchronize() -> None:
+    """Wait for this rank's device work (non-blocking copies); a no-op on CPU, where copies are synchronous."""
+    if ON_CUDA:
+        torch.cuda.current_stream().synchronize()
 
 
 def release_cached_memory() -> None:
@@ -86,32 +107,61 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def module_to_host(module: torch.nn.Module) -> None:
-    """GPU: move a module's weights to host memory and hand the device memory back (a colocated reward
-    model between scoring calls); CPU: the weights are already there, a no-op."""
-    if ON_CUDA:
+def module_to_host(module: torch.nn.Module, on: torch.device) -> None:
+    """Move a module's weights from accelerator device `on` to host memory and hand the device memory back
+    (a colocated reward model between scoring calls); a no-op when `on` is the CPU."""
+    if on.type != "cpu":
         module.to("cpu")
         release_cached_memory()
 
 
-def module_to_device(module: torch.nn.Module) -> None:
-    """Back onto this rank's device (GPU); a no-op on CPU."""
-    if ON_CUDA:
-        module.to(device())
+def module_to_device(module: torch.nn.Module, on: torch.device) -> None:
+    """Back onto device `on` (the module's own, given by its owner: not necessarily `device()`); a no-op on
+    the CPU."""
+    if on.type != "cpu":
+        module.to(on)
 
 
-def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool):
+def device_context(on: torch.device):
+    """Make `on` this thread's current CUDA device for a block; nothing for other devices. The current
+    device is per thread: a thread the rank starts later (a reward pool's) begins on cuda:0, whatever
+    set_device did in the main thread, so device work there (moves, the allocator's empty_cache, library
+    handles) would otherwise run with GPU 0 current."""
+    return torch.cuda.device(on) if on.type == "cuda" else contextlib.nullcontext()
+
+
+def store_group(store, rank: int, size: int, timeout, carries_device_tensors: bool, name: str):
     """A process group built directly on a store, outside the default world (it may span roles
     that live in different worlds). NCCL when it carries GPU tensors (weights), gloo for CPU
-    tensors and pickled objects. Use its own collectives (`group.broadcast(t, root).wait()`)."""
+    tensors and pickled objects. Use its own collectives (`group.broadcast(t, root).wait()`).
+
+    Named `name` (NCCL's log lines and flight recorder show it). Warmed up before it is returned: one
+    all-reduce of a one-element tensor on the group's device, so that NCCL's communicator is created
+    here, on this rank's device (NCCL creates it lazily, at the first collective: without this, inside
+    the first weight sync), and a member that never joins fails the build, naming the group."""
     if ON_CUDA and carries_device_tensors:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, size, options)
+        options.group_name = name
+        group, on = dist.ProcessGroupNCCL(store, rank, size, options), device()
+        # The communicator on this rank's device now (what torch's new_group(device_id=...) does).
+        group.eager_connect_single_device(on)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        options.group_name = name
+        group, on = dist.ProcessGroupGloo(store, rank, size, options), torch.device("cpu")
+    ones = torch.ones(1, device=on)
+    try:
+        group.allreduce([ones]).wait()
+    except RuntimeError as error:
+        raise RuntimeError(f"process group {name!r} ({size} members): the warm-up collective at its build "
+                           f"failed: {str(error).strip().splitlines()[0]}") from error
+    if int(ones.item()) != size:
+        raise RuntimeError(f"process group {name!r}: the warm-up all-reduce counted {int(ones.item())} "
+                           f"members, expected {size}")
+    return group
 
 
 def vllm_engine_kwargs(kv_cache_gb: float, gpu_memory_utilization: float, sleep_mode: bool) -> dict:

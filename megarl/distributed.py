@@ -23,6 +23,7 @@ import pickle
 import re
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -140,6 +141,7 @@ def init_distributed(args, env: LaunchEnv | None = None) -> DistContext:
         context.cross_role_group = new_store_group("cross-role", context)
     # Where every rank runs, for the message when one dies (dead_peers).
     _processes[:] = all_gather_objects((socket.gethostname(), os.getpid()), context)
+    _failure_store[:] = [store]
     if env.rank == 0:
         print(f"[megarl] {placement.describe()}", flush=True)
     return context
@@ -154,11 +156,13 @@ def new_store_group(name: str, context: DistContext, members: tuple[int, ...] | 
     (`group.broadcast(tensor, root).wait()`), since torch.distributed's
     helpers only know groups of the default world. gloo for objects and CPU
     tensors; NCCL on GPU hosts when it carries device tensors (accelerator.store_group).
+    Named "megarl/<name>", and warmed up by one collective before it is returned (an
+    NCCL communicator is created here, on this rank's device, not at the group's first use).
     """
     members = tuple(range(context.env.world_size)) if members is None else members
     return accelerator.store_group(dist.PrefixStore(f"megarl/group/{name}/", context.store),
                                    members.index(context.env.rank), len(members), context.timeout,
-                                   carries_device_tensors)
+                                   carries_device_tensors, name=f"megarl/{name}")
 
 
 class StartupTimeout(RuntimeError):
@@ -234,17 +238,119 @@ def all_gather_objects(obj, context: DistContext) -> list:
     return [pickle.loads(buf[: int(n.item())].numpy().tobytes()) for buf, n in zip(buffers, lengths)]
 
 
+def gather_tensor_dicts(mine: dict[str, torch.Tensor] | None, context: DistContext) -> list[dict | None]:
+    """Every launched rank's dict of tensors (None where a rank contributes none), in launch-rank order, on
+    every rank, over the cross-role group (a placement with more than one world has it), as tensors, not
+    pickles: first each rank's layout (name, shape, dtype, byte offset per field: a small object gather),
+    then each contributing rank broadcasts its fields packed into one flat byte buffer. A receiver's
+    tensors are views into its copy of that buffer (host memory); the contributor gets its own dict back.
+    (all_gather_objects would pickle every rank's tensors and pad each to the longest, on every rank.)"""
+    group = context.cross_role_group
+    if group is None:
+        raise RuntimeError("gather_tensor_dicts runs over the cross-role group; this placement has one world")
+    tensors, layout = None, None
+    if mine is not None:
+        tensors = {name: value.detach().cpu().contiguous() for name, value in mine.items()}
+        layout, size = [], 0
+        for name, value in tensors.items():
+            offset = align(size, TENSOR_ALIGN)
+            layout.append((name, tuple(value.shape), value.dtype, offset))
+            size = offset + value.numel() * value.element_size()
+    gathered = []
+    for source, fields in enumerate(all_gather_objects(layout, context)):
+        if fields is None:
+            gathered.append(None)
+            continue
+        buffer = torch.empty(layout_nbytes(fields), dtype=torch.uint8)
+        if source == context.env.rank:
+            for name, shape, dtype, offset in fields:
+                byte_view(buffer, shape, dtype, offset).copy_(tensors[name])
+        if buffer.numel():
+            group.broadcast(buffer, source).wait()  # group rank = launch rank: the group spans every rank
+        gathered.append(mine if source == context.env.rank else
+                        {name: byte_view(buffer, shape, dtype, offset) for name, shape, dtype, offset in fields})
+    return gathered
+
+
+# Flat byte buffers holding several tensors (weight-sync buckets, gather_tensor_dicts): each tensor starts at
+# a multiple of TENSOR_ALIGN bytes, so a view of any dtype is aligned.
+TENSOR_ALIGN = 64
+
+
+def align(offset: int, alignment: int) -> int:
+    return (offset + alignment - 1) // alignment * alignment
+
+
+def nbytes_of(shape, dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def layout_nbytes(layout) -> int:
+    """Bytes of a flat buffer holding [(name, shape, dtype, byte offset), ...] (offsets ascending)."""
+    if not layout:
+        return 0
+    _, shape, dtype, offset = layout[-1]
+    return offset + nbytes_of(shape, dtype)
+
+
+def byte_view(buffer: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
+    """The tensor of `shape` and `dtype` at byte `offset` of the flat uint8 `buffer` (a view)."""
+    return buffer[offset: offset + nbytes_of(shape, dtype)].view(dtype).view(shape)
+
+
 _processes: list[tuple[str, int]] = []  # (host, pid) of each launched rank, in launch-rank order
+_failure_store: list = []  # the launcher's store, where a rank that fails on its own leaves a line (publish_failure)
+_STORE_SECONDS = 2.0  # the most a failure report waits on the store (it may have died with its rank)
+
+
+def publish_failure(rank: int, what: str) -> None:
+    """Leave 'rank N failed on HOST: what' in the store, for the ranks of other hosts (whose dead_peers
+    cannot see this process end). Best effort and bounded: the store may be gone."""
+    if _failure_store:
+        line = f"rank {rank} failed on {socket.gethostname()} ({what[:200]})"
+        _within(_STORE_SECONDS, lambda: _failure_store[0].set(f"megarl/failed/{rank}", line))
+
+
+def _published_failures(rank: int, skip: set[int]) -> list[str]:
+    if not _failure_store:
+        return []
+    store = _failure_store[0]
+    keys = {peer: f"megarl/failed/{peer}" for peer in range(len(_processes)) if peer != rank and peer not in skip}
+
+    def read():
+        return [store.get(key).decode() for peer, key in keys.items() if store.check([key])]
+
+    return _within(_STORE_SECONDS, read) or []
+
+
+def _within(seconds: float, fn):
+    """fn() in a daemon thread, waiting at most `seconds` for it (None then, or when it raised)."""
+    result = []
+
+    def call():
+        try:
+            result.append(fn())
+        except Exception:  # noqa: BLE001 - a store that is gone: nothing to learn from it
+            pass
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result[0] if result else None
 
 
 def dead_peers(rank: int, wait_seconds: float = 0.0) -> list[str]:
-    """'rank N died (...)' for each other rank on this host whose process has ended, looking again for up to
-    `wait_seconds` while none has (a peer's sockets close, failing our collective, a moment before the
-    kernel marks it dead). Ranks on other hosts cannot be seen from here: their launchers report them."""
+    """'rank N died (...)' for each other rank on this host whose process has ended, and 'rank N failed on
+    HOST (...)' for each rank that published its own failure (publish_failure: ranks of other hosts too),
+    looking again for up to `wait_seconds` while none has (a peer's sockets close, failing our collective,
+    a moment before the kernel marks it dead). A rank of another host killed outright cannot be seen from
+    here: its launcher reports it."""
     host, deadline = socket.gethostname(), time.monotonic() + wait_seconds
     while True:
-        found = [f"rank {peer} died ({_how_it_ended(pid)})" for peer, (peer_host, pid) in enumerate(_processes)
-                 if peer != rank and peer_host == host and _how_it_ended(pid) is not None]
+        ended = {peer: _how_it_ended(pid) for peer, (peer_host, pid) in enumerate(_processes)
+                 if peer != rank and peer_host == host}
+        found = [f"rank {peer} died ({how})" for peer, how in ended.items() if how is not None]
+        found += _published_failures(rank, skip={peer for peer, how in ended.items() if how is not None})
         if found or time.monotonic() >= deadline:
             return found
         time.sleep(0.1)

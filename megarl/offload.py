@@ -7,7 +7,14 @@ model always waits there between its forwards.
 
 Bookkeeping, the same on CPU and GPU: each distinct storage behind the role's
 tensors gets a host copy (pinned on GPU, `accelerator.host_buffer`), then the
-storage is resized to 0 bytes. That frees the memory while every tensor object
+storage is resized to 0 bytes. The host buffers are allocated at the first
+offload and kept: every later offload of the same storage copies into the same
+buffer, so a rank's host memory stays at one copy of what it offloads, pinned at
+exactly its size (`accelerator.host_buffer` registers plain host memory; torch's
+pinned allocator would round each size up to a power of two), and pinning is paid
+once, not per cycle. The copies are issued
+non-blocking and waited for once per offload/onload (`accelerator.synchronize`).
+Resizing frees the device memory while every tensor object
 and view stays valid (Megatron's `param.main_grad` views into the DDP gradient
 buffer, the optimizer's references to its parameters), so nothing needs
 rebinding. Onload resizes each storage back and copies the bytes in:
@@ -37,6 +44,11 @@ class _Held:
     host: torch.Tensor | None  # None: restored as zeros (gradient buffers)
 
 
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage (tensor copies can be non-blocking; storage copies cannot)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class Offloader:
     """Moves a role's tensors off the device and back.
 
@@ -49,6 +61,14 @@ class Offloader:
         self.collect = collect
         self._held: list[_Held] = []
         self._tensors: list[torch.Tensor] = []
+        # Host copies kept across cycles, by storage (its StorageImpl's address, stable while it lives; resize_
+        # keeps it). Should a freed storage's address come back for a new one of the same size, the buffer
+        # serves it just as well: a host buffer is only scratch for whichever storage it holds this cycle.
+        self._host: dict[int, torch.Tensor] = {}
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The host copies of the last offload's kept storages, in the order they were copied."""
+        return [held.host for held in self._held if held.host is not None]
 
     @property
     def offloaded(self) -> bool:
@@ -63,18 +83,23 @@ class Offloader:
             return
         keep, scratch = self.collect()
         self._tensors = list(keep) + list(scratch)
-        seen = set()
+        seen, kept_hosts = set(), {}
         for tensors, copy in ((keep, True), (scratch, False)):
             for tensor in tensors:
                 storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                if storage._cdata in seen or storage.nbytes() == 0:
                     continue
-                seen.add(storage.data_ptr())
+                seen.add(storage._cdata)
                 host = None
                 if copy:
-                    host = accelerator.host_buffer(storage.nbytes())
-                    host.untyped_storage().copy_(storage)
+                    host = self._host.get(storage._cdata)
+                    if host is None or host.numel() != storage.nbytes():  # new, or resized since
+                        host = accelerator.host_buffer(storage.nbytes())
+                    kept_hosts[storage._cdata] = host
+                    host.copy_(_bytes_of(storage), non_blocking=True)
                 self._held.append(_Held(storage, storage.nbytes(), host))
+        self._host = kept_hosts  # storages no longer collected let their host copies go
+        accelerator.synchronize()  # the host copies are complete before the device memory goes
         for held in self._held:
             held.storage.resize_(0)
         accelerator.release_cached_memory()
@@ -83,9 +108,11 @@ class Offloader:
         for held in self._held:
             held.storage.resize_(held.nbytes)
             if held.host is None:
-                torch.empty(0, dtype=torch.uint8, device=held.storage.device).set_(held.storage).zero_()
+                _bytes_of(held.storage).zero_()
             else:
-                held.storage.copy_(held.host.untyped_storage())
+                _bytes_of(held.storage).copy_(held.host, non_blocking=True)
+        # Before the next offload copies into the same host buffers, and before another stream reads the tensors.
+        accelerator.synchronize()
         self._held = []
 
 

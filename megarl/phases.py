@@ -216,9 +216,15 @@ def _score_on_teacher_ranks(run: Run, batch: Batch) -> dict[str, torch.Tensor]:
     if engine is not None:
         shard = batching.contiguous_shard(len(batch), engine.engine_index, engine.num_engines)
         scored = engine.score_samples(batch.samples[shard], batch.width, run.args.gkd_logits_topk)
-        mine = scored if engine.is_leader else None
-    parts = [part for part in distributed.all_gather_objects(mine, run.context) if part is not None]
-    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+        # Token ids travel as int32 (any vocabulary fits): half the bytes of [N, R, K] longs.
+        mine = {name: value.to(torch.int32) if name == "teacher_topk_ids" else value
+                for name, value in scored.items()} if engine.is_leader else None
+    # As tensors, not pickles: at 512 samples x 4k tokens x K = 64 the top-k fields are about 1.6 GB.
+    parts = [part for part in distributed.gather_tensor_dicts(mine, run.context) if part is not None]
+    whole = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+    if "teacher_topk_ids" in whole:
+        whole["teacher_topk_ids"] = whole["teacher_topk_ids"].long()
+    return whole
 
 
 def _gather_over_data_parallel(computed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -7,6 +7,8 @@ the step); evaluation (megarl/evaluation.py) before the first step, every
 
 import os
 import sys
+import threading
+import time
 import traceback
 
 from megarl.arguments import parse_args
@@ -27,7 +29,10 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
     from megarl.run import build_run
 
     context = init_distributed(args)
-    preemption = Preemption()
+    activity = activity if activity is not None else Activity()
+    # A stop signal after a peer's death ends this rank at once, naming the dead rank (not a preemption).
+    preemption = Preemption(context.rank,
+                            on_peer_death=lambda dead: _stop_for_dead_peer(context.rank, dead, activity))
     run = build_run(args, context, inputs, activity)
     logger = MetricsLogger(args, is_main=run.is_main)
     start, ahead = _resume(run)
@@ -130,11 +135,32 @@ def main(argv=None) -> None:
     os._exit(0)
 
 
+_REPORTING = threading.Lock()  # one failure line per rank: the main thread's or the stop-signal watcher's
+_REPORT_SECONDS = 10.0  # the most either waits for the other's line (each reads /proc and the store, bounded)
+
+
+def _stop_for_dead_peer(rank: int, dead: list[str], activity: Activity) -> None:
+    """The launcher's SIGTERM after a peer's death (preemption.Preemption's watcher thread): one line naming
+    the dead rank and what this rank was doing, then this rank ends now, whether or not its main thread is
+    stuck in a collective with the dead rank (on NCCL it may not fail before the launcher's grace runs out)."""
+    # The main thread may be writing its own line about the same death: let it finish (it ends the process);
+    # should it be stuck, say it here after all.
+    _REPORTING.acquire(timeout=_REPORT_SECONDS)
+    print(f"megarl: {'; '.join(dead)}; rank {rank} stops ({activity}: stop signal from the launcher, "
+          f"no checkpoint)", file=sys.stderr, flush=True)
+    release_shared_memory()
+    os._exit(1)
+
+
 def _report_failure(rank: int, error: BaseException, activity: Activity) -> None:
     """One line when another rank died (this rank's collective then fails: that rank is the news, not this
-    traceback) or when a checkpoint could not be written or resumed; else the error and its traceback."""
+    traceback) or when a checkpoint could not be written or resumed; else the error and its traceback, and
+    the failure is published in the store for the ranks of other hosts (distributed.publish_failure)."""
     from megarl import distributed
 
+    if not _REPORTING.acquire(blocking=False):
+        time.sleep(_REPORT_SECONDS)  # the stop-signal watcher is reporting and ends this rank meanwhile
+        return
     doing = str(activity)
     message = (str(error).strip().splitlines() or [""])[0][:300]
     if isinstance(error, CheckpointError):  # every rank raises it alike; one prints
@@ -153,6 +179,7 @@ def _report_failure(rank: int, error: BaseException, activity: Activity) -> None
     else:
         print(f"megarl: rank {rank} failed: {type(error).__name__}: {error}\n(during {doing})\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        distributed.publish_failure(rank, f"during {doing}: {type(error).__name__}: {message}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ placement needs from `WEIGHT_SYNC_STRATEGIES`:
   broadcast  separate ranks: the train ranks stream the model the same way and
              train rank 0 packs it into flat buckets of `--sync-bucket-mb`,
              broadcast over a group of {train rank 0} + rollout ranks (NCCL on
-             GPU hosts, gloo on CPU: accelerator.store_group), packing the next
+             GPU hosts, gloo on CPU: accelerator.store_group, which names it
+             "megarl/weight-sync" and warms it up when the strategy is built, so
+             NCCL's communicator is not created inside the first sync), packing the next
              bucket while one is on the wire; each rollout rank streams views
              of the received buckets into its engine. Rollout engines of
              a separate placement never sleep, so there is nothing to wake.
@@ -91,7 +93,7 @@ class BroadcastSync:
     receiver loads one bucket while the next arrives.
     """
 
-    ALIGN = 64  # byte offset of every tensor in a bucket: any dtype can view it
+    ALIGN = distributed.TENSOR_ALIGN  # byte offset of every tensor in a bucket: any dtype can view it
 
     def __init__(self, context: distributed.DistContext, bucket_bytes: int):
         members = context.placement.weight_sync_members
@@ -126,12 +128,12 @@ class BroadcastSync:
         for index, (meta, tensors) in enumerate(buckets):
             if first:
                 self._broadcast_object(meta)
-            size = meta[-1][3] + _nbytes(meta[-1][1], meta[-1][2])
+            size = distributed.layout_nbytes(meta)
             buffer = self._buffer(index % 2, size)
             if pending is not None and pending[0] is buffer:
                 pending[1].wait()  # the buffer is still on the wire from two buckets ago
             for (_, shape, dtype, offset), tensor in zip(meta, tensors):
-                _view(buffer, shape, dtype, offset).copy_(tensor)
+                distributed.byte_view(buffer, shape, dtype, offset).copy_(tensor)
             work = self.group.broadcast(buffer[:size], 0)
             if pending is not None and pending[0] is not buffer:
                 pending[1].wait()
@@ -148,7 +150,7 @@ class BroadcastSync:
         self.plan = []
         meta, tensors, size = [], [], 0
         for name, tensor in stream:
-            offset = _align(size, self.ALIGN)
+            offset = distributed.align(size, self.ALIGN)
             meta.append((name, tuple(tensor.shape), tensor.dtype, offset))
             tensors.append(tensor)
             size = offset + tensor.numel() * tensor.element_size()
@@ -204,7 +206,7 @@ class BroadcastSync:
             yield from _unpack(buffer, meta)
 
     def _receive_bucket(self, slot: int, meta) -> "_Incoming":
-        size = meta[-1][3] + _nbytes(meta[-1][1], meta[-1][2])
+        size = distributed.layout_nbytes(meta)
         buffer = self._buffer(slot, size)[:size]
         return _Incoming(buffer, self.group.broadcast(buffer, 0))
 
@@ -242,18 +244,6 @@ class _Incoming:
         return self.buffer
 
 
-def _align(offset: int, align: int) -> int:
-    return (offset + align - 1) // align * align
-
-
-def _nbytes(shape, dtype) -> int:
-    return torch.Size(shape).numel() * dtype.itemsize
-
-
-def _view(buffer: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
-    return buffer[offset: offset + _nbytes(shape, dtype)].view(dtype).view(shape)
-
-
 def _unpack(buffer: torch.Tensor, meta):
     for name, shape, dtype, offset in meta:
-        yield name, _view(buffer, shape, dtype, offset)
+        yield name, distributed.byte_view(buffer, shape, dtype, offset)

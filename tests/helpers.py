@@ -36,6 +36,46 @@ def torchrun(worker: str, *args: str, nproc: int = 2, timeout: float = 600, env:
     return result
 
 
+def in_thread_ranks(placement, body, timeout_seconds: float = 30.0) -> list:
+    """`body(context)` on every launched rank of `placement`, each rank a thread of this process with its own
+    megarl DistContext on one shared in-memory store (no default world: the store groups megarl builds
+    itself, as new_store_group does, are real gloo groups between the threads). Results in rank order; the
+    first rank's exception is raised. For the bookkeeping of cross-role traffic without a torchrun launch."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megarl.distributed import DistContext, LaunchEnv, new_store_group
+
+    store, size = dist.HashStore(), placement.world_size
+    timeout = timedelta(seconds=timeout_seconds)
+    results, errors = [None] * size, [None] * size
+
+    def rank_main(rank):
+        try:
+            env = LaunchEnv(rank, size, rank, "127.0.0.1", 0, False)
+            context = DistContext(env, placement, store, placement.world_of(rank)[0], timeout,
+                                  roles=placement.roles_of(rank))
+            if placement.needs_cross_role_group:
+                context.cross_role_group = new_store_group("cross-role", context)
+            results[rank] = body(context)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            errors[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_seconds * 2)
+    if any(thread.is_alive() for thread in threads):
+        raise AssertionError(f"ranks {[r for r, t in enumerate(threads) if t.is_alive()]} still running")
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
 def scalars(log_dir, tags) -> dict[str, dict[int, float]]:
     """{tag: {step: value}} of TensorBoard scalars over every events file in `log_dir` (a resumed
     run writes a second file); tags that were never logged are absent."""

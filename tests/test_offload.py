@@ -40,6 +40,35 @@ def test_offloader_collects_again_at_each_offload():
     assert torch.equal(tensors[1], torch.full((2,), 7.0))
 
 
+def test_offloader_keeps_its_host_buffers_across_cycles():
+    """The second offload copies into the first one's host buffers (no new allocation per cycle: pinned
+    allocations are rounded up to a power of two by torch's caching host allocator), bit for bit each time;
+    a storage that changed size gets a new buffer, one no longer collected lets its buffer go."""
+    weight, state = torch.randn(4, 3), torch.randn(5)
+    grow = [torch.randn(6)]
+    offloader = Offloader(lambda: ([weight, state, grow[0]], [torch.zeros(0)]))
+    offloader.offload()
+    # Held here too, so that a fresh allocation could not land at a freed buffer's address.
+    first_buffers = offloader.host_buffers()
+    first = [host.data_ptr() for host in first_buffers]
+    assert len(first) == 3 and sorted(host.numel() for host in offloader.host_buffers()) == [20, 24, 48]
+    offloader.onload()
+    weight.mul_(3.0)  # an update between cycles: the next offload must copy the new values
+    state.add_(1.0)
+    expected = (weight.clone(), state.clone())
+    offloader.offload()
+    assert [host.data_ptr() for host in offloader.host_buffers()] == first
+    offloader.onload()
+    assert torch.equal(weight, expected[0]) and torch.equal(state, expected[1])
+    grow[0] = torch.randn(10)  # another tensor now: a buffer of its size
+    offloader.offload()
+    hosts = offloader.host_buffers()
+    assert [host.data_ptr() for host in hosts[:2]] == first[:2] and hosts[2].numel() == 40
+    assert len(offloader._host) == 3  # the 6-element tensor's buffer was let go
+    offloader.onload()
+    assert torch.equal(weight, expected[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "1"], ["--tensor-model-parallel-size", "2"],
                                       # DP=2: each rank holds its shard of Adam's states and of the fp32 main copies

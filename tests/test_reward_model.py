@@ -182,3 +182,39 @@ def test_on_cpu_the_reward_model_stays_on_the_cpu_and_offload_is_a_no_op(rm_path
     reward = RewardModelReward(rm_path, offload=True)
     assert reward.device == torch.device("cpu") and next(reward.model.parameters()).device.type == "cpu"
     assert reward.score_batch(RESPONSES, ROWS) == RewardModelReward(rm_path).score_batch(RESPONSES, ROWS)
+
+
+def test_a_scoring_call_from_a_pool_thread_runs_on_the_models_own_device(rm_path, monkeypatch):
+    """--reward-workers > 0 scores in pool threads, whose current CUDA device is cuda:0 whatever the rank set:
+    each call makes the model's device (here given explicitly) current, then moves the offloaded model onto
+    that device, not accelerator.device(), and back. Recorded through megarl.accelerator's own functions
+    (which are no-ops for a CPU device), so the order and the devices are what is checked here."""
+    import contextlib
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megarl import accelerator
+
+    calls, real_context = [], accelerator.device_context
+
+    @contextlib.contextmanager
+    def device_context(on):
+        calls.append(("enter", on, threading.current_thread().name))
+        with real_context(on):
+            yield
+        calls.append(("exit", on, threading.current_thread().name))
+
+    monkeypatch.setattr(accelerator, "device_context", device_context)
+    for name in ("module_to_device", "module_to_host"):
+        real = getattr(accelerator, name)
+        monkeypatch.setattr(accelerator, name, lambda module, on, name=name, real=real: (
+            calls.append((name, on, threading.current_thread().name)), real(module, on))[1])
+    device = torch.device("cpu")
+    reward = RewardModelReward(rm_path, device=device, offload=True)
+    calls.clear()
+    with ThreadPoolExecutor(1, thread_name_prefix="megarl-reward") as pool:
+        scores = pool.submit(reward.score_batch, RESPONSES, ROWS).result()
+    assert [(what, on) for what, on, _ in calls] == [("enter", device), ("module_to_device", device),
+                                                      ("module_to_host", device), ("exit", device)]
+    assert all(thread.startswith("megarl-reward") for _, _, thread in calls)
+    assert scores == RewardModelReward(rm_path, device=device).score_batch(RESPONSES, ROWS)

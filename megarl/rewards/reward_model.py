@@ -31,10 +31,15 @@ start of the question, is dropped). Such samples are counted (``truncated``) and
 warning line says how many, the first time and whenever the count has doubled since.
 Unset: no limit (the model's own position limit applies).
 
-Device: the rollout rank's (`accelerator.device()`: its GPU, or the CPU). With
-``offload`` (a reward model colocated with the trainer and vLLM on a GPU) the
-weights wait in host memory between scoring calls and come onto the GPU for each
-call (`accelerator.module_to_host` / `module_to_device`; no-ops on CPU). The move
+Device: the rollout rank's (`accelerator.device()`: its GPU, or the CPU), or the
+one given. With ``offload`` (a reward model colocated with the trainer and vLLM on a
+GPU) the weights wait in host memory between scoring calls and come onto the GPU for each
+call (`accelerator.module_to_host` / `module_to_device`; no-ops on CPU). Every scoring call
+makes the model's device the calling thread's current device first
+(`accelerator.device_context`): with --reward-workers > 0 the calls come from pool threads,
+whose current CUDA device would otherwise be cuda:0 on every rank (torch's device guards
+restore it after each op without creating a context there, but the allocator's empty_cache,
+library handles and anything that allocates on "the current device" would use GPU 0). The move
 is per call: with --reward-workers > 0 a call is one prompt's samples, so on GPU
 prefer --reward-workers 0 (one call per step) with an offloaded reward model.
 
@@ -85,7 +90,7 @@ class RewardModelReward:
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if offload:
-            accelerator.module_to_host(self.model)
+            accelerator.module_to_host(self.model, self.device)
         self._lock = threading.Lock()  # one call at a time when rollout threads share the model
 
     def render(self, response: str, row: dict) -> str:
@@ -100,15 +105,15 @@ class RewardModelReward:
         texts = [self.render(response, row) for response, row in zip(responses, rows, strict=True)]
         self._count_truncated(texts)
         scores = []
-        with self._lock:
+        with self._lock, accelerator.device_context(self.device):
             if self.offload:
-                accelerator.module_to_device(self.model)
+                accelerator.module_to_device(self.model, self.device)
             try:
                 for start in range(0, len(texts), self.batch_size):
                     scores += self._forward(texts[start:start + self.batch_size])
             finally:
                 if self.offload:
-                    accelerator.module_to_host(self.model)
+                    accelerator.module_to_host(self.model, self.device)
         return scores
 
     def _count_truncated(self, texts: list[str]) -> None:
