@@ -22,11 +22,14 @@ from megarl.run import Activity, load_inputs
 def train(args, inputs=None, activity: Activity | None = None) -> None:
     """The run; `inputs`: run.load_inputs(args), the files already read and checked; `activity`: where
     the run is, kept up to date for the caller's failure report."""
-    from megarl import batch as batching, checkpoint, distributed, evaluation, generation, phases
+    from megarl import accelerator, batch as batching, checkpoint, distributed, evaluation, generation, phases
     from megarl.preemption import Preemption
     from megarl.run import build_run
 
     context = init_distributed(args)
+    warning = accelerator.precision_warning(args)
+    if warning and context.rank == 0:
+        print(f"megarl: warning: {warning}", flush=True)
     preemption = Preemption()
     run = build_run(args, context, inputs, activity)
     logger = MetricsLogger(args, is_main=run.is_main)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl import accelerator
+
 
 @dataclass(frozen=True)
 class HeldBack:
@@ -162,11 +164,15 @@ class HiddenSource:
         return torch.empty(n, self.real, dtype=torch.float32, device=self.h.device)
 
     def add_grad(self, rows: slice, buffer: torch.Tensor) -> None:
-        grad_logits = buffer.to(self.h.dtype)
-        if self.want_hidden:
-            self.grad_hidden[rows] = grad_logits @ self.w
+        if self.want_hidden:  # in the hidden's dtype, as Megatron's input gradient (tensor cores in 16 bits)
+            self.grad_hidden[rows] = buffer.to(self.h.dtype) @ self.w
         if self.want_weight:
-            self.grad_weight[:self.real].addmm_(grad_logits.t().float(), self.h[rows].float())
+            # From the fp32 logit gradient as the backend wrote it (not rounded to a 16-bit hidden's dtype
+            # first), accumulated in fp32; on CUDA in TF32 on tensor cores (accelerator.tf32_matmuls),
+            # whose 10-bit mantissa still keeps more of the gradient than bf16's 7 bits Megatron's
+            # 16-bit weight-gradient GEMM gets.
+            with accelerator.tf32_matmuls(self.h.device.type):
+                self.grad_weight[:self.real].addmm_(buffer.t(), self.h[rows].float())
 
     def grads(self, group) -> tuple:
         if self.want_hidden and _tp_size(group) > 1:  # every shard's logits depend on the hidden
