@@ -120,3 +120,23 @@ def test_tf32_matmuls_only_on_cuda_and_restored():
         with accelerator.tf32_matmuls("cuda"):
             raise KeyError("inside")
     assert matmul.fp32_precision == before
+
+
+# ------------------------------------------------------------ Triton tile sizes ----
+def test_topk_kernel_tiles_bound_the_values_per_thread(monkeypatch):
+    """The compiled top-k kernels' [BLOCK_V, K_BLOCK] tile: at most TOPK_TILE values, 32 per thread of
+    their TOPK_NUM_WARPS warps (4096 x 16 = 512 before), whatever the row width and K; powers of two."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's block widths, not the interpreter's
+    from megarl.kernels import triton_ops
+
+    assert triton_ops.TOPK_TILE // (32 * triton_ops.TOPK_NUM_WARPS) <= 32
+    for r in (151_936, 18_992, 4096, 130, 5):
+        for k in (1, 3, 16, 64, 500):
+            blocks, k_block = triton_ops.topk_blocks(r, k)
+            assert blocks * k_block <= triton_ops.TOPK_TILE, (r, k)
+            assert blocks & (blocks - 1) == 0 and k_block & (k_block - 1) == 0
+            assert 16 <= blocks <= triton_ops.block_v(r) and k_block <= triton_ops.MAX_K_BLOCK
+    assert triton_ops.topk_blocks(151_936, 64) == (256, 16)
+    assert triton_ops.topk_blocks(151_936, 1) == (2048, 2)
+    assert triton_ops.block_v(151_936) == triton_ops.MAX_BLOCK_V  # the other kernels keep their width
