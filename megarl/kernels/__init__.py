@@ -14,6 +14,7 @@ accelerator.default_kernels):
 Operations (every one correct at TP > 1; the outputs are the same on every TP rank):
     logprobs_and_entropy[_from_hidden]   the label token's log-prob and the entropy
     topk_logprobs[_from_hidden]          log-probs at the teacher's top-k ids and the tail log-mass
+    select_topk                          the top-k ids and log-probs themselves (a teacher's, no gradient)
     distill_topk                         the top-k GKD loss (algorithms.topk_divergence) on those
     full_divergence / full_kl            full-vocabulary generalized JSD / KL(pi || ref) to logits
 All take z = logits / T: a temperature scales the logits before every softmax. The sampled-token
@@ -168,6 +169,27 @@ def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temp
                 logits, weight_shard)
     logprobs, tail = fused.TopkLogprobs.apply(backend(impl), *args)
     return logprobs, tail if tail_wanted else None
+
+
+def select_topk(output: torch.Tensor, k: int, vocab_size: int, temperature: float, impl: str,
+                weight_shard: torch.Tensor | None = None,
+                chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of log softmax(z) over the whole sharded vocabulary: (global ids (long), logprobs), each
+    [..., k], best first; no gradient (the colocated teacher's top-k). From this shard's logits, or with
+    `weight_shard` from hidden states [..., H], the logits formed one chunk at a time; only the k candidates
+    of each row cross the TP group. "naive": kernels/naive.py on the full logits."""
+    if impl == "naive":
+        from megarl.kernels import naive
+
+        logits = output if weight_shard is None else logits_from_hidden(output, weight_shard)
+        return naive.topk_logprobs(logits, k, vocab_size, temperature)
+    if weight_shard is None:
+        args = (fused.LogitsSource, vocab_size, temperature, _chunk(chunk_tokens, output), k, output)
+    else:
+        args = (fused.HiddenSource, vocab_size, temperature, _chunk(chunk_tokens, output, weight_shard), k, output,
+                weight_shard)
+    ids, logprobs = fused.select_topk(backend(impl), *args)
+    return ids.view(*output.shape[:-1], k), logprobs.view(*output.shape[:-1], k)
 
 
 def distill_topk(student: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab_size: int,

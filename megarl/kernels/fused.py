@@ -365,3 +365,36 @@ class FullDivergence(torch.autograd.Function):
                               g[rows], direct_sum[rows], buffer)
             _add_grad(student, rows, buffer)
         return (None,) * 6 + (student.grads(group)[0], None)
+
+
+# ---------------------------------------------------------- top-k selection ----
+@torch.no_grad()
+def select_topk(backend, source_cls, vocab_size: int, temperature: float, chunk: int, k: int,
+                *tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global ids, log softmax(z) at them) [rows, k], best first: the top k of the whole sharded
+    vocabulary, no gradient (a teacher's), kernels.naive.topk_logprobs' result one chunk of rows at a
+    time. Per chunk: the backend's log-sum-exp statistics and this shard's top k of z (one fp32 chunk);
+    then the TP ranks combine the statistics and exchange only their k candidates per row."""
+    group = tp_group()
+    source = source_cls(*tensors, vocab_size, group)
+    shard = source.x.shape[-1] if source_cls is LogitsSource else source.weight.shape[0]
+    k_local = min(k, shard)  # as naive's z.topk over the (padded) shard
+    stats, values, ids = [], [], []
+    for rows in _chunks(source.rows, chunk):
+        x = source.chunk(rows)
+        stats.append(backend.lse_stats(x, temperature))
+        z = x.float() / temperature
+        if z.shape[-1] < k_local:  # a shard with fewer real columns than k: its padding columns, at the floor
+            z = torch.cat([z, z.new_full((z.shape[0], k_local - z.shape[-1]), torch.finfo(z.dtype).min)], dim=-1)
+        top = z.topk(k_local, dim=-1)
+        values.append(top.values)
+        ids.append(top.indices + source.start)
+    m, sums = _combine_max_and_sums(torch.cat(stats), group, sum_columns=[], exp_columns=[1])
+    values, ids = torch.cat(values), torch.cat(ids)
+    if _tp_size(group) > 1:
+        from megarl.kernels.naive import _all_gather_last_dim
+
+        values, ids = _all_gather_last_dim(values, group), _all_gather_last_dim(ids, group)
+        values, best = values.topk(k, dim=-1)
+        ids = ids.gather(-1, best)
+    return ids, values - (m + sums[:, 0].log())[:, None]
