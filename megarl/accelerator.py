@@ -20,7 +20,11 @@ GPU-only code paths in megarl (all of them live here or are selected here):
   * the reward model (--reward-model) on the rollout rank's GPU, and its moves to host memory between
     scoring calls when colocated (`module_to_host`, `module_to_device`; no-ops on CPU);
   * the Triton kernels of megarl/kernels (`triton_available`, `default_kernels`, `check_supported`):
-    on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+    on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use; TF32 for the fp32
+    matmul of the fused kernels' weight gradient (`tf32_matmuls`);
+  * the precision check at start: fp32 parameters with packed rows or context parallelism under
+    Transformer Engine are refused, other fp32 GPU runs warned about (`check_supported`,
+    `precision_warning`; both take the device kind, so the tests check a GPU host's answers on CPU).
 """
 
 from __future__ import annotations
