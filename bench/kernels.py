@@ -164,8 +164,8 @@ def main():
     chunk = args.chunk_tokens
     inputs = make_inputs(args.tokens, args.hidden, args.topk, device)
     warm = make_inputs(4, args.hidden, args.topk, device, seed=1)
-    chunks = chunk or (f"{kernels.default_chunk_tokens(VOCAB)} from logits, "
-                       f"{kernels.default_chunk_tokens(VOCAB, kernels.HIDDEN_CHUNK_BYTES)} from hidden states")
+    chunks = chunk or (f"{kernels.default_chunk_tokens(device.type, VOCAB)} from logits, "
+                       f"{kernels.default_chunk_tokens(device.type, VOCAB, args.hidden)} from hidden states")
     print(f"V={VOCAB} tokens={args.tokens} hidden={args.hidden} topk={args.topk} chunk_tokens={chunks} "
           f"device={device} threads={torch.get_num_threads()} impls={','.join(impls)}"
           f"{'' if 'triton' in impls else ' (triton: no CUDA device here)'}; "

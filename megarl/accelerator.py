@@ -20,7 +20,11 @@ GPU-only code paths in megarl (all of them live here or are selected here):
   * the reward model (--reward-model) on the rollout rank's GPU, and its moves to host memory between
     scoring calls when colocated (`module_to_host`, `module_to_device`; no-ops on CPU);
   * the Triton kernels of megarl/kernels (`triton_available`, `default_kernels`, `check_supported`):
-    on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+    on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use; TF32 for the fp32
+    matmul of the fused kernels' weight gradient (`tf32_matmuls`);
+  * the precision check at start: fp32 parameters with packed rows or context parallelism under
+    Transformer Engine are refused, other fp32 GPU runs warned about (`check_supported`,
+    `precision_warning`; both take the device kind, so the tests check a GPU host's answers on CPU).
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ def set_device(local_rank: int) -> None:
         torch.cuda.set_device(local_rank)
 
 
-def transformer_engine_available() -> bool:
-    return ON_CUDA and importlib.util.find_spec("transformer_engine") is not None
+def transformer_engine_available(on_cuda: bool | None = None) -> bool:
+    """Whether models get Transformer Engine's layer spec: a CUDA host (`on_cuda`, default this one)
+    where transformer_engine imports."""
+    return (ON_CUDA if on_cuda is None else on_cuda) and importlib.util.find_spec("transformer_engine") is not None
 
 
 def packed_sequence_params(lengths: list[int]):
@@ -74,6 +80,24 @@ def packed_sequence_params(lengths: list[int]):
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+@contextlib.contextmanager
+def tf32_matmuls(device_kind: str):
+    """fp32 matmuls inside run as TF32 on tensor cores when `device_kind` is "cuda" (torch's default is
+    full fp32, without tensor cores), and as before elsewhere; the setting is restored after. Through
+    torch's new API (`fp32_precision`), set and restored to its value: torch 2.13 raises on a read of the
+    legacy `allow_tf32` once the two APIs have left different values (measured on the CPU build)."""
+    if device_kind != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -212,12 +236,13 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
         torch._foreach_mul_(grads, clip_coeff)
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernels can run here: Triton installed, and a CUDA device or the
-    Triton interpreter (TRITON_INTERPRET=1, which runs the kernels on CPU tensors, for tests)."""
+def triton_available(on_cuda: bool | None = None) -> bool:
+    """Whether the Triton kernels can run here: Triton installed, and a CUDA device (`on_cuda`, default
+    this host) or the Triton interpreter (TRITON_INTERPRET=1, which runs the kernels on CPU tensors, for
+    tests)."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+    return (ON_CUDA if on_cuda is None else on_cuda) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def default_kernels() -> str:
@@ -225,15 +250,45 @@ def default_kernels() -> str:
     return "triton" if ON_CUDA and triton_available() else "chunked"
 
 
-def check_supported(args) -> str | None:
-    """Why this host cannot run `args`, or None. (Called by arguments.validate_args.)"""
-    if not ON_CUDA and args.params_dtype == "float16":
+def check_supported(args, on_cuda: bool | None = None, transformer_engine: bool | None = None) -> str | None:
+    """Why this host cannot run `args`, or None. (Called by arguments.validate_args.) `on_cuda` and
+    `transformer_engine` (whether models get TE's layer spec) default to this host's; the tests pass
+    them to check a GPU host's answers on CPU."""
+    on_cuda = ON_CUDA if on_cuda is None else on_cuda
+    te = transformer_engine_available(on_cuda) if transformer_engine is None else transformer_engine
+    if not on_cuda and args.params_dtype == "float16":
         return ("--fp16 (--params-dtype float16) needs a GPU host: vLLM's CPU backend does not run float16 "
                 "and Megatron's loss scaler keeps its scale on a CUDA device; use --bf16 on CPU ranks")
-    if args.kernels == "triton" and not triton_available():
+    if args.kernels == "triton" and not triton_available(on_cuda):
         return ("--kernels triton needs Triton and a GPU (or Triton's interpreter, TRITON_INTERPRET=1, "
                 "for tests); use --kernels chunked on this host")
+    # Transformer Engine's attention backends (transformer_engine/pytorch/attention/dot_product_attention/
+    # utils.py, get_attention_backend): FlashAttention and FusedAttention take only fp16/bf16 q/k/v
+    # ("Filter: Data type"), the unfused backend neither packed THD rows ("Filter: QKV layout") nor context
+    # parallelism ("Filter: Context parallelism"). fp32 with either leaves no backend: the first forward
+    # would raise "No dot product attention backend is available".
+    if on_cuda and te and args.params_dtype == "float32":
+        packed = [flag for flag, on in (("--padding-free", args.padding_free),
+                                        (f"--context-parallel-size {args.context_parallel_size}",
+                                         args.context_parallel_size > 1)) if on]
+        if packed:
+            return (f"{' with '.join(packed)} needs --bf16 (or --fp16) with Transformer Engine: its fused and flash "
+                    f"attention take only 16-bit q/k/v and its unfused attention takes neither packed (THD) "
+                    f"sequences nor context parallelism (--params-dtype is float32)")
     return None
+
+
+def precision_warning(args, on_cuda: bool | None = None, transformer_engine: bool | None = None) -> str | None:
+    """A line to print at start when a GPU run keeps fp32 parameters (that check_supported lets through):
+    every matmul in fp32, and with Transformer Engine its unfused attention (the [s, s] scores in fp32
+    memory) because its fused and flash attention take only 16-bit q/k/v; None otherwise."""
+    on_cuda = ON_CUDA if on_cuda is None else on_cuda
+    if not on_cuda or args.params_dtype != "float32":
+        return None
+    te = transformer_engine_available(on_cuda) if transformer_engine is None else transformer_engine
+    attention = ("Transformer Engine's unfused attention (its fused and flash attention take only 16-bit q/k/v)"
+                 if te else "Megatron's local attention")
+    return f"--params-dtype float32 on a GPU: fp32 matmuls and {attention}; --bf16 is the fast setting"
 
 
 _CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",

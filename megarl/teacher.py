@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from megarl import accelerator, kernels
-from megarl.kernels import naive
-from megarl.model_runner import FrozenModel, MicroBatch, response_aligned
+from megarl.model_runner import FrozenModel, MicroBatch, output_weight, response_aligned
 from megarl.rollout import VllmEngine
 
 
@@ -43,14 +42,21 @@ class Teacher(FrozenModel):
         [n, width, k] (long) and `teacher_topk_logprobs` [n, width, k], the teacher's top-k next
         tokens at --gkd-temperature."""
         args, vocab_size = self.args, self.hf_config.vocab_size
+        # As the student's logprobs: through the fused kernels from the final hidden states, the output
+        # layer's logits formed one chunk of tokens at a time (never [tokens, V/TP] in fp32); --kernels
+        # naive from the full logits.
+        from_hidden = args.kernels != "naive"
 
-        def score_of(batch, logits, _):
-            sampled = kernels.token_logprobs(logits, batch.labels, vocab_size, args.temperature, args.kernels)
-            return (sampled,) + (naive.topk_logprobs(logits, k, vocab_size, args.gkd_temperature) if k else ())
+        def score_of(batch, output, _):
+            weight = output_weight(self.model) if from_hidden else None
+            sampled = kernels.token_logprobs(output, batch.labels, vocab_size, args.temperature, args.kernels,
+                                             weight_shard=weight)
+            return (sampled,) + (kernels.select_topk(output, k, vocab_size, args.gkd_temperature, args.kernels,
+                                                     weight_shard=weight) if k else ())
 
         # OPSD rows are run after their teacher prompt; response-aligned, they line up with the student's.
         views = [batch.teacher_view or batch for batch in micro_batches]
-        outputs = self.forward_only(views, score_of)
+        outputs = self.forward_only(views, score_of, hidden=from_hidden)
         names = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")[: len(outputs[0])]
         return {name: response_aligned(views, [output[i] for output in outputs], width)
                 for i, name in enumerate(names)}

@@ -24,12 +24,15 @@ from megarl.run import Activity, load_inputs
 def train(args, inputs=None, activity: Activity | None = None) -> None:
     """The run; `inputs`: run.load_inputs(args), the files already read and checked; `activity`: where
     the run is, kept up to date for the caller's failure report."""
-    from megarl import batch as batching, checkpoint, distributed, evaluation, generation, phases
+    from megarl import accelerator, batch as batching, checkpoint, distributed, evaluation, generation, phases
     from megarl.preemption import Preemption
     from megarl.run import build_run
 
     context = init_distributed(args)
     activity = activity if activity is not None else Activity()
+    warning = accelerator.precision_warning(args)
+    if warning and context.rank == 0:
+        print(f"megarl: warning: {warning}", flush=True)
     # A stop signal after a peer's death ends this rank at once, naming the dead rank (not a preemption).
     preemption = Preemption(context.rank,
                             on_peer_death=lambda dead: _stop_for_dead_peer(context.rank, dead, activity))

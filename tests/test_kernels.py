@@ -56,6 +56,18 @@ def test_topk_distill_tp1(tp1, mode, beta, from_hidden, chunk):
     _assert_close(worker.check_topk(250, 0.7, chunk, mode, beta, from_hidden))
 
 
+@pytest.mark.parametrize("vocab_size,temperature", worker.VOCABS)
+@pytest.mark.parametrize("chunk", [5, None])
+def test_select_topk_tp1(tp1, vocab_size, temperature, chunk):
+    """The colocated teacher's top-k (kernels.select_topk) by every implementation, from logits and from
+    hidden states: the ids of the float64 reference and its log-probs within the fp32 rule; "naive" on the
+    full logits is the path the teacher took before."""
+    for k in worker.SELECT_KS(vocab_size):
+        report = worker.check_select_topk(vocab_size, temperature, chunk, k)
+        assert {metric.split("_")[0] for metric in report} == {"naive", *worker.FUSED}
+        _assert_close(report, f"k={k}")
+
+
 @pytest.mark.parametrize("beta", worker.FULL_BETAS)
 @pytest.mark.parametrize("vocab_size,temperature", worker.VOCABS)
 def test_full_vocabulary_divergence_tp1(tp1, beta, vocab_size, temperature):
@@ -162,7 +174,7 @@ def test_kernels_under_torchrun(tmp_path, tp):
     torchrun("kernels_worker.py", "--out", out, nproc=tp, timeout=300)
     report = read_json(out)
     assert report["tp"] == tp
-    per_setting = 2 + 2 * len(worker.TOPK_CASES) + len(worker.FULL_BETAS)
+    per_setting = 2 + 2 * len(worker.TOPK_CASES) + len(worker.FULL_BETAS) + 2  # + the two top-k selections
     assert len(report["cases"]) == per_setting * len(worker.VOCABS) * len(worker.CHUNKS)
     for case, metrics in report["cases"].items():
         _assert_close(metrics, case)

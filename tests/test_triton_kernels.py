@@ -82,7 +82,8 @@ def test_api_matches_naive(report, op):
 @pytest.mark.slow
 def test_triton_at_tp2_under_torchrun(tmp_path):
     """Every case of tests/workers/kernels_worker.py (logprob + entropy from logits and from hidden states,
-    top-k GKD in both modes, full-vocabulary divergences and the KL to a reference) on a real TP=2 group
+    top-k GKD in both modes, full-vocabulary divergences and the KL to a reference, the teacher's top-k
+    selection) on a real TP=2 group
     with the interpreter on: impl="triton" against a float64 reference, values and gradients within
     tests/helpers.py's fp32 rule, where the
     second shard is partly or entirely Megatron padding."""
@@ -93,6 +94,6 @@ def test_triton_at_tp2_under_torchrun(tmp_path):
     cases = read_json(out)["cases"]
     triton = {f"{case}/{metric}": value for case, metrics in cases.items() for metric, value in metrics.items()
               if metric.startswith("triton_")}
-    assert {case.split("_")[0] for case in cases} == {"logits", "hidden", "topk", "full"}
+    assert {case.split("_")[0] for case in cases} == {"logits", "hidden", "topk", "full", "select"}
     assert all(sum(metric.startswith("triton_") for metric in metrics) >= 2 for metrics in cases.values())
     _assert_close(triton, FP32_ULPS)  # each implementation against float64 there

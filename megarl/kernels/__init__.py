@@ -14,6 +14,7 @@ accelerator.default_kernels):
 Operations (every one correct at TP > 1; the outputs are the same on every TP rank):
     logprobs_and_entropy[_from_hidden]   the label token's log-prob and the entropy
     topk_logprobs[_from_hidden]          log-probs at the teacher's top-k ids and the tail log-mass
+    select_topk                          the top-k ids and log-probs themselves (a teacher's, no gradient)
     distill_topk                         the top-k GKD loss (algorithms.topk_divergence) on those
     full_divergence / full_kl            full-vocabulary generalized JSD / KL(pi || ref) to logits
 All take z = logits / T: a temperature scales the logits before every softmax. The sampled-token
@@ -38,18 +39,41 @@ BACKENDS.add("chunked", "megarl.kernels.torch_ops")
 BACKENDS.add("triton", "megarl.kernels.triton_ops")
 IMPLS = ("naive", *BACKENDS)
 
-# Tokens per chunk, when not given: as many as keep one fp32 [tokens, shard width] temporary
-# within a budget, so the peak follows the shard width (vocabulary / TP), not a fixed count.
-# From logits, 16 MiB (27 tokens of Qwen2's 151,936-entry vocabulary at TP=1): smaller chunks only
-# cost more loop steps. From hidden states, 64 MiB (110 tokens): every chunk's weight gradient is a
-# rank-`tokens` update of the whole [V/TP, H] fp32 buffer, memory-bound when the chunk is thin
-# (bench/kernels.py: 27-token chunks made the hidden-state path 2.1x naive's time, 110 about 1.3x).
+# Tokens per chunk, when not given: `default_chunk_tokens`, by the device kind of the tensors.
+# CPU: as many as keep one fp32 [tokens, shard width] temporary within a budget, so the peak follows
+# the shard width (vocabulary / TP), not a fixed count. From logits, 16 MiB (27 tokens of Qwen2's
+# 151,936-entry vocabulary at TP=1): smaller chunks only cost more loop steps. From hidden states,
+# 64 MiB (110 tokens): every chunk's weight gradient is a rank-`tokens` update of the whole [V/TP, H]
+# fp32 buffer, memory-bound when the chunk is thin (bench/kernels.py: 27-token chunks made the
+# hidden-state path 2.1x naive's time, 110 about 1.3x).
 CHUNK_BYTES = 16 * 2**20
 HIDDEN_CHUNK_BYTES = 64 * 2**20
+# CUDA: a chunk of CPU size would be a few dozen Triton programs (one per token row) on a GPU's 100+
+# SMs and hundreds of launches per micro-batch. There a chunk's temporaries get 2 GiB, and never fewer
+# than CUDA_MIN_ROWS rows: 8 programs per SM of a 132-SM H100, and from hidden states a weight-gradient
+# GEMM ([V/TP, rows] x [rows, H] added into the [V/TP, H] fp32 buffer, which it reads and writes once per
+# chunk) of rows / 4 flops per byte of that buffer, 256 at 1024 rows: past an H100's TF32 ridge point
+# (about 150). Rows are a multiple of CUDA_ROW_MULTIPLE (whole tensor-core tiles).
+CUDA_CHUNK_BYTES = 2 * 2**30
+CUDA_MIN_ROWS = 1024
+CUDA_ROW_MULTIPLE = 128
 
 
-def default_chunk_tokens(shard_width: int, budget: int = CHUNK_BYTES) -> int:
-    return max(1, budget // (4 * max(shard_width, 1)))
+def default_chunk_tokens(device: str, shard_width: int, hidden_size: int | None = None,
+                         budget: int | None = None) -> int:
+    """Token rows per chunk on a `device` kind ("cpu", "cuda", ...) for a vocabulary shard `shard_width`
+    columns wide, from logits (`hidden_size` None) or from hidden states of `hidden_size`; `budget` (bytes)
+    replaces the device's default. CPU (and any non-CUDA kind): one fp32 [rows, shard_width] temporary
+    within the budget. CUDA: what a row costs from hidden states, its logits, their fp32 gradient and a
+    copy of that in the hidden's dtype (4 bytes each at most) plus an fp32 copy of its hidden state (one
+    fp32 row of temporaries from logits), within the budget, at least CUDA_MIN_ROWS."""
+    width = max(shard_width, 1)
+    if device != "cuda":
+        budget = budget or (CHUNK_BYTES if hidden_size is None else HIDDEN_CHUNK_BYTES)
+        return max(1, budget // (4 * width))
+    per_row = 4 * width if hidden_size is None else 12 * width + 4 * hidden_size
+    rows = max(CUDA_MIN_ROWS, (budget or CUDA_CHUNK_BYTES) // per_row)
+    return rows - rows % CUDA_ROW_MULTIPLE
 
 
 def backend(impl: str):
@@ -59,8 +83,13 @@ def backend(impl: str):
     return importlib.import_module(BACKENDS[impl])
 
 
-def _chunk(chunk_tokens: int | None, shard_width: int, from_hidden: bool = False) -> int:
-    return chunk_tokens or default_chunk_tokens(shard_width, HIDDEN_CHUNK_BYTES if from_hidden else CHUNK_BYTES)
+def _chunk(chunk_tokens: int | None, x: torch.Tensor, weight_shard: torch.Tensor | None = None) -> int:
+    """`chunk_tokens`, or the default for the device of `x` (logits, or hidden states with `weight_shard`)."""
+    if chunk_tokens:
+        return chunk_tokens
+    if weight_shard is None:
+        return default_chunk_tokens(x.device.type, x.shape[-1])
+    return default_chunk_tokens(x.device.type, weight_shard.shape[0], hidden_size=weight_shard.shape[-1])
 
 
 def _copy_to_tp(hidden: torch.Tensor) -> torch.Tensor:
@@ -91,7 +120,7 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size:
         return (naive.logprobs(logits, labels, vocab_size, temperature, held_back),
                 naive.entropy(logits, vocab_size, temperature, held_back))
     return fused.TokenLogprobEntropy.apply(backend(impl), fused.LogitsSource, vocab_size, temperature,
-                                           _chunk(chunk_tokens, logits.shape[-1]), held_back, labels, logits)
+                                           _chunk(chunk_tokens, logits), held_back, labels, logits)
 
 
 def logprobs_and_entropy_from_hidden(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
@@ -104,7 +133,7 @@ def logprobs_and_entropy_from_hidden(hidden: torch.Tensor, weight_shard: torch.T
         return logprobs_and_entropy(logits_from_hidden(hidden, weight_shard), labels, vocab_size, temperature, impl,
                                     held_back=held_back)
     return fused.TokenLogprobEntropy.apply(backend(impl), fused.HiddenSource, vocab_size, temperature,
-                                           _chunk(chunk_tokens, weight_shard.shape[0], True), held_back, labels,
+                                           _chunk(chunk_tokens, hidden, weight_shard), held_back, labels,
                                            hidden, weight_shard)
 
 
@@ -134,12 +163,33 @@ def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, temp
         tail = naive._tail_logprob(logits, ids, vocab_size, temperature)[..., 0] if tail_wanted else None
         return naive.gather_logprobs(logits, ids, vocab_size, temperature), tail
     if weight_shard is None:
-        args = (fused.LogitsSource, vocab_size, temperature, _chunk(chunk_tokens, logits.shape[-1]), ids, logits)
+        args = (fused.LogitsSource, vocab_size, temperature, _chunk(chunk_tokens, logits), ids, logits)
     else:
-        args = (fused.HiddenSource, vocab_size, temperature, _chunk(chunk_tokens, weight_shard.shape[0], True), ids,
+        args = (fused.HiddenSource, vocab_size, temperature, _chunk(chunk_tokens, logits, weight_shard), ids,
                 logits, weight_shard)
     logprobs, tail = fused.TopkLogprobs.apply(backend(impl), *args)
     return logprobs, tail if tail_wanted else None
+
+
+def select_topk(output: torch.Tensor, k: int, vocab_size: int, temperature: float, impl: str,
+                weight_shard: torch.Tensor | None = None,
+                chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of log softmax(z) over the whole sharded vocabulary: (global ids (long), logprobs), each
+    [..., k], best first; no gradient (the colocated teacher's top-k). From this shard's logits, or with
+    `weight_shard` from hidden states [..., H], the logits formed one chunk at a time; only the k candidates
+    of each row cross the TP group. "naive": kernels/naive.py on the full logits."""
+    if impl == "naive":
+        from megarl.kernels import naive
+
+        logits = output if weight_shard is None else logits_from_hidden(output, weight_shard)
+        return naive.topk_logprobs(logits, k, vocab_size, temperature)
+    if weight_shard is None:
+        args = (fused.LogitsSource, vocab_size, temperature, _chunk(chunk_tokens, output), k, output)
+    else:
+        args = (fused.HiddenSource, vocab_size, temperature, _chunk(chunk_tokens, output, weight_shard), k, output,
+                weight_shard)
+    ids, logprobs = fused.select_topk(backend(impl), *args)
+    return ids.view(*output.shape[:-1], k), logprobs.view(*output.shape[:-1], k)
 
 
 def distill_topk(student: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab_size: int,
@@ -167,7 +217,7 @@ def full_divergence(logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_si
 
 def _full_divergence(logits, other_logits, vocab_size, beta, temperature, impl, chunk_tokens, held_back=None):
     return fused.FullDivergence.apply(backend(impl), vocab_size, temperature, beta,
-                                      _chunk(chunk_tokens, logits.shape[-1]), held_back, logits, other_logits.detach())
+                                      _chunk(chunk_tokens, logits), held_back, logits, other_logits.detach())
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, vocab_size: int, temperature: float, impl: str,

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl import accelerator
+
 
 @dataclass(frozen=True)
 class HeldBack:
@@ -162,11 +164,15 @@ class HiddenSource:
         return torch.empty(n, self.real, dtype=torch.float32, device=self.h.device)
 
     def add_grad(self, rows: slice, buffer: torch.Tensor) -> None:
-        grad_logits = buffer.to(self.h.dtype)
-        if self.want_hidden:
-            self.grad_hidden[rows] = grad_logits @ self.w
+        if self.want_hidden:  # in the hidden's dtype, as Megatron's input gradient (tensor cores in 16 bits)
+            self.grad_hidden[rows] = buffer.to(self.h.dtype) @ self.w
         if self.want_weight:
-            self.grad_weight[:self.real].addmm_(grad_logits.t().float(), self.h[rows].float())
+            # From the fp32 logit gradient as the backend wrote it (not rounded to a 16-bit hidden's dtype
+            # first), accumulated in fp32; on CUDA in TF32 on tensor cores (accelerator.tf32_matmuls),
+            # whose 10-bit mantissa still keeps more of the gradient than bf16's 7 bits Megatron's
+            # 16-bit weight-gradient GEMM gets.
+            with accelerator.tf32_matmuls(self.h.device.type):
+                self.grad_weight[:self.real].addmm_(buffer.t(), self.h[rows].float())
 
     def grads(self, group) -> tuple:
         if self.want_hidden and _tp_size(group) > 1:  # every shard's logits depend on the hidden
@@ -359,3 +365,36 @@ class FullDivergence(torch.autograd.Function):
                               g[rows], direct_sum[rows], buffer)
             _add_grad(student, rows, buffer)
         return (None,) * 6 + (student.grads(group)[0], None)
+
+
+# ---------------------------------------------------------- top-k selection ----
+@torch.no_grad()
+def select_topk(backend, source_cls, vocab_size: int, temperature: float, chunk: int, k: int,
+                *tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global ids, log softmax(z) at them) [rows, k], best first: the top k of the whole sharded
+    vocabulary, no gradient (a teacher's), kernels.naive.topk_logprobs' result one chunk of rows at a
+    time. Per chunk: the backend's log-sum-exp statistics and this shard's top k of z (one fp32 chunk);
+    then the TP ranks combine the statistics and exchange only their k candidates per row."""
+    group = tp_group()
+    source = source_cls(*tensors, vocab_size, group)
+    shard = source.x.shape[-1] if source_cls is LogitsSource else source.weight.shape[0]
+    k_local = min(k, shard)  # as naive's z.topk over the (padded) shard
+    stats, values, ids = [], [], []
+    for rows in _chunks(source.rows, chunk):
+        x = source.chunk(rows)
+        stats.append(backend.lse_stats(x, temperature))
+        z = x.float() / temperature
+        if z.shape[-1] < k_local:  # a shard with fewer real columns than k: its padding columns, at the floor
+            z = torch.cat([z, z.new_full((z.shape[0], k_local - z.shape[-1]), torch.finfo(z.dtype).min)], dim=-1)
+        top = z.topk(k_local, dim=-1)
+        values.append(top.values)
+        ids.append(top.indices + source.start)
+    m, sums = _combine_max_and_sums(torch.cat(stats), group, sum_columns=[], exp_columns=[1])
+    values, ids = torch.cat(values), torch.cat(ids)
+    if _tp_size(group) > 1:
+        from megarl.kernels.naive import _all_gather_last_dim
+
+        values, ids = _all_gather_last_dim(values, group), _all_gather_last_dim(ids, group)
+        values, best = values.topk(k, dim=-1)
+        ids = ids.gather(-1, best)
+    return ids, values - (m + sums[:, 0].log())[:, None]

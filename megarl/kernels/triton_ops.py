@@ -43,6 +43,13 @@ INTERPRETER_BLOCK_V = 64
 # Teacher ids compared with a block of columns at a time: a [BLOCK_V, K_BLOCK] comparison, bounded
 # so that K in the hundreds does not blow up a program's registers.
 MAX_K_BLOCK = 16
+# The top-k kernels hold that [BLOCK_V, K_BLOCK] tile (the comparisons, and in the gradient the g values
+# gathered through them) besides the per-column vectors: at 4096 x 16 that is 512 values per thread of
+# a 4-warp program, far past the registers, so it would spill to local memory. Their tile is kept to
+# TOPK_TILE values, 32 per thread at TOPK_NUM_WARPS warps (`topk_blocks`: BLOCK_V 256 at K_BLOCK 16);
+# the online softmax only needs more, narrower blocks for that.
+TOPK_TILE = 4096
+TOPK_NUM_WARPS = 4
 
 # The running max starts here, not at -inf (see _token_stats_kernel); also torch_ops' max of a shard
 # of padding only.
@@ -60,6 +67,13 @@ def block_v(r: int) -> int:
 
 def _k_block(k: int) -> int:
     return max(2, min(MAX_K_BLOCK, triton.next_power_of_2(max(k, 1))))
+
+
+def topk_blocks(r: int, k: int) -> tuple[int, int]:
+    """(BLOCK_V, K_BLOCK) of the top-k kernels for rows of r columns and k ids: block_v(r) narrowed
+    until the [BLOCK_V, K_BLOCK] tile holds at most TOPK_TILE values (both stay powers of two)."""
+    k_block = _k_block(k)
+    return min(block_v(r), TOPK_TILE // k_block), k_block
 
 
 # ------------------------------------------------------------------ shared jit helpers ----
@@ -339,9 +353,10 @@ def topk_stats(x: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.
     k = ids.shape[-1]
     stats = _empty_stats(x, 3 + k)
     if n and r:
+        blocks, k_block = topk_blocks(r, k)
         _topk_stats_kernel[(n,)](x, x.stride(0), x.stride(1), ids, ids.stride(0), ids.stride(1), stats,
                                  stats.stride(0), r, k, float(temperature), FLOAT32_MIN=_FLOAT32_MIN,
-                                 BLOCK_V=block_v(r), K_BLOCK=_k_block(k))
+                                 BLOCK_V=blocks, K_BLOCK=k_block, num_warps=TOPK_NUM_WARPS)
     return stats
 
 
@@ -353,10 +368,11 @@ def topk_grad(x, ids, temperature, m, log_sum, log_rest, g_ids, g_tail, out) -> 
         return
     m, log_sum, log_rest, g_tail = map(_rows, (m, log_sum, log_rest, g_tail))
     g_ids = g_ids.float()
+    blocks, k_block = topk_blocks(r, k)
     _topk_grad_kernel[(n,)](x, x.stride(0), x.stride(1), ids, ids.stride(0), ids.stride(1), m, log_sum, log_rest,
                             g_ids, g_ids.stride(0), g_ids.stride(1), m if g_tail is None else g_tail, out,
                             out.stride(0), out.stride(1), r, k, float(temperature), HAS_TAIL=g_tail is not None,
-                            BLOCK_V=block_v(r), K_BLOCK=_k_block(k))
+                            BLOCK_V=blocks, K_BLOCK=k_block, num_warps=TOPK_NUM_WARPS)
 
 
 def lse_stats(x: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -16,6 +16,8 @@ after construction (the frequencies are a plain attribute, rebuilt nowhere else)
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -107,8 +109,46 @@ def check_parallel_sizes(hf_config, tp: int, pp: int) -> None:
                          f"{hf_config.num_hidden_layers} of the model")
 
 
+def _importable(*modules: str) -> bool:
+    return all(importlib.util.find_spec(module) is not None for module in modules)
+
+
+def fusions(on_cuda: bool, transformer_engine: bool, importable=_importable) -> dict:
+    """TransformerConfig's fusion switches for this host: Megatron-LM's defaults on CUDA (where its
+    `--no-*-fusion` flags are all off) as far as the kernels behind them are there; all off on CPU ranks,
+    where the unfused paths are exact and the fused ones are CUDA kernels or torch.compile'd CUDA code.
+    `importable(*modules)`: whether those extension modules import (a parameter for the tests).
+
+    On CUDA:
+      * bias_activation_fusion (SwiGLU; megarl's models have no linear biases, Megatron's MLP then runs
+        the bias-free SwiGLUFunction) and bias_dropout_fusion: torch.compile'd (megatron/core/jit.py), no
+        extension needed;
+      * apply_rope_fusion: Transformer Engine's fused RoPE (THD and CP included, rope_utils.py:
+        apply_rotary_pos_emb); TransformerConfig refuses it without TE (transformer_config.py: "Please
+        install TE >= 1.4");
+      * masked_softmax_fusion: only the local spec's attention reads it (TE's has its own softmax), and
+        FusedScaleMaskSoftmax imports `scaled_masked_softmax_cuda` (Apex / Megatron-LM's compiled
+        extension) without checking it exists (fused_softmax.py: is_kernel_available): on where it imports;
+      * gradient_accumulation_fusion: the output layer is Megatron's ColumnParallelLinear in either spec,
+        and it raises at construction without Apex's `fused_weight_gradient_mlp_cuda`
+        (tensor_parallel/layers.py: _grad_accum_fusion_available): on where that imports (the project's
+        image removes Apex, so there it stays off);
+      * persist_layer_norm stays off: it is Apex's persistent LayerNorm; megarl's models are RMSNorm, and
+        the local spec's WrappedTorchNorm asserts it is off (torch_norm.py)."""
+    if not on_cuda:
+        return dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                    persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    return dict(bias_activation_fusion=True, bias_dropout_fusion=True,
+                masked_softmax_fusion=importable("scaled_masked_softmax_cuda",
+                                                 "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda"),
+                persist_layer_norm=False, apply_rope_fusion=transformer_engine,
+                gradient_accumulation_fusion=importable("fused_weight_gradient_mlp_cuda"))
+
+
 def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, params_dtype: torch.dtype,
                        **overrides):
+    """Megatron's TransformerConfig of this model on this host (`fusions`); `overrides` are further
+    fields, and win over the host's."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -128,12 +168,6 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
-        # Fusions are CUDA kernels; the unfused paths are exact and run anywhere.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
@@ -146,7 +180,7 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         # Weights come from a checkpoint right after construction.
         perform_initialization=False,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        **overrides,
+        **{**fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()), **overrides},
     )
 
 

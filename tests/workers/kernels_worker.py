@@ -212,9 +212,39 @@ def check_full(vocab_size: int, temperature: float, chunk, beta: float | None, s
     return report
 
 
+def check_select_topk(vocab_size: int, temperature: float, chunk, k: int, seed: int = 0) -> dict:
+    """The top-k selection (a colocated teacher's ids and log-probs) of every implementation, fp32, from
+    logits and from hidden states, against log_softmax(...).topk in float64 on the same inputs: "{path}_ids"
+    0 when the ids are the same, inf otherwise; "{path}_logprobs" in ulps. k = vocab_size takes every real
+    id, so at TP=2 a shard has fewer real columns than k."""
+    from megatron.core import parallel_state
+
+    case = inputs(vocab_size, parallel_state.get_tensor_model_parallel_world_size(), seed)
+    report = {}
+    for source in ("logits", "hidden"):
+        full = (case["hidden"].double() @ case["weight"].double().t() if source == "hidden"
+                else case["logits"].double())[..., :vocab_size]
+        expected, expected_ids = torch.log_softmax(full / temperature, dim=-1).topk(k, dim=-1)
+        for impl in ["naive", *FUSED]:
+            if source == "hidden":
+                ids, logprobs = kernels.select_topk(case["hidden"], k, vocab_size, temperature, impl,
+                                                    weight_shard=_shard(case["weight"], 0), chunk_tokens=chunk)
+            else:
+                ids, logprobs = kernels.select_topk(_shard(case["logits"], -1), k, vocab_size, temperature, impl,
+                                                    chunk_tokens=chunk)
+            report[f"{impl}_{source}_ids"] = 0.0 if torch.equal(ids, expected_ids) else float("inf")
+            report[f"{impl}_{source}_logprobs"] = ulps(logprobs, expected)
+    return report
+
+
 # (mode, beta) of the top-k cases and the betas of the full-vocabulary ones (None: the KL to a reference)
 TOPK_CASES = [("tail", 0.0), ("tail", 0.5), ("renorm", 1.0), ("tail", 1.0)]
 FULL_BETAS = [0.0, 0.5, 1.0, None]
+
+
+def SELECT_KS(vocab_size: int) -> list[int]:  # noqa: N802  (a table, by vocabulary)
+    """The k of the top-k selection cases: a teacher's few, and every real id."""
+    return [5, vocab_size]
 
 
 def all_cases() -> dict:
@@ -231,6 +261,8 @@ def all_cases() -> dict:
             for beta in FULL_BETAS:
                 report[f"full_{'kl' if beta is None else f'b{beta:g}'}_{name}"] = check_full(
                     vocab_size, temperature, chunk, beta)
+            for k in SELECT_KS(vocab_size):
+                report[f"select_k{k}_{name}"] = check_select_topk(vocab_size, temperature, chunk, k)
     return report
 
 

@@ -58,6 +58,7 @@ SHAPES = [
     (7, 0, 3, 1.3, torch.float32, torch.float32),
 ]
 BLOCK_V = 16
+TOPK_TILE = 32
 
 
 def shape_name(shape) -> str:
@@ -231,6 +232,9 @@ def main():
     from megarl.kernels import triton_ops
 
     triton_ops.INTERPRETER_BLOCK_V = BLOCK_V  # several blocks per row on these small widths
+    # The top-k kernels' tile bound (triton_ops.topk_blocks) at interpreter scale: with K = 3 their blocks
+    # narrow to 8 columns, so the narrowed launches run here too.
+    triton_ops.TOPK_TILE = TOPK_TILE
     report = {"ops": check_ops()}
     from megarl import distributed
 
