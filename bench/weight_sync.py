@@ -76,7 +76,7 @@ def worker(model_dir, placement, repeats, out, profile=False):
     hf_config = AutoConfig.from_pretrained(model_dir)
     engine = None
     if context.is_rollout:
-        engine = RolloutEngine(args, context.placement.rollout, context.rank)
+        engine = RolloutEngine(args, context.placement.rollout, context.rank, colocated=context.placement.colocated)
     distributed.init_megatron_parallel(context, args.seed)
     model = actor = None
     if context.is_train:

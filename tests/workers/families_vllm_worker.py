@@ -82,7 +82,7 @@ def main():
                        # Random checkpoints have no tokenizer; prompts are token ids.
                        "--rollout-engine-kwargs", json.dumps({"skip_tokenizer_init": True})])
     context = distributed.init_distributed(args)
-    engine = RolloutEngine(args, context.placement.rollout, context.rank)
+    engine = RolloutEngine(args, context.placement.rollout, context.rank, colocated=context.placement.colocated)
     distributed.init_megatron_parallel(context, args.seed)  # after the engine (colocated order)
 
     from types import SimpleNamespace
