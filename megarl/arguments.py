@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import json
 import os
 from typing import Any
@@ -30,6 +29,7 @@ import yaml
 from megarl import algorithms
 from megarl.errors import ConfigError
 from megarl.placement import ROLES, Placement, PlacementError
+from megarl.plugins import load_plugins
 
 DEFAULT_MODEL = "artifacts/tiny-qwen2"
 
@@ -481,30 +481,6 @@ def _coerce_scalar(action, value, where, fail):
     if action.choices is not None and value not in action.choices:
         fail(f"one of {list(action.choices)}")
     return value
-
-
-def load_plugins(paths: list[str]) -> None:
-    """Import each plugin file once; a plugin registers names in megarl's registries."""
-    for path in paths:
-        if path in _LOADED_PLUGINS:
-            continue
-        if not os.path.isfile(path):
-            raise ConfigError(f"--external-plugins {path}: no such file")
-        spec = importlib.util.spec_from_file_location(f"megarl_plugin_{len(_LOADED_PLUGINS)}", path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as error:  # noqa: BLE001 - any plugin failure is a configuration error
-            raise ConfigError(f"--external-plugins {path}: {type(error).__name__}: {error}") from None
-        _LOADED_PLUGINS[path] = None
-
-
-_LOADED_PLUGINS: dict[str, None] = {}  # in load order (reward worker processes load them again)
-
-
-def loaded_plugins() -> list[str]:
-    """The plugin files imported so far, in order."""
-    return list(_LOADED_PLUGINS)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

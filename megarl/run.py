@@ -228,7 +228,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
 def _build_reward(args, colocated: bool):
     """The reward (a rollout rank scores its samples) and, with --reward-timeout, its worker processes;
     a code reward's sandbox pool gets this rank's share of --sandbox-memory-budget-mb."""
-    from megarl.arguments import loaded_plugins
+    from megarl.plugins import loaded_plugins
     from megarl.rewards import build_reward
     from megarl.rewards.scoring import TimedRewards, sandbox_memory_budget_mb
 

@@ -18,7 +18,7 @@ from helpers import ROOT
 # above it ("megarl.rewards" holds megarl.rewards.scoring; "megarl.rewards.score" is placed apart).
 LAYERS = [
     ("foundation", [  # pure records and math: nothing of megarl beneath them
-        "megarl", "megarl.errors", "megarl.registry", "megarl.algorithms", "megarl.placement", "megarl.batch",
+        "megarl", "megarl.errors", "megarl.plugins", "megarl.registry", "megarl.algorithms", "megarl.placement", "megarl.batch",
         "megarl.packing", "megarl.context_parallel", "megarl.vllm_logging"]),
     ("platform", [  # the device, the process groups, host memory
         "megarl.accelerator", "megarl.distributed", "megarl.offload"]),

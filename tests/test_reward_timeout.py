@@ -7,7 +7,6 @@ import os
 import time
 
 import pytest
-
 from helpers import ROOT, scalars, torchrun
 
 PLUGIN = str(ROOT / "tests" / "plugins" / "bad_rewards.py")
@@ -17,7 +16,7 @@ GRACE = 60.0  # waits for killing and answering past the timeout: a hang guard (
 
 @pytest.fixture(scope="module", autouse=True)
 def plugin():
-    from megarl.arguments import load_plugins
+    from megarl.plugins import load_plugins
 
     load_plugins([PLUGIN])
 
@@ -37,7 +36,7 @@ def _samples(responses):
 
 
 def _timed(name: str, workers: int = 2, timeout: float = TIMEOUT):
-    from megarl.arguments import loaded_plugins
+    from megarl.plugins import loaded_plugins
     from megarl.rewards import get_reward
     from megarl.rewards.scoring import TimedRewards
 
@@ -108,7 +107,7 @@ def test_a_worker_that_dies_is_replaced():
 def test_in_process_parts_stay_in_the_trainer():
     """A combination with a part marked in_process (as the reward model is): that part is scored in this
     process, the others in the workers, combined as combine_rewards does."""
-    from megarl.arguments import loaded_plugins
+    from megarl.plugins import loaded_plugins
     from megarl.rewards import RewardOutput, RewardSpec
     from megarl.rewards.combine import combine_rewards
     from megarl.rewards.scoring import TimedRewards
@@ -186,8 +185,8 @@ def test_the_math_graders_own_timeout_counts_and_a_programs_time_limit_does_not(
     from types import SimpleNamespace
 
     from megarl import generation
-    from megarl.rewards.workers import timeout_reason
     from megarl.rewards import math as math_rewards
+    from megarl.rewards.workers import timeout_reason
 
     reasons = [timeout_reason(2.0), math_rewards.GRADING_TIMEOUT, "timeout", "correct", "error: reward worker died"]
     counts = generation.reward_errors([SimpleNamespace(reason=r) for r in reasons], "step 1", report=False)

@@ -72,8 +72,8 @@ def match(rows, responses: list[dict], path: str) -> list[tuple[object, dict]]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from megarl.arguments import load_plugins
         from megarl.data.datasets import load_eval_dataset
+        from megarl.plugins import load_plugins
         from megarl.rewards import build_reward, score_all
 
         load_plugins(args.external_plugins)

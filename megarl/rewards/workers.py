@@ -272,17 +272,6 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _import_plugins(paths: list[str]) -> None:
-    """megarl.arguments.load_plugins without importing megarl.arguments (torch: seconds per worker)."""
-    import importlib.util
-
-    for index, path in enumerate(paths):
-        spec = importlib.util.spec_from_file_location(f"megarl_plugin_{index}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-
-
 def _serve() -> None:
     """A worker's main loop (its main thread, so the math reward's SIGALRM timer works)."""
     recv_conn = Connection(int(sys.argv[1]), writable=False)
@@ -292,9 +281,10 @@ def _serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer; it stops us
     try:
         sys.path[:] = setup["sys_path"]
+        from megarl.plugins import load_plugins
         from megarl.rewards import get_reward, score_all
 
-        _import_plugins(setup["plugins"])
+        load_plugins(setup["plugins"])
         specs = [get_reward(name) for name in setup["parts"]]
         if setup["sandbox_memory_budget_mb"] is not None:
             from megarl.rewards import code
