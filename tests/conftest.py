@@ -9,15 +9,19 @@ from helpers import ROOT, make_random_model
 TINY_MODEL = ROOT / "artifacts" / "tiny-qwen2"
 
 
+OPT_IN_LANES = ("soak", "learning")  # pytest.ini: lanes outside CI, run by hand before an issue is resolved
+
+
 def pytest_collection_modifyitems(config, items):
-    """Soak tests (pytest.ini) run only when -m names `soak`. Not `addopts = -m "not soak"`: the last -m wins, so
-    the unit lane's `-m "not slow"` would then replace it and pull the 45-minute soak in."""
-    if "soak" in (config.getoption("markexpr") or ""):
-        return  # the expression decides
-    soak = [item for item in items if item.get_closest_marker("soak")]
-    if soak:
-        config.hook.pytest_deselected(items=soak)
-        items[:] = [item for item in items if not item.get_closest_marker("soak")]
+    """Soak and learning tests (pytest.ini) run only when -m names their lane. Not `addopts = -m "not soak"`:
+    the last -m wins, so the unit lane's `-m "not slow"` would then replace it and pull the soak in."""
+    expression = config.getoption("markexpr") or ""
+    lanes = [lane for lane in OPT_IN_LANES if lane not in expression]  # named lanes: the expression decides
+    opted_out = [item for item in items if any(item.get_closest_marker(lane) for lane in lanes)]
+    if opted_out:
+        config.hook.pytest_deselected(items=opted_out)
+        dropped = set(map(id, opted_out))
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 @pytest.fixture(scope="session")

@@ -243,6 +243,7 @@ def test_seq_kd_trains_on_the_teachers_samples(teacher, tiny_model, teacher_mode
 
 
 @pytest.mark.slow
+@pytest.mark.learning  # the teacher's build (1200 steps) and the run: outside CI (-m learning)
 def test_the_distillation_quickstart_closes_half_the_gap_to_the_teacher(tiny_model, tiny_teacher, tmp_path):
     """examples/quickstart_gkd.yaml, as `MEGARL_CONFIG=examples/quickstart_gkd.yaml bash run_quickstart.sh`
     runs it: distillation alone (no reward in the loss) from a colocated top-k teacher. Within 15 minutes

@@ -12,7 +12,8 @@ import pytest
 
 from helpers import torchrun
 
-pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
+pytestmark = [pytest.mark.slow,  # real torchrun ranks with vLLM and Megatron-core
+              pytest.mark.learning]  # 60 steps each: outside CI (bash run_tests.sh -m learning)
 
 PRESETS = ["grpo", "dapo", "drgrpo", "ppo"]
 

@@ -6,7 +6,8 @@ The checks run in one subprocess (tests/workers/triton_kernels_worker.py) starte
 TRITON_INTERPRET=1: Triton reads the variable when its jit functions, its own standard library's
 included, are defined at import, and Megatron's parallel state imports Triton, so this process
 (which may already have imported both) cannot switch the interpreter on; setting it here would
-also leak into every later test's subprocesses.
+also leak into every later test's subprocesses. The interpreter runs each program in numpy (80 s on
+two quiet cores), so the module is in the slow lane.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from helpers import FP32_PATHS_ULPS, FP32_ULPS, ROOT, WORKERS, load_script, read
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.slow  # the interpreter subprocess takes over a minute
 
 
 worker = load_script(WORKERS / "triton_kernels_worker.py")  # its case list; it imports torch, not Triton
@@ -79,7 +82,6 @@ def test_api_matches_naive(report, op):
         assert any(f"/T{temperature:g}_chunk{chunk}/" in case for case in cases), (temperature, chunk)
 
 
-@pytest.mark.slow
 def test_triton_at_tp2_under_torchrun(tmp_path):
     """Every case of tests/workers/kernels_worker.py (logprob + entropy from logits and from hidden states,
     top-k GKD in both modes, full-vocabulary divergences and the KL to a reference, the teacher's top-k
