@@ -9,15 +9,21 @@ from helpers import ROOT, make_random_model
 TINY_MODEL = ROOT / "artifacts" / "tiny-qwen2"
 
 
+# Markers whose tests run only when -m names them (pytest.ini): the soak suite, long learning runs.
+OPT_IN_MARKERS = ("soak", "learning")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Soak tests (pytest.ini) run only when -m names `soak`. Not `addopts = -m "not soak"`: the last -m wins, so
-    the unit lane's `-m "not slow"` would then replace it and pull the 45-minute soak in."""
-    if "soak" in (config.getoption("markexpr") or ""):
-        return  # the expression decides
-    soak = [item for item in items if item.get_closest_marker("soak")]
-    if soak:
-        config.hook.pytest_deselected(items=soak)
-        items[:] = [item for item in items if not item.get_closest_marker("soak")]
+    """Soak and learning tests (pytest.ini) run only when -m names their marker. Not `addopts = -m "not soak"`:
+    the last -m wins, so the unit lane's `-m "not slow"` would then replace it and pull the 45-minute soak in."""
+    expression = config.getoption("markexpr") or ""
+    for marker in OPT_IN_MARKERS:
+        if marker in expression:
+            continue  # the expression decides
+        opted_out = [item for item in items if item.get_closest_marker(marker)]
+        if opted_out:
+            config.hook.pytest_deselected(items=opted_out)
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
 @pytest.fixture(scope="session")
