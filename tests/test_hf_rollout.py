@@ -264,9 +264,11 @@ def test_quickstart_runs_without_vllm(tiny_model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.learning
 def test_quickstart_learns_with_the_hf_backend(tiny_model, tmp_path):
-    """As tests/test_train_e2e.py's test_quickstart_learns, on the HF backend (vLLM blocked): the reward rises."""
+    """The quickstart (200 steps, about 5 minutes on 2 CPU ranks) on the HF backend with vLLM blocked: the reward
+    rises as on vLLM (docs/testing.md: 0.36-0.39 -> 0.62-0.66). Measured: 0.430 -> 0.645 (5-step means); at 80
+    steps it read 0.430 -> 0.486, vLLM's run 0.389 -> 0.570: the noise of 5-step means, so the full run here."""
     result = torchrun("no_vllm.py", ROOT / "megarl" / "train.py", "--config", "examples/quickstart_grpo.yaml",
-                      "--model", tiny_model, *HF, "--train-steps", "80", "--log-dir", tmp_path / "tb", timeout=3600)
+                      "--model", tiny_model, *HF, "--log-dir", tmp_path / "tb", timeout=3600)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
     first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    assert last >= first + 0.10, line
+    assert last >= first + 0.15, line
