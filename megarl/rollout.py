@@ -2,7 +2,10 @@
 
 `VllmEngine` is one in-rank engine of a vLLM role (start-up, seeded generation);
 `RolloutEngine` adds what the rollout needs (weight loading, offload/onload). The
-standalone teacher's engine (megarl/teacher.py) is the other kind.
+standalone teacher's engine (megarl/teacher.py) is the other kind. --rollout-backend hf
+replaces `RolloutEngine` by megarl/hf_rollout.py's `HfRolloutEngine` (transformers, no vLLM),
+which keeps this module's contract: `Sample`, `request_seeds`, `EngineMemory`'s verbs. Nothing
+here imports vLLM at module level, so that path can import this module without it.
 
 Every rank of one engine's tensor-parallel group must call `generate` with the
 same prompts and seeds (vLLM runs SPMD over them). Samples carry what training
