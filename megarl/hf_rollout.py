@@ -113,7 +113,7 @@ class HfRolloutEngine(EngineMemory):
             if left[row.prompt] == 0:
                 i = row.prompt
                 per_prompt[i] = [Sample(prompt_indices[i], list(prompts[i]), r.ids, r.text(self.tokenizer),
-                                        r.logprobs, truncated=r.truncated, min_tokens=min_tokens if held_back else 0,
+                                        r.logprobs, truncated=r.truncated, min_tokens=min_tokens,
                                         held_back_ids=held_back)
                                  for r in rows[i * n:(i + 1) * n]]
                 if on_prompt_done is not None:
