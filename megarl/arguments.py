@@ -146,7 +146,10 @@ def _add_placement_args(parser):
 
 def _add_rollout_args(parser):
     g = parser.add_argument_group("rollout")
-    g.add_argument("--rollout-model", default=None, help="checkpoint vLLM starts from (default: --model)")
+    g.add_argument("--rollout-backend", default="vllm", choices=["vllm", "hf"],
+                   help="what generates the samples: vllm (an in-process vLLM engine), or hf (transformers on the "
+                        "rollout ranks' devices, megarl/hf_rollout.py: no vLLM needed; TP 1, no standalone teacher)")
+    g.add_argument("--rollout-model", default=None, help="checkpoint the rollout engine starts from (default: --model)")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1, help="vLLM TP size per engine")
     g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0,
                    help="vLLM KV cache size per engine in GiB")
@@ -617,6 +620,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--rollout-sleep-level 2 is not supported: vLLM 0.32 restores only the model's "
                           "buffers after it, and a weight sync rewrites only parameters; use level 1")
     _validate_teacher_group(args)
+    _validate_rollout_backend(args)
     try:
         placement = Placement.from_args(args, world_size)
     except PlacementError as error:
@@ -712,6 +716,23 @@ def _validate_recompute(args) -> None:
                               f"{', and divide it (uniform)' if method == 'uniform' else ''}")
 
 
+def _validate_rollout_backend(args) -> None:
+    """--rollout-backend hf runs one whole transformers model per rollout rank and imports no vLLM: what
+    needs vLLM is refused (before anything would import it)."""
+    if args.rollout_backend != "hf":
+        return
+    refused = [(args.rollout_tensor_parallel_size != 1,
+                f"--rollout-tensor-parallel-size {args.rollout_tensor_parallel_size}: the HF backend runs one whole "
+                f"model per rank; use 1"),
+               (bool(args.rollout_engine_kwargs), "--rollout-engine-kwargs (rollout.engine_kwargs) are vLLM's"),
+               (bool(args.teacher_gpus or args.standalone_teacher_model),
+                "a standalone teacher (teacher.gpus / --teacher-gpus, teacher.model) runs vLLM engines; use a "
+                "colocated --teacher-model")]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"--rollout-backend hf: {why}")
+
+
 def _validate_teacher_group(args) -> None:
     """Which teacher: `teacher_model` on the train ranks, or a `teacher:` group of vLLM ranks (before the
     placement, whose rank counts follow from it)."""
@@ -758,8 +779,13 @@ def _validate_engine_kwargs(args) -> None:
     import dataclasses
     import inspect
 
-    from vllm import LLM
-    from vllm.engine.arg_utils import EngineArgs
+    try:
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError as error:
+        role, key = given[0]
+        raise ConfigError(f"{role}.engine_kwargs (--{role}-engine-kwargs) {key!r}: vLLM's engine arguments, but vLLM "
+                          f"does not import here ({error})") from None
 
     known = {field.name for field in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
     known -= {"self", "kwargs"}

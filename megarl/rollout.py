@@ -2,7 +2,10 @@
 
 `VllmEngine` is one in-rank engine of a vLLM role (start-up, seeded generation);
 `RolloutEngine` adds what the rollout needs (weight loading, offload/onload). The
-standalone teacher's engine (megarl/teacher.py) is the other kind.
+standalone teacher's engine (megarl/teacher.py) is the other kind. --rollout-backend hf
+replaces `RolloutEngine` by megarl/hf_rollout.py's `HfRolloutEngine` (transformers, no vLLM),
+which keeps this module's contract: `Sample`, `request_seeds`, `EngineMemory`'s verbs. Nothing
+here imports vLLM at module level, so that path can import this module without it.
 
 Every rank of one engine's tensor-parallel group must call `generate` with the
 same prompts and seeds (vLLM runs SPMD over them). Samples carry what training
@@ -203,7 +206,40 @@ def _samples_of(index: int, prompt: list[int], output, min_tokens: int = 0,
     return samples
 
 
-class RolloutEngine(VllmEngine):
+class EngineMemory:
+    """The offload/onload verbs of a rollout engine (either backend): which of SLEEP_TAGS sleep (`asleep`),
+    kept the same on every host; the subclass's `_sleep()` / `_wake(tags)` move the memory (vLLM's sleep
+    mode; the HF backend's weights, megarl/hf_rollout.py)."""
+
+    asleep: set[str]
+
+    def offload(self) -> None:
+        """Give the device back to the colocated trainer. vLLM sleeps only a fully awake engine
+        (Executor.sleep), so a partly awake one is woken first."""
+        if self.asleep == set(SLEEP_TAGS):
+            return
+        self.onload()
+        self.asleep = set(SLEEP_TAGS)
+        self._sleep()
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        """Take the device back: all that sleeps, or only `tags` (a weight sync wakes `weights`; the
+        rollout's turn the rest, after the trainer offloaded: Run.rollout_turn). Parts already
+        awake are not woken again (vLLM refuses a tag that is not asleep)."""
+        waking = [tag for tag in (tags or SLEEP_TAGS) if tag in self.asleep]
+        if not waking:
+            return
+        self.asleep -= set(waking)
+        self._wake(waking)
+
+    def _sleep(self) -> None:
+        raise NotImplementedError
+
+    def _wake(self, tags: list[str]) -> None:
+        raise NotImplementedError
+
+
+class RolloutEngine(EngineMemory, VllmEngine):
     """The rollout role: generates the student's samples and takes the trainer's weights."""
 
     def __init__(self, args, engines, rank: int, colocated: bool):
@@ -228,32 +264,20 @@ class RolloutEngine(VllmEngine):
         self.llm.collective_rpc(_load_in_place, kwargs=dict(weights=weights))
         self.llm.reset_prefix_cache()
 
-    # The verbs every role uses for its device memory (vLLM's sleep and wake-up underneath).
-    def offload(self) -> None:
-        """Give the device back to the colocated trainer (vLLM sleep at --rollout-sleep-level); the vLLM
-        call is skipped on CPU. vLLM sleeps only a fully awake engine (Executor.sleep), so a partly
-        awake one is woken first."""
-        if self.asleep == set(SLEEP_TAGS):
-            return
-        self.onload()
-        self.asleep = set(SLEEP_TAGS)
+    # The verbs every role uses for its device memory: EngineMemory's bookkeeping, vLLM's sleep and wake-up
+    # underneath (skipped on CPU, where vLLM has no sleep mode).
+    def _sleep(self) -> None:
+        """vLLM sleep at --rollout-sleep-level (EngineMemory.offload hands over a fully awake engine)."""
         if not accelerator.ON_CUDA:
             log.debug("vLLM sleep is not supported on CPU: no-op")
             return
         self.llm.sleep(level=self.args.rollout_sleep_level)
 
-    def onload(self, tags: list[str] | None = None) -> None:
-        """Take the device back: all that sleeps, or only `tags` (a weight sync wakes `weights`; the
-        rollout's turn the rest, after the trainer offloaded: Run.rollout_turn). Parts already
-        awake are not woken again (vLLM refuses a tag that is not asleep); the vLLM call is skipped on CPU."""
-        waking = [tag for tag in (tags or SLEEP_TAGS) if tag in self.asleep]
-        if not waking:
-            return
-        self.asleep -= set(waking)
+    def _wake(self, tags: list[str]) -> None:
         if not accelerator.ON_CUDA:
             log.debug("vLLM wake_up is not supported on CPU: no-op")
             return
-        self.llm.wake_up(tags=waking)
+        self.llm.wake_up(tags=tags)
 
 
 def rollout_engine_kwargs(args, colocated: bool) -> dict:

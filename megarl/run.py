@@ -22,6 +22,7 @@ from megarl.errors import ConfigError
 if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play them load those
     from megarl.actor import Actor
     from megarl.critic import Critic
+    from megarl.hf_rollout import HfRolloutEngine
     from megarl.reference import Reference
     from megarl.rewards import RewardSpec
     from megarl.rollout import RolloutEngine
@@ -48,7 +49,7 @@ class Run:
     prompts: object  # data.ArithmeticPrompts or datasets.PromptDataset: batch(step, attempt)
     eval_sets: dict  # name -> list of prompts.Prompt
     reward: RewardSpec | None  # on rollout ranks (a reward model lives there)
-    rollout: RolloutEngine | None  # on rollout ranks
+    rollout: RolloutEngine | HfRolloutEngine | None  # on rollout ranks (--rollout-backend)
     actor: Actor | None  # on train ranks
     critic: Critic | None  # on train ranks with --advantage-estimator gae
     reference: Reference | None  # on train ranks when a KL term needs one
@@ -185,9 +186,11 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
     hf_config, tokenizer = inputs.hf_config, inputs.tokenizer
     rollout = actor = critic = reference = teacher = teacher_engine = None
     if context.is_rollout:  # engines before Megatron's parallel state (the measured order)
-        from megarl.rollout import RolloutEngine
-
-        rollout = RolloutEngine(args, placement.rollout, rank, colocated=placement.colocated)
+        if args.rollout_backend == "hf":  # transformers: no vLLM on this path (megarl/hf_rollout.py)
+            from megarl.hf_rollout import HfRolloutEngine as Engine
+        else:
+            from megarl.rollout import RolloutEngine as Engine
+        rollout = Engine(args, placement.rollout, rank, colocated=placement.colocated)
     if rank in placement.teacher_ranks:
         from megarl.teacher import TeacherEngine
 

@@ -26,7 +26,7 @@ LAYERS = [
         "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards"]),
     ("roles", [  # the objects that hold a model or an engine
         "megarl.model_runner", "megarl.actor", "megarl.loss", "megarl.critic", "megarl.reference",
-        "megarl.rollout", "megarl.teacher", "megarl.weight_sync"]),
+        "megarl.rollout", "megarl.hf_rollout", "megarl.teacher", "megarl.weight_sync"]),
     ("run", [  # the parser, the run's roles and state, its preemption and metrics
         "megarl.arguments", "megarl.run", "megarl.preemption", "megarl.metrics"]),
     ("phases", [  # one step over a Run: its phases, the rollout they orchestrate, evaluation

@@ -1,0 +1,281 @@
+"""Rollout backend without vLLM (--rollout-backend hf): a transformers model on this rank's device.
+
+`HfRolloutEngine` has the verbs and the sample contract of the vLLM `RolloutEngine`
+(megarl/rollout.py), so the rest of megarl does not know which one runs:
+
+  generate(prompts, prompt_indices, step, greedy=False, n=None, temperature=None,
+           seed_key=(), on_prompt_done=None, min_tokens=0) -> [Sample]
+  load_weights(stream of (hf_name, tensor))   the weight sync's verb (both strategies)
+  offload() / onload(tags=None)               the colocated turn's verbs (rollout.EngineMemory)
+  engine_index, num_engines, is_leader, tp    its place among the rollout ranks (TP 1 only)
+
+What it matches, and how:
+  * logprobs are vLLM's `processed_logprobs` (what megarl asks vLLM for): the log-softmax of the
+    fp32 logits after min_tokens' held-back ids (-inf), then, when sampling, temperature and the
+    top-k / top-p masks in vLLM's order and tie rules (`processed_logprobs`); greedy (temperature 0)
+    takes the argmax and reports the log-softmax at T = 1 with the held-back ids masked, as vLLM.
+  * stopping: the tokenizer's EOS and the generation config's eos ids end a response (kept as its
+    last token, left out of the text); max_new_tokens ends it as truncated; a --stop string ends it
+    where it completes after the min_tokens-th token, the text cut before it (vLLM's detokenizer).
+    With min_tokens those ids are held back (`held_back_ids`) before response token min_tokens.
+  * randomness: every sample has its own torch.Generator, seeded with its prompt's `request_seeds`
+    seed + j for sample j (vLLM's fan-out of n), so a sample depends on (--seed, step, seed_key,
+    prompt index, j) and the weights, not on the other prompts of the call, the engine's shard or
+    what it sampled before. The draw is vLLM's exponential race (argmax of probs / Exp(1) noise),
+    so a sample is an exact draw from the reported distribution. The tokens are not vLLM's: its CPU
+    sampler hashes its own noise, and a seed means a different stream in each sampler.
+
+Why its own decoding loop rather than `model.generate`: generate draws from one process-wide
+RNG for the whole batch (a sample would depend on its batch neighbours) and returns logprobs of
+its own processing; the loop here is a prefill of the left-padded prompts (attention mask,
+positions counted from each prompt's first real token) and one cached forward per new token
+(`past_key_values`), with the rows that finished dropped from the batch and its KV cache.
+
+Weights: one full model per rank (no tensor parallelism), loaded in --params-dtype from
+--rollout-model; a weight sync copies each (hf_name, tensor) into the parameter of that name in
+place (a tied model's lm_head.weight is its embedding, which the stream sends: lm_head.weight is
+skipped, as vLLM's loader does) and checks that every parameter was written. Memory: colocated, the
+weights go to host memory while the trainer works (`offload`, megarl.offload.Offloader: pinned
+buffers on GPU, kept across steps; on CPU the same copies run, so the tests exercise it). There is
+no KV cache between calls: each `generate` builds one for its batch and hands the memory back at
+the end, so the "kv_cache" tag is bookkeeping only. All of this engine's prompts are one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl import accelerator
+from megarl.offload import Offloader
+from megarl.rollout import EngineMemory, Sample, request_seeds
+
+
+class HfRolloutEngine(EngineMemory):
+    """The rollout role on the HF backend (see the module docstring): generates the student's samples
+    and takes the trainer's weights."""
+
+    tp = 1
+
+    def __init__(self, args, engines, rank: int, colocated: bool = True):
+        """Engine `engines.engine_index(rank)` of the rollout ranks `engines` (placement.EngineGroup, TP 1:
+        arguments.py refuses more), on launch rank `rank`. `colocated` is the RolloutEngine's
+        argument; the offload verbs are only called when colocated (Run.rollout_turn)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.args = args
+        self.engine_index = engines.engine_index(rank)
+        self.num_engines = engines.num_engines
+        self.is_leader = engines.is_engine_leader(rank)
+        self.device = accelerator.device()
+        self.model = AutoModelForCausalLM.from_pretrained(args.rollout_model, dtype=getattr(torch, args.params_dtype))
+        self.model.to(self.device).eval().requires_grad_(False)
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            # Storage of its own for every tensor: loaded on the CPU, a checkpoint's tensors may share the
+            # file's mapped storage, which cannot be resized, and offloading resizes storages to 0.
+            if not tensor.untyped_storage().resizable():
+                tensor.data = tensor.data.clone()
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer, args.rollout_model)
+        self.asleep: set[str] = set()
+        model = self.model
+        self._offloader = Offloader(lambda: (list(model.parameters()) + list(model.buffers()), []))
+        self._tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+        self._params = dict(model.named_parameters())  # a tied head's weight appears once, as the embedding's
+
+    # ------------------------------------------------------------------------------- generation ----
+
+    def held_back_ids(self) -> tuple[int, ...]:
+        """The ids min_tokens holds back: every id that ends a response (vLLM's all_stop_token_ids)."""
+        return tuple(sorted(self.stop_ids))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
+                 greedy: bool = False, n: int | None = None, temperature: float | None = None,
+                 seed_key: tuple = (), on_prompt_done=None, min_tokens: int = 0) -> list[Sample]:
+        """RolloutEngine.generate's contract: n samples per prompt (default --num-generations; 1 when
+        greedy) at `temperature` (default --temperature; 0 is greedy), each at least `min_tokens`
+        long; `on_prompt_done(i, samples)` as soon as prompt i's samples are all done. Samples in
+        prompt order, a prompt's in sample order."""
+        args = self.args
+        temperature = 0.0 if greedy else (args.temperature if temperature is None else temperature)
+        n = 1 if temperature == 0.0 else (args.num_generations if n is None else n)
+        if not prompts:
+            return []
+        held_back = self.held_back_ids() if min_tokens else ()
+        seeds = request_seeds(args.seed, step, seed_key, prompt_indices)
+        rows = [_Row(i, seeds[i] + j, self.device if temperature else None) for i in range(len(prompts))
+                for j in range(n)]
+        left = [n] * len(prompts)  # unfinished samples per prompt
+        per_prompt = [None] * len(prompts)
+
+        def finished(row):
+            left[row.prompt] -= 1
+            if left[row.prompt] == 0:
+                i = row.prompt
+                per_prompt[i] = [Sample(prompt_indices[i], list(prompts[i]), r.ids, r.text(self.tokenizer),
+                                        r.logprobs, truncated=r.truncated, min_tokens=min_tokens,
+                                        held_back_ids=held_back)
+                                 for r in rows[i * n:(i + 1) * n]]
+                if on_prompt_done is not None:
+                    on_prompt_done(i, per_prompt[i])
+
+        self._decode(prompts, rows, temperature, min_tokens, held_back, finished)
+        accelerator.release_cached_memory()  # the KV cache of this call
+        return [s for samples in per_prompt for s in samples]
+
+    def _decode(self, prompts, rows: list[_Row], temperature: float, min_tokens: int, held_back, finished) -> None:
+        """Prefill every row's prompt (left-padded), then one token per step for the rows still going."""
+        from transformers import DynamicCache
+
+        args, device = self.args, self.device
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            prompt = prompts[row.prompt]
+            ids[r, width - len(prompt):], mask[r, width - len(prompt):] = torch.tensor(prompt), 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt's first token at position 0
+        cache = DynamicCache(config=self.model.config)
+        held = torch.tensor(held_back, dtype=torch.long, device=device)
+        active = list(range(len(rows)))  # rows still generating, in batch order
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1]
+        for t in range(args.max_new_tokens):
+            logits = logits.float()
+            if t < min_tokens and held.numel():
+                logits[:, held] = -torch.inf  # vLLM's MinTokensLogitsProcessor, before temperature
+            logprobs = processed_logprobs(logits, temperature, args.top_k, args.top_p)
+            if temperature == 0.0:
+                tokens = logits.argmax(dim=-1)
+            else:  # vLLM's random_sample with per-request generators: argmax of probs / Exp(1) noise
+                noise = torch.empty_like(logprobs)
+                for b, r in enumerate(active):
+                    noise[b].exponential_(generator=rows[r].generator)
+                tokens = (logprobs.exp() / noise).argmax(dim=-1)
+            chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+            going = []
+            for b, (r, token, logprob) in enumerate(zip(active, tokens.tolist(), chosen)):
+                row = rows[r]
+                row.add(token, logprob, self.stop_ids, args.max_new_tokens, min_tokens, args.stop, self.tokenizer)
+                if row.done:
+                    finished(row)
+                else:
+                    going.append(b)
+            if not going:
+                return
+            if len(going) < len(active):  # drop the finished rows from the batch and the cache
+                keep = torch.tensor(going, device=device)
+                cache.reorder_cache(keep)
+                mask, positions, tokens = mask[keep], positions[keep], tokens[keep]
+                active = [active[b] for b in going]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+
+    # ------------------------------------------------------------------------------ weights ----
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        """Copy a stream of (hf_name, tensor) into the model's parameters in place, one tensor at a time
+        (callers may reuse their buffers); asleep, the weights are woken first. Every parameter must be
+        written, and no unknown name or shape may come (one line naming it)."""
+        self.onload(tags=["weights"])
+        loaded = set()
+        for name, tensor in weights:
+            if self._tied and name == "lm_head.weight":
+                continue  # the embedding, sent as model.embed_tokens.weight (vLLM's loaders skip it too)
+            param = self._params.get(name)
+            if param is None or tuple(param.shape) != tuple(tensor.shape):
+                raise RuntimeError(f"weight sync: {name} {tuple(tensor.shape)} is not a parameter of the HF rollout "
+                                   f"model{'' if param is None else f' (it has {tuple(param.shape)})'}")
+            param.copy_(tensor)
+            loaded.add(name)
+        if loaded != set(self._params):
+            raise RuntimeError(f"weight sync: the stream left HF rollout parameters unloaded: "
+                               f"{sorted(set(self._params) - loaded)[:8]}")
+
+    def _sleep(self) -> None:
+        self._offloader.offload()
+
+    def _wake(self, tags: list[str]) -> None:
+        if "weights" in tags:
+            self._offloader.onload()
+
+
+class _Row:
+    """One sample being generated: its tokens, their logprobs, its generator and how it ended."""
+
+    def __init__(self, prompt: int, seed: int, device):
+        self.prompt, self.ids, self.logprobs = prompt, [], []
+        self.generator = None if device is None else torch.Generator(device).manual_seed(seed)
+        self.done = self.truncated = False
+        self.stop_token = False  # ended on a stop token id (left out of the text)
+        self.cut = None  # the text up to a --stop string, when one ended it
+        self._text = ""
+
+    def add(self, token: int, logprob: float, stop_ids, max_new_tokens: int, min_tokens: int, stop, tokenizer):
+        """vLLM's order: a stop token id ends the response (check_stop), else the length limit; then the
+        detokenizer looks for a --stop string in the new text once past min_tokens."""
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        self.stop_token = token in stop_ids
+        self.done = self.stop_token or len(self.ids) >= max_new_tokens
+        self.truncated = self.done and not self.stop_token
+        if stop:
+            before, self._text = self._text, _decode(tokenizer, self.ids[:-1] if self.stop_token else self.ids)
+            new = len(self._text) - len(before)
+            if len(self.ids) > min_tokens and new:
+                found = [(self._text.find(s, max(len(self._text) - new - len(s) + 1, 0)), s) for s in stop]
+                found = [(start + len(s), start) for start, s in found if start >= 0]
+                if found:  # the stop string that completes first
+                    self.cut = self._text[:min(found)[1]]
+                    self.done, self.truncated = True, False
+
+    def text(self, tokenizer) -> str:
+        if self.cut is not None:
+            return self.cut
+        return _decode(tokenizer, self.ids[:-1] if self.stop_token else self.ids)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B, V] fp32 logits -> the logprobs vLLM reports as `processed_logprobs`: at temperature 0 the
+    log-softmax of the logits; else of logits / temperature with top-k (the k largest and their ties)
+    and top-p (the smallest top set whose mass reaches p, at least one token) masked to -inf, as
+    vLLM's apply_top_k_top_p_pytorch (-1 / k >= V and p = 1 turn each off)."""
+    if temperature == 0.0:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p < 1.0:
+        ascending, order = logits.sort(dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.scatter(-1, order, ascending.masked_fill(drop, -torch.inf))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def stop_token_ids(tokenizer, model_path: str) -> set[int]:
+    """The ids that end a response, as vLLM resolves them (SamplingParams.update_from_generation_config):
+    the tokenizer's EOS and the generation config's eos_token_id(s), from generation_config.json or,
+    without one, the model's config (vLLM's try_get_generation_config)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path))
+    ids = config.eos_token_id
+    ids = set() if ids is None else {ids} if isinstance(ids, int) else set(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
