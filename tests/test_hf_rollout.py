@@ -196,6 +196,7 @@ print("NO-VLLM OK")
 """
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch, transformers and megatron: 30 s of the unit lane
 def test_the_train_path_runs_without_vllm(tiny_model, tmp_path):
     """vLLM unimportable (a meta-path finder raises on it, tests/workers/no_vllm.py): megarl's train path
     imports, the arguments parse, the HF engine builds and samples; a vLLM-only option says vLLM is
