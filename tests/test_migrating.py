@@ -385,3 +385,31 @@ def test_import_config_prints_yaml_and_every_key(name, extra, capsys, tmp_path):
     assert load_yaml_config(str(tmp_path / "run.yaml"), parser) == _translated_values(translation, parser)
     if name.startswith("verl"):
         assert yaml.safe_load(out)["train_epochs"] == 2 and yaml.safe_load(out)["kl_estimator"] == "k1"
+
+
+# ----------------------------------------------------------- a run, end to end ----------
+
+@pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
+def test_swift_gkd_config_runs_separate_and_resumes_without_optimizer_states(tiny_model, tiny_teacher, tmp_path):
+    """An ms-swift GKD config without colocate_groups, launched on train.gpus + rollout.gpus ranks, runs in the
+    separate placement with ms-swift's defaults; no_save_optim / no_save_rng leave the optimizer and RNG states
+    out of its checkpoints, and a run resumes from one."""
+    from helpers import torchrun
+
+    config = tmp_path / "gkd.yaml"
+    config.write_text(yaml.safe_dump({
+        "rlhf_type": "gkd", "model": tiny_model, "teacher_model": tiny_teacher, "gkd_logits_topk": 8,
+        "global_batch_size": 8, "micro_batch_size": 4, "max_completion_length": 8, "max_length": 64, "lr": 1e-4,
+        "train_iters": 2, "no_save_optim": True, "no_save_rng": True, "output_dir": str(tmp_path / "ckpt"),
+        "save_steps": 1, "use_vllm": True, "use_ray": True, "train": {"gpus": 1}, "rollout": {"gpus": 1}}))
+    first = torchrun("../../megarl/train.py", "--config", config, "--log-dir", tmp_path / "tb", timeout=600)
+    assert f"megarl: read {config} as ms-swift Megatron RLHF config: " in first.stdout
+    assert "megarl: ignored (no meaning in megarl): " in first.stdout and "use_ray" in first.stdout
+    assert "placement: separate, 2 ranks" in first.stdout and "step 2/2" in first.stdout
+    state = json.loads((tmp_path / "ckpt" / "step_00000002" / "state.json").read_text())
+    assert state["optimizer_saved"] is False
+    assert os.listdir(tmp_path / "ckpt" / "step_00000002" / "rng") == []
+    resumed = torchrun("../../megarl/train.py", "--config", config, "--log-dir", tmp_path / "tb2", "--train-steps", "3",
+                       "--resume", "auto", timeout=600)
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} after step 2" in resumed.stdout
+    assert "step 3/3" in resumed.stdout

@@ -15,6 +15,8 @@ colossalchat.py) and its semantics; common.py the rule machinery.
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from megarl.config_formats.common import Translation
@@ -40,7 +42,11 @@ def _text(path: str) -> str:
 def detect(path: str, text: str | None = None) -> str:
     """The format of a config file, from its content: an rl_example.py command line (ColossalChat), a mapping
     with `rlhf_type` (ms-swift) or with verl's sections, else megarl's own YAML."""
-    text = _text(path) if text is None else text
+    if text is None:
+        try:
+            text = _text(path)
+        except ConfigError:  # unreadable: megarl's own YAML reader says why, in its words
+            return "megarl"
     if "rl_example.py" in text:
         return "colossalchat"
     try:
@@ -50,7 +56,8 @@ def detect(path: str, text: str | None = None) -> str:
     if not isinstance(raw, dict):
         first = next((line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")),
                      "")
-        return "colossalchat" if first.startswith("-") else "megarl"
+        # a flag (`-t 4`, `--model x`), not a YAML list item (`- x`)
+        return "colossalchat" if re.match(r"--?[A-Za-z]", first) else "megarl"
     if "rlhf_type" in raw:
         return "swift"
     if any(key in raw for key in VERL_SECTIONS):
