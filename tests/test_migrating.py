@@ -413,3 +413,14 @@ def test_swift_gkd_config_runs_separate_and_resumes_without_optimizer_states(tin
                        "--resume", "auto", timeout=600)
     assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} after step 2" in resumed.stdout
     assert "step 3/3" in resumed.stdout
+
+
+def test_migrating_page_lists_every_key_of_the_readers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_config", ROOT / "tools" / "import_config.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    page = (ROOT / "docs" / "migrating.md").read_text()
+    assert f"{tool.START}\n{tool.reference()}{tool.END}" in page, \
+        "docs/migrating.md is stale: run python tools/import_config.py --reference --write"

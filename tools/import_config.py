@@ -6,6 +6,7 @@ refused and why.
     python tools/import_config.py swift_gkd.yaml
     python tools/import_config.py run_grpo.sh -tbs 4           # ColossalChat: extra flags after the file
     python tools/import_config.py --config-format colossalchat -t 2 -i 2 -ibs 8 -tbs 4 -d data.jsonl
+    python tools/import_config.py --reference [--write]     # the key tables of docs/migrating.md
 
 The output is YAML (the table is in comment lines), so it can be saved and run with
 `megarl/train.py --config run.yaml`. Exit status: 0, or 1 when a key is refused (the table says why);
@@ -56,12 +57,46 @@ def table(translation) -> list[str]:
     return lines
 
 
+START, END = "<!-- migrating-reference:start -->", "<!-- migrating-reference:end -->"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "migrating.md"
+
+
+def reference() -> str:
+    """One Markdown table per framework, from the rule tables themselves (they cannot drift apart)."""
+    from megarl.config_formats import colossalchat, swift, verl
+    from megarl.config_formats.common import reference as rows
+
+    cc_table, cc_semantics = colossalchat.reference_table()
+    sections = [("ms-swift (Megatron RLHF YAML)", {**swift.TABLE, **swift.ROLE_TABLE}, swift.SEMANTICS,
+                 "Role groups: `train.X` is the top-level key X for the trainer."),
+                ("verl (ppo_trainer.yaml, ppo_megatron_trainer.yaml)", verl.TABLE, verl.SEMANTICS,
+                 "`X.*`: every key under X. `_target_` keys are ignored everywhere."),
+                ("ColossalChat (rl_example.py flags)", cc_table, cc_semantics, "")]
+    out = []
+    for title, table, semantics, note in sections:
+        out += [f"### {title}", ""] + ([note, ""] if note else []) + rows(table, semantics) + [""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_reference() -> None:
+    text = PAGE.read_text()
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    PAGE.write_text(f"{head}{START}\n{reference()}{END}{tail}")
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--reference"]:
+        if argv[1:] == ["--write"]:
+            write_reference()
+        else:
+            print(reference(), end="")
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("file", nargs="?", help="the configuration (or nothing, with --config-format colossalchat)")
     parser.add_argument("--config-format", choices=[f for f in config_formats.FORMATS if f != "megarl"],
                         help="the format (default: detected from the file)")
-    argv = list(sys.argv[1:] if argv is None else argv)
     known, rest = parser.parse_known_args(argv)
     if known.file and known.file.startswith("-"):  # ColossalChat flags with no file
         rest, known.file = [known.file] + rest, None

@@ -250,3 +250,29 @@ def _semantics(out: Translation, flags: dict, ctx: Context, megarl_options) -> N
                              ("train_epochs", 1, "--num-episodes default"), ("num_generations", 8, "default")):
         if dest not in out.values:
             out.set(f"({why})", value, DEFAULT, {dest: value})
+
+
+# Where the flags that are read together with others end up (docs/migrating.md's table).
+SEMANTICS = {
+    "num_trainers": "`train.gpus`, `colocate_groups` [] (separate)",
+    "num_inferencer": "`rollout.gpus` = num_inferencer x producer_tensor_parallel_size",
+    "producer_tensor_parallel_size": "`rollout.tensor_parallel_size`",
+    "inference_batch_size": "`prompts_per_step` = num_inferencer x inference_batch_size",
+    "train_batch_size": "`global_batch_size` = train_batch_size x num_generations x data-parallel groups",
+    "train_microbatch_size": "`micro_batch_size` = it / pipeline_parallel_size",
+    "top_k": "`top_k` (unset: -1 with vLLM, 50 with transformers)",
+    "algo": "GRPO: `loss_agg` sample_level, `kl_coef` -kl (k3), clip 0.2; DAPO: `loss_agg` token_level, no KL, "
+            "`clip_eps_high` 0.28, `dynamic_sampling` [0.01, 0.99], `overlong_buffer_len` min(1024, mnt / 4), "
+            "`filter_truncated`; both: `policy_loss` skip_threshold (20)",
+    "kl_coeff": "`kl_coef` (GRPO)",
+    "eval_interval": "`eval_interval` (with --eval-dataset)",
+    "save_interval": "`save_hf_interval`",
+    "save_dir": "`save_hf_dir` = save_dir/project",
+    "eval_save_dir": "`rollout_save_dir` (megarl writes evaluation dumps there)",
+}
+
+
+def reference_table() -> dict:
+    """TABLE keyed by the flags as written (`-t, --num-trainers`)."""
+    flags = {_dest(long): ", ".join(n for n in (short, long) if n) for short, long, _, _ in FLAGS}
+    return {flags[key]: rule for key, rule in TABLE.items()}, {flags[key]: text for key, text in SEMANTICS.items()}

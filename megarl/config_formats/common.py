@@ -35,6 +35,11 @@ class Rule:
     reason: str = ""
     refuse_if: Callable[[Any], bool] | None = None  # a mapped/ignored key refused for some values only
     refusal: str = ""  # why, when refuse_if holds
+    dest: str = ""  # the megarl option(s) it sets, for the reference tables (docs/migrating.md)
+
+    def refusal_text(self) -> str:
+        """Why a value `refuse_if` holds for is refused."""
+        return self.refusal or (f"megarl supports only: {self.reason}" if self.reason else "no counterpart in megarl")
 
 
 def to(dest: str, convert: Callable[[Any], Any] | None = None, note: str = "",
@@ -42,13 +47,13 @@ def to(dest: str, convert: Callable[[Any], Any] | None = None, note: str = "",
     """The key sets megarl option `dest` (its value passed through `convert`); a null value leaves megarl's
     default (every framework here uses null for "unset")."""
     return Rule(MAPPED, lambda value, ctx: {} if value is None else {dest: convert(value) if convert else value},
-                note, refuse_if, refusal)
+                note, refuse_if, refusal, dest)
 
 
 def custom(fn: Callable[[Any, "Context"], dict[str, Any]], note: str = "",
-           refuse_if: Callable[[Any], bool] | None = None, refusal: str = "") -> Rule:
+           refuse_if: Callable[[Any], bool] | None = None, refusal: str = "", dest: str = "") -> Rule:
     """The key sets whatever `fn(value, context)` returns ({} when it only informs a later step)."""
-    return Rule(MAPPED, fn, note, refuse_if, refusal)
+    return Rule(MAPPED, fn, note, refuse_if, refusal, dest)
 
 
 INFORMS = "read with the keys it qualifies"
@@ -181,9 +186,7 @@ def apply_table(translation: Translation, table: dict[str, Rule], source: dict[s
         if rule is None:
             raise ConfigError(f"{context.where}: {key}: unknown {translation.how} key{closest(key, known)}")
         if rule.refuse_if is not None and rule.refuse_if(value):
-            translation.set(key, value, REFUSED, {},
-                            rule.refusal or f"megarl supports only: {rule.reason}" if rule.reason else
-                            rule.refusal or "no counterpart in megarl")
+            translation.set(key, value, REFUSED, {}, rule.refusal_text())
         elif rule.kind == MAPPED:
             if isinstance(value, str) and "${" in value:
                 raise ConfigError(f"{context.where}: {key}: cannot resolve {value!r}")
@@ -251,3 +254,27 @@ class UniqueKeyLoader(yaml.SafeLoader):
                                                         key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+def reference(table: dict[str, Rule], semantics: dict[str, str]) -> list[str]:
+    """A Markdown table of a framework's keys: what each becomes; ignored keys grouped by reason.
+    `semantics`: for keys read together with others, the megarl options they end in."""
+    lines = ["| key | megarl | notes |", "|---|---|---|"]
+    ignored: dict[str, list[str]] = {}
+    for key, rule in table.items():
+        when = f"other values refused: {rule.refusal_text()}" if rule.refuse_if else ""
+        if rule.kind == IGNORED and not rule.refuse_if:
+            ignored.setdefault(rule.reason, []).append(key)
+            continue
+        if rule.kind == REFUSED:
+            lines.append(f"| `{key}` | refused | {rule.reason} |")
+        elif rule.kind == IGNORED:
+            lines.append(f"| `{key}` | ignored | {'; '.join(filter(None, [rule.reason, when]))} |")
+        else:
+            target = semantics.get(key) or rule.dest
+            note = "" if rule.reason == INFORMS else rule.reason
+            shown = f"`{target}`" if target and " " not in target else target
+            lines.append(f"| `{key}` | {shown} | {'; '.join(filter(None, [note, when]))} |")
+    for reason, keys in ignored.items():
+        lines.append(f"| {', '.join(f'`{k}`' for k in keys)} | ignored | {reason} |")
+    return [line.replace("||", "| |") for line in lines]

@@ -523,3 +523,39 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
             ("recompute_granularity", "selective", "default"), ("log_interval", 5, "logging_steps default"),
             ("rollout_gpu_memory_utilization", 0.9, "vllm_gpu_memory_utilization default")):
         default(dest, value, why)
+
+
+# Where the keys that are read together with others end up (docs/migrating.md's table).
+SEMANTICS = {
+    "colocate_groups": "`colocate_groups` (omitted: `[]`, the separate placement)",
+    "rlhf_type": "grpo: RL; gkd: distillation alone (`policy_loss_coef` 0, one response per prompt)",
+    "beta": "gkd: `gkd_beta` (default 0.5); grpo: `kl_coef` (default 0.04)",
+    "temperature": "`temperature`, and `gkd_temperature` for gkd (default 0.9)",
+    "teacher_kl_coef": "grpo with `teacher_model` (OPD-RL): `distill_reward_coef` (default 1.0), `distill_coef` 0",
+    "num_generations": "`num_generations` (gkd: 1)",
+    "generation_batch_size": "`prompts_per_step` = generation_batch_size / num_generations",
+    "steps_per_generation": "`steps_per_generation` (generation_batch_size = global_batch_size x it)",
+    "global_batch_size": "`global_batch_size` (completions; default 16)",
+    "train_iters": "`train_steps` = ceil(train_iters / steps_per_generation)",
+    "reward_funcs": "`reward` (accuracy -> boxed; soft_overlong -> `overlong_buffer_len`)",
+    "reward_weights": "`reward` NAME:WEIGHT,...",
+    "soft_max_length": "must equal max_completion_length",
+    "soft_cache_length": "`overlong_buffer_len` (with reward_funcs soft_overlong)",
+    "sequence_parallel": "`sequence_parallel` where megarl has it and TP > 1, else ignored",
+    "save_steps": "`save_interval` (with output_dir; default 500)",
+    "wandb_project": "`wandb_project` (report_to wandb)",
+    "eval_steps": "`eval_interval` (with val_dataset; default save_steps)",
+    "importance_sampling_level": "`policy_loss`: token -> ppo_clip, sequence -> gspo",
+    "sleep_level": "`rollout_sleep_level` (0 and 1: megarl's level 1)",
+    "dynamic_sample": "`dynamic_sampling` [0, 1]",
+    "loss_type": "`loss_agg`: grpo -> sample_level, bnpo and dapo -> token_level, dr_grpo -> seq_mean_token_sum_norm",
+    "rollout_importance_sampling_mode": "`tis_level` and `tis_mode` (token_truncate, sequence_mask, ...)",
+    "truncation_strategy": "`truncation` (left, right)",
+    "dataset": "`train_data` (local files)",
+    "val_dataset": "`eval_dataset` val=PATH",
+    "recompute_granularity": "`recompute_granularity` (none: off)",
+    "report_to": "wandb when it lists wandb",
+    "vllm_engine_kwargs": "`rollout_engine_kwargs`",
+    "teacher.vllm_engine_kwargs": "`teacher_engine_kwargs`",
+    "rollout.vllm_engine_kwargs": "`rollout_engine_kwargs`",
+}

@@ -57,7 +57,7 @@ def _kl_name(key):
         if value not in KL_NAMES:
             ctx.fail(key, f"{value!r} has no megarl KL estimator (verl names megarl reads: {', '.join(KL_NAMES)})")
         return {}
-    return custom(convert)
+    return custom(convert, "kl -> k1; abs, mse, low_var_kl, k1, k2, k3, full as named", dest="kl_estimator")
 
 
 def _choice(key, allowed, dest, names=None):
@@ -65,7 +65,8 @@ def _choice(key, allowed, dest, names=None):
         if value not in allowed:
             ctx.fail(key, f"{value!r} has no megarl counterpart (megarl reads: {', '.join(allowed)})")
         return {dest: (names or {}).get(value, value)}
-    return custom(convert)
+    shown = ", ".join(f"{a} -> {(names or {}).get(a, a)}" if (names or {}).get(a, a) != a else a for a in allowed)
+    return custom(convert, shown, dest=dest)
 
 
 def _truthy(value):
@@ -638,3 +639,40 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
             out.set("trainer.resume_mode", mode, "ignored", {}, "no checkpoint directory to resume from")
     else:
         ctx.fail("trainer.resume_mode", f"{mode!r}: verl has auto, disable and resume_path")
+
+
+# Where the keys that are read together with others end up (docs/migrating.md's table).
+SEMANTICS = {
+    f"{A}.ppo_mini_batch_size": "`global_batch_size` = ppo_mini_batch_size x rollout.n samples",
+    f"{A}.ppo_micro_batch_size": "`micro_batch_size` = it / data-parallel ranks (it counts over all ranks)",
+    f"{A}.ppo_micro_batch_size_per_gpu": "`micro_batch_size`",
+    f"{A}.use_dynamic_bsz": "`max_tokens_per_micro_batch` = ppo_max_token_len_per_gpu",
+    f"{A}.ppo_max_token_len_per_gpu": "`max_tokens_per_micro_batch` (with use_dynamic_bsz)",
+    f"{A}.clip_ratio": "`clip_eps_low` and `clip_eps_high` (unless clip_ratio_low / clip_ratio_high)",
+    f"{A}.use_kl_loss": "`kl_placement` loss with `kl_coef` = kl_loss_coef, `kl_estimator` = kl_loss_type",
+    f"{A}.kl_loss_coef": "`kl_coef` (with use_kl_loss)",
+    f"{A}.optim.lr_warmup_steps_ratio": "`lr_warmup_ratio` (when lr_warmup_steps is -1)",
+    f"{A}.megatron.sequence_parallel": "`sequence_parallel` where megarl has it and TP > 1",
+    f"{R}.engine_kwargs.vllm.*": "`rollout_engine_kwargs`",
+    "reward_model.enable": "`reward` rm and `reward_model` = reward_model.model.path; off: `reward` "
+                           "verl_data_source, `system_prompt` ''",
+    "reward_model.model.path": "`reward_model` (with enable)",
+    "reward_model.overlong_buffer.enable": "`overlong_buffer_len` = overlong_buffer.len",
+    "reward_model.overlong_buffer.len": "`overlong_buffer_len` (with enable)",
+    "algorithm.use_kl_in_reward": "`kl_placement` reward with kl_ctrl's coefficient and controller (a file without "
+                                  "the key and without use_kl_loss: on, as verl then did)",
+    "algorithm.kl_ctrl.type": "`kl_controller` (fixed, adaptive)",
+    "algorithm.kl_ctrl.kl_coef": "`kl_coef` (KL in the reward)",
+    "algorithm.kl_ctrl.horizon": "`kl_horizon`",
+    "algorithm.kl_ctrl.target_kl": "`kl_target`",
+    "algorithm.rollout_is": "`tis_level` / `tis_mode` from rollout_is_level / rollout_is_mode",
+    "algorithm.rollout_is_level": "`tis_level`", "algorithm.rollout_is_mode": "`tis_mode`",
+    "trainer.total_epochs": "`train_epochs` (default 30; unless total_training_steps)",
+    "trainer.project_name": "`wandb_project` (logger wandb)",
+    "trainer.logger": "wandb: `wandb_project`; console and TensorBoard are always on",
+    "trainer.nnodes": "`train.gpus` = `rollout.gpus` = nnodes x n_gpus_per_node, colocated",
+    "trainer.n_gpus_per_node": "`train.gpus` = `rollout.gpus` = nnodes x n_gpus_per_node (default 8), colocated",
+    "trainer.resume_mode": "`resume`: auto, disable -> none, resume_path -> resume_from_path",
+    "trainer.resume_from_path": "`resume` (resume_mode resume_path)",
+    "trainer.test_freq": "`eval_interval` (with val_files; -1: after the last step)",
+}
