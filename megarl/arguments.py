@@ -599,7 +599,9 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     elif known.config:
         plugins += load_yaml_config(known.config, build_parser(), only=("external_plugins",)).get(
             "external_plugins", [])
-    load_plugins(plugins)
+    from megarl.config_formats.common import expand_path
+
+    load_plugins([expand_path(path, "--external-plugins") for path in plugins])
     parser = build_parser()  # again: plugins add choices
     config_values = {}
     if translation is not None:

@@ -228,8 +228,7 @@ def as_list(value) -> list:
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as dotted keys; a mapping under a key whose rule takes a mapping is kept whole by
-    the caller (see `keep`)."""
+    """Nested mappings as dotted keys (an empty mapping stays a value: `override_config: {}`)."""
     out = {}
     for key, value in data.items():
         path = f"{prefix}{key}"

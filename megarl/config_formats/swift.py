@@ -479,11 +479,15 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
                                               "prompts_per_step": generation // num_generations,
                                               "global_batch_size": global_batch, "steps_per_generation": steps},
         "completions: prompts = generation_batch_size / num_generations")
-    if "train_iters" in flat:
-        put("train_iters", flat["train_iters"], {"train_steps": math.ceil(flat["train_iters"] / steps)},
-            f"optimizer steps / steps_per_generation {steps}")
+    iters = _given(flat, "train_iters")
+    if iters is not None:  # ms-swift derives train_iters from num_train_epochs only when it is unset
+        out.values.pop("train_epochs", None)
+        put("train_iters", iters, {"train_steps": math.ceil(iters / steps)},
+            f"optimizer steps / steps_per_generation {steps}; wins over num_train_epochs")
     if flat.get("epsilon_high") is None and "epsilon" in flat:
-        out.values["clip_eps_high"] = flat["epsilon"]
+        default("clip_eps_high", flat["epsilon"], "epsilon_high unset: epsilon")
+    if rlhf == "grpo":
+        default("truncation", "left", "truncation_strategy default for grpo")
     # Soft overlong punishment (DAPO): megarl counts its buffer back from max_new_tokens.
     funcs = flat.get("reward_funcs") or []
     if "soft_overlong" in (funcs if isinstance(funcs, list) else [funcs]):
