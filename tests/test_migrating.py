@@ -424,3 +424,33 @@ def test_migrating_page_lists_every_key_of_the_readers():
     page = (ROOT / "docs" / "migrating.md").read_text()
     assert f"{tool.START}\n{tool.reference()}{tool.END}" in page, \
         "docs/migrating.md is stale: run python tools/import_config.py --reference --write"
+
+
+# -------------------------------------------------------- launch scripts ----------
+
+def test_verl_launch_script_with_shell_variables(tiny_model):
+    args = _parse(["--config", DATA / "verl_grpo_script.sh", f"actor_rollout_ref.model.path={tiny_model}",
+                   "trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 2)
+    home = os.path.expanduser("~")
+    _check(args, dict(advantage_estimator="grpo", num_generations=5, prompts_per_step=8, global_batch_size=20,
+                      micro_batch_size=5, kl_placement="loss", kl_coef=0.001, kl_estimator="low_var_kl",
+                      train_epochs=15, train_data=[f"{home}/data/gsm8k/train.parquet"],
+                      eval_datasets={"val": f"{home}/data/gsm8k/test.parquet"}, colocate_groups=[["train", "rollout"]]))
+
+
+def test_verl_overrides_alone_on_the_command_line(tiny_model):
+    args = _parse(["--config-format", "verl", f"actor_rollout_ref.model.path={tiny_model}", "trainer.n_gpus_per_node=2",
+                   "data.train_files=[x.parquet]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=3"], 2)
+    # verl's own defaults where the overrides say nothing: GAE, AdamW weight decay 0.01, lr 1e-6
+    _check(args, dict(advantage_estimator="gae", weight_decay=0.01, lr=1e-6, train_steps=3, train_epochs=None,
+                      global_batch_size=4, micro_batch_size=2, kl_coef=0.0))
+
+
+def test_swift_command_line_without_ray_is_colocated(tiny_model, tiny_teacher):
+    args = _parse(["--config", DATA / "swift_gkd_command.sh", "--model", tiny_model, "--teacher-model", tiny_teacher,
+                   "--train-data", "x.jsonl"], 2)
+    _check(args, dict(colocate_groups=[["train", "rollout"]], train_gpus=2, rollout_gpus=2, gkd_lmbda=1.0, gkd_beta=1.0,
+                      gkd_logits_topk=20, global_batch_size=16, prompts_per_step=16, micro_batch_size=2,
+                      train_epochs=1, lr=5e-5, no_save_optim=True, no_save_rng=True))

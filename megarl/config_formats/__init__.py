@@ -19,10 +19,11 @@ import re
 
 import yaml
 
-from megarl.config_formats.common import Translation
+from megarl.config_formats.common import Translation, shell_command
 from megarl.errors import ConfigError
 
 FORMATS = ("megarl", "swift", "verl", "colossalchat")
+SWIFT_COMMAND = re.compile(r"\b(megatron|swift) rlhf\b")
 VERL_SECTIONS = ("actor_rollout_ref", "data", "algorithm", "trainer", "critic", "reward_model", "ray_init",
                  "custom_reward_function")
 
@@ -47,6 +48,10 @@ def detect(path: str, text: str | None = None) -> str:
             text = _text(path)
         except ConfigError:  # unreadable: megarl's own YAML reader says why, in its words
             return "megarl"
+    if "verl.trainer.main_ppo" in text:
+        return "verl"
+    if SWIFT_COMMAND.search(text):
+        return "swift"
     if "rl_example.py" in text:
         return "colossalchat"
     try:
@@ -100,8 +105,8 @@ def read(argv: list[str], megarl_options) -> tuple[Translation, list[str]] | Non
         raise ConfigError(f"--config-format {fmt!r}: one of {', '.join(FORMATS)}{closest(fmt, FORMATS)}")
     if config is None and fmt in (None, "megarl"):
         return None
-    if config is None and fmt != "colossalchat":
-        raise ConfigError(f"--config-format {fmt} needs --config FILE")
+    if config is None and fmt == "swift":
+        raise ConfigError("--config-format swift needs --config FILE (a YAML or a `megatron rlhf` command line)")
     detected = fmt or detect(config)
     if detected == "megarl":
         return None
@@ -119,18 +124,27 @@ def translate(fmt: str, path: str | None, rest: list[str], megarl_options) -> tu
         tokens = colossalchat.command_tokens(_text(path), path) if path else []
         # Flags on the command line (after the file's) are ColossalChat's too; what is left is megarl's.
         return colossalchat.translate(tokens + rest, path or "command line", megarl_options)
-    text = _text(path)
-    raw = _load_yaml(path, text)
+    text = _text(path) if path else ""
     if fmt == "swift":
         from megarl.config_formats import swift
 
+        match = SWIFT_COMMAND.search(text)
+        if match:  # a `megatron rlhf --key value ...` command line
+            raw = swift.parse_flags(shell_command(text, path, match.group(0)), path)
+        else:
+            raw = _load_yaml(path, text)
         return swift.translate(raw, path, megarl_options), rest
     if fmt == "verl":
         from megarl.config_formats import verl
 
+        if path is None or "verl.trainer.main_ppo" in text:  # overrides only: over verl's defaults
+            raw, script = {}, shell_command(text, path, "verl.trainer.main_ppo") if path else []
+        else:
+            raw, script = _load_yaml(path, text), []
+        script = verl.script_overrides(script, path)
         overrides = [token for token in rest if verl.is_override(token)]
         left = [token for token in rest if not verl.is_override(token)]
-        return verl.translate(raw, path, megarl_options, overrides), left
+        return verl.translate(raw, path or "command line", megarl_options, script + overrides), left
     raise ConfigError(f"--config-format {fmt!r}: one of {', '.join(FORMATS)}")
 
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 
 from megarl.config_formats.common import (
-    DEFAULT, Context, Translation, apply_table, custom, expand_path, ignore, informs, to,
+    DEFAULT, Context, Translation, apply_table, custom, expand_path, ignore, informs, shell_command, to,
 )
 from megarl.errors import ConfigError
 
@@ -84,29 +83,8 @@ def parse_flags(tokens: list[str], where: str) -> tuple[dict, list[str], dict[st
 
 
 def command_tokens(text: str, where: str) -> list[str]:
-    """The flags of the `rl_example.py` command in a shell snippet: backslash continuations joined, and lines
-    that begin with a flag taken as continuing the command (the way the README writes them)."""
-    lines, command = text.replace("\\\r\n", " ").replace("\\\n", " ").splitlines(), None
-    for line in lines:
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            continue
-        if command is None:
-            if "rl_example.py" in stripped or (stripped.startswith("-") and not stripped.startswith("--config")):
-                command = stripped
-        elif stripped.startswith("-"):
-            command += " " + stripped
-        elif stripped:
-            break
-    if command is None:
-        raise ConfigError(f"{where}: no rl_example.py command line in it")
-    try:
-        tokens = shlex.split(command, comments=True)
-    except ValueError as error:
-        raise ConfigError(f"{where}: cannot split the command line ({error})") from None
-    if any(t.endswith("rl_example.py") for t in tokens):
-        tokens = tokens[next(i for i, t in enumerate(tokens) if t.endswith("rl_example.py")) + 1:]
-    return tokens
+    """The flags of the `rl_example.py` command in a shell snippet (common.shell_command)."""
+    return shell_command(text, where, "rl_example.py")
 
 
 def _eval_dataset(value, ctx):

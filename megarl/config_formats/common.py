@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -277,3 +278,48 @@ def reference(table: dict[str, Rule], semantics: dict[str, str]) -> list[str]:
     for reason, keys in ignored.items():
         lines.append(f"| {', '.join(f'`{k}`' for k in keys)} | ignored | {reason} |")
     return [line.replace("||", "| |") for line in lines]
+
+
+_ASSIGNMENT = re.compile(r"(?:export\s+)?([A-Za-z_]\w*)=(.*)")
+_SHELL_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+def shell_command(text: str, where: str, marker: str) -> list[str]:
+    """The arguments after `marker` (e.g. `rl_example.py`, `verl.trainer.main_ppo`, `megatron rlhf`) in a
+    shell snippet: backslash continuations joined; lines that begin with a flag continue the command (the
+    way READMEs write them); `$NAME` of the snippet's own assignments before the command (`gsm8k=$HOME/x`)
+    and of the environment expanded as the shell would (a name set nowhere is left as written)."""
+    variables: dict[str, str] = {}
+
+    def expand(value: str) -> str:
+        return _SHELL_VAR.sub(lambda m: variables.get(m.group(1) or m.group(2),
+                                                      os.environ.get(m.group(1) or m.group(2), m.group(0))), value)
+
+    command = None
+    for line in text.replace("\\\r\n", " ").replace("\\\n", " ").splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if command is None:
+            assignment = _ASSIGNMENT.fullmatch(stripped)
+            if marker in stripped:
+                command = stripped[stripped.index(marker) + len(marker):]
+            elif assignment and marker not in stripped:
+                rhs = assignment.group(2)
+                try:
+                    parts = shlex.split(rhs if rhs.startswith("'") else expand(rhs))
+                except ValueError:
+                    parts = [rhs]
+                variables[assignment.group(1)] = parts[0] if parts else ""
+            elif re.match(r"--?[A-Za-z]", stripped):  # flags alone: the command line itself
+                command = stripped
+        elif stripped.startswith("-"):
+            command += " " + stripped
+        else:
+            break
+    if command is None:
+        raise ConfigError(f"{where}: no {marker} command line in it")
+    try:
+        return shlex.split(expand(command), comments=True)
+    except ValueError as error:
+        raise ConfigError(f"{where}: cannot split the command line ({error})") from None

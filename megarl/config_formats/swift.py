@@ -380,6 +380,32 @@ ROLE_TABLE: dict[str, Rule] = {
 LORA = ("tuner_type lora needs LoRA, which megarl does not have yet (full fine-tuning only: tuner_type full)")
 
 
+def parse_flags(tokens: list[str], where) -> dict:
+    """`--key value [value ...]` (a bare `--flag` is true) as a config mapping; values read as YAML scalars."""
+    import yaml
+
+    from megarl.errors import ConfigError
+
+    raw, key = {}, None
+    for token in tokens:
+        if token.startswith("--"):
+            key, _, value = token[2:].partition("=")
+            key = key.replace("-", "_")
+            raw[key] = [] if not value else [value]
+        elif key is None:
+            raise ConfigError(f"{where}: {token!r} before any --option")
+        else:
+            raw[key].append(token)
+
+    def scalar(text):
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+
+    return {k: True if not v else scalar(v[0]) if len(v) == 1 else [scalar(x) for x in v] for k, v in raw.items()}
+
+
 def flatten(raw: dict, where: str) -> dict:
     from megarl.errors import ConfigError
 
@@ -431,11 +457,18 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
         if dest not in out.values:
             put(f"({why})", value, {dest: value}, status=DEFAULT)
 
-    # Placement: an omitted colocate_groups is the separate placement in ms-swift.
+    # Placement. Ray configs (role groups, use_ray): an omitted colocate_groups is the separate placement.
+    # Without Ray, vLLM runs colocated on every rank (vllm_mode colocate) or as an external server.
+    ray = flat.get("use_ray") or any("." in key for key in flat) or "colocate_groups" in flat
     if "colocate_groups" in flat:
         put("colocate_groups", flat["colocate_groups"], {"colocate_groups": flat["colocate_groups"] or []})
-    else:
+    elif ray:
         default("colocate_groups", [], "colocate_groups omitted: separate placement")
+    elif flat.get("vllm_mode", "colocate") == "colocate":
+        default("colocate_groups", [["train", "rollout"]], "no Ray: vllm_mode colocate, every rank")
+    else:
+        ctx.fail("vllm_mode", f"{flat['vllm_mode']}: an external vLLM server; megarl's engines run in-process "
+                              f"(vllm_mode colocate, or a Ray config with role groups)")
     beta = flat.get("beta")
     temperature = _given(flat, "temperature")
     temperature = 0.9 if temperature is None else temperature

@@ -461,6 +461,25 @@ def is_override(token: str) -> bool:
         "=" in token or token.startswith("~"))
 
 
+def script_overrides(tokens: list[str], where) -> list[str]:
+    """The overrides of a `python3 -m verl.trainer.main_ppo ...` line: up to a pipe or redirection, without
+    the script's own `$@`; Hydra's --config-path/--config-name are refused (megarl reads the overrides over
+    verl's defaults, not a composed config: pass that config with --config instead)."""
+    out = []
+    for token in tokens:
+        if token in ("|", "||", "&&", ";", "&") or token.startswith(("2>", ">", "1>")):
+            break
+        if token in ("$@", "$*", '"$@"'):
+            continue
+        if token.startswith("--config-"):
+            raise ConfigError(f"{where}: {token}: Hydra composes that config; give it to megarl as --config FILE "
+                              f"and the overrides after it")
+        if not is_override(token):
+            raise ConfigError(f"{where}: {token!r} is not a verl override (key=value)")
+        out.append(token)
+    return out
+
+
 def apply_overrides(tree: dict, overrides: list[str], where: str) -> dict:
     """Hydra's override grammar for plain values: dotted keys, YAML values (lists, numbers, null)."""
     for token in overrides:
