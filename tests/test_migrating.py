@@ -454,3 +454,16 @@ def test_swift_command_line_without_ray_is_colocated(tiny_model, tiny_teacher):
     _check(args, dict(colocate_groups=[["train", "rollout"]], train_gpus=2, rollout_gpus=2, gkd_lmbda=1.0, gkd_beta=1.0,
                       gkd_logits_topk=20, global_batch_size=16, prompts_per_step=16, micro_batch_size=2,
                       train_epochs=1, lr=5e-5, no_save_optim=True, no_save_rng=True))
+
+
+def test_verl_megatron_backend_keys(tiny_model):
+    """ppo_megatron_trainer.yaml's actor.megatron section: parallel sizes, offload, recomputation."""
+    args = _verl(tiny_model, "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+                 "++actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                 "++actor_rollout_ref.actor.megatron.param_offload=true",
+                 "++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
+                 "++actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=flash",
+                 "++actor_rollout_ref.model.override_config.moe_config.freeze_moe_router=false")
+    # TP 2 on 2 ranks: one data-parallel rank takes all of ppo_micro_batch_size
+    _check(args, dict(tensor_model_parallel_size=2, offload_model=True, recompute_granularity="selective",
+                      micro_batch_size=2))
