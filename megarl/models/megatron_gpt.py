@@ -254,6 +254,25 @@ def whole_sequence(hidden_states: torch.Tensor, config) -> torch.Tensor:
     return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
 
 
+def mark_tensor_parallel_weights(model) -> None:
+    """Mark each weight of Megatron's own TP layers (VocabParallelEmbedding, Column-/RowParallelLinear) as
+    split over TP, along its partition dimension, as their initializers do
+    (tensor_parallel/layers.py: _initialize_affine_weight_cpu/_gpu call set_tensor_model_parallel_attributes).
+    Those run only with perform_initialization, which megarl turns off (the weights come from a checkpoint);
+    unmarked, the grad norm (optimizer.py: get_main_grads_for_grad_norm, param_is_not_tensor_parallel_duplicate)
+    counts each such weight as a TP duplicate, from TP rank 0's shard alone: at TP > 1 the norm, and with it
+    --clip-grad, was that of a part of the gradient. (Biases are marked at construction; TE's layers mark
+    their own weights.) Stride 1: no layer of these models interleaves its partitions."""
+    from megatron.core.tensor_parallel import layers, set_tensor_model_parallel_attributes
+
+    dims = ((layers.VocabParallelEmbedding, 0), (layers.ColumnParallelLinear, 0), (layers.RowParallelLinear, 1))
+    for module in model.modules():
+        dim = next((dim for cls, dim in dims if isinstance(module, cls)), None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
                     **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device.
@@ -288,6 +307,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         position_embedding_type="rope",
         **rope_kwargs,
     )
+    mark_tensor_parallel_weights(model)
     if late_llama3_scaling is not None:
         # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
         rotary = model.rotary_pos_emb
