@@ -14,6 +14,7 @@ from offload_worker import train_ranks, write_report  # noqa: E402
 
 from megarl import distributed  # noqa: E402
 from megarl.model_runner import make_micro_batches, sequence_multiple  # noqa: E402
+from megarl.models.convert import unwrap  # noqa: E402
 
 BUDGET = 19  # rank 0 (lengths 7..11) needs 3 micro-batches, rank 1 (8..12) 4
 LAYOUTS = {"padded": dict(), "budget": dict(max_tokens=BUDGET), "packed": dict(packed=True),
@@ -46,7 +47,8 @@ def main():
             "critic": [critic.train_step(micro_batches) for _ in range(2)],
             "micro_batches": counts,
             "padding": sum(b.padding_tokens() for b in micro_batches),
-            "lengths": [b.tokens.shape[1] for b in micro_batches]}
+            "lengths": [b.tokens.shape[1] for b in micro_batches],
+            "sequence_parallel": unwrap(actor.model).config.sequence_parallel}
     write_report(f"{out}.json", report)
 
 
