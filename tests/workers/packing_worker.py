@@ -36,7 +36,8 @@ def main():
     for name, layout in layouts.items():
         args.sequence_parallel = layout.get("sequence_parallel", False)
         micro_batches = make_micro_batches(mine, args.micro_batch_size, 0, max_tokens=layout.get("max_tokens"),
-                                           packed=layout.get("packed", False), sequence_multiple=sequence_multiple(args))
+                                           packed=layout.get("packed", False),
+                                           sequence_multiple=sequence_multiple(args))
         actor, critic = Actor(args, hf_config), Critic(args, hf_config)
         counts = distributed.all_gather_objects(
             [(len(b.spans), sum(p + r for *_, p, r in b.spans)) for b in micro_batches], context)
