@@ -87,6 +87,11 @@ def _add_parallelism_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="trainer CP size: each packed sequence split over CP ranks (needs --padding-free; "
                         "Transformer Engine's attention where installed, all-gather attention otherwise)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism at TP > 1: the activations outside attention and the MLP "
+                        "(norms, residuals) split along the sequence over the TP ranks, all-gathered before and "
+                        "reduce-scattered after each TP region; the sequence is padded to a multiple of TP (x CP). "
+                        "Same losses as without it. A no-op at --tensor-model-parallel-size 1 (as in Megatron-LM)")
     g.add_argument("--offload-model", action="store_true",
                    help="colocated: move the trainer's parameters and gradient buffers (policy, critic) to host memory "
                         "while the rollout generates; back before they are needed")
@@ -754,8 +759,11 @@ def _validate_pipeline(args) -> None:
     beside each student micro-batch (model_runner.forward_backward's companions) would need a pipeline
     of their own; with context parallelism they would need the frozen model's own CP parts (an OPSD
     teacher's prompt differs from the student's, so its slots do not line up). Context parallelism
-    cuts packed sequences only (megarl/context_parallel.py)."""
+    cuts packed sequences only (megarl/context_parallel.py). Sequence parallelism needs a TP group: off at
+    TP 1, as Megatron-LM's own arguments turn it off there."""
     cp = args.context_parallel_size
+    # Megatron-LM turns sequence parallelism off at TP 1 (there is no TP group to split over); so does megarl.
+    args.sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     if cp > 1 and not args.padding_free:
         raise ConfigError(f"--context-parallel-size {cp} needs --padding-free: megarl splits each packed sequence "
                           f"over the context-parallel ranks")
