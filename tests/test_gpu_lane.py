@@ -84,3 +84,42 @@ def test_a_pinned_distribution_in_another_version_counts_as_missing(monkeypatch)
     monkeypatch.setattr(lane, "PINNED", {"torch", "numpy"})
     assert [(m, why) for m, _, _, why in lane.missing_modules()] == \
         [("numpy", f"version {lane.importlib.metadata.version('numpy')} installed")]
+
+
+def _fake_run(tmp_path, monkeypatch, losses: list[float], grad_norms: list[float], rc: int = 0):
+    """The train part's torchrun replaced by a stand-in (no GPU here) that prints the step lines and writes
+    the TensorBoard scalars as megarl.metrics does (non-finite values left out)."""
+    import math
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    def run(command):
+        tb = command[command.index("--log-dir") + 1]
+        writer = SummaryWriter(tb)
+        for step, (loss, grad_norm) in enumerate(zip(losses, grad_norms)):
+            for tag, value in (("loss", loss), ("grad_norm", grad_norm), ("reward_mean", 0.5)):
+                if math.isfinite(value):
+                    writer.add_scalar(tag, value, step)
+        writer.close()
+        return rc, "".join(f"step {step + 1}/{lane.TRAIN_STEPS} | reward 0.500 |\n" for step in range(len(losses)))
+
+    monkeypatch.setattr(lane, "run_streaming", run)
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+
+
+@pytest.mark.parametrize("name,losses,grad_norms,verdict", [
+    ("train_bf16", [0.1, 0.2, 0.3], [1.0, 2.0, 3.0], "PASS 3 steps, losses finite, optimizer steps taken at [0, 1, 2]"),
+    ("train_bf16", [0.1, float("nan"), 0.3], [1.0, 2.0, 3.0],
+     "FAIL finite losses at steps [0, 2], expected all of 0..2"),
+    ("train_bf16", [0.1, 0.2, 0.3], [1.0, float("nan"), 3.0], "FAIL finite grad norms at steps [0, 2], expected all"),
+    ("train_fp16", [0.1, 0.2, 0.3], [float("nan"), float("nan"), 3.0],
+     "PASS 3 steps, losses finite, optimizer steps taken at [2]"),
+    ("train_fp16", [0.1, 0.2, 0.3], [float("nan")] * 3,
+     "FAIL no optimizer step taken (every step overflowed the fp16 loss scale)"),
+    ("train_fp16", [0.1, 0.2], [1.0, 1.0],
+     "FAIL 2 step lines, expected 3; finite losses at steps [0, 1], expected all of 0..2"),
+])
+def test_train_part_verdict(name, losses, grad_norms, verdict, tmp_path, monkeypatch, capsys):
+    _fake_run(tmp_path, monkeypatch, losses, grad_norms)
+    assert lane.train(name, tmp_path) == verdict.startswith("PASS")
+    assert capsys.readouterr().out.splitlines()[-1] == verdict

@@ -91,6 +91,25 @@ TRAIN_ARGS = {
     "train_fp16": _TRAIN_COMMON + ["--fp16", "--initial-loss-scale", "65536"],
 }
 
+# A first run on one node of 8 GPUs (not part of the lane: docs/testing.md prints them, `lane.py
+# eight-gpu-commands` too, the dry run parses them at world size 8): the tiny model, so that only the parallel
+# layouts are new; vLLM's rollout (the default backend), Transformer Engine where installed.
+_EIGHT_COMMON = ["--config", "examples/quickstart_grpo.yaml", "--micro-batch-size", "8", "--train-steps", "5",
+                 "--bf16", "--use-distributed-optimizer"]
+EIGHT_GPU_RUNS = {
+    "colocated, TP=1 x DP=8, offload": _EIGHT_COMMON + ["--train-gpus", "8", "--rollout-gpus", "8", "--offload-model",
+                                                        "--offload-optimizer", "--log-dir", "runs/gpu8_colocate"],
+    "colocated, TP=2, rollout TP=2, packed": _EIGHT_COMMON + [
+        "--train-gpus", "8", "--rollout-gpus", "8", "--tensor-model-parallel-size", "2",
+        "--rollout-tensor-parallel-size", "2", "--padding-free", "--log-dir", "runs/gpu8_tp2"],
+    "colocated, PP=2": _EIGHT_COMMON + ["--train-gpus", "8", "--rollout-gpus", "8", "--pipeline-model-parallel-size", "2",
+                                        "--log-dir", "runs/gpu8_pp2"],
+    "colocated, CP=2, packed": _EIGHT_COMMON + ["--train-gpus", "8", "--rollout-gpus", "8", "--context-parallel-size",
+                                                "2", "--padding-free", "--log-dir", "runs/gpu8_cp2"],
+    "separate, 4 train + 4 rollout ranks": _EIGHT_COMMON + ["--colocate-groups", "none", "--train-gpus", "4",
+                                                            "--rollout-gpus", "4", "--log-dir", "runs/gpu8_separate"],
+}
+
 
 def torchrun_command(script: Path, *args) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script),
@@ -253,9 +272,9 @@ class Verdicts:
         self.count += 1
         ok = error <= limit  # NaN fails
         self.failed += not ok
-        group = name.split("/")[0]
-        if not (error <= self.worst.get(group, (-1.0, ""))[0]):
-            self.worst[group] = (error, f"{error:.3g} {unit} (limit {limit:g})")
+        group, share = name.split("/")[0], error / limit if limit else (0.0 if error == 0 else math.inf)
+        if not (share <= self.worst.get(group, (-1.0, ""))[0]):  # the closest to its limit (NaN: the worst)
+            self.worst[group] = (share, f"{error:.3g} {unit} (limit {limit:g}) at {name}")
         print(f"{'ok  ' if ok else 'OVER'} {name}: {error:.3g} {unit} (limit {limit:g})", flush=True)
 
     def check(self, name: str, ok: bool) -> None:
@@ -417,8 +436,7 @@ def train(name: str, work: Path) -> bool:
 
 def reward_model() -> bool:
     test = "test_on_cuda_the_reward_model_scores_on_the_gpu_and_waits_in_host_memory"
-    rc, output = run_streaming([sys.executable, "-m", "pytest", "tests/test_reward_model.py", "-v", "-p",
-                                "no:cacheprovider"])
+    rc, output = run_streaming([sys.executable, "-m", "pytest", "tests/test_reward_model.py", "-v"])
     if rc != 0:
         print(f"FAIL pytest exited {rc}")
         return False
@@ -537,13 +555,15 @@ def dry_run() -> bool:
 
     from megarl.arguments import parse_args
 
-    for name, argv in [("offload", OFFLOAD_ARGS), *TRAIN_ARGS.items()]:
-        def parse(argv=argv):
+    runs = [(name, argv, 1) for name, argv in [("offload", OFFLOAD_ARGS), *TRAIN_ARGS.items()]]
+    runs += [(f"8 GPUs, {name}", argv, 8) for name, argv in EIGHT_GPU_RUNS.items()]
+    for name, argv, world_size in runs:
+        def parse(argv=argv, world_size=world_size):
             with as_gpu_host():
-                parse_args(list(argv), world_size=1)
+                parse_args(list(argv), world_size=world_size)
 
         print(f"     {name}: megarl/train.py {' '.join(argv)}")
-        report(f"{name} command line (megarl's parser, as on a one-GPU host)", _parse_problem(parse))
+        report(f"{name} command line (megarl's parser, as on a GPU host)", _parse_problem(parse))
     if failures:
         print(f"dry run: FAIL ({len(failures)}: {'; '.join(failures)})")
         return False
@@ -569,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--work", type=Path, required=True, help="scratch folder (installed packages, runs' output)")
     sub.add_parser("dry-run", help="check what the lane needs, without a GPU")
     sub.add_parser("wheel-specs", help="print NAME==VERSION of every carried package (tests/gpu/fetch_wheels.sh)")
+    sub.add_parser("eight-gpu-commands", help="print the command lines of a first run on one node of 8 GPUs")
     return parser
 
 
@@ -577,6 +598,10 @@ def main() -> int:
     os.chdir(ROOT)
     if args.command == "wheel-specs":
         print(" ".join(f"{distribution}=={version}" for _, distribution, version in MODULES if distribution))
+        return 0
+    if args.command == "eight-gpu-commands":
+        for name, argv in EIGHT_GPU_RUNS.items():
+            print(f"# {name}\ntorchrun --nproc_per_node 8 megarl/train.py {' '.join(argv)}")
         return 0
     if args.command == "dry-run":
         return 0 if dry_run() else 1
