@@ -273,7 +273,8 @@ class Verdicts:
         ok = error <= limit  # NaN fails
         self.failed += not ok
         group, share = name.split("/")[0], error / limit if limit else (0.0 if error == 0 else math.inf)
-        if not (share <= self.worst.get(group, (-1.0, ""))[0]):  # the closest to its limit (NaN: the worst)
+        current = self.worst.get(group, (-1.0, ""))[0]
+        if not math.isnan(current) and not share <= current:  # the closest to its limit (NaN: the worst)
             self.worst[group] = (share, f"{error:.3g} {unit} (limit {limit:g}) at {name}")
         print(f"{'ok  ' if ok else 'OVER'} {name}: {error:.3g} {unit} (limit {limit:g})", flush=True)
 
