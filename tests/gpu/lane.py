@@ -245,15 +245,15 @@ def _installed(distribution: str) -> bool:
 
 # -------------------------------------------------------------------- kernels ----
 # (rows, real columns, K, temperature, x dtype, out dtype), as the worker's SHAPES: the whole vocabulary in
-# fp32 and bf16 (bf16 gradients too), fp16 logits, a TP=2 shard, an odd width (a partial last block), and
-# no rows at all.
+# fp32, bf16 with bf16 gradients (from logits) and with fp32 ones (from hidden states), a TP=2 shard, an odd
+# width (a partial last block), and no rows at all. (No fp16: each dtype is another set of compilations, and
+# the CPU test covers fp16 logits.)
 def _kernel_shapes():
     import torch
 
-    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    f32, bf16 = torch.float32, torch.bfloat16
     return [(256, VOCAB, 20, 0.7, f32, f32), (256, VOCAB, 64, 1.3, bf16, bf16), (256, VOCAB, 20, 1.0, bf16, f32),
-            (64, VOCAB, 5, 1.0, f16, f32), (256, VOCAB // 2, 20, 1.0, f32, f32), (64, VOCAB - 37, 3, 1.3, bf16, bf16),
-            (0, VOCAB, 20, 0.7, f32, f32)]
+            (256, VOCAB // 2, 20, 1.0, f32, f32), (64, VOCAB - 37, 3, 1.3, bf16, bf16), (0, VOCAB, 20, 0.7, f32, f32)]
 
 
 DEVICE = "cuda"  # the kernels part's device ("cpu" under TRITON_INTERPRET=1 runs its code at small sizes)
