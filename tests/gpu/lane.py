@@ -252,8 +252,8 @@ def _kernel_shapes():
     import torch
 
     f32, bf16 = torch.float32, torch.bfloat16
-    return [(256, VOCAB, 20, 0.7, f32, f32), (256, VOCAB, 64, 1.3, bf16, bf16), (256, VOCAB, 20, 1.0, bf16, f32),
-            (256, VOCAB // 2, 20, 1.0, f32, f32), (64, VOCAB - 37, 3, 1.3, bf16, bf16), (0, VOCAB, 20, 0.7, f32, f32)]
+    return [(128, VOCAB, 20, 0.7, f32, f32), (128, VOCAB, 64, 1.3, bf16, bf16), (128, VOCAB, 20, 1.0, bf16, f32),
+            (128, VOCAB // 2, 20, 1.0, f32, f32), (64, VOCAB - 37, 3, 1.3, bf16, bf16), (0, VOCAB, 20, 0.7, f32, f32)]
 
 
 DEVICE = "cuda"  # the kernels part's device ("cpu" under TRITON_INTERPRET=1 runs its code at small sizes)
