@@ -8,8 +8,9 @@
 # summary.txt (8 files at most: what the device tool brings back from $OUT); the runs' own output (TensorBoard
 # events, installed packages) goes to GPU_LANE_WORK (default: a fresh folder under /tmp). The parts share a time
 # budget, GPU_LANE_BUDGET seconds (default 480: the lane's 8 minutes, inside the device tool's 10 per command); a part
-# that finds too little of it left is reported as not run. PYTHON: the interpreter (default: .venv/bin/python
-# where the checkout has one, else python3, the GPU machine's).
+# that finds too little of it left is reported as not run. GPU_LANE_PARTS (names, space-separated): run only
+# those parts (setup always). PYTHON: the interpreter (default: .venv/bin/python where the checkout has one,
+# else python3, the GPU machine's).
 set -uo pipefail
 
 usage="usage: bash tests/gpu/run.sh LOGDIR [--dry-run]"
@@ -53,6 +54,10 @@ start=$SECONDS failed=0 table="" setup_ok=1
 echo "gpu lane: logs in $logdir, work in $work, budget ${budget}s"
 for entry in $parts; do
   name=${entry%%:*} limit=${entry##*:}
+  # GPU_LANE_PARTS="kernels bench": only those (and setup), e.g. to rerun what failed in the device time left.
+  if [ -n "${GPU_LANE_PARTS:-}" ] && [ "$name" != setup ] && [[ " $GPU_LANE_PARTS " != *" $name "* ]]; then
+    continue
+  fi
   left=$((budget - (SECONDS - start)))
   [ "$limit" -le "$left" ] || limit=$left
   began=$SECONDS
