@@ -116,6 +116,17 @@ def torchrun_command(script: Path, *args) -> list[str]:
             *map(str, args)]
 
 
+def first_error(output: str) -> str:
+    """The run's own error line, for the summary: megarl's ("megarl: error: ...", "megarl: rank N failed: ..."),
+    else the last exception line; empty when there is none."""
+    lines = [line.strip() for line in output.splitlines()]
+    for line in lines:
+        if line.startswith("megarl: error") or (line.startswith("megarl: rank") and "failed" in line):
+            return line[:300]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+    return errors[-1][:300] if errors else ""
+
+
 def run_streaming(command: list[str]) -> tuple[int, str]:
     """Run `command` from the repository root, its output echoed as it comes (into the part's log);
     (exit status, the output)."""
@@ -387,9 +398,9 @@ def offload(work: Path) -> bool:
     from helpers import load_script, read_json
 
     out = work / "offload"
-    rc, _ = run_streaming(torchrun_command(TESTS / "workers" / "offload_worker.py", out, *OFFLOAD_ARGS))
+    rc, output = run_streaming(torchrun_command(TESTS / "workers" / "offload_worker.py", out, *OFFLOAD_ARGS))
     if rc != 0:
-        print(f"FAIL offload_worker.py exited {rc}")
+        print(f"FAIL offload_worker.py exited {rc}: {first_error(output)}")
         return False
     report = read_json(f"{out}.json")
     print(json.dumps(report, indent=1))
@@ -409,7 +420,7 @@ def train(name: str, work: Path) -> bool:
     tb = work / f"tb_{name}"
     rc, output = run_streaming(torchrun_command(ROOT / "megarl" / "train.py", *TRAIN_ARGS[name], "--log-dir", tb))
     if rc != 0:
-        print(f"FAIL megarl/train.py exited {rc}")
+        print(f"FAIL megarl/train.py exited {rc}: {first_error(output)}")
         return False
     steps = [line for line in output.splitlines() if re.match(rf"step \d+/{TRAIN_STEPS} \|", line)]
     series = scalars(tb, ("loss", "grad_norm", "reward_mean", "mismatch"))
@@ -439,7 +450,8 @@ def reward_model() -> bool:
     test = "test_on_cuda_the_reward_model_scores_on_the_gpu_and_waits_in_host_memory"
     rc, output = run_streaming([sys.executable, "-m", "pytest", "tests/test_reward_model.py", "-v"])
     if rc != 0:
-        print(f"FAIL pytest exited {rc}")
+        failed = [line.split(" - ")[0] for line in output.splitlines() if line.startswith("FAILED ")]
+        print(f"FAIL pytest exited {rc}: {'; '.join(failed) or first_error(output)}")
         return False
     if f"{test} PASSED" not in output:
         print(f"FAIL {test} did not pass (skipped: no CUDA device seen?)")
@@ -451,7 +463,7 @@ def reward_model() -> bool:
 def bench() -> bool:
     rc, output = run_streaming([sys.executable, "bench/kernels.py", *BENCH_ARGS])
     if rc != 0:
-        print(f"FAIL bench/kernels.py exited {rc}")
+        print(f"FAIL bench/kernels.py exited {rc}: {first_error(output)}")
         return False
     rows = {tuple(line.split()[:2]) for line in output.splitlines() if line.split()[:1]
             and "/" in line.split()[0]}
