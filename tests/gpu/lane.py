@@ -101,7 +101,7 @@ EIGHT_GPU_RUNS = {
                                                         "--offload-optimizer", "--log-dir", "runs/gpu8_colocate"],
     "colocated, TP=2, rollout TP=2, packed": _EIGHT_COMMON + [
         "--train-gpus", "8", "--rollout-gpus", "8", "--tensor-model-parallel-size", "2",
-        "--rollout-tensor-parallel-size", "2", "--padding-free", "--log-dir", "runs/gpu8_tp2"],
+        "--rollout-tensor-parallel-size", "2", "--padding-free", "--sequence-parallel", "--log-dir", "runs/gpu8_tp2"],
     "colocated, PP=2": _EIGHT_COMMON + ["--train-gpus", "8", "--rollout-gpus", "8", "--pipeline-model-parallel-size", "2",
                                         "--log-dir", "runs/gpu8_pp2"],
     "colocated, CP=2, packed": _EIGHT_COMMON + ["--train-gpus", "8", "--rollout-gpus", "8", "--context-parallel-size",
