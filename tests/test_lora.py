@@ -253,3 +253,14 @@ def test_grpo_with_tp2_adapters_samples_from_the_merged_weights(tiny_model, tmp_
     before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(out / "model.safetensors")
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed == {name for name in before if name.endswith("proj.weight")}, changed
+
+
+@pytest.mark.learning  # 200 steps: outside CI (bash run_tests.sh -m learning)
+def test_lora_quickstart_learns(tiny_model, tmp_path):
+    """The quickstart's config with rank-8 adapters on every linear (10x the full run's learning rate, as LoRA
+    usually takes): the reward rises as the full run's does (issue 25: by >= 0.15)."""
+    result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
+                      "--lora-rank", "8", "--lr", "2e-3", "--log-dir", tmp_path / "tb", timeout=2400)
+    line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
+    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
+    assert last >= first + 0.15, line
