@@ -197,27 +197,37 @@ def test_the_reference_is_the_policy_base_without_a_second_model(megatron_rank, 
 
 
 def test_full_recomputation_trains_the_adapters_as_without(megatron_rank, tiny_model):
+    """With the embedding frozen, recomputed layers still pass gradients to their adapters, and the
+    adapters' dropout (Megatron's RNG trackers, replayed by the recomputation) draws the same masks."""
+    from megatron.core import tensor_parallel
     from transformers import AutoConfig
 
     from megarl.actor import Actor
 
     hf_config = AutoConfig.from_pretrained(tiny_model)
-    grads = []
-    for extra in ([], ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                       "--recompute-num-layers", "1"]):
-        actor = Actor(options(tiny_model, *extra), hf_config)
-        actor.optimizer_step(micro_batches(seed=11), nll)
-        grads.append(torch.cat([param.main_grad.flatten() for param in actor.model.parameters()
-                                if param.requires_grad]))
-    assert grads[0].abs().max() > 0
-    assert_fp32_paths_agree(grads[1], grads[0], "adapter gradients with full recomputation")
+    grads = {}
+    for dropout in ("0", "0.5"):
+        for recompute in ([], ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                               "--recompute-num-layers", "1"]):
+            actor = Actor(options(tiny_model, "--lora-dropout", dropout, *recompute), hf_config)
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the same dropout masks in both runs
+            actor.optimizer_step(micro_batches(seed=11), nll)
+            grads[dropout, bool(recompute)] = torch.cat([param.main_grad.flatten() for param in
+                                                         actor.model.parameters() if param.requires_grad])
+    assert grads["0", False].abs().max() > 0
+    # Dropout acts (so the masks matter below), and recomputation reproduces both runs' gradients.
+    assert fp32_paths_ulps(grads["0.5", False], grads["0", False]) > 100 * FP32_PATHS_ULPS
+    for dropout in ("0", "0.5"):
+        assert_fp32_paths_agree(grads[dropout, True], grads[dropout, False],
+                                f"adapter gradients with full recomputation, dropout {dropout}")
 
 
 @pytest.mark.slow
 def test_tp2_adapters_equal_tp1(tiny_model, tmp_path):
     """The same adapters sharded over TP=2 and whole at TP=1 (one launch, tests/workers/lora_worker.py):
-    logits and every adapter's gradient (gathered whole) agree as two fp32 paths. Skipping the TP reduction
-    of the replicated A's gradient reads 1e7 ulps."""
+    logits and every adapter's gradient (gathered whole) agree as two fp32 paths (skipping the TP reduction
+    of the replicated A's gradient reads 1e7 ulps); with dropout, the replicated A's gradient is the same on
+    both TP ranks (its input's mask drawn alike)."""
     from helpers import read_json
 
     torchrun("lora_worker.py", tiny_model, tmp_path / "report.json", timeout=300)
@@ -227,6 +237,7 @@ def test_tp2_adapters_equal_tp1(tiny_model, tmp_path):
     assert min(report["grad_max"].values()) > 0, report["grad_max"]
     off = {name: value for name, value in report["grad_ulps"].items() if value > FP32_PATHS_ULPS}
     assert not off, off
+    assert report["dropout_replicated_A_max"] > 0 and report["dropout_replicated_A_rank_difference"] == 0, report
 
 
 @pytest.mark.slow

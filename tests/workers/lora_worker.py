@@ -2,7 +2,8 @@
 (A as initialised, B drawn from a fixed seed, whole, then sharded as the layer shards it) at TP=2 and
 then at TP=1 in the same launch; a loss on fixed random weights of the real vocabulary, backward.
 Rank 0 writes a JSON report: the TP=2 logits and adapter gradients (gathered whole) against TP=1's,
-in ulps (tests/helpers.py: two fp32 paths), and the gradients' scale."""
+in ulps (tests/helpers.py: two fp32 paths), and the gradients' scale; and, from a TP=2 pass with the
+adapters' dropout on, how far the replicated A's gradients of the two TP ranks are apart (0: the same masks)."""
 
 import json
 import sys
@@ -61,6 +62,18 @@ def run(model_dir: str, tp: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
                     dist.all_gather(parts, grad.contiguous(), group=group)
                     grad = torch.cat(parts, dim=dim)
                 grads[f"{name}.{kind}.{module}"] = grad
+    if tp > 1:  # with dropout, a replicated A must see the same mask (so the same gradient) on every TP rank
+        model.zero_grad()
+        model.train()
+        for adapter in adapters.values():
+            adapter.dropout = 0.5
+        (model(tokens, torch.arange(10).expand(2, 10), attention_mask=None) * shard).sum().backward()
+        replicated = torch.cat([param.grad.flatten() for adapter in adapters.values() if adapter.split == "column"
+                                for param in adapter.A.values()])
+        everyone = [torch.empty_like(replicated) for _ in range(tp)]
+        dist.all_gather(everyone, replicated, group=group)
+        grads["dropout_replicated_A_rank_difference"] = (everyone[1] - everyone[0]).abs().max()
+        grads["dropout_replicated_A_max"] = replicated.abs().max()
     parallel_state.destroy_model_parallel()
     return whole_logits, grads
 
@@ -74,8 +87,10 @@ def main():
     logits2, grads2 = run(model_dir, 2)
     logits1, grads1 = run(model_dir, 1)
     if dist.get_rank() == 0:
+        dropout = {name: grads2.pop(name).item() for name in ("dropout_replicated_A_rank_difference",
+                                                               "dropout_replicated_A_max")}
         assert grads1.keys() == grads2.keys(), (sorted(grads1), sorted(grads2))
-        report = {"logits_ulps": fp32_paths_ulps(logits2, logits1),
+        report = {**dropout, "logits_ulps": fp32_paths_ulps(logits2, logits1),
                   "grad_ulps": {name: fp32_paths_ulps(grads2[name], grads1[name]) for name in grads1},
                   "grad_max": {name: grads1[name].abs().max().item() for name in grads1},
                   "shapes": {name: list(grads2[name].shape) for name in grads2}}
