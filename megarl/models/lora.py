@@ -38,7 +38,9 @@ The adapters are siblings of their base linear (`self_attention.linear_qkv_lora`
 per-module sharded_state_dict reaches them, and enter the base's forward through a forward hook.
 The base's weight carries `lora_delta` (its shard's scale * B A, fp32, in the base's layout) for
 `convert.iter_hf_weights`, which exports merged W + scale * B A to the rollout engine and HF
-checkpoints. `adapters_disabled(model)` switches them off: the reference of a KL term is the
+checkpoints (summed in fp32, rounded once to the parameters' dtype: after a sync the
+rollout-vs-trainer mismatch stays at full training's level, ~3e-7 in fp32 and ~2e-3 in bf16 on the
+tiny model at TP=2, as full training's). `adapters_disabled(model)` switches them off: the reference of a KL term is the
 policy's own base weights (megarl/reference.py), no second copy.
 
 Not served (refused at start by megarl/arguments.py): Transformer Engine's layer-norm-fused
