@@ -1,7 +1,7 @@
 """Benchmark: megarl/kernels' implementations side by side, forward + backward, at Qwen2's
 vocabulary (151,936) in one process (TP=1).
 
-    python bench/kernels.py [--tokens 256 --hidden 896 --topk 20 --chunk-tokens N]
+    python bench/kernels.py [--tokens 256 --hidden 896 --topk 20 --chunk-tokens N --device auto]
 
 Operations (each the loss's sum of outputs, then backward):
   token/logits   logprob of the label + entropy, from fp32 logits [tokens, V]
@@ -43,20 +43,25 @@ VOCAB = 151_936  # Qwen2's; a multiple of 128, so Megatron adds no padding at TP
 MIB = 2**20
 OPERATIONS = ("token/logits", "token/hidden", "topk/hidden", "fullkl/logits")
 TEMPERATURE = 0.7
+REFERENCE_ROWS = 1024  # tokens per part of the float64 reference: 1.2 GB per [rows, V] float64 temporary
 
 
 def make_inputs(tokens: int, hidden: int, topk: int, device, seed: int = 0) -> dict:
+    """Random inputs drawn on `device` itself (a GPU draws [8k, V] in milliseconds, a CPU in seconds; the
+    values then differ between devices, which a comparison within one run does not mind)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    teacher = 3 * torch.randn(1, tokens, VOCAB, generator=g)
+    g = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    teacher = 3 * randn(1, tokens, VOCAB)
     teacher_logprobs, teacher_ids = torch.log_softmax(teacher / TEMPERATURE, dim=-1).topk(topk, dim=-1)
-    inputs = {"logits": 3 * torch.randn(1, tokens, VOCAB, generator=g), "ref_logits": teacher,
-              "labels": torch.randint(0, VOCAB, (1, tokens), generator=g),
-              "hidden": torch.randn(1, tokens, hidden, generator=g),
-              "weight": 3 / hidden**0.5 * torch.randn(VOCAB, hidden, generator=g),
-              "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs}
-    return {name: value.to(device) for name, value in inputs.items()}
+    return {"logits": 3 * randn(1, tokens, VOCAB), "ref_logits": teacher,
+            "labels": torch.randint(0, VOCAB, (1, tokens), generator=g, device=device),
+            "hidden": randn(1, tokens, hidden), "weight": 3 / hidden**0.5 * randn(VOCAB, hidden),
+            "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs}
 
 
 def forward_backward(op: str, impl: str, inputs: dict, chunk):
@@ -84,26 +89,37 @@ def forward_backward(op: str, impl: str, inputs: dict, chunk):
     return [o.detach() for o in outputs], grads
 
 
-def reference(op: str, inputs: dict):
+def reference(op: str, inputs: dict, rows: int = REFERENCE_ROWS):
     """(outputs, gradients) of the operation in float64 with plain torch on the full vocabulary (the
-    pure functions of megarl.algorithms): what every implementation's error is measured against."""
+    pure functions of megarl.algorithms): what every implementation's error is measured against.
+    Computed `rows` tokens at a time (every output is per token; the weight's gradient is their sum), so
+    that its float64 [tokens, V] temporaries stay within a GPU's memory at thousands of tokens."""
     import torch
 
     from megarl.algorithms import GKD_TOPK_MODES, distill_full
 
     names = ("logits",) if op.endswith("logits") else ("hidden", "weight")
-    leaves = [inputs[name].double().requires_grad_(True) for name in names]
-    logits = leaves[0] if op.endswith("logits") else leaves[0] @ leaves[1].t()
-    if op.startswith("token"):
-        log_p = torch.log_softmax(logits / TEMPERATURE, dim=-1)
-        outputs = (log_p.gather(-1, inputs["labels"][..., None])[..., 0], -(log_p.exp() * log_p).sum(-1))
-    elif op == "topk/hidden":
-        outputs = (GKD_TOPK_MODES["tail"](logits, inputs["teacher_ids"], inputs["teacher_logprobs"].double(), 0.5,
-                                          TEMPERATURE),)
-    else:
-        outputs = (distill_full(logits, inputs["ref_logits"].double(), 1.0, TEMPERATURE),)
-    sum(o.sum() for o in outputs).backward()
-    return [o.detach() for o in outputs], [leaf.grad for leaf in leaves]
+    tokens = inputs["labels"].shape[1]
+    outputs, grads = [], []
+    weight = None if op.endswith("logits") else inputs["weight"].double().requires_grad_(True)
+    for start in range(0, tokens, rows):
+        part = slice(start, min(start + rows, tokens))
+        first = inputs[names[0]][:, part].double().requires_grad_(True)
+        logits = first if weight is None else first @ weight.t()
+        if op.startswith("token"):
+            log_p = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+            out = (log_p.gather(-1, inputs["labels"][:, part, None])[..., 0], -(log_p.exp() * log_p).sum(-1))
+        elif op == "topk/hidden":
+            out = (GKD_TOPK_MODES["tail"](logits, inputs["teacher_ids"][:, part],
+                                          inputs["teacher_logprobs"][:, part].double(), 0.5, TEMPERATURE),)
+        else:
+            out = (distill_full(logits, inputs["ref_logits"][:, part].double(), 1.0, TEMPERATURE),)
+        sum(o.sum() for o in out).backward()  # the weight's gradient accumulates over the parts
+        outputs.append([o.detach() for o in out])
+        grads.append(first.grad)
+        del logits, out
+    outputs = [torch.cat(parts, dim=1) for parts in zip(*outputs)]
+    return outputs, [torch.cat(grads, dim=1)] + ([] if weight is None else [weight.grad])
 
 
 def peak_bytes(fn, device) -> int:
@@ -143,9 +159,7 @@ def measure(op: str, impl: str, inputs: dict, chunk, device) -> dict:
             "grad_bytes": sum(g.numel() * g.element_size() for g in grads)}
 
 
-def main():
-    import torch
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=256,
                         help="tokens per call (256: measured 64 s for the whole run on 2 CPU cores; 512: 185 s)")
@@ -154,16 +168,33 @@ def main():
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="default: kernels.default_chunk_tokens (its budget from logits, or from hidden states)")
     parser.add_argument("--ops", default=",".join(OPERATIONS), help=f"comma-separated subset of {OPERATIONS}")
-    args = parser.parse_args()
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: the GPU where there is one (triton runs only there), else the CPU")
+    return parser
+
+
+def main():
+    import torch
+
+    args = build_parser().parse_args()
+    unknown = set(args.ops.split(",")) - set(OPERATIONS)
+    if unknown:
+        sys.exit(f"--ops: unknown {', '.join(sorted(unknown))} (known: {', '.join(OPERATIONS)})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device here")
     from megarl import accelerator, distributed, kernels
 
     accelerator.apply_megatron_shims()  # as a run does: on CPU, before Megatron is imported (its warnings)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    device = torch.device("cuda") if cuda else torch.device("cpu")
     distributed.init_single_process_world()
     impls = ["naive", "chunked"] + (["triton"] if device.type == "cuda" and accelerator.triton_available() else [])
     chunk = args.chunk_tokens
     inputs = make_inputs(args.tokens, args.hidden, args.topk, device)
-    warm = make_inputs(4, args.hidden, args.topk, device, seed=1)
+    # The warm-up call (Triton's compilation, CUDA's lazy initialisation) on the measured inputs themselves on
+    # a GPU (a kernel specialised for other strides would compile again inside the timed call); on the CPU a
+    # 4-token call, since each full-size call there takes seconds.
+    warm = inputs if device.type == "cuda" else make_inputs(4, args.hidden, args.topk, device, seed=1)
     chunks = chunk or (f"{kernels.default_chunk_tokens(device.type, VOCAB)} from logits, "
                        f"{kernels.default_chunk_tokens(device.type, VOCAB, args.hidden)} from hidden states")
     print(f"V={VOCAB} tokens={args.tokens} hidden={args.hidden} topk={args.topk} chunk_tokens={chunks} "
@@ -183,7 +214,7 @@ def main():
             result = results[impl] = measure(op, impl, inputs, chunk, device)
             result["work"] = max(result["peak"] - result["grad_bytes"], 0)
             naive = results["naive"]
-            error = max((a.double() - b).abs().max().item() for a, b in zip(result["values"], exact))
+            error = max((a.double() - b).abs().max().item() for a, b in zip(result.pop("values"), exact))
             print(f"{op:14} {impl:8} {result['seconds']:8.2f} {result['peak'] / MIB:9.1f} "
                   f"{result['grad_bytes'] / MIB:10.1f} {result['work'] / MIB:9.1f} "
                   f"{result['seconds'] / naive['seconds']:10.2f} {result['peak'] / max(naive['peak'], 1):10.3f} "

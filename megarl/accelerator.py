@@ -382,6 +382,12 @@ def apply_megatron_shims() -> None:
 
     mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    # So every fork draws from the CPU generator, and the tracker's check that the CPU state is untouched
+    # inside a fork (restored on exit) logs "CPU RNG state changed within GPU RNG context" on each of them
+    # (one line per adapter per forward with --lora-dropout): expected here, not a warning.
+    import logging
+
+    logging.getLogger(mp_random.__name__).setLevel(logging.ERROR)
 
     # Default causal mask is built with device="cuda" (transformer/utils.py).
     def causal_mask(sq: int) -> torch.Tensor:

@@ -31,6 +31,10 @@ class Actor(TrainableModel, SampledLogprobs):
         module = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
                                  **trainer_config_overrides(args))
         load_hf_weights(module, args.model, hf_config)
+        if args.lora_rank:  # the base frozen before DDP and the optimizer see it: they keep nothing for it
+            from megarl.models.lora import apply_lora, lora_config
+
+            apply_lora(module, hf_config, lora_config(args, hf_config), args.seed)
         super().__init__(module, args, args.lr, args.offload_model, args.offload_optimizer)
 
     def logprobs(self, micro_batches: list[MicroBatch], width: int,

@@ -88,6 +88,11 @@ def _add_parallelism_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="trainer CP size: each packed sequence split over CP ranks (needs --padding-free; "
                         "Transformer Engine's attention where installed, all-gather attention otherwise)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism at TP > 1: the activations outside attention and the MLP "
+                        "(norms, residuals) split along the sequence over the TP ranks, all-gathered before and "
+                        "reduce-scattered after each TP region; the sequence is padded to a multiple of TP (x CP). "
+                        "Same losses as without it. A no-op at --tensor-model-parallel-size 1 (as in Megatron-LM)")
     g.add_argument("--offload-model", action="store_true",
                    help="colocated: move the trainer's parameters and gradient buffers (policy, critic) to host memory "
                         "while the rollout generates; back before they are needed")
@@ -119,6 +124,22 @@ def _add_parallelism_args(parser):
     g.add_argument("--startup-timeout-minutes", type=float, default=60.0,
                    help="how long ranks wait at start-up for the other roles to build their models and engines "
                         "(a large vLLM engine compiles and captures CUDA graphs first)")
+
+
+def _add_lora_args(parser):
+    g = parser.add_argument_group("LoRA (adapters on the policy; megarl/models/lora.py)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank on the policy's linears, the base weights frozen (no "
+                        "gradients, main copies or optimizer states for them); the KL reference is the base, the "
+                        "rollout gets the merged weights; 0: train every parameter")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="adapter scale = alpha / rank (default with --lora-rank: 32, ms-swift's)")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input while training (0 keeps the PPO ratio at 1 on-policy)")
+    g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"],
+                   help="the linears that get adapters: the model family's module names (q_proj k_proj v_proj "
+                        "o_proj gate_proj up_proj down_proj), Megatron's fused linears (linear_qkv linear_proj "
+                        "linear_fc1 linear_fc2: every module inside), or all-linear")
 
 
 def _add_placement_args(parser):
@@ -435,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--external-plugins", nargs="*", default=[],
                         help="Python files imported before the options are checked; they register algorithms "
                              "with megarl.algorithms.register(REGISTRY, name)")
-    for add in (_add_model_args, _add_parallelism_args, _add_placement_args, _add_rollout_args, _add_algorithm_args,
+    for add in (_add_model_args, _add_parallelism_args, _add_lora_args, _add_placement_args, _add_rollout_args, _add_algorithm_args,
                 _add_distillation_args, _add_batch_args, _add_critic_args,
                 _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_eval_args, _add_optimizer_args,
                 _add_checkpoint_args, _add_logging_args):
@@ -747,6 +768,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                           f"got {args.overlong_buffer_len}")
     _validate_distillation(args)
     _validate_recompute(args)
+    _validate_lora(args)
     _validate_engine_kwargs(args)
 
 
@@ -880,6 +902,63 @@ def _validate_rollout_backend(args) -> None:
             raise ConfigError(f"--rollout-backend hf: {why}")
 
 
+LORA_DEFAULT_ALPHA = 32.0  # ms-swift's lora_alpha default
+
+
+def _validate_lora(args) -> None:
+    """--lora-*: their values, the target names against the model's family, then what LoRA does not serve yet
+    (megarl/models/lora.py)."""
+    targets = [name for item in args.lora_target_modules for name in item.split(",") if name]
+    if args.lora_rank < 0:
+        raise ConfigError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
+    if not args.lora_rank:
+        given = [flag for flag, unset in (("--lora-alpha", args.lora_alpha is None),
+                                          ("--lora-dropout", args.lora_dropout == 0.0),
+                                          ("--lora-target-modules", targets == ["all-linear"])) if not unset]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} need --lora-rank > 0 (LoRA is off at rank 0)")
+        return
+    args.lora_target_modules = targets
+    if args.lora_alpha is None:
+        args.lora_alpha = LORA_DEFAULT_ALPHA
+    if args.lora_alpha <= 0:
+        raise ConfigError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    from transformers import AutoConfig
+
+    from megarl.models.families import family_of
+    from megarl.models.lora import resolve_targets
+
+    try:
+        family = family_of(AutoConfig.from_pretrained(args.model))
+    except (OSError, ValueError, AttributeError):
+        family = None  # the model check at start-up (run.load_inputs) names the problem
+    if family is not None:
+        try:
+            resolve_targets(targets, family)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if args.ref_model != args.model:
+        raise ConfigError(f"--ref-model {args.ref_model} with --lora-rank: the reference of a LoRA run is the "
+                          f"policy's base (--model {args.model}) with its adapters off; drop --ref-model")
+    for flag, value, allowed in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, 1),
+                                 ("--context-parallel-size", args.context_parallel_size, 1),
+                                 ("--sequence-parallel", getattr(args, "sequence_parallel", False), False)):
+        if value != allowed:
+            raise ConfigError(f"--lora-rank with {flag} {value} is not supported yet; LoRA runs with tensor and "
+                              f"data parallelism only")
+    from megarl import accelerator
+
+    if accelerator.transformer_engine_available():
+        raise ConfigError("--lora-rank is not supported with Transformer Engine's layers yet (its layer-norm-fused "
+                          "linears hide the normalised input the adapters take); LoRA runs on Megatron's local "
+                          "spec, used where Transformer Engine is not installed")
+    if args.save_dir or args.resume != "none":
+        raise ConfigError("--lora-rank with --save-dir / --resume is not supported yet: checkpoints of LoRA runs "
+                          "are not tested to resume bit-exact")
+
+
 def _validate_teacher_group(args) -> None:
     """Which teacher: `teacher_model` on the train ranks, or a `teacher:` group of vLLM ranks (before the
     placement, whose rank counts follow from it)."""
@@ -901,8 +980,11 @@ def _validate_pipeline(args) -> None:
     beside each student micro-batch (model_runner.forward_backward's companions) would need a pipeline
     of their own; with context parallelism they would need the frozen model's own CP parts (an OPSD
     teacher's prompt differs from the student's, so its slots do not line up). Context parallelism
-    cuts packed sequences only (megarl/context_parallel.py)."""
+    cuts packed sequences only (megarl/context_parallel.py). Sequence parallelism needs a TP group: off at
+    TP 1, as Megatron-LM's own arguments turn it off there."""
     cp = args.context_parallel_size
+    # Megatron-LM turns sequence parallelism off at TP 1 (there is no TP group to split over); so does megarl.
+    args.sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     if cp > 1 and not args.padding_free:
         raise ConfigError(f"--context-parallel-size {cp} needs --padding-free: megarl splits each packed sequence "
                           f"over the context-parallel ranks")

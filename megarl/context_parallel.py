@@ -23,6 +23,8 @@ values of whole sequences in the local attention of hosts without Transformer En
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,18 @@ def slot_length(length: int, cp: int) -> int:
     """A sequence's slot in a packed row: its length rounded up to a multiple of 2 x CP (itself at CP 1)."""
     multiple = 2 * cp if cp > 1 else 1
     return -(-length // multiple) * multiple
+
+
+def packed_slots(lengths: list[int], cp: int, sequence_multiple: int = 1) -> list[int]:
+    """The slots of sequences of these lengths in one packed row: each `slot_length`, the last one
+    lengthened so that each CP rank's share of the row (1/CP of it) is a multiple of `sequence_multiple`
+    (the TP size under sequence parallelism, which splits the sequence over the TP ranks). The extra
+    padding sits after the last sequence's end, like a slot's own, in whole 2 x CP steps so that the
+    slot's CP chunks stay equal."""
+    slots = [slot_length(length, cp) for length in lengths]
+    row = math.lcm(cp * sequence_multiple, slot_length(1, cp))  # sum(slots) is a multiple of slot_length(1, cp)
+    slots[-1] += -sum(slots) % row
+    return slots
 
 
 def local_positions(slots: list[int], cp: int, rank: int) -> torch.Tensor:

@@ -9,9 +9,9 @@ initialised N(0, initializer_range) with bias 0 (what HF does), from a generator
 seeded by --seed so every rank starts identical.
 
 The head is replicated on tensor-parallel ranks: its input (the final
-layernorm's output) is already identical on every TP rank, and each rank
-computes the same loss, so the trunk's backward is the usual one and no TP
-reduction is needed for the head.
+layernorm's output, gathered over the sequence under sequence parallelism) is
+identical on every TP rank, and each rank computes the same loss, so the trunk's
+backward is the usual one and no TP reduction is needed for the head.
 
 Value alignment: the value at position t is V(prefix up to token t), so the
 value of response token j sits where that token's logprob does (p-1+j) and is
@@ -32,18 +32,21 @@ import torch
 from megarl.algorithms import value_loss
 from megarl.model_runner import MicroBatch, TrainableModel, response_aligned
 from megarl.models.convert import HFCheckpoint, load_hf_weights, unwrap
-from megarl.models.megatron_gpt import DTYPES, build_gpt_model, trainer_config_overrides
+from megarl.models.megatron_gpt import DTYPES, build_gpt_model, trainer_config_overrides, whole_sequence
 
 
 class ValueHead(torch.nn.Module):
-    """Stands in for GPTModel.output_layer: hidden [s, b, h] -> values [s, b, 1]."""
+    """Stands in for GPTModel.output_layer: hidden [s, b, h] -> values [s, b, 1] (under sequence
+    parallelism the hidden states of the whole sequence first, as the output layer it replaces
+    gathers them: megatron_gpt.whole_sequence)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device, config):
         super().__init__()
         self.score = torch.nn.Linear(hidden_size, 1, dtype=dtype, device=device)
+        self.config = config
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        return self.score(hidden_states), None
+        return self.score(whole_sequence(hidden_states, self.config)), None
 
 
 def attach_value_head(model, hf_config, checkpoint_path: str, seed: int) -> None:
@@ -53,7 +56,7 @@ def attach_value_head(model, hf_config, checkpoint_path: str, seed: int) -> None
     if not gpt.post_process:  # the head belongs to the last pipeline stage
         return
     trunk = next(gpt.parameters())
-    head = ValueHead(hf_config.hidden_size, trunk.dtype, trunk.device)
+    head = ValueHead(hf_config.hidden_size, trunk.dtype, trunk.device, gpt.config)
     checkpoint = HFCheckpoint(checkpoint_path)
     with torch.no_grad():
         if "score.weight" in checkpoint.weight_map:

@@ -143,7 +143,7 @@ def init_distributed(args, env: LaunchEnv | None = None) -> DistContext:
     _processes[:] = all_gather_objects((socket.gethostname(), os.getpid()), context)
     _failure_store[:] = [store]
     if env.rank == 0:
-        print(f"[megarl] {placement.describe()}", flush=True)
+        print(f"[megarl] {placement.describe(getattr(args, 'rollout_backend', 'vllm'))}", flush=True)
     return context
 
 

@@ -57,7 +57,8 @@ class MicroBatch:
     position_ids: torch.Tensor  # [b, L], restarting at 0 with each sequence
     indices: list[int]  # each sample's index in the batch the micro-batches were made from
     packed_lengths: list[int] | None = None  # packed: the sequences' slots laid end to end in row 0 (their
-                                            # lengths; with CP rounded up to a multiple of 2 x CP)
+                                            # lengths; with CP rounded up to a multiple of 2 x CP; the
+                                            # last one longer where `sequence_multiple` asks for it)
     # OPSD: the same samples as the teacher sees them (its privileged prompt, then the same response),
     # laid out the same way; None when no sample of this micro-batch has a teacher prompt.
     teacher_view: MicroBatch | None = None
@@ -141,13 +142,20 @@ class MicroBatch:
         return self.tokens.numel() - sum(p + r for *_, p, r in self.spans)
 
 
+def sequence_multiple(args) -> int:
+    """What each model's sequence length (per CP rank) must be a multiple of: the TP size under sequence
+    parallelism (Megatron splits the sequence over the TP ranks, split_along_first_dim), else 1."""
+    return args.tensor_model_parallel_size if args.sequence_parallel else 1
+
+
 def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int, max_tokens: int | None = None,
-                       packed: bool = False) -> list[MicroBatch]:
+                       packed: bool = False, sequence_multiple: int = 1) -> list[MicroBatch]:
     """Micro-batches of the batch's samples, carrying every per-token field it has (and, for OPSD
     samples, the teacher's view of them): `micro_batch_size` consecutive samples each, or with
     `max_tokens` groups of at most that many real tokens, the same number on every data-parallel rank
     (collective; megarl/packing.py). Right-padded, or with `packed` laid end to end in one row (with
-    context parallelism each in a slot of a multiple of 2 x CP tokens)."""
+    context parallelism each in a slot of a multiple of 2 x CP tokens); the rows padded further so that
+    each CP rank's length is a multiple of `sequence_multiple` (the `sequence_multiple` function)."""
     if context_parallel.size() > 1 and not packed:
         raise ValueError("context parallelism needs packed micro-batches (--padding-free)")
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
@@ -162,11 +170,13 @@ def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int, max_tok
     for rows in groups:
         chunk = [batch.samples[i] for i in rows]
         micro_batch = _micro_batch([s.prompt_ids for s in chunk], chunk, pad_id, batch.loss_mask[rows],
-                                   {name: values[rows] for name, values in fields.items()}, rows, packed)
+                                   {name: values[rows] for name, values in fields.items()}, rows, packed,
+                                   sequence_multiple)
         micro_batch.held_back_ids = batch.held_back_ids
         if any(s.teacher_prompt_ids for s in chunk):
             micro_batch.teacher_view = _micro_batch([s.teacher_prompt_ids or s.prompt_ids for s in chunk], chunk,
-                                                    pad_id, batch.loss_mask[rows], {}, rows, packed)
+                                                    pad_id, batch.loss_mask[rows], {}, rows, packed,
+                                                    sequence_multiple)
         micro_batches.append(micro_batch)
     return micro_batches
 
@@ -180,18 +190,21 @@ def _max_over_data_parallel(count: int) -> int:
 
 
 def _micro_batch(prompts: list[list[int]], samples, pad_id: int, loss_mask: torch.Tensor,
-                 fields: dict[str, torch.Tensor], indices: list[int], packed: bool) -> MicroBatch:
+                 fields: dict[str, torch.Tensor], indices: list[int], packed: bool,
+                 sequence_multiple: int = 1) -> MicroBatch:
     """Sequences prompt + response, one per right-padded row or (`packed`) end to end in one row;
-    response-aligned `loss_mask` and `fields` placed at the positions that score each response token."""
+    response-aligned `loss_mask` and `fields` placed at the positions that score each response token.
+    Each CP rank's length a multiple of `sequence_multiple`: right-padded rows are padded to it, a packed
+    row's last slot lengthened (context_parallel.packed_slots)."""
     device = accelerator.device()
     lengths = [len(prompt) + len(s.response_ids) for prompt, s in zip(prompts, samples)]
     if packed:
-        slots = [context_parallel.slot_length(length, context_parallel.size()) for length in lengths]
+        slots = context_parallel.packed_slots(lengths, context_parallel.size(), sequence_multiple)
         places = [(0, offset) for offset in packing.offsets(slots)[:-1]]
         shape = (1, sum(slots))
     else:
         places = [(row, 0) for row in range(len(samples))]
-        shape = (len(samples), max(lengths))
+        shape = (len(samples), -(-max(lengths) // sequence_multiple) * sequence_multiple)
     tokens = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full_like(tokens, pad_id)
     position_ids = torch.zeros_like(tokens)
@@ -246,14 +259,19 @@ def output_weight(model) -> torch.Tensor:
 def final_hidden_states(model):
     """The model returns its final hidden states [b, s, H] (after the last norm) where it returned
     logits: the output layer is skipped, for the fused kernels that take hidden states and
-    `output_weight` and never form the [b, s, V/TP] logits (megarl/kernels)."""
+    `output_weight` and never form the [b, s, V/TP] logits (megarl/kernels). Under sequence
+    parallelism gathered over the whole sequence, as the output layer would have
+    (megatron_gpt.whole_sequence)."""
     from megarl.models.convert import unwrap
+    from megarl.models.megatron_gpt import whole_sequence
 
-    if not unwrap(model).post_process:  # an earlier pipeline stage: its output is already hidden states
+    module = unwrap(model)
+    if not module.post_process:  # an earlier pipeline stage: its output is already hidden states
         yield
         return
-    layer = unwrap(model).output_layer
-    layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+    layer = module.output_layer
+    layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (
+        whole_sequence(hidden_states, module.config), None)
     try:
         yield
     finally:
@@ -494,10 +512,11 @@ class FrozenModel(SampledLogprobs):
 
     def __init__(self, args, hf_config, checkpoint: str, offload: bool):
         from megarl.models.convert import load_hf_weights
-        from megarl.models.megatron_gpt import DTYPES, build_gpt_model
+        from megarl.models.megatron_gpt import DTYPES, build_gpt_model, model_config_overrides
 
         self.args, self.hf_config = args, hf_config
-        self.model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by)
+        self.model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
+                                     **model_config_overrides(args))
         load_hf_weights(self.model, checkpoint, hf_config)
         self.model.requires_grad_(False).eval()
         self.offloader = Offloader(lambda: model_tensors(self.model)) if offload else None

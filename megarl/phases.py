@@ -50,7 +50,7 @@ from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, distill_toke
 from megarl.batch import Batch
 from megarl.data.dumps import write_samples
 from megarl.generation import ShardSamples
-from megarl.model_runner import make_micro_batches
+from megarl.model_runner import make_micro_batches, sequence_multiple
 from megarl.run import Run
 
 
@@ -246,7 +246,8 @@ def _gather_over_data_parallel(computed: dict[str, torch.Tensor]) -> dict[str, t
 def _micro_batches(run: Run, batch: Batch):
     args = run.args
     return make_micro_batches(batch, args.micro_batch_size, run.tokenizer.pad_token_id or 0,
-                              max_tokens=args.max_tokens_per_micro_batch, packed=args.padding_free)
+                              max_tokens=args.max_tokens_per_micro_batch, packed=args.padding_free,
+                              sequence_multiple=sequence_multiple(args))
 
 
 def _padding_fraction(padding: torch.Tensor) -> float:

@@ -124,7 +124,8 @@ class Placement:
         """Separate placement: train rank 0 (the sender) and every rollout rank; () when colocated."""
         return () if self.colocated else (self.train_ranks[0],) + self.rollout_ranks
 
-    def describe(self) -> str:
+    def describe(self, rollout_backend: str = "vllm") -> str:
+        """The layout printed at start-up; `rollout_backend` names the rollout's engines (vllm or hf)."""
         def span(ranks):
             return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
 
@@ -132,7 +133,7 @@ class Placement:
         lines.append(f"  train   ranks {span(self.train_ranks)}: TP={self.tp} PP={self.pp} CP={self.cp} "
                      f"DP={self.dp}" + (", teacher colocated" if self.teacher_colocated else ""))
         lines.append(f"  rollout ranks {span(self.rollout_ranks)}: TP={self.rollout.tp}, "
-                     f"{self.rollout.num_engines} vLLM engine(s)")
+                     f"{self.rollout.num_engines} {'vLLM' if rollout_backend == 'vllm' else 'HF'} engine(s)")
         if self.teacher is not None:
             lines.append(f"  teacher ranks {span(self.teacher_ranks)}: TP={self.teacher.tp}, "
                          f"{self.teacher.num_engines} vLLM engine(s)")

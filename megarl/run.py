@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play
     from megarl.actor import Actor
     from megarl.critic import Critic
     from megarl.hf_rollout import HfRolloutEngine
-    from megarl.reference import Reference
+    from megarl.reference import BaseOfPolicy, Reference
     from megarl.rewards import RewardSpec
     from megarl.rollout import RolloutEngine
     from megarl.teacher import Teacher, TeacherEngine
@@ -52,7 +52,7 @@ class Run:
     rollout: RolloutEngine | HfRolloutEngine | None  # on rollout ranks (--rollout-backend)
     actor: Actor | None  # on train ranks
     critic: Critic | None  # on train ranks with --advantage-estimator gae
-    reference: Reference | None  # on train ranks when a KL term needs one
+    reference: Reference | BaseOfPolicy | None  # on train ranks when a KL term needs one (LoRA: the policy's base)
     teacher: Teacher | None  # colocated distillation teacher: a frozen Megatron model on the train ranks
     teacher_engine: TeacherEngine | None  # standalone distillation teacher: a vLLM engine on the teacher ranks
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
@@ -210,9 +210,9 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
 
             critic = Critic(args, hf_config)
         if args.kl_coef > 0:
-            from megarl.reference import Reference
+            from megarl.reference import build_reference
 
-            reference = Reference(args, hf_config)
+            reference = build_reference(args, hf_config, actor)
         if args.teacher_model:
             from megarl.teacher import Teacher
 

@@ -5,6 +5,7 @@ the step); evaluation (megarl/evaluation.py) before the first step, every
 --eval-interval steps and after the last; checkpoints and preemption after a step.
 """
 
+import faulthandler
 import os
 import sys
 import threading
@@ -125,6 +126,11 @@ def main(argv=None) -> None:
         sys.exit(2)
     rank = launch_env().rank  # now: a rollout engine later rewrites RANK to its role rank
     activity = Activity()
+    # A rank killed from C code (NCCL's watchdog aborts the process when a collective outlives
+    # --distributed-timeout-minutes; a segfault in a kernel) never reaches the failure report below:
+    # Python's stacks of every thread, printed on SIGABRT/SIGSEGV/SIGBUS/SIGFPE, name the phase
+    # (megarl/phases.py's function) and the collective's call site instead.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         train(args, inputs, activity)
     except BaseException as error:  # noqa: BLE001 - any failure must end this rank, not hang it

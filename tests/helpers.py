@@ -172,6 +172,15 @@ FP32_ULPS = 1024
 # bf16 matmul, the outputs, the gradients): a few bf16 ulps of the scale; measured 1.4.
 BF16_EPS = 2.0**-7  # torch.finfo(torch.bfloat16).eps
 BF16_ULPS = 8
+# Two bf16 paths (the GPU lane's Triton kernels against the chunked torch ones, both rounding fp32 results to
+# bf16): each within BF16_ULPS of the exact value, so within twice that of each other (as FP32_PATHS_ULPS).
+BF16_PATHS_ULPS = 2 * BF16_ULPS
+# An fp32 matmul on CUDA tensor cores in TF32 (megarl's fused weight gradient, accelerator.tf32_matmuls)
+# rounds its inputs to 10 mantissa bits: two paths whose inputs differ by fp32 rounding can round one
+# term's input to neighbouring TF32 values, a TF32 ulp of that term, which may be the largest one. Judged
+# like bf16, in TF32 ulps of the scale (not measured yet: tests/gpu/ prints every case's error).
+TF32_EPS = 2.0**-10
+TF32_PATHS_ULPS = 2 * BF16_ULPS
 
 
 def ulps(actual, reference, scale: float | None = None, eps: float = EPS32) -> float:

@@ -28,6 +28,20 @@ def test_yaml_roles_and_flag_precedence(tmp_path):
     assert args.rollout_model == args.model and args.tokenizer == args.model
 
 
+@pytest.mark.parametrize("tp,on", [(2, True), (1, False)])
+def test_sequence_parallelism_is_off_at_tp_1_as_in_megatron(tp, on):
+    """--sequence-parallel at TP 1 is a no-op (Megatron-LM's arguments turn it off there); at TP > 1 it
+    reaches every train-rank model's config and pads each sequence to a multiple of TP."""
+    from megarl.model_runner import sequence_multiple
+    from megarl.models.megatron_gpt import model_config_overrides, trainer_config_overrides
+
+    args = parse_args(["--tensor-model-parallel-size", str(tp), "--sequence-parallel"], world_size=tp)
+    assert args.sequence_parallel is on and sequence_multiple(args) == (tp if on else 1)
+    assert model_config_overrides(args)["sequence_parallel"] is on
+    assert trainer_config_overrides(args)["sequence_parallel"] is on
+    assert parse_args(["--tensor-model-parallel-size", str(tp)], world_size=tp).sequence_parallel is False
+
+
 def test_separate_placement_fills_in_the_other_role(tmp_path):
     args = parse_args(["--config", _yaml(tmp_path, "colocate_groups: []\nrollout: {gpus: 1}\n")], world_size=3)
     assert (args.train_gpus, args.rollout_gpus, args.colocate_groups) == (2, 1, [])

@@ -1,7 +1,10 @@
-"""Context parallelism in the RL trainer: the layout of each CP rank's part of a packed sequence, and on
-real torchrun ranks (the tiny model, gloo, the all-gather attention of hosts without Transformer Engine)
-CP=2 giving the outputs, losses and gradients of CP=1, and a GRPO run with a distillation term that
-trains at CP=2, syncs its weights to vLLM and resumes at CP=1."""
+"""Context parallelism in the RL trainer: the layout of each CP rank's part of a packed sequence (and its
+padding for sequence parallelism), and on real torchrun ranks (the tiny model, gloo, the all-gather
+attention of hosts without Transformer Engine) CP=2 (also with PP=2, or with TP=2 under sequence
+parallelism) giving the outputs, losses and gradients of CP=1, and a GRPO run with a distillation term
+that trains at CP=2, syncs its weights to vLLM and resumes at CP=1."""
+
+import math
 
 import pytest
 import torch
@@ -50,25 +53,56 @@ def test_each_rank_holds_two_chunks_of_every_slot_with_equal_causal_work(cp):
     assert len(set(work)) == 1, work
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("multiple", [1, 2, 4])
+def test_packed_slots_give_each_rank_a_multiple_of_the_sequence_parallel_size(cp, multiple):
+    lengths = [5, 12, 1, 30]
+    slots = context_parallel.packed_slots(lengths, cp, multiple)
+    unit = context_parallel.slot_length(1, cp)
+    assert slots[:-1] == [context_parallel.slot_length(length, cp) for length in lengths[:-1]]  # the last grows
+    assert all(slot % unit == 0 and slot >= length for slot, length in zip(slots, lengths))
+    assert all(len(context_parallel.local_positions(slots, cp, rank)) % multiple == 0 for rank in range(cp))
+    # The least padding that does it: one row-multiple less would not.
+    row = math.lcm(cp * multiple, unit)
+    assert sum(slots) % row == 0 and slots[-1] - context_parallel.slot_length(lengths[-1], cp) < row
+    if multiple == 1:
+        assert slots == [context_parallel.slot_length(length, cp) for length in lengths]
+
+
 def test_no_context_parallelism_leaves_the_layout_alone():
     assert [context_parallel.slot_length(length, 1) for length in (1, 7, 12)] == [1, 7, 12]
     assert context_parallel.local_positions([3, 4], 1, 0).tolist() == list(range(7))
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_model, tmp_path_factory):
+    """The worker's report at CP=1 on one rank: the reference of every layout below (run once)."""
+    out = tmp_path_factory.mktemp("cp1") / "cp1"
+    torchrun("pipeline_worker.py", out, "--model", tiny_model, *WORKER, "--train-gpus", "1", "--rollout-gpus", "1",
+             nproc=1, timeout=600)
+    return read_json(f"{out}.json")
+
+
+FOUR_RANKS = ["--train-gpus", "4", "--rollout-gpus", "4"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--context-parallel-size", "2"],
                                     ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                     "--train-gpus", "4", "--rollout-gpus", "4"]], ids=["cp2", "cp2-pp2"])
-def test_two_context_parallel_ranks_give_the_outputs_and_gradients_of_one(layout, tiny_model, tmp_path):
-    """Actor logprobs and critic values at CP=2 (2 ranks; and with 2 pipeline stages, 4 ranks) equal
-    CP=1 (1 rank) on the same packed micro-batches; two optimizer steps of each keep them equal: the
-    losses (a sequence-level aggregation), their metrics and the gradient norms (the gathers' backward
-    and Megatron's loss units over data x context parallel ranks)."""
+                                     *FOUR_RANKS],
+                                    ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel", *FOUR_RANKS]],
+                         ids=["cp2", "cp2-pp2", "cp2-tp2-sp"])
+def test_two_context_parallel_ranks_give_the_outputs_and_gradients_of_one(layout, one_rank, tiny_model, tmp_path):
+    """Actor logprobs and critic values at CP=2 (2 ranks; with 2 pipeline stages or 2 tensor-parallel
+    ranks under sequence parallelism, 4 ranks) equal CP=1 (1 rank) on the same packed micro-batches; two
+    optimizer steps of each keep them equal: the losses (a sequence-level aggregation), their metrics and
+    the gradient norms (the gathers' backward and Megatron's loss units over data x context parallel
+    ranks; under sequence parallelism the norms' TP-summed gradients, and the TP-split weights counted
+    once each)."""
     torchrun("pipeline_worker.py", tmp_path / "cp2", "--model", tiny_model, *WORKER, *layout,
              nproc=4 if "--train-gpus" in layout else 2, timeout=600)
-    torchrun("pipeline_worker.py", tmp_path / "cp1", "--model", tiny_model, *WORKER, "--train-gpus", "1",
-             "--rollout-gpus", "1", nproc=1, timeout=600)
-    one, two = read_json(tmp_path / "cp1.json"), read_json(tmp_path / "cp2.json")
+    one, two = one_rank, read_json(tmp_path / "cp2.json")
     # Measured: up to 9.5e-6 on logprobs of about -10 (fp32, the attention's sums in another order).
     for key in ("logprobs", "values"):
         assert_fp32_paths_agree(two[key], one[key], key)

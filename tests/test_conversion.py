@@ -165,3 +165,45 @@ def test_llama3_rope_arguments(values, megatron_path):
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     plain, late = rope_arguments(_config("llama"))
     assert plain == {"rotary_base": 10000.0, "rope_scaling": False} and late is None
+
+
+
+def test_built_model_marks_its_tensor_parallel_weights_and_sequence_parallel_norms():
+    """Megatron's TP layers mark their weights as TP-split only when they initialize them (off in megarl):
+    build_gpt_model marks them, or the grad norm would count each from TP rank 0's shard alone at TP > 1.
+    Every norm (the layers', q/k's and the final one) is torch's RMSNorm whose weight carries the
+    `sequence_parallel` mark that finalize_model_grads sums over TP (Megatron's WrappedTorchNorm, which
+    the local spec would use, refuses sequence parallelism). One rank, TP 1, where Megatron refuses
+    sequence parallelism: the TP 2 spec is checked on its config alone."""
+    import torch
+
+    from megarl import distributed
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import (SequenceParallelRMSNorm, build_gpt_model, gpt_layer_spec,
+                                            transformer_config)
+
+    hf_config = _config("qwen3", vocab_size=300, tie_word_embeddings=False)
+    distributed.init_single_process_world()
+    try:
+        model = build_gpt_model(hf_config)
+        block = gpt_layer_spec(transformer_config(hf_config, family_of(hf_config), 2, 1, 1, torch.float32,
+                                                  sequence_parallel=True))
+    finally:
+        distributed.destroy_single_process_world()
+    split = {name: p.partition_dim for name, p in model.named_parameters()
+             if name.endswith("weight") and getattr(p, "tensor_model_parallel", False)}
+    expected = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0}
+    for layer in range(2):
+        expected.update({f"decoder.layers.{layer}.self_attention.linear_qkv.weight": 0,
+                         f"decoder.layers.{layer}.self_attention.linear_proj.weight": 1,
+                         f"decoder.layers.{layer}.mlp.linear_fc1.weight": 0,
+                         f"decoder.layers.{layer}.mlp.linear_fc2.weight": 1})
+    assert split == expected
+    norms = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.RMSNorm)}
+    assert len(norms) == 2 * 4 + 1 and "decoder.final_layernorm" in norms, sorted(norms)
+    assert all(norm.weight.sequence_parallel is False for norm in norms.values())
+
+    layer = block.layer_specs[0].submodules
+    assert block.layer_norm is layer.input_layernorm is layer.pre_mlp_layernorm is SequenceParallelRMSNorm
+    assert layer.self_attention.submodules.q_layernorm is SequenceParallelRMSNorm
+    assert SequenceParallelRMSNorm(model.config, 64).weight.sequence_parallel is False

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import read_json, torchrun
+from helpers import WORKERS, load_script, read_json, torchrun
 
 from megarl.offload import Offloader
 
@@ -80,11 +80,6 @@ def test_actor_and_critic_round_trip_on_megatron_ranks(parallel, tiny_model, tmp
              "--advantage-estimator", "gae", "--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3",
              *parallel, timeout=600)
     report = read_json(f"{out}.json")
-    for role in ("actor", "critic"):
-        plain, offloaded = report[role]["plain"], report[role]["offloaded"]
-        assert offloaded["offloaded_tensors"] > 0 and offloaded["all_released"], (role, offloaded)
-        assert offloaded["bit_identical"], role
-        # The update after an offload round trip is the update without one.
-        assert offloaded["steps"] == plain["steps"], role
-        loss_key = "loss" if role == "actor" else "value_loss"
-        assert plain["steps"][1][loss_key] != plain["steps"][0][loss_key]  # the first step did move the model
+    problems = load_script(WORKERS / "offload_worker.py").problems(report, on_cuda=False)
+    assert not problems, problems
+    assert all(report[role]["offloaded"]["host_buffers"] > 0 for role in ("actor", "critic"))

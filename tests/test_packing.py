@@ -77,6 +77,9 @@ def test_packed_layout_and_response_alignment_round_trip():
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", ["1", "2"])
 def test_layouts_give_the_padded_outputs_and_losses(tp, tiny_model, tmp_path):
+    """Every layout gives the right-padded one's outputs and losses; at TP=2 sequence parallelism (--sequence-
+    parallel) gives those without it, right-padded and packed: its losses and gradient norms too (the norms'
+    TP-summed gradients; rows padded to a multiple of TP)."""
     out = tmp_path / "packing"
     torchrun("packing_worker.py", out, "--model", tiny_model, "--advantage-estimator", "gae", "--micro-batch-size",
              "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--loss-agg", "sample_level", "--entropy-coef", "0.01",
@@ -98,6 +101,18 @@ def test_layouts_give_the_padded_outputs_and_losses(tp, tiny_model, tmp_path):
         if name.endswith("packed"):
             assert layout["padding"] == 0
     assert padded["padding"] > 0
+    if tp == "2":  # sequence parallelism (its layouts run at TP > 1 only) against the same layout without it
+        for name, plain in (("padded_sp", "padded"), ("packed_sp", "packed")):
+            layout, base = report[name], report[plain]
+            assert layout["sequence_parallel"] and not base["sequence_parallel"], name
+            assert all(length % 2 == 0 for length in layout["lengths"]) and layout["lengths"] != base["lengths"]
+            for key in ("logprobs", "values"):
+                assert_fp32_paths_agree(layout[key], base[key], f"{name} {key}")
+            for role, metrics in (("actor", ("loss", "grad_norm", "entropy")),
+                                  ("critic", ("value_loss", "critic_grad_norm"))):
+                for metric in metrics:
+                    assert_runs_agree(dict(enumerate(s[metric] for s in layout[role])),
+                                      dict(enumerate(s[metric] for s in base[role])), f"{name} {role} {metric}")
 
 
 @pytest.mark.slow

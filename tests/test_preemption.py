@@ -86,3 +86,25 @@ def test_the_launchers_sigterm_ends_a_rank_blocked_in_c_code_naming_the_dead_ran
     assert "unblocked" not in out
     assert err.count("\n") == 1 and err.startswith("megarl: rank 1 died (process ") and err.rstrip().endswith(
         "rank 0 stops (step 3, sync: stop signal from the launcher, no checkpoint)"), err
+
+
+ABORTED_IN_A_PHASE = textwrap.dedent("""
+    import os, sys
+    import megarl.train
+
+    def update(*args, **kwargs):  # stands in for the phase whose collective NCCL's watchdog aborts
+        os.abort()
+
+    megarl.train.train = update
+    megarl.train.main(["--model", sys.argv[1]])
+""")
+
+
+def test_a_rank_aborted_from_c_code_prints_the_python_stack_naming_the_phase(tiny_model):
+    """NCCL's watchdog ends a rank whose collective outlived --distributed-timeout-minutes with SIGABRT, past
+    megarl's failure report: train.main's faulthandler prints every thread's Python stack, naming the phase."""
+    result = subprocess.run([sys.executable, "-c", ABORTED_IN_A_PHASE, tiny_model], cwd=ROOT, capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert result.returncode == -signal.SIGABRT, (result.returncode, result.stderr[-3000:])
+    assert "Fatal Python error: Aborted" in result.stderr, result.stderr[-3000:]
+    assert 'line 6 in update' in result.stderr and "in main" in result.stderr, result.stderr[-3000:]

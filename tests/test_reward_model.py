@@ -178,10 +178,31 @@ def test_max_length_scores_the_end_of_longer_conversations_and_counts_them(rm_pa
     assert warning.count("\n") == 1 and "2 of 5 samples" in warning and f"max-length {limit} tokens" in warning
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU host's placement (the GPU lane runs this file on CUDA)")
 def test_on_cpu_the_reward_model_stays_on_the_cpu_and_offload_is_a_no_op(rm_path):
     reward = RewardModelReward(rm_path, offload=True)
     assert reward.device == torch.device("cpu") and next(reward.model.parameters()).device.type == "cpu"
     assert reward.score_batch(RESPONSES, ROWS) == RewardModelReward(rm_path).score_batch(RESPONSES, ROWS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tests/gpu/run.sh runs it)")
+def test_on_cuda_the_reward_model_scores_on_the_gpu_and_waits_in_host_memory(rm_path):
+    """On a GPU host the model sits on the rank's GPU (accelerator.device()); with offload it waits in host
+    memory between calls, its device memory handed back, and scores as the resident one does."""
+    resident = RewardModelReward(rm_path)
+    assert resident.device.type == "cuda" and next(resident.model.parameters()).is_cuda
+    expected = resident.score_batch(RESPONSES, ROWS)
+    del resident
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    reward = RewardModelReward(rm_path, offload=True)
+    model_bytes = sum(p.numel() * p.element_size() for p in reward.model.parameters())
+    assert reward.device.type == "cuda" and next(reward.model.parameters()).device.type == "cpu"
+    # Nothing of the model stays on the GPU (less than half its bytes: room for the allocator's own rounding).
+    assert torch.cuda.memory_allocated() - before < model_bytes // 2
+    assert_fp32_paths_agree(reward.score_batch(RESPONSES, ROWS), expected)
+    assert next(reward.model.parameters()).device.type == "cpu"
+    assert torch.cuda.memory_allocated() - before < model_bytes // 2
 
 
 def test_a_scoring_call_from_a_pool_thread_runs_on_the_models_own_device(rm_path, monkeypatch):

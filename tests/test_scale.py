@@ -42,6 +42,9 @@ def test_distributed_optimizer_matches_the_plain_one_and_resumes_at_another_data
     assert "after step 2" in stdout
     assert sorted(resumed["loss"]) == [2, 3]
     _close(sharded, resumed, (2, 3))
+    # ... and its gradient norm: each TP-split weight counted once, from both shards (megatron_gpt:
+    # mark_tensor_parallel_weights; unmarked, TP rank 0's shards alone made it smaller).
+    _close(sharded, resumed, (2, 3), "grad_norm")
     # Without the distributed optimizer the saved states do not fit (Megatron fails with a KeyError deep in its
     # loader): one line from rank 0 saying which flag to use, before anything is trained or written.
     refused = torchrun("../../megarl/train.py", *SMALL, "--model", tiny_model, "--train-steps", "4",

@@ -225,7 +225,7 @@ def save(model, tokenizer, out, report):
         tmp.rename(out)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None,
                     help=f"default: artifacts/tiny-qwen2, or {TEACHER['out']} with --teacher")
@@ -236,7 +236,11 @@ def main():
                     help="build the stronger distillation teacher (same tokenizer, longer warm-up)")
     ap.add_argument("--force", action="store_true", help="rebuild over a complete model")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = build_parser().parse_args()
     if args.out is None:
         args.out = Path(TEACHER["out"] if args.teacher else "artifacts/tiny-qwen2")
     if args.steps is None:

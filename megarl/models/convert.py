@@ -62,13 +62,17 @@ def _qkv_groups(hf_config) -> tuple[int, int, int]:
     return groups, hf_config.num_attention_heads // groups, head_dim(hf_config)
 
 
+def interleave_qkv(q, k, v, groups: int, dim: int = 0) -> torch.Tensor:
+    """q, k, v of `groups` query groups, each along `dim` -> Megatron's per-query-group interleaving
+    [q_g, k_g, v_g for g in groups] along `dim` (whole tensors, or one TP rank's groups)."""
+    q, k, v = (t.movedim(dim, 0) for t in (q, k, v))
+    tail = q.shape[1:]
+    return torch.cat([t.reshape(groups, -1, *tail) for t in (q, k, v)], dim=1).reshape(-1, *tail).movedim(0, dim)
+
+
 def merge_qkv(q, k, v, hf_config) -> torch.Tensor:
     """[q; k; v] -> Megatron's per-query-group interleaving [q_g, k_g, v_g for g in groups]."""
-    groups, q_per_group, dim = _qkv_groups(hf_config)
-    tail = q.shape[1:]
-    return torch.cat([q.reshape(groups, q_per_group * dim, *tail),
-                      k.reshape(groups, dim, *tail),
-                      v.reshape(groups, dim, *tail)], dim=1).reshape(-1, *tail)
+    return interleave_qkv(q, k, v, hf_config.num_key_value_heads)
 
 
 def split_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,6 +147,8 @@ def _local_entries(model, hf_config) -> list[tuple[str, Rule, int | None, torch.
     table = _rule_table(family_of(hf_config), hf_config)
     entries, unknown = [], []
     for name, param in gpt.named_parameters():
+        if getattr(param, "lora_adapter", False):  # LoRA adapters (models/lora.py): exported merged into their base
+            continue
         layer = None
         match = _LAYER_NAME.fullmatch(name)
         if match:
@@ -236,14 +242,23 @@ def _buckets(entries, bucket_bytes: int, tp_size: int):
         yield bucket
 
 
+def _exported(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard as the HF model has it: with LoRA adapters on its linear (models/lora.py,
+    `lora_delta`), the merged W + scale * B A, summed in fp32."""
+    delta = getattr(param, "lora_delta", None)
+    if delta is None:
+        return param.detach()
+    return (param.detach().float() + delta()).to(param.dtype)
+
+
 def _gather_tp_shards(bucket, tp_group, tp_size: int) -> list[list[torch.Tensor]]:
     """For each entry, the list of its shards on every TP rank, with one all-gather per bucket."""
     if tp_size == 1:
-        return [[entry[3].detach()] for entry in bucket]
+        return [[_exported(entry[3])] for entry in bucket]
     split = [entry for entry in bucket if entry[1].layout != "replicated"]
     gathered = {}
     if split:
-        flat = torch.cat([entry[3].detach().reshape(-1) for entry in split])
+        flat = torch.cat([_exported(entry[3]).reshape(-1) for entry in split])
         everyone = torch.empty(tp_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist.all_gather_into_tensor(everyone, flat, group=tp_group)
         per_rank = everyone.view(tp_size, -1)

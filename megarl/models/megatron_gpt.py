@@ -171,7 +171,6 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
-        sequence_parallel=False,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -180,29 +179,98 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         # Weights come from a checkpoint right after construction.
         perform_initialization=False,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        **{**fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()), **overrides},
+        # sequence_parallel: off unless overridden (model_config_overrides, from --sequence-parallel).
+        **{"sequence_parallel": False, **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
+           **overrides},
     )
+
+
+def model_config_overrides(args) -> dict:
+    """TransformerConfig fields of every model on the train ranks (policy, critic, reference, colocated
+    teacher) that come from the options: sequence parallelism (arguments turn it off at TP 1). The frozen
+    models take it too: their micro-batches are the policy's, padded for it, and it splits their forward's
+    norm and residual activations the same way."""
+    return dict(sequence_parallel=args.sequence_parallel)
 
 
 def trainer_config_overrides(args) -> dict:
     """TransformerConfig fields of a trained model (policy, critic) that come from the training options:
-    the loss normalisation and activation recomputation (--recompute-granularity/-method/-num-layers;
-    frozen models run forward-only and never recompute)."""
-    return dict(calculate_per_token_loss=True, recompute_granularity=args.recompute_granularity,
-                recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+    `model_config_overrides`, the loss normalisation and activation recomputation
+    (--recompute-granularity/-method/-num-layers; frozen models run forward-only and never recompute)."""
+    return dict(model_config_overrides(args), calculate_per_token_loss=True,
+                recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers)
 
 
-def gpt_layer_spec(qk_layernorm: bool = False):
-    """Transformer Engine spec on GPU hosts that have TE, the local spec otherwise."""
+class SequenceParallelRMSNorm:
+    """The local spec's norm (Megatron's WrappedTorchNorm: torch's RMSNorm, used where Apex is absent)
+    that also takes sequence parallelism. WrappedTorchNorm asserts sequence_parallel is off
+    (transformer/torch_norm.py) because it does not mark its weight: under sequence parallelism each TP
+    rank's norm sees only its rows of the sequence, so the weight's gradient is partial and must be summed
+    over TP, which finalize_model_grads does for parameters marked `sequence_parallel`
+    (_allreduce_non_tensor_model_parallel_grads), as Megatron's FusedLayerNorm and TE's norms mark theirs."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}, not RMSNorm")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def gpt_layer_spec(config):
+    """Transformer Engine's spec on GPU hosts that have TE (its norms and fused norm-linear layers take
+    sequence parallelism themselves), the local spec otherwise: each layer's spec with megarl's core
+    attention and norms, in a block spec whose final norm is megarl's too (a layer spec would get
+    Megatron's WrappedTorchNorm there, transformer_block.py: LayerNormImpl)."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if accelerator.transformer_engine_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megarl.models.attention import PackedDotProductAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # takes --padding-free rows
-    return spec
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    attention.core_attention = PackedDotProductAttention  # takes --padding-free rows
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if config.qk_layernorm:  # per head, after the gather: summed over TP by name (finalize_model_grads)
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
+def whole_sequence(hidden_states: torch.Tensor, config) -> torch.Tensor:
+    """The final norm's output [s, b, H] over the whole sequence: under sequence parallelism each TP rank
+    holds its s/TP rows, all-gathered here (what Megatron's output layer does to its input). For consumers
+    whose gradient is already whole and the same on every TP rank (megarl/kernels all-reduce their
+    hidden-state gradient over TP; the critic's replicated value head computes the same loss on every
+    rank): the backward keeps this rank's rows of it (tensor_parallel_output_grad=False). An all-reduce
+    and a split where a reduce-scatter would do: once per micro-batch, against two of each per layer."""
+    if not config.sequence_parallel:
+        return hidden_states
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+
+
+def mark_tensor_parallel_weights(model) -> None:
+    """Mark each weight of Megatron's own TP layers (VocabParallelEmbedding, Column-/RowParallelLinear) as
+    split over TP, along its partition dimension, as their initializers do
+    (tensor_parallel/layers.py: _initialize_affine_weight_cpu/_gpu call set_tensor_model_parallel_attributes).
+    Those run only with perform_initialization, which megarl turns off (the weights come from a checkpoint);
+    unmarked, the grad norm (optimizer.py: get_main_grads_for_grad_norm, param_is_not_tensor_parallel_duplicate)
+    counts each such weight as a TP duplicate, from TP rank 0's shard alone: at TP > 1 the norm, and with it
+    --clip-grad, was that of a part of the gradient. (Biases are marked at construction; TE's layers mark
+    their own weights.) Stride 1: no layer of these models interleaves its partitions."""
+    from megatron.core.tensor_parallel import layers, set_tensor_model_parallel_attributes
+
+    dims = ((layers.VocabParallelEmbedding, 0), (layers.ColumnParallelLinear, 0), (layers.RowParallelLinear, 1))
+    for module in model.modules():
+        dim = next((dim for cls, dim in dims if isinstance(module, cls)), None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
@@ -230,7 +298,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     rope_kwargs, late_llama3_scaling = rope_arguments(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(qk_layernorm=family.qk_layernorm),
+        transformer_layer_spec=gpt_layer_spec(config),
         vocab_size=padded_vocab_size(hf_config.vocab_size, divisible_by, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -239,6 +307,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         position_embedding_type="rope",
         **rope_kwargs,
     )
+    mark_tensor_parallel_weights(model)
     if late_llama3_scaling is not None:
         # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
         rotary = model.rotary_pos_emb

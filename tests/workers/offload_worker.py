@@ -46,15 +46,49 @@ def round_trip(make_role, micro_batches, offload: bool) -> dict:
     report = {"steps": [role.train_step(micro_batches)]}
     if offload:
         before = snapshot(role)
+        allocated = _device_bytes()
         role.offload()
         moved = [t for offloader in role.offloaders for t in offloader.tensors()]
         report["offloaded_tensors"] = len(moved)
         report["all_released"] = all(t.untyped_storage().nbytes() == 0 for t in moved)
+        report["device_bytes_released"] = allocated - _device_bytes()
+        hosts = [host for offloader in role.offloaders for host in offloader.host_buffers()]
+        report["host_buffers"] = len(hosts)
+        report["host_pinned"] = bool(hosts) and all(host.is_pinned() for host in hosts)
         role.onload()
         after = snapshot(role)
         report["bit_identical"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
     report["steps"].append(role.train_step(micro_batches))
     return report
+
+
+def _device_bytes() -> int:
+    """Bytes the CUDA caching allocator has handed out on this rank's device (0 on CPU ranks)."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def problems(report: dict, on_cuda: bool) -> list[str]:
+    """What is wrong with main()'s report (empty: the round trip is exact); tests/test_offload.py and the
+    GPU lane (tests/gpu/lane.py, `on_cuda`: the host copies must also be pinned and the device memory
+    handed back) judge it here."""
+    found = []
+    for role in ("actor", "critic"):
+        plain, offloaded = report[role]["plain"], report[role]["offloaded"]
+        if not (offloaded["offloaded_tensors"] > 0 and offloaded["all_released"]):
+            found.append(f"{role}: storages not released ({offloaded})")
+        if not offloaded["bit_identical"]:
+            found.append(f"{role}: parameters or optimizer states changed over the round trip")
+        # The update after an offload round trip is the update without one.
+        if offloaded["steps"] != plain["steps"]:
+            found.append(f"{role}: the steps after the round trip differ: {offloaded['steps']} vs {plain['steps']}")
+        loss_key = "loss" if role == "actor" else "value_loss"
+        if plain["steps"][1][loss_key] == plain["steps"][0][loss_key]:
+            found.append(f"{role}: the first step did not move the model ({loss_key} unchanged)")
+        if on_cuda and not offloaded["host_pinned"]:
+            found.append(f"{role}: host copies not pinned ({offloaded['host_buffers']} buffers)")
+        if on_cuda and not offloaded["device_bytes_released"] > 0:
+            found.append(f"{role}: no device memory handed back ({offloaded['device_bytes_released']} bytes)")
+    return found
 
 
 def write_report(path: str, report: dict) -> None:

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from offload_worker import train_ranks, write_report  # noqa: E402
 
 from megarl import distributed  # noqa: E402
-from megarl.model_runner import make_micro_batches  # noqa: E402
+from megarl.model_runner import make_micro_batches, sequence_multiple  # noqa: E402
 
 
 def main():
@@ -22,7 +22,8 @@ def main():
 
     batch.ref_logprobs = batch.old_logprobs + 0.01 * batch.response_mask
     mine = batch.select(share)
-    micro_batches = make_micro_batches(mine, args.micro_batch_size, 0, packed=args.padding_free)
+    micro_batches = make_micro_batches(mine, args.micro_batch_size, 0, packed=args.padding_free,
+                                       sequence_multiple=sequence_multiple(args))
     actor, critic = Actor(args, hf_config), Critic(args, hf_config)
     logprobs = actor.logprobs(micro_batches, batch.width)[0]
     values = critic.values(micro_batches, batch.width)

@@ -66,39 +66,45 @@ def shape_name(shape) -> str:
     return f"n{n}_r{r}_k{k}_T{temp:g}_{str(x_dtype)[6:]}_out_{str(out_dtype)[6:]}"
 
 
-def _strided(n: int, r: int, dtype, g, scale: float = 3.0) -> torch.Tensor:
-    """[n, r] columns 4.. of a wider [n, r + 9] tensor: the row stride is not r."""
-    return (scale * torch.randn(n, r + 9, generator=g)).to(dtype)[:, 4:4 + r]
+def _strided(n: int, r: int, dtype, g, scale: float = 3.0, device="cpu") -> torch.Tensor:
+    """[n, r] columns 4.. of a wider [n, r + 9] tensor on `device`: the row stride is not r."""
+    return (scale * torch.randn(n, r + 9, generator=g)).to(dtype).to(device)[:, 4:4 + r]
 
 
-def _out(n: int, r: int, dtype) -> torch.Tensor:
+def _out(n: int, r: int, dtype, device="cpu") -> torch.Tensor:
     """A strided gradient buffer whose margin columns must stay 0."""
-    return torch.zeros(n, r + 7, dtype=dtype)[:, 2:2 + r]
+    return torch.zeros(n, r + 7, dtype=dtype, device=device)[:, 2:2 + r]
 
 
-def _problem(n, r, k, dtype, seed):
+def _problem(n, r, k, dtype, seed, device="cpu"):
+    """(the CPU generator the rest of the case draws from, x, labels, ids), the tensors on `device`."""
     g = torch.Generator().manual_seed(seed)
-    x = _strided(n, r, dtype, g)
+    x = _strided(n, r, dtype, g, device=device)
     labels = torch.randint(-3, r + 3, (n,), generator=g)  # some outside the shard: not owned
     ids = torch.rand(n, r + 6, generator=g).argsort(dim=-1)[:, :k] - 3  # distinct per row
-    return g, x, labels, ids
+    return g, x, labels.to(device), ids.to(device)
 
 
-def check_ops() -> dict:
+def check_ops(shapes=SHAPES, device="cpu") -> dict:
+    """{case: error} of every function on every shape, the tensors on `device` (tests/gpu/lane.py runs
+    them compiled on a GPU at the real vocabulary size)."""
     from megarl.kernels import torch_ops as ref
     from megarl.kernels import triton_ops as tri
 
+    def randn(*size, generator):  # drawn on the CPU (the same values on any device), used on `device`
+        return torch.randn(*size, generator=generator).to(device)
+
     report = {}
-    for seed, shape in enumerate(SHAPES):
+    for seed, shape in enumerate(shapes):
         n, r, k, temp, x_dtype, out_dtype = shape
         name = shape_name(shape)
         bf16 = out_dtype == torch.bfloat16
-        g, x, labels, ids = _problem(n, r, k, x_dtype, seed)
+        g, x, labels, ids = _problem(n, r, k, x_dtype, seed, device)
         x_before = x.clone()
 
         def compare_grad(fn_name, variant, run):
             """Both backends' gradients; the Triton one into a strided `out` of out_dtype."""
-            expected, got = _out(n, r, torch.float32), _out(n, r, out_dtype)
+            expected, got = _out(n, r, torch.float32, device), _out(n, r, out_dtype, device)
             run(ref, expected)
             run(tri, got)
             report[f"{fn_name}/{variant}/{name}"] = error(got, expected, bf16)
@@ -109,7 +115,7 @@ def check_ops() -> dict:
         stats = ref.token_stats(x, labels, temp)
         report[f"token_stats/{name}"] = error(tri.token_stats(x, labels, temp), stats)
         m, log_sum, expected = stats[:, 0], stats[:, 1].log(), stats[:, 2] / stats[:, 1]
-        g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        g_lp, g_h = randn(n, generator=g), randn(n, generator=g)
         for variant, (a, c) in {"both": (g_lp, g_h), "lp_only": (g_lp, None), "h_only": (None, g_h)}.items():
             compare_grad("token_grad", variant,
                          lambda ops, out: ops.token_grad(x, labels, temp, m, log_sum, expected, a, c, out))
@@ -120,19 +126,19 @@ def check_ops() -> dict:
         m, log_sum, log_rest = stats[:, 0], stats[:, 1].log(), stats[:, 2].log()
         if n > 2:
             log_rest[2] = torch.inf
-        g_ids, g_tail = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        g_ids, g_tail = randn(n, k, generator=g), randn(n, generator=g)
         for variant, tail in {"tail": g_tail, "no_tail": None}.items():
             compare_grad("topk_grad", variant,
                          lambda ops, out: ops.topk_grad(x, ids, temp, m, log_sum, log_rest, g_ids, tail, out))
 
         # lse_stats and the full divergence; here the student has a -inf and a floored (< -1e4)
         # log-prob, the teacher too (straight-through floor, large finite terms)
-        xs, xt = _strided(n, r, x_dtype, g), _strided(n, r, x_dtype, g)
+        xs, xt = _strided(n, r, x_dtype, g, device=device), _strided(n, r, x_dtype, g, device=device)
         if n > 2 and r > 6:
             xs[0, 3], xs[1, 4], xt[0, 5], xt[2, 6] = -torch.inf, -1e6, -torch.inf, -1e6
         report[f"lse_stats/{name}"] = error(tri.lse_stats(xs, temp), ref.lse_stats(xs, temp))
         log_zs, log_zt = (torch.logsumexp(t.float() / temp, dim=-1) for t in (xs, xt))
-        g_full = torch.randn(n, generator=g)
+        g_full = randn(n, generator=g)
         for beta in (0.0, 0.3, 1.0):
             args = (xs, xt, temp, log_zs, log_zt, beta)
             variant = f"beta{beta:g}/{name}"
@@ -149,20 +155,26 @@ def check_ops() -> dict:
 VOCAB, WIDTH, SHAPE, K, HIDDEN = 120, 128, (1, 7), 4, 16  # 8 padding columns; 7 tokens
 
 
-def _api_inputs(seed: int) -> dict:
+def _api_inputs(seed: int, vocab: int = VOCAB, width: int = WIDTH, shape=SHAPE, k: int = K, hidden: int = HIDDEN,
+                dtype=torch.float32, device="cpu") -> dict:
+    """The inputs of every API_OPS case: `shape` tokens ([1, tokens]) of a `width`-column shard of which
+    `vocab` are real; logits, teacher, hidden and weight in `dtype`, everything on `device` (drawn on the
+    CPU, so the values do not depend on the device)."""
     g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, VOCAB, SHAPE, generator=g)
+    tokens = shape[0] * shape[1]
+    labels = torch.randint(0, vocab, shape, generator=g)
     labels[0, 0] = -100  # no shard owns it
-    mask = torch.ones(SHAPE)
+    mask = torch.ones(shape)
     mask[0, 2] = mask[0, 5] = 0.0
-    ids = torch.stack([torch.randperm(VOCAB, generator=g)[:K] for _ in range(SHAPE[0] * SHAPE[1])]).view(*SHAPE, K)
-    logits = 3 * torch.randn(*SHAPE, WIDTH, generator=g)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(tokens)]).view(*shape, k)
+    logits = 3 * torch.randn(*shape, width, generator=g)
     # Token 1's top-k hold all but exp(-300) of the mass: its tail is floored (no tail gradient).
     logits[0, 1].scatter_(0, ids[0, 1], 300.0)
-    return {"logits": logits, "teacher": 3 * torch.randn(*SHAPE, WIDTH, generator=g), "labels": labels,
-            "ids": ids, "mask": mask,
-            "hidden": torch.randn(*SHAPE, HIDDEN, generator=g),
-            "weight": 3 / HIDDEN**0.5 * torch.randn(WIDTH, HIDDEN, generator=g)}
+    floats = {"logits": logits, "teacher": 3 * torch.randn(*shape, width, generator=g),
+              "hidden": torch.randn(*shape, hidden, generator=g),
+              "weight": 3 / hidden**0.5 * torch.randn(width, hidden, generator=g)}
+    return {"vocab": vocab, "labels": labels.to(device), "ids": ids.to(device), "mask": mask.to(device),
+            **{name: value.to(dtype).to(device) for name, value in floats.items()}}
 
 
 def _run_api(op, case, impl, leaves):
@@ -176,51 +188,66 @@ def _run_api(op, case, impl, leaves):
     loss = 0.0
     for out in outputs:
         mask = case["mask"].view(*case["mask"].shape, *(1,) * (out.dim() - case["mask"].dim()))
-        loss = loss + (mask * torch.randn(out.shape, generator=g) * out).sum()
+        loss = loss + (mask * torch.randn(out.shape, generator=g).to(out.device) * out).sum()
     loss.backward()
     return [o.detach() for o in outputs], [t.grad for t in tensors]
 
 
 API_OPS = {
     "logprobs_and_entropy": (("logits",), lambda k, impl, x, temp, chunk, c: k.logprobs_and_entropy(
-        x, c["labels"], VOCAB, temp, impl, chunk_tokens=chunk)),
+        x, c["labels"], c["vocab"], temp, impl, chunk_tokens=chunk)),
     "logprobs_and_entropy_from_hidden": (("hidden", "weight"), lambda k, impl, h, w, temp, chunk, c:
-                                         k.logprobs_and_entropy_from_hidden(h, w, c["labels"], VOCAB, temp, impl,
-                                                                            chunk_tokens=chunk)),
+                                         k.logprobs_and_entropy_from_hidden(h, w, c["labels"], c["vocab"], temp,
+                                                                            impl, chunk_tokens=chunk)),
     "topk_logprobs": (("logits",), lambda k, impl, x, temp, chunk, c: k.topk_logprobs(
-        x, c["ids"], VOCAB, temp, impl, chunk_tokens=chunk)),
+        x, c["ids"], c["vocab"], temp, impl, chunk_tokens=chunk)),
     "topk_logprobs_weight_shard": (("hidden", "weight"), lambda k, impl, h, w, temp, chunk, c: k.topk_logprobs(
-        h, c["ids"], VOCAB, temp, impl, weight_shard=w, chunk_tokens=chunk)),
+        h, c["ids"], c["vocab"], temp, impl, weight_shard=w, chunk_tokens=chunk)),
     **{f"full_divergence_beta{beta:g}": (("logits",), lambda k, impl, x, temp, chunk, c, beta=beta:
-                                         (k.full_divergence(x, c["teacher"], VOCAB, beta, temp, impl,
+                                         (k.full_divergence(x, c["teacher"], c["vocab"], beta, temp, impl,
                                                             chunk_tokens=chunk),))
        for beta in (0.0, 0.5, 1.0)},
-    "full_kl": (("logits",), lambda k, impl, x, temp, chunk, c: (k.full_kl(x, c["teacher"], VOCAB, temp, impl,
+    "full_kl": (("logits",), lambda k, impl, x, temp, chunk, c: (k.full_kl(x, c["teacher"], c["vocab"], temp, impl,
                                                                           chunk_tokens=chunk),)),
 }
 API_SETTINGS = [(0.7, 3), (1.0, None), (1.3, 7)]  # (temperature, chunk_tokens): 3 does not divide 7 tokens
 
 
-def check_api() -> dict:
-    report = {}
-    for seed, (temp, chunk) in enumerate(API_SETTINGS):
-        case = _api_inputs(seed)
+def api_comparisons(settings=API_SETTINGS, impls=("naive", "triton"), **inputs):
+    """Every API_OPS case at every (temperature, chunk_tokens) setting, impls[1] against impls[0] (the
+    reference), as ("value", case, got, expected) for outputs ("/outputI") and gradients ("/grad_LEAF"),
+    ("masked", case, the gradient at masked tokens, the reference gradient's scale) and ("untouched", case,
+    whether the inputs are unchanged). `inputs`: _api_inputs' sizes, dtype and device."""
+    reference, tested = impls
+    for seed, (temp, chunk) in enumerate(settings):
+        case = _api_inputs(seed, **inputs)
         masked = case["mask"] == 0
         for op_name, (leaves, op) in API_OPS.items():
             name = f"{op_name}/T{temp:g}_chunk{chunk}"
             before = {leaf: case[leaf].clone() for leaf in leaves}
             results = {impl: _run_api(lambda k, i, *t: op(k, i, *t, temp, chunk, case), case, impl, leaves)
-                       for impl in ("naive", "triton")}
-            (out_n, grads_n), (out_t, grads_t) = results["naive"], results["triton"]
+                       for impl in impls}
+            (out_n, grads_n), (out_t, grads_t) = results[reference], results[tested]
             for i, (a, b) in enumerate(zip(out_t, out_n)):
-                report[f"{name}/output{i}"] = error(a, b)
+                yield "value", f"{name}/output{i}", a, b
             for leaf, a, b in zip(leaves, grads_t, grads_n):
-                report[f"{name}/grad_{leaf}"] = error(a, b)
+                yield "value", f"{name}/grad_{leaf}", a, b
             if leaves[0] in ("logits", "hidden"):  # per-token leaves: masked tokens get no gradient
-                report[f"{name}/masked_grad"] = ulps(grads_t[0][masked], 0 * grads_t[0][masked],
-                                                     grads_n[0].abs().max().item())
-            report[f"{name}/inputs_untouched"] = untouched(all(torch.equal(case[leaf], before[leaf])
-                                                               for leaf in leaves))
+                yield "masked", f"{name}/masked_grad", grads_t[0][masked], grads_n[0].abs().max().item()
+            yield "untouched", f"{name}/inputs_untouched", all(torch.equal(case[leaf], before[leaf])
+                                                               for leaf in leaves)
+
+
+def check_api() -> dict:
+    report = {}
+    for kind, name, *values in api_comparisons():
+        if kind == "value":
+            report[name] = error(*values)
+        elif kind == "masked":
+            got, scale = values
+            report[name] = ulps(got, 0 * got, scale)
+        else:
+            report[name] = untouched(values[0])
     return report
 
 
