@@ -81,7 +81,8 @@ def test_shortcut_matches_the_two_pass_path(name, flags, shortcut_steps, tags, t
         result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
                           "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12",
                           "--micro-batch-size", "4", "--lr", "1e-3", "--train-steps", "3", *flags, *extra,
-                          "--log-dir", tmp_path / path, timeout=900)
+                          # the trainer's two paths are compared: the HF backend spares vLLM's import and start
+                          "--rollout-backend", "hf", "--log-dir", tmp_path / path, timeout=900)
         series[path] = scalars(tmp_path / path, [*tags, "on_policy_shortcut"])
         output[path] = result.stdout
     assert "old logprobs: from the update's own forward" in output["shortcut"]
