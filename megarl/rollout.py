@@ -77,6 +77,14 @@ class Sample:
     # `min_tokens` (0: nowhere); the trainer scores the policy under the same constraint (batch.sampler_constraint).
     min_tokens: int = 0
     held_back_ids: tuple[int, ...] = ()
+    # A multi-turn episode (megarl/multiturn.py): the response is every token after the prompt, the policy's
+    # turns and the tool results between them. policy_mask[j] is 1 where response token j is the policy's
+    # own (sampled, with its rollout logprob) and 0 where a tool's result put it (logprob 0, never trained);
+    # None: every response token is the policy's (a single turn).
+    policy_mask: list[int] | None = None
+    # The conversation after the prompt, as chat messages: {"role": "assistant", "content", "tool_calls"}
+    # and {"role": "tool", "name", "content", "error", "seconds"} (what rewards and dumps read); None: one turn.
+    turns: list[dict] | None = None
 
 
 class VllmEngine:
