@@ -72,6 +72,7 @@ class _Episode:
     truncated: bool = False
     done: bool = False
     ended_with_stop: bool = True  # the last turn ended on a stop token (not a --stop string)
+    result: object = None  # the rollout Sample, once the episode has ended
 
     @property
     def turn(self) -> int:
@@ -145,12 +146,11 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
 
     def finish(episode: _Episode):
         episode.done = True
+        # Built once: the scoring (on_prompt_done) writes the reward into the very Sample returned.
+        episode.result = _as_sample(episode)
         remaining[episode.prompt] -= 1
         if remaining[episode.prompt] == 0 and on_prompt_done is not None:
-            on_prompt_done(episode.prompt, _samples_of_prompt(episode.prompt))
-
-    def _samples_of_prompt(i: int) -> list:
-        return [_as_sample(e) for e in episodes[i * n:(i + 1) * n]]
+            on_prompt_done(episode.prompt, [e.result for e in episodes[episode.prompt * n:(episode.prompt + 1) * n]])
 
     def _as_sample(e: _Episode):
         final = next((m["content"] for m in reversed(e.turns) if m["role"] == "assistant"), "")
@@ -221,4 +221,4 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
         waiting[:] = [e for e in waiting if not tools_back(e)]
     if by_request or not all(e.done for e in episodes):
         raise RuntimeError(f"multi-turn: {len(by_request)} requests were never returned by vLLM")
-    return [_as_sample(e) for e in episodes], log, tool_wait
+    return [e.result for e in episodes], log, tool_wait
