@@ -322,6 +322,10 @@ def _add_data_args(parser):
     g.add_argument("--prompt-key", default="prompt", help="verl layout: the column holding the chat")
     g.add_argument("--preprocessor", default=None,
                    help="registered dataset preprocessor (a plugin's) applied to every raw row")
+    g.add_argument("--task-max-operand", type=int, default=None,
+                   help="the built-in arithmetic task's operands are drawn from [0, N] (default 19, what the tiny "
+                        "model learns); a large N (e.g. 10**15) makes the tool task: numbers too long for a small "
+                        "model to add, with --tools calculator or python to add them")
     g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
     g.add_argument("--max-prompt-length", type=int, default=128, help="longest prompt in tokens")
     g.add_argument("--truncation", default="error", choices=["error", "left", "right"],
@@ -665,6 +669,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_teacher_group(args)
     _validate_rollout_backend(args)
     _validate_tools(args)
+    if args.task_max_operand is not None and args.task_max_operand < 1:
+        raise ConfigError(f"--task-max-operand must be >= 1, got {args.task_max_operand}")
     try:
         placement = Placement.from_args(args, world_size)
     except PlacementError as error:

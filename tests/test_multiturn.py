@@ -370,3 +370,30 @@ def test_episodes_on_the_engine(tiny_model, tmp_path):
         assert roles[:2] == ["assistant", "tool"]
         last = max(i for i, role in enumerate(roles) if role == "assistant")
         assert record["response"] == record["conversation"][last]["content"]
+
+
+def test_the_tool_task_lists_the_enabled_tools_to_the_template_and_draws_big_numbers():
+    """--task-max-operand makes the built-in task's numbers too long to add by heart; the prompts list the
+    --tools through the chat template's `tools=` (a template that writes the tools' names, standing in for
+    Qwen's tool section: the tiny model's template ignores them), a row's `tools` field picking among them."""
+    from transformers import AutoTokenizer
+
+    from megarl.arguments import parse_args
+    from megarl.data.datasets import Row, make_prompts
+    from megarl.data.sources import prompt_source
+
+    tokenizer = AutoTokenizer.from_pretrained("artifacts/tiny-qwen2")
+    tokenizer.chat_template = ("{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = parse_args(["--model", "artifacts/tiny-qwen2", "--tools", "calculator,python", "--task-max-operand",
+                       str(10 ** 15), "--max-prompt-length", "120"], world_size=1)
+    prompts = prompt_source(args, tokenizer, None).batch(0)
+    text = tokenizer.decode(prompts[0].ids)
+    assert text.startswith("[calculator;python;]What is ")
+    assert max(len(p.metadata["answer"]) for p in prompts) >= 14
+    rows = [Row("a", [{"role": "user", "content": "x"}], extra={"tools": ["python"]}, origin="f.jsonl:1"),
+            Row("b", [{"role": "user", "content": "y"}], extra={"tools": ["search"]}, origin="f.jsonl:2")]
+    assert tokenizer.decode(make_prompts(rows[:1], tokenizer, tools=args.tools)[0].ids) == "[python;]x"
+    with pytest.raises(Exception, match="f.jsonl:2: field 'tools' names search, not enabled by --tools"):
+        make_prompts(rows, tokenizer, tools=args.tools)
+    assert tokenizer.decode(make_prompts(rows[:1], tokenizer)[0].ids) == "x"  # no --tools: no tools listed

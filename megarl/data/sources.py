@@ -24,15 +24,17 @@ class ArithmeticPrompts:
 
     def __init__(self, args, tokenizer):
         self.args, self.tokenizer = args, tokenizer
+        self.max_operand = args.task_max_operand or arithmetic.MAX_OPERAND
         # The longest problem now, so that a too small --max-prompt-length fails at start, not at a step.
-        top = arithmetic.MAX_OPERAND
+        top = self.max_operand
         arithmetic_prompts([{"prompt": f"What is {top} + {top}?", "answer": str(2 * top)}], tokenizer,
                            args.max_prompt_length, "the built-in task", args.tools)
 
     def batch(self, step: int, attempt: int = 0) -> list[Prompt]:
         """The prompts of `step`; attempt > 0 gives fresh ones for DAPO's extra generation batches."""
         seed = self.args.seed * 1_000_003 + step + attempt * 7_919_993
-        return arithmetic_prompts(arithmetic.make_problems(self.args.prompts_per_step, seed=seed), self.tokenizer,
+        return arithmetic_prompts(arithmetic.make_problems(self.args.prompts_per_step, seed=seed,
+                                                           max_operand=self.max_operand), self.tokenizer,
                                   self.args.max_prompt_length, f"step {step}", self.args.tools)
 
     def state_dict(self) -> dict:
@@ -85,7 +87,9 @@ def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[P
     for name, path in args.eval_datasets.items():
         if path.split(":")[0] == BUILTIN_EVAL:
             count = int(path.split(":")[1]) if ":" in path else 200
-            sets[name] = arithmetic_prompts(arithmetic.make_problems(count, seed=BUILTIN_EVAL_SEED), tokenizer,
+            problems = arithmetic.make_problems(count, seed=BUILTIN_EVAL_SEED,
+                                                max_operand=args.task_max_operand or arithmetic.MAX_OPERAND)
+            sets[name] = arithmetic_prompts(problems, tokenizer,
                                             args.max_prompt_length, f"--eval-dataset {name}", args.tools)
         else:
             try:
