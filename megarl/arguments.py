@@ -802,11 +802,6 @@ def _validate_tools(args) -> None:
         return
     refused = [(args.rollout_backend != "vllm", f"--rollout-backend {args.rollout_backend}: episodes run on "
                                                 "the vLLM engine's request loop"),
-               # The ranks of a TP engine must add every request at the same engine step, and tools finish
-               # when they finish on each rank: that needs the leader's tool results sent to the others
-               # at each step (not written yet).
-               (args.rollout_tensor_parallel_size != 1, f"--rollout-tensor-parallel-size "
-                                                        f"{args.rollout_tensor_parallel_size}: use 1"),
                (args.seq_kd or bool(args.teacher_model and args.gkd_lmbda < 1.0),
                 "--seq-kd / --gkd-lmbda < 1 train on responses the teacher or the dataset wrote in one turn")]
     for bad, why in refused:

@@ -14,7 +14,11 @@ call in flight together:
     as a new request whose prompt is the whole conversation so far (vLLM's prefix cache, where enabled,
     reuses the shared prefix);
   - when nothing is left to generate but tools still run, the loop waits for them (`tool_wait_seconds`:
-    the engine idle).
+    the engine idle);
+  - tensor parallelism: every rank of an engine must enqueue the same requests at the same engine step,
+    and a tool returns when it returns on each rank; so only the engine's leader runs tools, and at each
+    step where some episode waits it broadcasts (vLLM's TP group) which episodes' calls are back, with
+    their results, and every rank takes them up there.
 
 An episode ends when a turn calls no tool, at --max-turns assistant turns (a last turn's calls are not
 run), or when its tokens after the prompt reach the episode budget --max-new-tokens (policy and tool
@@ -158,6 +162,13 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
                       min_tokens=first_turn_min_tokens, held_back_ids=stop_ids if first_turn_min_tokens else (),
                       policy_mask=e.policy_mask, turns=e.turns)
 
+    def tools_back(episode: _Episode) -> list | None:
+        """The leader's poll of an episode's calls: their results once all are back, else None."""
+        for k, handle in enumerate(episode.running):
+            if episode.results[k] is None:
+                episode.results[k] = settings.runner.result(handle)
+        return None if any(r is None for r in episode.results) else episode.results
+
     def turn_done(episode: _Episode, completion):
         token_ids = list(completion.token_ids)
         episode.response_ids += token_ids
@@ -171,23 +182,20 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
             return finish(episode)
         if not calls or episode.turn >= settings.max_turns:
             return finish(episode)
-        context = CallContext(episode.row, prompt_indices[episode.prompt], episode.sample, episode.turn)
         episode.ended_with_stop = bool(token_ids) and token_ids[-1] in stop_ids
-        episode.running = [settings.runner.start(call, context, episode.row.get("tools")) for call in calls]
-        episode.results = [None] * len(calls)
+        if leader:  # the other ranks of a TP engine receive the results (broadcast in the loop below)
+            context = CallContext(episode.row, prompt_indices[episode.prompt], episode.sample, episode.turn)
+            episode.running = [settings.runner.start(call, context, episode.row.get("tools")) for call in calls]
+            episode.results = [None] * len(calls)
         waiting.append(episode)
 
-    def tools_back(episode: _Episode) -> bool:
-        for k, handle in enumerate(episode.running):
-            if episode.results[k] is None:
-                episode.results[k] = settings.runner.result(handle)
-        if any(r is None for r in episode.results):
-            return False
+    def answer(episode: _Episode, results: list):
+        """Append the tool messages of `results` and go on to the next turn (or end, out of budget)."""
         log.append(("tool_done", step, episode.prompt, episode.sample, episode.turn))
-        for result in episode.results:
+        for result in results:
             episode.turns.append({"role": "tool", "name": result.name, "content": result.content,
                                   "error": result.error, "seconds": result.seconds})
-        ids = messages.ids(episode.results, episode.ended_with_stop)
+        ids = messages.ids(results, episode.ended_with_stop)
         room = budget - len(episode.response_ids)
         episode.response_ids += ids[:room]
         episode.policy_mask += [0] * len(ids[:room])
@@ -198,8 +206,10 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
             finish(episode)
         else:
             enqueue(episode)
-        return True
 
+    # The ranks of a TP engine must enqueue each next turn at the same engine step: only the leader runs
+    # tools, and at each step where some episode waits it sends which came back, with their results.
+    leader, group = engine.is_leader, (_tensor_parallel_group() if engine.tp > 1 else None)
     for episode in episodes:
         enqueue(episode)
     core = llm.llm_engine
@@ -209,8 +219,9 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
             step += 1
         else:  # only tools are left: wait for the first of them (or a timeout's deadline)
             started = time.perf_counter()
-            futures = [h.future for e in waiting for h in e.running if not isinstance(h, ToolResult)]
-            concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+            if leader:
+                futures = [h.future for e in waiting for h in e.running if not isinstance(h, ToolResult)]
+                concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
             tool_wait += time.perf_counter() - started
             outputs = []
         for output in outputs:
@@ -218,7 +229,23 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
                 episode = by_request.pop(output.request_id)
                 log.append(("finish", step, episode.prompt, episode.sample, episode.turn + 1))
                 turn_done(episode, output.outputs[0])
-        waiting[:] = [e for e in waiting if not tools_back(e)]
+        if not waiting:
+            continue
+        back = [(k, results) for k, e in enumerate(waiting) if leader and (results := tools_back(e)) is not None]
+        if group is not None:
+            back = group.broadcast_object(back if leader else None, src=0)
+        for k, results in back:
+            waiting[k].running, waiting[k].results = [], []
+            answer(waiting[k], results)
+        answered = {k for k, _ in back}
+        waiting[:] = [e for k, e in enumerate(waiting) if k not in answered]
     if by_request or not all(e.done for e in episodes):
         raise RuntimeError(f"multi-turn: {len(by_request)} requests were never returned by vLLM")
     return [e.result for e in episodes], log, tool_wait
+
+
+def _tensor_parallel_group():
+    """vLLM's tensor-parallel GroupCoordinator of this rank's engine (its leader is TP rank 0)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()

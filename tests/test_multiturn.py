@@ -277,7 +277,8 @@ def test_tool_messages_are_the_template_s_tokens_after_the_assistant_turn():
 
 def test_hostile_programs_through_the_python_tool_end_as_through_the_code_reward():
     """The tool runs programs on the code reward's own pool and limits: each hostile program ends with the same
-    status through both (and never runs to completion)."""
+    status through both (and never runs to completion). The CPU limit is the same limit again
+    (test_sandbox.py's loop), left out here for its 5 s."""
     from concurrent.futures import ThreadPoolExecutor
 
     from megarl.rewards import code
@@ -285,7 +286,6 @@ def test_hostile_programs_through_the_python_tool_end_as_through_the_code_reward
     python = TOOLS["python"].function
     assert python.sandbox_limits == code.LIMITS
     programs = {
-        "loop": "while True:\n    pass",
         "memory": "x = bytearray(10 * 2**30)\nprint('allocated')",
         "network": "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')",
         "escape": "open('/tmp/megarl-escaped', 'w').write('x')\nprint('wrote')",
@@ -309,7 +309,9 @@ def test_hostile_programs_through_the_python_tool_end_as_through_the_code_reward
 # ------------------------------------------------------------ the real engine ----
 @pytest.mark.slow
 def test_episodes_on_the_engine(tiny_model, tmp_path):
-    """tests/workers/multiturn_worker.py, one rank: the tiny model writes no tool calls, so the plugin's
+    """tests/workers/multiturn_worker.py on two ranks, one engine at rollout TP = 2 (the leader runs the tools
+    and sends their results to the other rank at the engine step where they are taken up; both ranks report
+    the same request log and episodes). The tiny model writes no tool calls, so the plugin's
     `always_probe` parser reads each turn as a call of `probe` (tests/plugins/probe_tools.py); the turns
     after it are the engine's own continuations after the template's tool messages.
 
@@ -326,10 +328,11 @@ def test_episodes_on_the_engine(tiny_model, tmp_path):
     out = tmp_path / "report.json"
     torchrun("multiturn_worker.py", out, "--model", tiny_model, "--external-plugins", PLUGIN, "--tools", "probe",
              "--tool-parser", "always_probe", "--max-turns", "3", "--tool-timeout", "60", "--prompts-per-step", "2",
-             "--num-generations", "4", "--max-new-tokens", "128", "--micro-batch-size", "8",
+             "--num-generations", "4", "--max-new-tokens", "128", "--micro-batch-size", "4",
              "--rollout-kv-cache-gb", "0.25", "--kl-coef", "0.1", "--train-steps", "2",
-             "--rollout-save-dir", tmp_path / "dumps", nproc=1, timeout=600)
+             "--rollout-tensor-parallel-size", "2", "--rollout-save-dir", tmp_path / "dumps", nproc=2, timeout=600)
     report = read_json(out)
+    assert report["ranks"] == 2 and report["ranks_agree"]
     log = [tuple(event) for event in report["log"]]
     assert report["released_by_others"] and report["done_order"][-1] == 0
     slow_back = min(i for i, (kind, _, prompt, _, turn) in enumerate(log) if kind == "tool_done" and prompt == 0)

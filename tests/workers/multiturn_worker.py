@@ -1,4 +1,5 @@
-"""torchrun worker (one rank, colocated) of tests/test_multiturn.py: multi-turn episodes on the real engine.
+"""torchrun worker (colocated; the test runs two ranks, one engine at rollout TP = 2) of tests/test_multiturn.py:
+multi-turn episodes on the real engine.
 
 Runs with --external-plugins tests/plugins/probe_tools.py --tools probe --tool-parser always_probe: every
 assistant turn calls `probe` (the tiny model writes no tool calls of its own), --max-turns turns per episode.
@@ -12,6 +13,7 @@ assistant turn calls `probe` (the tiny model writes no tool calls of its own), -
               tool tokens, unmasked, against the 0 the rollout records there (what the mismatch would read
               if they entered it); then update + sync and the same on fresh episodes.
   dump        the step's rollout dump (--rollout-save-dir), read back.
+  ranks       every rank's request log and episodes of the scheduling call, compared (`ranks_agree`).
 Rank 0 writes the report (JSON) to argv[1].
 """
 
@@ -68,6 +70,12 @@ def main():
                                    episodes=run.episodes)
     report = {"log": run.rollout.last_episode_log, "done_order": done_order, "episodes": episodes_report(samples),
               "released_by_others": plugin.RELEASE.is_set()}
+    # With --rollout-tensor-parallel-size 2 both ranks are one engine: the same requests at the same engine
+    # steps, the same tokens and tool messages (the leader ran the tools, the other rank received them).
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, (report["log"], report["episodes"]))
+    report["ranks_agree"] = all(other == every[0] for other in every)
+    report["ranks"] = len(every)
     run.rollout.tool_wait_seconds = 0.0
     batch, report["mismatch_before"] = measure(run, 0)
     batch, _ = phases.compute_advantages(run, batch)
