@@ -59,7 +59,7 @@ def _args(*flags):
                        *flags], world_size=1)
 
 
-def _loss(args, batch, logits):
+def _loss(args, batch, logits, packed=False):
     """ActorLoss on each micro-batch of `batch` (the on-policy shortcut: the mismatch and TIS come from this
     forward), summed; the sums of its metrics."""
     from megarl.loss import ActorLoss, LossTerms
@@ -67,7 +67,7 @@ def _loss(args, batch, logits):
     terms = LossTerms(kl_coef=0.1, on_policy=True)
     loss = ActorLoss(args, VOCAB, terms, output_weight=lambda: None)
     total, sums = 0.0, {}
-    for micro_batch, x in zip(make_micro_batches(batch, 2, 0), logits):
+    for micro_batch, x in zip(make_micro_batches(batch, 2, 0, packed=packed), logits):
         numerator, units, reduced = loss(micro_batch, x, {})
         total = total + numerator / units
         for name, value in reduced["sums"].items():
@@ -84,8 +84,8 @@ def _batch(samples, width_fields=None):
     return batch
 
 
-def _logits(batch):
-    shapes = [b.tokens.shape for b in make_micro_batches(batch, 2, 0)]
+def _logits(batch, packed=False):
+    shapes = [b.tokens.shape for b in make_micro_batches(batch, 2, 0, packed=packed)]
     generator = torch.Generator().manual_seed(5)
     return [torch.randn(*shape, VOCAB, generator=generator).requires_grad_() for shape in shapes]
 
@@ -102,16 +102,18 @@ def test_policy_mask_marks_the_policy_tokens_of_each_response():
         score_and_filter([Sample(0, [1], [4, 5, 6], "", [0.0] * 3, False, policy_mask=[1, 1])], 16)
 
 
-def test_tool_tokens_get_no_gradient_and_do_not_enter_loss_kl_or_mismatch(tp1):
+@pytest.mark.parametrize("packed", [False, True])
+def test_tool_tokens_get_no_gradient_and_do_not_enter_loss_kl_or_mismatch(tp1, packed):
+    """Right-padded rows, and packed ones (--padding-free: several episodes end to end in one row)."""
     args = _args()
     batch = _batch(_samples())
     tool = (batch.policy == 0) & (torch.arange(batch.width)[None, :] < torch.tensor(
         [len(s.response_ids) for s in batch.samples])[:, None])
     assert tool.sum() == 8
-    logits = _logits(batch)
-    total, sums = _loss(args, batch, logits)
+    logits = _logits(batch, packed)
+    total, sums = _loss(args, batch, logits, packed)
     total.backward()
-    micro_batches = make_micro_batches(batch, 2, 0)
+    micro_batches = make_micro_batches(batch, 2, 0, packed=packed)
     scored_tool = 0
     for micro_batch, x in zip(micro_batches, logits):
         for sample, index in enumerate(micro_batch.indices):
@@ -134,7 +136,7 @@ def test_tool_tokens_get_no_gradient_and_do_not_enter_loss_kl_or_mismatch(tp1):
             value = getattr(changed, name).clone()
             value[where] += 0.5
             setattr(changed, name, value)
-        return _loss(args, changed, [x.detach() for x in logits])
+        return _loss(args, changed, [x.detach() for x in logits], packed)
 
     with torch.no_grad():
         same, same_sums = perturbed(tool)
@@ -400,3 +402,24 @@ def test_the_tool_task_lists_the_enabled_tools_to_the_template_and_draws_big_num
     with pytest.raises(Exception, match="f.jsonl:2: field 'tools' names search, not enabled by --tools"):
         make_prompts(rows, tokenizer, tools=args.tools)
     assert tokenizer.decode(make_prompts(rows[:1], tokenizer)[0].ids) == "x"  # no --tools: no tools listed
+
+
+def test_tool_options_are_checked_in_one_line():
+    from megarl.arguments import parse_args
+    from megarl.errors import ConfigError
+
+    def refused(*flags):
+        with pytest.raises(ConfigError) as error:
+            parse_args(["--model", "artifacts/tiny-qwen2", *flags], world_size=1)
+        return str(error.value)
+
+    assert "--tools: search not registered" in refused("--tools", "calculator,search")
+    assert "--tools: --rollout-backend hf" in refused("--tools", "calculator", "--rollout-backend", "hf")
+    assert "--max-turns" in refused("--tools", "calculator", "--max-turns", "0")
+    assert "--tool-timeout" in refused("--tool-timeout", "0")
+    assert "--tools: --seq-kd" in refused("--tools", "calculator", "--teacher-model", "artifacts/tiny-qwen2",
+                                          "--seq-kd")
+    assert "--task-max-operand must be >= 1" in refused("--task-max-operand", "0")
+    args = parse_args(["--model", "artifacts/tiny-qwen2", "--tools", " calculator, python "], world_size=1)
+    assert args.tools == ["calculator", "python"]
+    assert parse_args(["--model", "artifacts/tiny-qwen2"], world_size=1).tools == []
