@@ -225,8 +225,10 @@ def test_every_bad_call_becomes_a_tool_message_with_its_error_kind():
     finally:
         runner.close()
     traces = [[{"role": "assistant"}, {"role": "tool", **vars(r)}, {"role": "assistant"}] for r in results.values()]
-    metrics = tool_metrics([Sample(0, [1], [2], "", [0.0], False, turns=t) for t in traces])
+    metrics = tool_metrics([Sample(0, [1], [2, 3, 4], "", [0.0] * 3, False, policy_mask=[1, 0, 1], turns=t)
+                            for t in traces])
     assert metrics["turns_mean"] == 2.0 and metrics["tool_calls_per_episode"] == 1.0
+    assert (metrics["policy_tokens_mean"], metrics["tool_tokens_mean"]) == (2.0, 1.0)
     assert (metrics["tool_calls_calculator"], metrics["tool_errors_calculator"]) == (3, 3)
     assert (metrics["tool_errors_unknown"], metrics["tool_errors_malformed"]) == (2, 1)
     assert metrics["tool_errors_timeout"] == 1 and metrics["tool_errors_raised"] == 2

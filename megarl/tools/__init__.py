@@ -263,12 +263,18 @@ class ToolRunner:
 
 
 def tool_metrics(samples) -> dict:
-    """The step's tool metrics from its episodes' traces (Sample.turns): turns per episode, tool calls and
-    errors per tool (and per error kind), the tools' seconds. {} when no sample is an episode with tools."""
+    """The step's tool metrics from its episodes' traces (Sample.turns): turns per episode, the policy's and
+    the tools' tokens per episode, tool calls and errors per tool (and per error kind), the tools' seconds.
+    {} when no sample is an episode with tools."""
     episodes = [s.turns for s in samples if s.turns is not None]
     if not episodes:
         return {}
     metrics = {"turns_mean": sum(sum(m["role"] == "assistant" for m in t) for t in episodes) / len(episodes)}
+    # The response length counts both; these say how much of it the policy wrote (what trains).
+    masks = [s.policy_mask for s in samples if s.turns is not None and s.policy_mask is not None]
+    if masks:
+        metrics["policy_tokens_mean"] = sum(sum(m) for m in masks) / len(masks)
+        metrics["tool_tokens_mean"] = sum(len(m) - sum(m) for m in masks) / len(masks)
     calls = [m for t in episodes for m in t if m["role"] == "tool"]
     metrics["tool_calls_per_episode"] = len(calls) / len(episodes)
     metrics["tool_seconds_total"] = sum(m.get("seconds", 0.0) for m in calls)
