@@ -453,11 +453,14 @@ class TrainableModel:
             offloader.onload()
 
     # -------------------------------------------------------- checkpoint ----
-    def sharded_state_dict(self, prefix: str, is_loading: bool) -> dict:
-        """Megatron's sharded model and optimizer state (dist_checkpointing), keys under `prefix`."""
+    def sharded_state_dict(self, prefix: str, is_loading: bool, optimizer: bool = True) -> dict:
+        """Megatron's sharded model and optimizer state (dist_checkpointing), keys under `prefix`; the model
+        alone without `optimizer` (--no-save-optim)."""
         from megarl.models.convert import unwrap
 
         model_state = unwrap(self.model).sharded_state_dict(prefix=f"{prefix}.")
+        if not optimizer:
+            return {f"{prefix}_model": model_state}
         # The distributed optimizer's states in the model's own layout (each parameter's Adam moments
         # and main copy shaped like the parameter, gathered over the data-parallel group on save): loads
         # at another data-parallel, TP or PP size. (Megatron-core 0.16.1 refuses the flattened shards
@@ -472,7 +475,8 @@ class TrainableModel:
 
         model_state = {key.removeprefix(f"{prefix}."): value for key, value in loaded[f"{prefix}_model"].items()}
         unwrap(self.model).load_state_dict(model_state)
-        self.optimizer.load_state_dict(loaded[f"{prefix}_optimizer"])
+        if f"{prefix}_optimizer" in loaded:  # absent when saved with --no-save-optim: Adam starts afresh
+            self.optimizer.load_state_dict(loaded[f"{prefix}_optimizer"])
 
     def state_dict(self) -> dict:
         """What is not in the sharded state: the LR schedule."""

@@ -147,7 +147,12 @@ def load_inputs(args) -> Inputs:
         raise ConfigError(f"--tokenizer {args.tokenizer} has {len(tokenizer)} tokens but --model {args.model} has "
                           f"vocab_size={hf_config.vocab_size} (config.json): the tokenizer is not this model's")
     system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
-    return Inputs(hf_config, tokenizer, prompt_source(args, tokenizer, system_prompt or None),
+    prompts = prompt_source(args, tokenizer, system_prompt or None)
+    if args.train_epochs is not None:  # the run's length follows from the data set's
+        from megarl.arguments import resolve_epochs
+
+        resolve_epochs(args, len(prompts))
+    return Inputs(hf_config, tokenizer, prompts,
                   eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {})
 
 

@@ -242,8 +242,9 @@ def _read_parquet(path: str) -> Iterator[tuple[int, dict]]:
 # ---------------------------------------------------------------- normalise ----
 
 def load_rows(paths, format: str = "auto", prompt_key: str = "prompt",
-              preprocessor: str | None = None) -> list[Row]:
-    """Every row of the files, normalised, in file order. Any bad row raises DatasetError."""
+              preprocessor: str | None = None, id_key: str | None = None) -> list[Row]:
+    """Every row of the files, normalised, in file order. Any bad row raises DatasetError. `id_key`: the
+    column that holds each row's id instead of `id` (verl's data.prompt_id_key)."""
     if format not in FORMATS:
         raise DatasetError(f"unknown dataset format '{format}'; known: {', '.join(FORMATS)}")
     prepare = _preprocessor(preprocessor)
@@ -253,14 +254,27 @@ def load_rows(paths, format: str = "auto", prompt_key: str = "prompt",
             where = f"{path}:{number}"
             if prepare is not None:
                 raw = _apply_preprocessor(prepare, preprocessor, raw, where)
+            if id_key not in (None, "id"):
+                raw = _id_from(raw, id_key, where)
             rows.append(normalize(raw, where, format, prompt_key))
     return rows
 
 
 def load_eval_dataset(paths, format: str = "auto", prompt_key: str = "prompt",
-                      preprocessor: str | None = None) -> list[Row]:
+                      preprocessor: str | None = None, id_key: str | None = None) -> list[Row]:
     """An evaluation set: all rows in file order (no shuffling, no repeats)."""
-    return load_rows(paths, format, prompt_key, preprocessor)
+    return load_rows(paths, format, prompt_key, preprocessor, id_key)
+
+
+def _id_from(raw: dict, id_key: str, where: str) -> dict:
+    """The row with its `id_key` column as its id; a row that has an `id` as well is ambiguous."""
+    if raw.get(id_key) is None:
+        return raw
+    if raw.get("id") is not None:
+        raise DatasetError(f"{where}: both '{id_key}' (--prompt-id-key) and 'id' fields; keep one")
+    raw = dict(raw)
+    raw["id"] = raw.pop(id_key)
+    return raw
 
 
 def _apply_preprocessor(fn, name: str, raw: dict, where: str) -> dict:

@@ -68,7 +68,7 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
     if not args.train_data:
         return ArithmeticPrompts(args, tokenizer)
     rows = load_rows(args.train_data, format=args.data_format, prompt_key=args.prompt_key,
-                     preprocessor=args.preprocessor)
+                     preprocessor=args.preprocessor, id_key=args.prompt_id_key)
     if args.gkd_lmbda < 1.0 and not args.seq_kd:  # some steps train on the rows' own responses
         missing = next((row for row in rows if not (row.extra.get("reference_solution") or row.extra.get("response"))),
                        None)
@@ -94,7 +94,7 @@ def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[P
         else:
             try:
                 rows = load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
-                                         preprocessor=args.preprocessor)
+                                         preprocessor=args.preprocessor, id_key=args.prompt_id_key)
                 sets[name] = make_prompts(rows, tokenizer, system_prompt, args.max_prompt_length, args.truncation,
                                           args.tools)
             except DatasetError as error:  # which set, as well as which file and line
