@@ -328,6 +328,10 @@ def _add_data_args(parser):
                    help="the column holding each row's id (default: 'id'; verl's data.prompt_id_key)")
     g.add_argument("--preprocessor", default=None,
                    help="registered dataset preprocessor (a plugin's) applied to every raw row")
+    g.add_argument("--task-max-operand", type=int, default=None,
+                   help="the built-in arithmetic task's operands are drawn from [0, N] (default 19, what the tiny "
+                        "model learns); a large N (e.g. 10**15) makes the tool task: numbers too long for a small "
+                        "model to add, with --tools calculator or python to add them")
     g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
     g.add_argument("--max-prompt-length", type=int, default=128, help="longest prompt in tokens")
     g.add_argument("--truncation", default="error", choices=["error", "left", "right"],
@@ -366,6 +370,28 @@ def _add_reward_args(parser):
                         "its ranks (and reward worker processes); a rank runs at most its share // (max "
                         "processes x memory limit of a program) programs at once (0: half the host's memory, "
                         "at least one program at a time)")
+
+
+def _add_tool_args(parser):
+    from megarl.tools import TOOL_PARSERS
+
+    g = parser.add_argument_group("tools (multi-turn episodes, megarl/multiturn.py)")
+    g.add_argument("--tools", default="",
+                   help="comma-separated tools the policy may call (built in: calculator, python; plugins register "
+                        "more with megarl.tools.register_tool): each sample becomes a multi-turn episode, tool "
+                        "results between the policy's turns, trained on the policy's tokens only; a dataset row's "
+                        "'tools' list picks among them. Empty: one turn, no tools")
+    g.add_argument("--tool-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from an assistant turn (hermes: Qwen2.5 / Hermes "
+                        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>)")
+    g.add_argument("--max-turns", type=int, default=4,
+                   help="assistant turns per episode at most (a last turn's tool calls are not run); the "
+                        "episode's tokens after the prompt, tool results included, stay within --max-new-tokens")
+    g.add_argument("--tool-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a tool call still running after SECONDS answers the model with a timeout error (counted "
+                        "in tool_errors_timeout) and the episode goes on")
+    g.add_argument("--tool-workers", type=int, default=8,
+                   help="threads running tool calls per rollout rank, beside generation")
 
 
 def _add_eval_args(parser):
@@ -458,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "with megarl.algorithms.register(REGISTRY, name)")
     for add in (_add_model_args, _add_parallelism_args, _add_lora_args, _add_placement_args, _add_rollout_args, _add_algorithm_args,
                 _add_distillation_args, _add_batch_args, _add_critic_args,
-                _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_eval_args, _add_optimizer_args,
+                _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_tool_args, _add_eval_args, _add_optimizer_args,
                 _add_checkpoint_args, _add_logging_args):
         add(parser)
     return parser
@@ -723,6 +749,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                           "buffers after it, and a weight sync rewrites only parameters; use level 1")
     _validate_teacher_group(args)
     _validate_rollout_backend(args)
+    _validate_tools(args)
+    if args.task_max_operand is not None and args.task_max_operand < 1:
+        raise ConfigError(f"--task-max-operand must be >= 1, got {args.task_max_operand}")
     try:
         placement = Placement.from_args(args, world_size)
     except PlacementError as error:
@@ -900,6 +929,31 @@ def _validate_rollout_backend(args) -> None:
     for bad, why in refused:
         if bad:
             raise ConfigError(f"--rollout-backend hf: {why}")
+
+
+def _validate_tools(args) -> None:
+    """--tools: the names as a list (args.tools), each registered; the limits positive; what episodes do
+    not run with refused."""
+    from megarl.tools import TOOLS
+
+    args.tools = [name.strip() for name in args.tools.split(",") if name.strip()] \
+        if isinstance(args.tools, str) else list(args.tools)
+    unknown = [name for name in args.tools if name not in TOOLS]
+    if unknown:
+        raise ConfigError(f"--tools: {', '.join(unknown)} not registered{_closest(unknown[0], TOOLS)}; known: "
+                          f"{', '.join(sorted(TOOLS))}")
+    if args.max_turns < 1 or args.tool_workers < 1 or args.tool_timeout <= 0:
+        raise ConfigError(f"--max-turns and --tool-workers must be >= 1 and --tool-timeout > 0, got "
+                          f"{args.max_turns}, {args.tool_workers} and {args.tool_timeout}")
+    if not args.tools:
+        return
+    refused = [(args.rollout_backend != "vllm", f"--rollout-backend {args.rollout_backend}: episodes run on "
+                                                "the vLLM engine's request loop"),
+               (args.seq_kd or bool(args.teacher_model and args.gkd_lmbda < 1.0),
+                "--seq-kd / --gkd-lmbda < 1 train on responses the teacher or the dataset wrote in one turn")]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"--tools: {why}")
 
 
 LORA_DEFAULT_ALPHA = 32.0  # ms-swift's lora_alpha default

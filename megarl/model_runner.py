@@ -130,12 +130,13 @@ class MicroBatch:
         return out
 
     def response_mask(self) -> torch.Tensor:
-        """[rows, L] 1 on the positions scoring a response token (the response mask, position-aligned)."""
+        """[rows, L] 1 on the positions scoring a response token the policy sampled (the batch's response
+        mask, position-aligned: a tool result's tokens in a multi-turn episode are not, Batch.policy)."""
         mask = torch.zeros(self.tokens.shape, device=self.tokens.device)
         for sample in range(len(self.spans)):
             row, columns = self.response_positions(sample)
             mask[row, columns] = 1.0
-        return mask
+        return mask if self.policy is None else mask * self.policy
 
     def padding_tokens(self) -> int:
         """Positions the model computes that hold no sample's token."""
