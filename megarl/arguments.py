@@ -139,6 +139,11 @@ def _add_lora_args(parser):
                    help="the linears that get adapters: the model family's module names (q_proj k_proj v_proj "
                         "o_proj gate_proj up_proj down_proj), Megatron's fused linears (linear_qkv linear_proj "
                         "linear_fc1 linear_fc2: every module inside), or all-linear")
+    g.add_argument("--lora-export", choices=["adapter", "merged", "both"], default=None,
+                   help="what --save-hf-dir (and tools/export_hf.py --out) holds for a LoRA run: 'adapter', a PEFT "
+                        "adapter directory (adapter_config.json, adapter_model.safetensors) for --model; 'merged', "
+                        "the HF checkpoint with the adapters merged into the base; 'both', the merged checkpoint "
+                        "with the adapter directory in its adapter/ (default with --lora-rank: adapter)")
 
 
 def _add_placement_args(parser):
@@ -767,13 +772,16 @@ def _validate_lora(args) -> None:
     if not args.lora_rank:
         given = [flag for flag, unset in (("--lora-alpha", args.lora_alpha is None),
                                           ("--lora-dropout", args.lora_dropout == 0.0),
-                                          ("--lora-target-modules", targets == ["all-linear"])) if not unset]
+                                          ("--lora-target-modules", targets == ["all-linear"]),
+                                          ("--lora-export", args.lora_export is None)) if not unset]
         if given:
             raise ConfigError(f"{' and '.join(given)} need --lora-rank > 0 (LoRA is off at rank 0)")
         return
     args.lora_target_modules = targets
     if args.lora_alpha is None:
         args.lora_alpha = LORA_DEFAULT_ALPHA
+    if args.lora_export is None:
+        args.lora_export = "adapter"
     if args.lora_alpha <= 0:
         raise ConfigError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
     if not 0.0 <= args.lora_dropout < 1.0:
@@ -807,9 +815,6 @@ def _validate_lora(args) -> None:
         raise ConfigError("--lora-rank is not supported with Transformer Engine's layers yet (its layer-norm-fused "
                           "linears hide the normalised input the adapters take); LoRA runs on Megatron's local "
                           "spec, used where Transformer Engine is not installed")
-    if args.save_dir or args.resume != "none":
-        raise ConfigError("--lora-rank with --save-dir / --resume is not supported yet: checkpoints of LoRA runs "
-                          "are not tested to resume bit-exact")
 
 
 def _validate_teacher_group(args) -> None:

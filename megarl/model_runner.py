@@ -454,9 +454,7 @@ class TrainableModel:
     # -------------------------------------------------------- checkpoint ----
     def sharded_state_dict(self, prefix: str, is_loading: bool) -> dict:
         """Megatron's sharded model and optimizer state (dist_checkpointing), keys under `prefix`."""
-        from megarl.models.convert import unwrap
-
-        model_state = unwrap(self.model).sharded_state_dict(prefix=f"{prefix}.")
+        model_state = model_checkpoint_state(self.model, prefix)
         # The distributed optimizer's states in the model's own layout (each parameter's Adam moments
         # and main copy shaped like the parameter, gathered over the data-parallel group on save): loads
         # at another data-parallel, TP or PP size. (Megatron-core 0.16.1 refuses the flattened shards
@@ -467,11 +465,16 @@ class TrainableModel:
                                                                          metadata=metadata)}
 
     def load_sharded_state_dict(self, loaded: dict, prefix: str) -> None:
-        from megarl.models.convert import unwrap
-
-        model_state = {key.removeprefix(f"{prefix}."): value for key, value in loaded[f"{prefix}_model"].items()}
-        unwrap(self.model).load_state_dict(model_state)
+        load_model_checkpoint_state(self.model, loaded[f"{prefix}_model"], prefix)
         self.optimizer.load_state_dict(loaded[f"{prefix}_optimizer"])
+        # Without Apex or Transformer Engine (CPU), Megatron-core 0.16.1's distributed optimizer gives every
+        # parameter's Adam state one shared `step` tensor on load (optimizer/distrib_optimizer.py:818-825), and
+        # torch's Adam increments each parameter's step in place: the first step after a resume counted it once
+        # per parameter, so the bias corrections and the run were not those of the run that went on.
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for state in part.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
 
     def state_dict(self) -> dict:
         """What is not in the sharded state: the LR schedule."""
@@ -479,6 +482,28 @@ class TrainableModel:
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def model_checkpoint_state(model, prefix: str) -> dict:
+    """The model's part of a checkpoint (Megatron's sharded state dict, keys `{prefix}.{name}`): every
+    parameter, or with LoRA adapters only those (megarl/models/lora.py: the base is --model's)."""
+    from megarl.models import lora
+    from megarl.models.convert import unwrap
+
+    state = unwrap(model).sharded_state_dict(prefix=f"{prefix}.")
+    return lora.adapter_state(model, state, prefix) if lora.adapters_of(model) else state
+
+
+def load_model_checkpoint_state(model, loaded: dict, prefix: str) -> None:
+    """model_checkpoint_state's tensors, loaded, into the model (a LoRA model's base loaded already)."""
+    from megarl.models import lora
+    from megarl.models.convert import unwrap
+
+    state = {key.removeprefix(f"{prefix}."): value for key, value in loaded.items()}
+    if lora.adapters_of(model):
+        lora.load_adapter_state(model, state)
+    else:
+        unwrap(model).load_state_dict(state)
 
 
 class SampledLogprobs:
