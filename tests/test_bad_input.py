@@ -170,6 +170,10 @@ CASES = [
     Case("lora-with-pipeline", lambda d: ["--lora-rank", "8", "--pipeline-model-parallel-size", "2"],
          ["--lora-rank with --pipeline-model-parallel-size 2 is not supported"], world=2),
     Case("lora-export-without-rank", lambda d: ["--lora-export", "merged"], ["--lora-export need --lora-rank > 0"]),
+    Case("lora-sync-without-rank", lambda d: ["--lora-sync", "adapter"], ["--lora-sync need --lora-rank > 0"]),
+    Case("lora-adapter-sync-on-hf-engines", lambda d: ["--lora-rank", "8", "--lora-sync", "adapter",
+                                                       "--rollout-backend", "hf"],
+         ["--lora-sync adapter does not work with --rollout-backend hf", "use --lora-sync merged"]),
     # --- plugins
     Case("plugin-missing", lambda d: ["--external-plugins", str(d / "gone.py")], ["gone.py", "no such file"]),
     Case("plugin-syntax-error", lambda d: ["--external-plugins", write(d / "broken.py", "def f(:\n    pass\n")],

@@ -43,6 +43,17 @@ rollout-vs-trainer mismatch stays at full training's level, ~3e-7 in fp32 and ~2
 tiny model at TP=2, as full training's). `adapters_disabled(model)` switches them off: the reference of a KL term is the
 policy's own base weights (megarl/reference.py), no second copy.
 
+Sync to the rollout engines (--lora-sync): `merged` (the default) sends the whole model with the merged
+weights through the weight sync's strategies, as full training does; `adapter` sends the adapters only
+(`iter_peft_weights`, PEFT's names, gathered whole over TP; Actor.hf_weights) through the same strategies, and
+the engine, started with vLLM's LoRA (`vllm_lora_kwargs`: one slot of the smallest vLLM rank >= r), loads
+them as one adapter replaced in place each sync and runs every request with it (megarl/rollout.py:
+RolloutEngine._load_adapter). vLLM's LoRA computes x A^T B^T scale beside the base's output in its punica
+ops (torch ops on CPU): on the tiny model at TP=2 the mismatch stays at ~3e-7 in fp32, as the merged sync's.
+It moves r (in + out) per adapted linear instead of the whole model, and the engine's base is never
+rewritten, but every forward of the engine pays the LoRA kernels (bench/weight_sync.py --lora-rank prints
+both). Not with --rollout-backend hf or a colocated --teacher-model (the engines would serve its weights).
+
 Checkpoints hold the adapters only: the policy's sharded state (megarl/checkpoint.py's dist/) is the
 adapters and their optimizer state (Adam's moments; with the distributed optimizer also its fp32 main
 copies), under the same keys as in a full checkpoint, so Megatron reshards them to another TP or DP size on
@@ -418,10 +429,7 @@ def save_peft_adapter(model, config: LoraConfig, out_dir: str, base_model: str, 
     """Write the adapters as a PEFT LoRA directory (adapter_config.json, adapter_model.safetensors, the
     tokenizer) that peft's PeftModel.from_pretrained and vLLM's LoRA load on `base_model`; collective over the
     train ranks, `is_writer` writes. Written into `<out_dir>.tmp` and renamed when complete."""
-    import json
     import shutil
-
-    from safetensors.torch import save_file
 
     from megarl.models.convert import replace_directory
 
@@ -430,16 +438,35 @@ def save_peft_adapter(model, config: LoraConfig, out_dir: str, base_model: str, 
         return
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(tensors, os.path.join(tmp, PEFT_ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    write_peft_adapter(tensors, config, tmp, base_model)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    replace_directory(tmp, out_dir)
+
+
+def write_peft_adapter(tensors: dict[str, torch.Tensor], config: LoraConfig, directory: str, base_model: str) -> None:
+    """iter_peft_weights' tensors (whole, on the host) and their adapter_config.json into `directory`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, PEFT_ADAPTER_WEIGHTS), metadata={"format": "pt"})
     adapter_config = {  # the fields of peft's LoraConfig that describe these adapters; peft's defaults otherwise
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": os.path.abspath(base_model),
         "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout,
         "target_modules": list(config.targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
-    with open(os.path.join(tmp, PEFT_ADAPTER_CONFIG), "w") as f:
+    with open(os.path.join(directory, PEFT_ADAPTER_CONFIG), "w") as f:
         json.dump(adapter_config, f, indent=1)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    replace_directory(tmp, out_dir)
+
+
+# vLLM's LoRA slots come in these ranks (vllm/config/lora.py, MaxLoRARanks); a smaller adapter is padded.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_kwargs(rank: int) -> dict:
+    """--lora-sync adapter: the rollout engine's LoRA settings, one adapter slot of the smallest rank that holds
+    `rank` (megarl/rollout.py: RolloutEngine)."""
+    return dict(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
