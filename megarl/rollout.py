@@ -243,6 +243,8 @@ class EngineMemory:
 class RolloutEngine(EngineMemory, VllmEngine):
     """The rollout role: generates the student's samples and takes the trainer's weights."""
 
+    adapter = None  # --lora-sync adapter: the adapters' LoraConfig (the engine takes adapters, not weights)
+
     def __init__(self, args, engines, rank: int, colocated: bool):
         """`colocated`: the engine shares its devices with the trainer and sleeps while it trains; an
         engine of the separate placement never sleeps, so it is built without vLLM's sleep mode (whose
@@ -250,7 +252,6 @@ class RolloutEngine(EngineMemory, VllmEngine):
         super().__init__(args, engines, rank, args.rollout_model, args.seed,
                          args.max_prompt_length + args.max_new_tokens, rollout_engine_kwargs(args, colocated))
         self.asleep: set[str] = set()  # the SLEEP_TAGS now asleep: vLLM's sleep_mode wakes one part at a time
-        self.adapter = None  # --lora-sync adapter: the adapters' LoraConfig
         if args.lora_rank and args.lora_sync == "adapter":
             from transformers import AutoConfig
 
