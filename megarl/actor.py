@@ -91,5 +91,15 @@ class Actor(TrainableModel, SampledLogprobs):
         return loss.metrics(sums, grad_norm, self.lr)
 
     def hf_weights(self, bucket_bytes: int):
-        """(HF name, tensor) pairs of the whole policy; collective over the train ranks."""
-        return iter_hf_weights(self.model, self.hf_config, bucket_bytes)
+        """What the weight sync sends (policy_weights); collective over the train ranks."""
+        return policy_weights(self.model, self.hf_config, self.args, bucket_bytes)
+
+
+def policy_weights(model, hf_config, args, bucket_bytes: int):
+    """(HF name, tensor) pairs of the whole policy (with LoRA, the adapters merged), or with --lora-sync adapter
+    of its adapters only, in PEFT's names (the engine serves them on its unchanged base: RolloutEngine)."""
+    if args.lora_rank and args.lora_sync == "adapter":
+        from megarl.models.lora import iter_peft_weights
+
+        return iter_peft_weights(model, bucket_bytes)
+    return iter_hf_weights(model, hf_config, bucket_bytes)

@@ -140,6 +140,15 @@ def _add_lora_args(parser):
                    help="the linears that get adapters: the model family's module names (q_proj k_proj v_proj "
                         "o_proj gate_proj up_proj down_proj), Megatron's fused linears (linear_qkv linear_proj "
                         "linear_fc1 linear_fc2: every module inside), or all-linear")
+    g.add_argument("--lora-export", choices=["adapter", "merged", "both"], default=None,
+                   help="what --save-hf-dir (and tools/export_hf.py --out) holds for a LoRA run: 'adapter', a PEFT "
+                        "adapter directory (adapter_config.json, adapter_model.safetensors) for --model; 'merged', "
+                        "the HF checkpoint with the adapters merged into the base; 'both', the merged checkpoint "
+                        "with the adapter directory in its adapter/ (default with --lora-rank: adapter)")
+    g.add_argument("--lora-sync", choices=["merged", "adapter"], default=None,
+                   help="how the rollout engines get the policy after each update: 'merged', the changed layers' "
+                        "W + scale * B A through the weight sync; 'adapter', only the adapters, served by vLLM's LoRA "
+                        "support on the unchanged base (default with --lora-rank: merged)")
 
 
 def _add_placement_args(parser):
@@ -968,13 +977,29 @@ def _validate_lora(args) -> None:
     if not args.lora_rank:
         given = [flag for flag, unset in (("--lora-alpha", args.lora_alpha is None),
                                           ("--lora-dropout", args.lora_dropout == 0.0),
-                                          ("--lora-target-modules", targets == ["all-linear"])) if not unset]
+                                          ("--lora-target-modules", targets == ["all-linear"]),
+                                          ("--lora-export", args.lora_export is None),
+                                          ("--lora-sync", args.lora_sync is None)) if not unset]
         if given:
             raise ConfigError(f"{' and '.join(given)} need --lora-rank > 0 (LoRA is off at rank 0)")
         return
     args.lora_target_modules = targets
     if args.lora_alpha is None:
         args.lora_alpha = LORA_DEFAULT_ALPHA
+    if args.lora_export is None:
+        args.lora_export = "adapter"
+    if args.lora_sync is None:
+        args.lora_sync = "merged"
+    if args.lora_sync == "adapter":
+        from megarl.models.lora import VLLM_LORA_RANKS
+
+        for refused, why in ((args.rollout_backend == "hf", "--rollout-backend hf (vLLM's LoRA serves the adapters)"),
+                             (args.lora_rank > VLLM_LORA_RANKS[-1], f"--lora-rank above {VLLM_LORA_RANKS[-1]}, "
+                                                                     f"vLLM's largest LoRA rank"),
+                             (bool(args.teacher_model), "a colocated --teacher-model (the rollout engines serve "
+                                                        "its whole weights for --seq-kd and its evaluation)")):
+            if refused:
+                raise ConfigError(f"--lora-sync adapter does not work with {why}: use --lora-sync merged")
     if args.lora_alpha <= 0:
         raise ConfigError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
     if not 0.0 <= args.lora_dropout < 1.0:
@@ -1008,9 +1033,6 @@ def _validate_lora(args) -> None:
         raise ConfigError("--lora-rank is not supported with Transformer Engine's layers yet (its layer-norm-fused "
                           "linears hide the normalised input the adapters take); LoRA runs on Megatron's local "
                           "spec, used where Transformer Engine is not installed")
-    if args.save_dir or args.resume != "none":
-        raise ConfigError("--lora-rank with --save-dir / --resume is not supported yet: checkpoints of LoRA runs "
-                          "are not tested to resume bit-exact")
 
 
 def _validate_teacher_group(args) -> None:

@@ -14,7 +14,8 @@ Layout of --save-dir:
                               scored during this step by the rollout ranks (see below)
         hf_config/            the policy's HF config and tokenizer (for tools/export_hf.py)
         state.json            step, each role's state (LR schedule), the run's (KL
-                              controller, data position, weight version), seeds; written last
+                              controller, data position, weight version), seeds; with
+                              LoRA the adapters' shape and their base (`lora`); written last
     .partial_step_00000012/   a checkpoint being written
 
 Publishing: every rank writes into `.partial_step_N`, all ranks meet, then rank 0
@@ -27,7 +28,8 @@ fails (a full disk) fails on every rank after the same collectives, with one lin
 (CheckpointWriteError) naming the checkpoint; the previous ones are untouched.
 
 What is not saved, because it is rebuilt exactly: the reference model (from
---ref-model), the rollout engines (they receive the policy by a weight sync right
+--ref-model), a LoRA policy's frozen base (from --model: dist/ holds its adapters and their
+optimizer state; megarl/models/lora.py), the rollout engines (they receive the policy by a weight sync right
 after loading, which is not a new weight version), sampling state (each generate
 call reseeds from --seed and the step; see RolloutEngine.generate), and the prompts
 (a function of --seed and the step, plus the data position saved here).
@@ -244,9 +246,9 @@ def load(run, path: str) -> int:
     """Restore the run from checkpoint `path`; returns the number of completed steps."""
     from megatron.core import dist_checkpointing
 
-    with open(os.path.join(path, "state.json")) as f:
-        state = json.load(f)
+    state = read_state(path)
     _check_optimizer_layout(state.get("parallel", {}), run.args, path)
+    _check_lora(state.get("lora"), run, path)
     trainables = run.trainables()
     if trainables:
         saved = state["roles"]
@@ -305,19 +307,33 @@ def _check_optimizer_layout(saved: dict, args, path: str) -> None:
             f"resume {flag}")
 
 
+def _check_lora(saved: dict | None, run, path: str) -> None:
+    """A LoRA checkpoint holds adapters of one shape on one base (state.json's `lora`); a full one, every weight."""
+    from megarl.models import lora
+
+    config = lora.lora_config(run.args, run.hf_config) if run.args.lora_rank else None
+    why = lora.checkpoint_mismatch(saved, run.args, config)
+    if why:
+        raise CheckpointMismatchError(f"--resume {path}: {why}")
+
+
 def load_model_weights(module, path: str, name: str = "policy") -> None:
     """Only the weights of one model (`policy` or `critic`) from checkpoint `path`, into a
-    GPTModel built at any TP/PP (the HF exporter's path; no optimizer needed)."""
+    GPTModel built at any TP/PP (the HF exporter's path; no optimizer needed). A LoRA checkpoint's
+    adapters go into a model with its base loaded and adapters applied."""
     from megatron.core import dist_checkpointing
 
+    from megarl.model_runner import load_model_checkpoint_state, model_checkpoint_state
+
     key = f"{name}_model"
-    loaded = dist_checkpointing.load({key: module.sharded_state_dict(prefix=f"{name}.")}, os.path.join(path, "dist"))
-    module.load_state_dict(_strip_prefix(loaded[key], name))
+    loaded = dist_checkpointing.load({key: model_checkpoint_state(module, name)}, os.path.join(path, "dist"))
+    load_model_checkpoint_state(module, loaded[key], name)
 
 
-def _strip_prefix(state: dict, name: str) -> dict:
-    """Checkpoint keys are prefixed by the model's name (policy and critic share parameter names)."""
-    return {key.removeprefix(f"{name}."): value for key, value in state.items()}
+def read_state(path: str) -> dict:
+    """Checkpoint `path`'s state.json."""
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)
 
 
 def _run_state(run, completed_steps: int, in_flight: dict | None) -> dict:
@@ -335,7 +351,14 @@ def _run_state(run, completed_steps: int, in_flight: dict | None) -> dict:
                      "context_parallel_size": args.context_parallel_size,
                      "use_distributed_optimizer": args.use_distributed_optimizer, "params_dtype": args.params_dtype,
                      "train_gpus": args.train_gpus, "rollout_gpus": args.rollout_gpus},
+        **({"lora": _lora_record(run)} if args.lora_rank else {}),
     }
+
+
+def _lora_record(run) -> dict:
+    from megarl.models import lora
+
+    return lora.checkpoint_record(run.args, lora.lora_config(run.args, run.hf_config))
 
 
 def _save_hf_config(run, directory: str) -> None:
@@ -363,9 +386,24 @@ def _prune(save_dir: str, keep: int) -> None:
 
 def save_hf(run, out_dir: str) -> None:
     """The current policy as an HF checkpoint (an export, not a resumable checkpoint), written by train
-    rank 0; collective over the train ranks."""
+    rank 0; collective over the train ranks. With LoRA, what --lora-export asks for (export_policy)."""
     if run.actor is not None:
-        from megarl.models.convert import save_hf_checkpoint
+        export_policy(run.actor.model, run.args, run.hf_config, out_dir, run.tokenizer, run.is_main)
 
-        save_hf_checkpoint(run.actor.model, run.hf_config, out_dir, tokenizer=run.tokenizer,
-                           is_writer=run.is_main, source_dir=run.args.model)
+
+def export_policy(model, args, hf_config, out_dir: str, tokenizer, is_writer: bool, base_model: str | None = None):
+    """--save-hf-dir's export of `model` (and tools/export_hf.py's): the HF checkpoint; with LoRA, per
+    --lora-export, the PEFT adapter directory (`adapter`), the HF checkpoint with the adapters merged into the
+    base (`merged`), or that with the adapter directory in its `adapter/` (`both`). `base_model`: the base's
+    HF directory (default --model)."""
+    from megarl.models import lora
+    from megarl.models.convert import save_hf_checkpoint
+
+    base_model = base_model or args.model
+    mode = args.lora_export if args.lora_rank else "merged"
+    if mode in ("merged", "both"):
+        save_hf_checkpoint(model, hf_config, out_dir, tokenizer=tokenizer, is_writer=is_writer, source_dir=base_model)
+    if mode in ("adapter", "both"):
+        lora.save_peft_adapter(model, lora.lora_config(args, hf_config),
+                               out_dir if mode == "adapter" else os.path.join(out_dir, "adapter"), base_model,
+                               tokenizer=tokenizer, is_writer=is_writer)

@@ -456,9 +456,7 @@ class TrainableModel:
     def sharded_state_dict(self, prefix: str, is_loading: bool, optimizer: bool = True) -> dict:
         """Megatron's sharded model and optimizer state (dist_checkpointing), keys under `prefix`; the model
         alone without `optimizer` (--no-save-optim)."""
-        from megarl.models.convert import unwrap
-
-        model_state = unwrap(self.model).sharded_state_dict(prefix=f"{prefix}.")
+        model_state = model_checkpoint_state(self.model, prefix)
         if not optimizer:
             return {f"{prefix}_model": model_state}
         # The distributed optimizer's states in the model's own layout (each parameter's Adam moments
@@ -471,11 +469,9 @@ class TrainableModel:
                                                                          metadata=metadata)}
 
     def load_sharded_state_dict(self, loaded: dict, prefix: str) -> None:
-        from megarl.models.convert import unwrap
-
-        model_state = {key.removeprefix(f"{prefix}."): value for key, value in loaded[f"{prefix}_model"].items()}
-        unwrap(self.model).load_state_dict(model_state)
+        load_model_checkpoint_state(self.model, loaded[f"{prefix}_model"], prefix)
         if f"{prefix}_optimizer" in loaded:  # absent when saved with --no-save-optim: Adam starts afresh
+            # (the distributed optimizer's shared Adam step on load is fixed in accelerator.py)
             self.optimizer.load_state_dict(loaded[f"{prefix}_optimizer"])
 
     def state_dict(self) -> dict:
@@ -484,6 +480,28 @@ class TrainableModel:
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def model_checkpoint_state(model, prefix: str) -> dict:
+    """The model's part of a checkpoint (Megatron's sharded state dict, keys `{prefix}.{name}`): every
+    parameter, or with LoRA adapters only those (megarl/models/lora.py: the base is --model's)."""
+    from megarl.models import lora
+    from megarl.models.convert import unwrap
+
+    state = unwrap(model).sharded_state_dict(prefix=f"{prefix}.")
+    return lora.adapter_state(model, state, prefix) if lora.adapters_of(model) else state
+
+
+def load_model_checkpoint_state(model, loaded: dict, prefix: str) -> None:
+    """model_checkpoint_state's tensors, loaded, into the model (a LoRA model's base loaded already)."""
+    from megarl.models import lora
+    from megarl.models.convert import unwrap
+
+    state = {key.removeprefix(f"{prefix}."): value for key, value in loaded.items()}
+    if lora.adapters_of(model):
+        lora.load_adapter_state(model, state)
+    else:
+        unwrap(model).load_state_dict(state)
 
 
 class SampledLogprobs:

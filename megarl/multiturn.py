@@ -145,7 +145,7 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
         # Outputs carry LLM's own request number (its counter), not the engine's id that enqueue returns.
         by_request[str(llm.request_counter.counter)] = episode
         llm.enqueue([TokensPrompt(prompt_token_ids=episode.prompt_ids + episode.response_ids)], [request],
-                    use_tqdm=False)
+                    lora_request=engine.lora_request, use_tqdm=False)  # the policy's adapter (--lora-sync adapter)
         log.append(("add", step, episode.prompt, episode.sample, turn))
 
     def finish(episode: _Episode):

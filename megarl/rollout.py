@@ -126,6 +126,7 @@ class VllmEngine:
         self.seeds_per_request = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
         self.tool_wait_seconds = 0.0  # idle, waiting on tools only, since the generate phase last reported it
         self.last_episode_log: list = []
+        self.lora_request = None  # the LoRA adapter every request runs with (--lora-sync adapter), once synced
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
@@ -173,13 +174,13 @@ class VllmEngine:
             return samples
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         if on_prompt_done is None:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
             return [s for index, prompt, output in zip(prompt_indices, prompts, outputs)
                     for s in _samples_of(index, prompt, output, *constraint)]
         # LLM.generate is enqueue + this loop (vLLM's _run_engine), with each finished request handed on.
         # Outputs carry LLM's own request numbers, consecutive from its counter (_run_engine sorts by them).
         first = self.llm.request_counter.counter
-        self.llm.enqueue(requests, params, use_tqdm=False)
+        self.llm.enqueue(requests, params, lora_request=self.lora_request, use_tqdm=False)
         per_prompt = [None] * len(prompts)
         engine = self.llm.llm_engine
         while engine.has_unfinished_requests():
@@ -269,6 +270,8 @@ class EngineMemory:
 class RolloutEngine(EngineMemory, VllmEngine):
     """The rollout role: generates the student's samples and takes the trainer's weights."""
 
+    adapter = None  # --lora-sync adapter: the adapters' LoraConfig (the engine takes adapters, not weights)
+
     def __init__(self, args, engines, rank: int, colocated: bool):
         """`colocated`: the engine shares its devices with the trainer and sleeps while it trains; an
         engine of the separate placement never sleeps, so it is built without vLLM's sleep mode (whose
@@ -276,6 +279,12 @@ class RolloutEngine(EngineMemory, VllmEngine):
         super().__init__(args, engines, rank, args.rollout_model, args.seed,
                          args.max_prompt_length + args.max_new_tokens, rollout_engine_kwargs(args, colocated))
         self.asleep: set[str] = set()  # the SLEEP_TAGS now asleep: vLLM's sleep_mode wakes one part at a time
+        if args.lora_rank and args.lora_sync == "adapter":
+            from transformers import AutoConfig
+
+            from megarl.models.lora import lora_config
+
+            self.adapter = lora_config(args, AutoConfig.from_pretrained(args.model))
 
     def load_weights(self, weights) -> None:
         """Stream (hf_name, tensor) pairs into the engine (any TP: vLLM shards them itself).
@@ -288,8 +297,35 @@ class RolloutEngine(EngineMemory, VllmEngine):
         resident to be written), not its KV cache.
         """
         self.onload(tags=["weights"])
-        self.llm.collective_rpc(_load_in_place, kwargs=dict(weights=weights))
-        self.llm.reset_prefix_cache()
+        if self.adapter is not None:
+            self._load_adapter(weights)
+        else:
+            self.llm.collective_rpc(_load_in_place, kwargs=dict(weights=weights))
+        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+
+    def _load_adapter(self, weights) -> None:
+        """--lora-sync adapter: `weights` are the policy's adapters (Actor.hf_weights: PEFT's names, whole),
+        and the engine serves them on its unchanged base with vLLM's LoRA (the punica kernels; on CPU their
+        torch ops). vLLM loads an adapter from a PEFT directory: it is written to a temporary one, loaded
+        under one adapter id in place of the previous version (`load_inplace`), and removed: vLLM keeps the
+        one adapter in memory (max_loras = max_cpu_loras = 1, never evicted) and does not read it again."""
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        from megarl.models.lora import write_peft_adapter
+
+        directory = tempfile.mkdtemp(prefix="megarl-lora-")
+        try:
+            write_peft_adapter({name: tensor.detach().to("cpu", copy=True) for name, tensor in weights},
+                               self.adapter, directory, self.args.model)
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, directory, load_inplace=True))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        # The requests' own copy does not reload: vLLM loads a request's adapter in place on every engine step
+        # when it says load_inplace (lora/worker_manager.py, add_adapter).
+        self.lora_request = LoRARequest("policy", 1, directory)
 
     # The verbs every role uses for its device memory: EngineMemory's bookkeeping, vLLM's sleep and wake-up
     # underneath (skipped on CPU, where vLLM has no sleep mode).
@@ -310,9 +346,12 @@ class RolloutEngine(EngineMemory, VllmEngine):
 def rollout_engine_kwargs(args, colocated: bool) -> dict:
     """The rollout engine's memory settings (vLLM's sleep mode only when `colocated`), then
     --rollout-engine-kwargs over them."""
+    from megarl.models.lora import vllm_lora_kwargs
+
+    lora = vllm_lora_kwargs(args.lora_rank) if args.lora_rank and args.lora_sync == "adapter" else {}
     return {**accelerator.vllm_engine_kwargs(args.rollout_kv_cache_gb, args.rollout_gpu_memory_utilization,
                                              sleep_mode=colocated),
-            **args.rollout_engine_kwargs}
+            **lora, **args.rollout_engine_kwargs}
 
 
 def _load_in_place(worker, weights) -> None:

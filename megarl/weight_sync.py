@@ -24,6 +24,10 @@ placement needs from `WEIGHT_SYNC_STRATEGIES`:
              of the received buckets into its engine. Rollout engines of
              a separate placement never sleep, so there is nothing to wake.
 
+What streams is `Actor.hf_weights`: the whole model (with LoRA its merged weights), or with
+--lora-sync adapter only the LoRA adapters, which the engine serves with vLLM's LoRA
+(megarl/models/lora.py); the strategies move either alike.
+
 The broadcast strategy keeps its bucket plan (names, shapes, dtypes, offsets)
 and two flat buffers from the first sync on; the metadata travels once. vLLM shards what it receives for its own TP size,
 so train TP and rollout TP are independent.

@@ -158,7 +158,7 @@ CASES = [
          ["needs 3 ranks", "2 were launched"], world=2),
     Case("rollout-tp-too-big", lambda d: ["--rollout-tensor-parallel-size", "4"],
          ["rollout.tensor_parallel_size=4"], world=2),
-    # --- LoRA (every case here also gets --save-dir: the refusal of LoRA checkpoints comes last)
+    # --- LoRA
     Case("lora-target-the-family-lacks", lambda d: ["--lora-rank", "8", "--lora-target-modules", "q_proj", "c_attn"],
          ["--lora-target-modules 'c_attn'", "qwen2 family has no such linear", "q_proj", "all-linear"]),
     Case("lora-alpha-without-rank", lambda d: ["--lora-alpha", "16"], ["--lora-alpha need --lora-rank > 0"]),
@@ -169,7 +169,11 @@ CASES = [
          ["--ref-model", "--lora-rank", "the policy's base", "drop --ref-model"]),
     Case("lora-with-pipeline", lambda d: ["--lora-rank", "8", "--pipeline-model-parallel-size", "2"],
          ["--lora-rank with --pipeline-model-parallel-size 2 is not supported"], world=2),
-    Case("lora-with-checkpoints", lambda d: ["--lora-rank", "8"], ["--lora-rank with --save-dir", "not supported"]),
+    Case("lora-export-without-rank", lambda d: ["--lora-export", "merged"], ["--lora-export need --lora-rank > 0"]),
+    Case("lora-sync-without-rank", lambda d: ["--lora-sync", "adapter"], ["--lora-sync need --lora-rank > 0"]),
+    Case("lora-adapter-sync-on-hf-engines", lambda d: ["--lora-rank", "8", "--lora-sync", "adapter",
+                                                       "--rollout-backend", "hf"],
+         ["--lora-sync adapter does not work with --rollout-backend hf", "use --lora-sync merged"]),
     # --- plugins
     Case("plugin-missing", lambda d: ["--external-plugins", str(d / "gone.py")], ["gone.py", "no such file"]),
     Case("plugin-syntax-error", lambda d: ["--external-plugins", write(d / "broken.py", "def f(:\n    pass\n")],

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume after SIGKILL, SIGTERM saves and exits, a checkpoint cut short is never
-resumed from, resume and HF export at another TP size (real torchrun, 2 ranks, the tiny model)."""
+resumed from, resume and HF export at another TP size, a LoRA run's exact resume and its exports
+(real torchrun, 2 ranks, the tiny model)."""
 
 import pytest
 import os
@@ -10,7 +11,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, scalars, torchrun
+from helpers import ROOT, ROUNDING_LEVEL, scalars, torchrun
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
@@ -96,3 +97,41 @@ def test_resume_and_export_at_another_tensor_parallel_size(tiny_model, tmp_path)
         assert all(torch.equal(tensors[name], reference[name]) for name in reference), exported
     before = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert not all(torch.equal(before[name], reference[name]) for name in reference)  # training changed it
+
+
+def test_lora_grpo_samples_from_the_merged_weights_resumes_exactly_and_exports(tiny_model, tmp_path):
+    """--lora-rank 8 on TP=2 trainer ranks (colocated) with a KL term and the distributed optimizer, 4 steps
+    straight, saving after step 2:
+    - after each update's sync the engines sample from the merged weights (the rollout-vs-trainer mismatch at
+      rounding level, as in full training; with the merge skipped it reads 5e-2 at this learning rate); the
+      KL to the reference (the base, adapters off) is exactly 0 before the first update, positive after;
+    - resumed from step 2's checkpoint (adapters and their optimizer state only), steps 3 and 4 are the
+      straight run's bit for bit, and so is the final adapter (--save-hf-dir, --lora-export adapter);
+    - tools/export_hf.py at TP=1 writes that adapter again from the last checkpoint (the base from the recorded
+      --model) and the merged weights, which differ from --model in the adapted projections only."""
+    lora = ["--train-steps", "4", "--lora-rank", "8", "--kl-coef", "0.05", "--lr", "1e-2",
+            "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+    _run(tiny_model, tmp_path, "straight", *lora, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
+         "--save-keep", "0", "--save-hf-dir", tmp_path / "adapter_straight")
+    tags = COMPARED + ("kl_ref",)
+    straight = scalars(tmp_path / "tb_straight", tags)
+    assert sorted(straight["mismatch"]) == [0, 1, 2, 3] and max(straight["mismatch"].values()) <= ROUNDING_LEVEL, \
+        straight["mismatch"]
+    assert straight["kl_ref"][0] == 0.0 and min(straight["kl_ref"][s] for s in (1, 2, 3)) > 0.0, straight["kl_ref"]
+    assert straight["loss"][3] != straight["loss"][2]
+    resumed = _run(tiny_model, tmp_path, "resumed", *lora, "--resume", tmp_path / "ckpt" / "step_00000002",
+                   "--save-dir", tmp_path / "ckpt_resumed", "--save-hf-dir", tmp_path / "adapter_resumed")
+    assert "after step 2" in resumed.stdout
+    resumed_log = scalars(tmp_path / "tb_resumed", tags)
+    for tag in tags:
+        assert sorted(resumed_log[tag]) == [2, 3], (tag, resumed_log[tag])
+        assert [resumed_log[tag][s] for s in (2, 3)] == [straight[tag][s] for s in (2, 3)], tag
+    torchrun("../../tools/export_hf.py", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "exported",
+             "--lora-export", "both", timeout=600)
+    adapter = load_file(tmp_path / "adapter_straight" / "adapter_model.safetensors")
+    assert len(adapter) == 2 * 7 * 2 and any(name.endswith("q_proj.lora_B.weight") for name in adapter)
+    for other in (tmp_path / "adapter_resumed", tmp_path / "exported" / "adapter"):
+        again = load_file(other / "adapter_model.safetensors")
+        assert again.keys() == adapter.keys() and all(torch.equal(again[n], adapter[n]) for n in adapter), other
+    merged, base = load_file(tmp_path / "exported" / "model.safetensors"), load_file(f"{tiny_model}/model.safetensors")
+    assert {n for n in base if not torch.equal(base[n], merged[n])} == {n for n in base if n.endswith("proj.weight")}

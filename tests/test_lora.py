@@ -1,16 +1,18 @@
 """LoRA (megarl/models/lora.py) on one in-process Megatron rank: fresh adapters leave the model as it was, the
 merged export equals base + adapters after training, the base is frozen out of DDP and the optimizer, the
 reference is the policy's own base, activation recomputation still trains the adapters. The options' errors are
-rows of tests/test_bad_input.py; a GRPO run with TP=2 adapters is the slow test at the end."""
+rows of tests/test_bad_input.py; GRPO runs with TP=2 adapters (the merged sync, the resume, the exports) are
+tests/test_checkpoint.py's."""
 
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
 
-from helpers import FP32_PATHS_ULPS, assert_fp32_paths_agree, fp32_paths_ulps, scalars, torchrun
+from helpers import FP32_PATHS_ULPS, assert_fp32_paths_agree, fp32_paths_ulps, torchrun
 
 TARGETS = {"all-linear": ["all-linear"], "q-and-down": ["q_proj", "down_proj"], "fused-fc1": ["linear_fc1"]}
 
@@ -222,6 +224,125 @@ def test_full_recomputation_trains_the_adapters_as_without(megatron_rank, tiny_m
                                 f"adapter gradients with full recomputation, dropout {dropout}")
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed-optimizer"])
+def test_a_checkpoint_holds_the_adapters_and_resumes_exactly(distributed, megatron_rank, tiny_model, tmp_path):
+    """Two steps, a save (TrainableModel's sharded state through Megatron's dist_checkpointing, as checkpoint.save
+    writes it), two more; a fresh actor built from --model loads it and takes the same two steps bit for bit.
+    The checkpoint holds the adapters and their Adam states, nothing of the base. (The whole run's resume,
+    RNG and state.json included: tests/test_checkpoint.py.)"""
+    from megatron.core import dist_checkpointing
+    from transformers import AutoConfig
+
+    from megarl.actor import Actor
+    from megarl.checkpoint import _use_in_process_results_queue
+
+    args = options(tiny_model, *(["--use-distributed-optimizer"] if distributed else []))
+    hf_config = AutoConfig.from_pretrained(tiny_model)
+    saved = Actor(args, hf_config)
+    train(saved, steps=2)
+    _use_in_process_results_queue()
+    dist_checkpointing.save(saved.sharded_state_dict("policy", is_loading=False), str(tmp_path))
+    schedule = saved.state_dict()
+
+    def two_more(actor):
+        return [actor.optimizer_step(micro_batches(seed=step), nll) for step in (2, 3)], \
+            [param.detach().clone() for param in actor.model.parameters() if param.requires_grad]
+
+    straight, straight_params = two_more(saved)
+    resumed = Actor(args, hf_config)
+    loaded = dist_checkpointing.load(resumed.sharded_state_dict("policy", is_loading=True), str(tmp_path))
+    resumed.load_sharded_state_dict(loaded, "policy")
+    resumed.load_state_dict(schedule)
+    again, again_params = two_more(resumed)
+    assert [(float(sums["loss"]), norm) for sums, norm in again] == \
+        [(float(sums["loss"]), norm) for sums, norm in straight]
+    assert all(torch.equal(a, b) for a, b in zip(again_params, straight_params))
+    # What the checkpoint holds: the adapters and, per adapter, Adam's moments (and the distributed optimizer's
+    # main copy), in the training's own names.
+    # (Megatron stacks the layers' tensors under one key: decoder.layers.<name in a layer>.)
+    keys = set(dist_checkpointing.load_tensors_metadata(str(tmp_path)))
+    adapters = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", name)
+                for name, param in saved.model.module.named_parameters() if param.requires_grad}
+    assert len(adapters) == 2 * 7 and all("_lora." in name for name in adapters)
+    assert {key for key in keys if key.startswith("policy.")} == {f"policy.{name}" for name in adapters}
+    optimizer_keys = {key for key in keys if key.startswith("optimizer.")}
+    assert optimizer_keys == {f"optimizer.state.{state}.policy.{name}" for name in adapters
+                              for state in ["exp_avg", "exp_avg_sq"] + (["param"] if distributed else [])}
+
+
+def test_a_lora_checkpoint_resumes_only_its_own_adapters_on_its_own_base(tiny_model, tiny_teacher):
+    """checkpoint.load's check (state.json's `lora`), one line for each way a resume would go wrong."""
+    from transformers import AutoConfig
+
+    from megarl.models.lora import base_fingerprint, checkpoint_mismatch, checkpoint_record, lora_config
+
+    hf_config = AutoConfig.from_pretrained(tiny_model)
+    args = options(tiny_model)
+    record = checkpoint_record(args, lora_config(args, hf_config))
+    assert checkpoint_mismatch(record, args, lora_config(args, hf_config)) is None
+    assert checkpoint_mismatch(None, args, None) is None
+    assert "resume without --lora-rank" in checkpoint_mismatch(None, args, lora_config(args, hf_config))
+    assert "resume with --lora-rank 8" in checkpoint_mismatch(record, args, None)
+    for extra, words in ((["--lora-alpha", "8"], "--lora-alpha 32.0, this run 8.0"),
+                         (["--lora-target-modules", "q_proj"], "--lora-target-modules q_proj k_proj"),
+                         ([], "")):
+        other = options(tiny_model, *extra)
+        why = checkpoint_mismatch(record, other, lora_config(other, hf_config))
+        assert (why is None) if not words else (words in why), why
+    # Another model of the same shapes (the teacher: other weights) is not the base.
+    assert base_fingerprint(tiny_teacher) != base_fingerprint(tiny_model)
+    other = options(tiny_teacher)
+    why = checkpoint_mismatch(record, other, lora_config(other, hf_config))
+    assert f"--model {tiny_teacher} is not the base" in why, why
+
+
+def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tiny_model, tmp_path):
+    """The adapter directory (--lora-export adapter) on the HF base model through peft gives megarl's logits;
+    peft's merge of it gives the merged export's weights."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.actor import Actor
+    from megarl.checkpoint import export_policy
+
+    hf_config = AutoConfig.from_pretrained(tiny_model)
+    args = options(tiny_model, "--lora-target-modules", "q_proj", "v_proj", "o_proj", "up_proj", "down_proj",
+                   "--lora-alpha", "12", "--lora-export", "both")
+    actor = Actor(args, hf_config)
+    train(actor)
+    export_policy(actor.model, args, hf_config, str(tmp_path / "out"), None, is_writer=True)
+    adapter = tmp_path / "out" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == \
+        (8, 12.0, ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    layers, width = hf_config.num_hidden_layers, hf_config.hidden_size
+    assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (8, width)
+    assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == \
+        (8, hf_config.intermediate_size)
+    assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (width, 8)
+    assert len(tensors) == layers * 5 * 2
+
+    batches = micro_batches(seed=9)
+    ours = logits_of(actor.model, batches)[..., :hf_config.vocab_size]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, str(adapter)).eval()
+    tokens = torch.cat([batch.tokens for batch in batches])
+    with torch.no_grad():
+        theirs = peft_model(input_ids=tokens).logits
+        with peft_model.disable_adapter():
+            without = peft_model(input_ids=tokens).logits
+    assert fp32_paths_ulps(ours, without) > 100 * FP32_PATHS_ULPS  # the adapters matter here
+    assert_fp32_paths_agree(theirs, ours, "peft's model with the exported adapter vs megarl's")
+    merged, peft_merged = load_file(tmp_path / "out" / "model.safetensors"), peft_model.merge_and_unload().state_dict()
+    assert set(merged) <= set(peft_merged)  # (peft's has the tied lm_head too)
+    for name, weight in merged.items():
+        assert_fp32_paths_agree(weight, peft_merged[name], f"peft's merge vs --lora-export merged: {name}")
+
+
 @pytest.mark.slow
 def test_tp2_adapters_equal_tp1(tiny_model, tmp_path):
     """The same adapters sharded over TP=2 and whole at TP=1 (one launch, tests/workers/lora_worker.py):
@@ -241,37 +362,42 @@ def test_tp2_adapters_equal_tp1(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_with_tp2_adapters_samples_from_the_merged_weights(tiny_model, tmp_path):
-    """Two GRPO steps, --lora-rank 8 on TP=2 trainer ranks (colocated) with a KL term: after the first update's
-    sync the engines sample from the merged weights (the rollout-vs-trainer mismatch at rounding level, as in
-    full training; with the merge skipped it reads 5e-2 at this learning rate), the KL to the reference (the
-    base, adapters off) is exactly 0 before the first update and positive after it, and the HF export
-    differs from --model in the adapted projections only."""
+def test_the_adapter_sync_serves_the_policy_with_vllms_lora(tiny_model, tmp_path):
+    """--lora-sync adapter: three GRPO steps, TP=2 trainer ranks and one TP=2 engine on them (colocated), a KL
+    term. Each sync moves only the adapters (a fraction of the model's bytes), vLLM serves them on its base
+    through its LoRA kernels, and the rollout-vs-trainer mismatch stays at rounding level, as with the merged
+    sync (without the adapters the engine's logprobs would be the base's: 5e-2 off at this learning rate)."""
     from safetensors.torch import load_file
 
-    from helpers import ROUNDING_LEVEL
+    from helpers import ROUNDING_LEVEL, scalars
 
-    out = tmp_path / "final"
-    result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
-                      "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12",
-                      "--micro-batch-size", "8", "--rollout-kv-cache-gb", "1", "--lr", "1e-2", "--train-steps", "2",
-                      "--tensor-model-parallel-size", "2", "--lora-rank", "8", "--kl-coef", "0.05",
-                      "--log-dir", tmp_path / "tb", "--save-hf-dir", out, timeout=600)
-    assert sum(line.startswith("step ") for line in result.stdout.splitlines()) == 2, result.stdout[-3000:]
-    series = scalars(tmp_path / "tb", ("mismatch", "kl_ref"))
-    assert sorted(series["mismatch"]) == [0, 1] and max(series["mismatch"].values()) <= ROUNDING_LEVEL, series
+    torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
+             "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12", "--micro-batch-size", "8",
+             "--rollout-kv-cache-gb", "1", "--lr", "1e-2", "--train-steps", "3", "--tensor-model-parallel-size", "2",
+             "--rollout-tensor-parallel-size", "2", "--lora-rank", "8", "--kl-coef", "0.05", "--lora-sync", "adapter",
+             "--log-dir", tmp_path / "tb", timeout=600)
+    series = scalars(tmp_path / "tb", ("mismatch", "kl_ref", "sync_bytes"))
+    assert sorted(series["mismatch"]) == [0, 1, 2] and max(series["mismatch"].values()) <= ROUNDING_LEVEL, series
     assert series["kl_ref"][0] == 0.0 and series["kl_ref"][1] > 0.0, series
-    before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(out / "model.safetensors")
-    changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert changed == {name for name in before if name.endswith("proj.weight")}, changed
+    # Each sync: the A [8, in] and B [out, 8] of the 7 linears of both layers, fp32, and nothing else.
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(tiny_model)
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.hidden_size // c.num_attention_heads
+    adapter_bytes = c.num_hidden_layers * 8 * 4 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+    assert set(series["sync_bytes"].values()) == {adapter_bytes}, (series["sync_bytes"], adapter_bytes)
+    model_bytes = sum(t.numel() * t.element_size() for t in load_file(f"{tiny_model}/model.safetensors").values())
+    assert adapter_bytes < model_bytes / 5, (adapter_bytes, model_bytes)
 
 
 @pytest.mark.learning  # 200 steps: outside CI (bash run_tests.sh -m learning)
-def test_lora_quickstart_learns(tiny_model, tmp_path):
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_lora_quickstart_learns(sync, tiny_model, tmp_path):
     """The quickstart's config with rank-8 adapters on every linear (10x the full run's learning rate, as LoRA
-    usually takes): the reward rises as the full run's does (issue 25: by >= 0.15)."""
+    usually takes), either sync: the reward rises as the full run's does (issue 25: by >= 0.15)."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
-                      "--lora-rank", "8", "--lr", "2e-3", "--log-dir", tmp_path / "tb", timeout=2400)
+                      "--lora-rank", "8", "--lr", "2e-3", "--lora-sync", sync, "--log-dir", tmp_path / "tb",
+                      timeout=2400)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
     first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
     assert last >= first + 0.15, line

@@ -9,6 +9,10 @@ with (Megatron reshards on load):
 The export is the same stream the trainer uses for its weight sync and for
 --save-hf-dir (`megarl/models/convert.py: iter_hf_weights`), so the directory
 loads in transformers and vLLM with the trainer's logits.
+
+A LoRA checkpoint (--lora-rank) holds only the adapters: they are loaded onto the base
+they were trained on (recorded in its state.json; --model names another copy of it) and
+written as --lora-export asks: a PEFT adapter directory, the merged HF checkpoint, or both.
 """
 
 import argparse
@@ -27,6 +31,11 @@ def parse_own_args(argv=None):
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--lora-export", choices=["adapter", "merged", "both"], default=None,
+                        help="a LoRA checkpoint: the PEFT adapter directory (default), the merged HF checkpoint, "
+                             "or the merged one with the adapter directory in its adapter/")
+    parser.add_argument("--model", default=None,
+                        help="a LoRA checkpoint: its base's HF directory (default: the one recorded at training)")
     return parser.parse_args(argv)
 
 
@@ -41,10 +50,26 @@ def main(argv=None) -> int:
         print(f"export_hf: error: {own.checkpoint}: no complete megarl checkpoint", file=sys.stderr)
         return 2
     hf_dir = os.path.join(path, "hf_config")
+    record = checkpoint.read_state(path).get("lora")
+    if record is None and (own.lora_export or own.model):
+        print(f"export_hf: error: --lora-export / --model: {path} is not a LoRA checkpoint", file=sys.stderr)
+        return 2
+    lora_argv = [] if record is None else [
+        "--lora-rank", str(record["rank"]), "--lora-alpha", str(record["alpha"]), "--lora-dropout",
+        str(record["dropout"]), "--lora-target-modules", *record["targets"],
+        "--lora-export", own.lora_export or "adapter"]
     try:
-        args = parse_args(["--model", hf_dir, "--tensor-model-parallel-size", str(own.tensor_model_parallel_size),
+        args = parse_args(["--model", own.model or (record["base"] if record else hf_dir),
+                           "--tensor-model-parallel-size", str(own.tensor_model_parallel_size),
                            "--pipeline-model-parallel-size", str(own.pipeline_model_parallel_size),
-                           "--params-dtype", own.params_dtype])
+                           "--params-dtype", own.params_dtype, *lora_argv])
+        if record is not None:
+            from megarl.models import lora
+
+            why = lora.checkpoint_mismatch(record, args, lora.LoraConfig(record["rank"], record["alpha"],
+                                                                         record["dropout"], tuple(record["targets"])))
+            if why:
+                raise ConfigError(f"{path}: {why}")
     except ConfigError as error:
         print(f"export_hf: error: {error}", file=sys.stderr)
         return 2
@@ -54,14 +79,19 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoTokenizer
 
-    from megarl.models.convert import save_hf_checkpoint
+    from megarl.models.convert import load_hf_weights
     from megarl.models.megatron_gpt import DTYPES, build_gpt_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by)
+    if record is not None:  # the base, then the adapters on it (their initial values are overwritten below)
+        from megarl.models.lora import apply_lora, lora_config
+
+        load_hf_weights(model, args.model, hf_config)
+        apply_lora(model, hf_config, lora_config(args, hf_config), args.seed)
     checkpoint.load_model_weights(model, path)
-    save_hf_checkpoint(model, hf_config, own.out, tokenizer=AutoTokenizer.from_pretrained(hf_dir),
-                       is_writer=dist.get_rank() == 0, source_dir=hf_dir)
+    checkpoint.export_policy(model, args, hf_config, own.out, AutoTokenizer.from_pretrained(hf_dir),
+                             is_writer=dist.get_rank() == 0, base_model=args.model)
     if dist.get_rank() == 0:
         print(f"export_hf: {path} -> {own.out}", flush=True)
     dist.barrier()

@@ -345,6 +345,13 @@ def save_hf_checkpoint(model, hf_config, out_dir: str, tokenizer=None, is_writer
         tokenizer.save_pretrained(tmp)
     if source_dir and os.path.exists(os.path.join(source_dir, "generation_config.json")):
         shutil.copy(os.path.join(source_dir, "generation_config.json"), tmp)
+    replace_directory(tmp, out_dir)
+
+
+def replace_directory(tmp: str, out_dir: str) -> None:
+    """Publish the complete export `tmp` as `out_dir`, replacing an older one."""
+    import shutil
+
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)
