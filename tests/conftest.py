@@ -41,6 +41,9 @@ RANDOM_MODELS = {
     "random_qwen3_tied": ("qwen3", True, 4, None),
     "random_llama_untied": ("llama", False, 5, "custom"),
     "random_llama_tied": ("llama", True, 6, "megatron"),
+    "random_qwen3_moe_untied": ("qwen3_moe", False, 7, None),
+    "random_qwen3_moe_tied": ("qwen3_moe", True, 8, None),
+    "random_qwen2_moe_untied": ("qwen2_moe", False, 9, None),
 }
 
 
