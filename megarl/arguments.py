@@ -659,6 +659,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(str(error)) from None
     # Resolved counts, for the checkpoint's record and the config reference.
     args.train_gpus, args.rollout_gpus = len(placement.train_ranks), len(placement.rollout_ranks)
+    _validate_moe(args)
     from megarl import accelerator
 
     unsupported = accelerator.check_supported(args)
@@ -697,7 +698,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_distillation(args)
     _validate_recompute(args)
     _validate_lora(args)
-    _validate_moe(args)
     _validate_engine_kwargs(args)
 
 

@@ -1,0 +1,86 @@
+"""Mixture-of-experts policies (docs/moe.md): expert parallelism in the trainer, its options and their
+one-line errors. The conversion parity of the MoE families is in test_conversion.py, the sync into vLLM in
+test_families_vllm.py."""
+
+import pytest
+from helpers import assert_fp32_paths_agree, assert_runs_agree, read_json, torchrun
+
+MOE_LOSSES = ["--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+WORKER = ["--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--advantage-estimator", "gae",
+          *MOE_LOSSES]
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_equals_one(random_qwen3_moe_untied, tmp_path):
+    """EP=2 (four experts per rank, tokens exchanged all-to-all) against EP=1 (every expert on both ranks),
+    both DP=2 on 2 ranks with the same micro-batches: the actor's logprobs, two optimizer steps of the
+    actor and the critic (losses, grad norms: the experts' gradients are reduced over expert-DP, 1 at EP=2,
+    and their norm over EP, Megatron's expert optimizer) and the router losses agree within fp32 rounding."""
+    runs = {}
+    for ep in (1, 2):
+        torchrun("pipeline_worker.py", tmp_path / f"ep{ep}", "--model", random_qwen3_moe_untied, *WORKER,
+                 "--expert-model-parallel-size", ep, timeout=600)
+        runs[ep] = read_json(tmp_path / f"ep{ep}.json")
+    one, two = runs[1], runs[2]
+    assert_fp32_paths_agree(two["logprobs"], one["logprobs"], "logprobs")
+    assert_fp32_paths_agree(two["values"], one["values"], "values")
+    for role, names in (("actor", ("loss", "grad_norm", "entropy", "kl_old_new", "moe_load_balancing_loss",
+                                   "moe_z_loss")), ("critic", ("value_loss", "critic_grad_norm"))):
+        assert len(two[role]) == len(one[role]) == 2, role
+        for name in names:
+            assert_runs_agree(dict(enumerate(s[name] for s in two[role])),
+                              dict(enumerate(s[name] for s in one[role])), f"{role} {name}")
+    # The router losses are logged and are what they measure: the load-balancing loss is >= 1 (its minimum,
+    # at uniform load, for Switch's E * sum(f_i * p_i)), the z-loss > 0.
+    assert all(step["moe_load_balancing_loss"] >= 0.99 and step["moe_z_loss"] > 0 for step in one["actor"])
+    assert two["logprobs_after"] != two["logprobs"]  # the steps changed the policy
+
+
+# ------------------------------------------------------------ bad input --
+
+def _parse(model, *flags, world_size=2):
+    from megarl.arguments import parse_args
+
+    return parse_args(["--config", "examples/quickstart_grpo.yaml", "--model", model, *map(str, flags)],
+                      world_size=world_size)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--expert-model-parallel-size", 3, "--train-gpus", 3, "--colocate-groups", "[]", "--rollout-gpus", 3],
+     "--expert-model-parallel-size 3 must divide the model's num_experts=8"),
+    (["--expert-model-parallel-size", 4], "train.gpus=2 is not divisible by pipeline_model_parallel_size * "
+                                          "expert_model_parallel_size = 1*4"),
+    (["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2], "= 2*2"),
+    (["--expert-model-parallel-size", 0], "--expert-model-parallel-size must be >= 1"),
+    (["--moe-aux-loss-coeff", -1], "--moe-aux-loss-coeff must be >= 0"),
+    (["--lora-rank", 4], "--lora-rank with a mixture-of-experts model"),
+], ids=["ep-vs-experts", "ep-vs-ranks", "ep-vs-stage-ranks", "ep-zero", "negative-coeff", "lora"])
+def test_bad_moe_input_is_one_line(flags, expected, random_qwen3_moe_untied):
+    from megarl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _parse(random_qwen3_moe_untied, *flags, world_size=6 if "--train-gpus" in flags else 2)
+    message = str(error.value)
+    assert expected in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("flag,value", [("--expert-model-parallel-size", 2), ("--moe-aux-loss-coeff", 0.01),
+                                        ("--moe-z-loss-coeff", 0.001)])
+def test_moe_options_on_a_dense_model_are_one_line(flag, value, tiny_model):
+    from megarl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _parse(tiny_model, flag, value)
+    message = str(error.value)
+    assert f"{flag} {value} needs a mixture-of-experts model" in message and "qwen2 (dense)" in message, message
+    assert "\n" not in message
+
+
+def test_expert_parallel_placement(random_qwen3_moe_untied):
+    """EP splits the ranks of a stage and leaves DP as it is (Megatron lays experts out anew over them)."""
+    from megarl.placement import Placement
+
+    args = _parse(random_qwen3_moe_untied, "--expert-model-parallel-size", 2)
+    placement = Placement.from_args(args, 2)
+    assert (placement.ep, placement.dp) == (2, 2)
+    assert "EP=2" in placement.describe()
