@@ -386,7 +386,7 @@ def _in_place_layers(worker):
         for module_name, layer in model.named_modules():
             method = getattr(layer, "quant_method", None)
             if method is not None and _is_fused_moe(layer):  # routed experts: w13_weight, w2_weight
-                layers.append((layer, _kept_weights(layer, ("w13_weight", "w2_weight")),
+                layers.append((layer, _kept_weights(layer, ("w13_weight", "w2_weight"), _packs_experts(layer)),
                                _block_of(module_name + ".")))
                 continue
             if method is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
@@ -411,10 +411,20 @@ def _is_fused_moe(layer) -> bool:
     return type(getattr(layer, "quant_method", None)) is UnquantizedFusedMoEMethod
 
 
-def _kept_weights(layer, names: tuple[str, ...]) -> dict | None:
+def _packs_experts(layer) -> bool:
+    """Whether the layer's experts kernel packs w13 / w2 into a layout of its own after loading (vLLM's CPU
+    kernels: experts/cpu_moe.py, CPUUnquantizedExperts.process_weights_after_loading, cpu_prepack_moe_weight;
+    the packed tensor can keep the loaded shape, so the shape does not tell)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kernel = getattr(layer.quant_method, "moe_kernel", None)
+    return isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts)
+
+
+def _kept_weights(layer, names: tuple[str, ...], repacked: bool = False) -> dict | None:
     """{name: a parameter in the checkpoint's layout} for each of the layer's weights that post-load
-    processing dropped (CPU GEMM dispatch: an empty weight) or repacked into another shape (CPU fused MoE:
-    padded, packed experts); None when every one is still as loaded."""
+    processing dropped (CPU GEMM dispatch: an empty weight), reshaped, or (`repacked`) packed into a layout
+    of its own (CPU fused MoE); None when every one is still as loaded."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
@@ -424,7 +434,7 @@ def _kept_weights(layer, names: tuple[str, ...]) -> dict | None:
     for name in names:
         meta = info.restore_metadata[0].get(name)
         weight = getattr(layer, name)
-        if weight.numel() > 0 and (meta is None or weight.shape == meta.shape):
+        if not repacked and weight.numel() > 0 and (meta is None or weight.shape == meta.shape):
             continue
         if meta is None or meta.numel() == 0:
             raise RuntimeError(f"weight sync: {type(layer).__name__} changed its {name} and vLLM recorded no shape")

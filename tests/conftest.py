@@ -61,6 +61,24 @@ for _name in RANDOM_MODELS:
     globals()[_name] = _random_model_fixture(_name)
 
 
+@pytest.fixture(scope="session")
+def random_moe_policy(tiny_model, tmp_path_factory) -> str:
+    """A random Qwen3-MoE (8 experts of width 64, top 2) with the tiny model's tokenizer and stop tokens:
+    a whole RL run's machinery on an MoE policy in seconds (its rewards are those of a random policy; the
+    trained tiny MoE, tools/make_tiny_model.py --moe, takes minutes to build)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("random_moe_policy")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    make_random_model(path, "qwen3_moe", False, 13, vocab_size=len(tokenizer), moe_intermediate_size=64,
+                      max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tokenizer.save_pretrained(path)
+    shutil.copy(os.path.join(tiny_model, "generation_config.json"), path)
+    return str(path)
+
+
 TINY_TEACHER = ROOT / "artifacts" / "tiny-qwen2-teacher"
 
 

@@ -3,7 +3,7 @@ one-line errors. The conversion parity of the MoE families is in test_conversion
 test_families_vllm.py."""
 
 import pytest
-from helpers import assert_fp32_paths_agree, assert_runs_agree, read_json, torchrun
+from helpers import ROUNDING_LEVEL, assert_fp32_paths_agree, assert_runs_agree, read_json, scalars, torchrun
 
 MOE_LOSSES = ["--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
 WORKER = ["--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--advantage-estimator", "gae",
@@ -34,6 +34,32 @@ def test_expert_parallel_two_equals_one(random_qwen3_moe_untied, tmp_path):
     # at uniform load, for Switch's E * sum(f_i * p_i)), the z-loss > 0.
     assert all(step["moe_load_balancing_loss"] >= 0.99 and step["moe_z_loss"] > 0 for step in one["actor"])
     assert two["logprobs_after"] != two["logprobs"]  # the steps changed the policy
+
+
+SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
+         "--max-new-tokens", "12", "--micro-batch-size", "4", "--lr", "1e-3", "--kl-coef", "0.05", *MOE_LOSSES]
+COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean", "moe_load_balancing_loss",
+            "moe_z_loss")
+
+
+@pytest.mark.slow
+def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(random_moe_policy, tmp_path):
+    """A GRPO run of an MoE policy at EP=2 (colocated): after every sync the rollout's logprobs are the
+    trainer's (the experts gathered from their EP ranks reach vLLM's fused experts), the router losses are
+    logged, and its checkpoint resumes at EP=1 into the same step 3."""
+    torchrun("../../megarl/train.py", *SMALL, "--model", random_moe_policy, "--expert-model-parallel-size", "2",
+             "--train-steps", "3", "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
+             "--log-dir", tmp_path / "ep2", timeout=900)
+    resumed = torchrun("../../megarl/train.py", *SMALL, "--model", random_moe_policy, "--train-steps", "3",
+                       "--resume", tmp_path / "ckpt" / "step_00000002", "--log-dir", tmp_path / "ep1", timeout=900)
+    assert "EP=2" not in resumed.stdout and "resumed from" in resumed.stdout
+    two, one = scalars(tmp_path / "ep2", COMPARED), scalars(tmp_path / "ep1", COMPARED)
+    assert sorted(two["loss"]) == [0, 1, 2]
+    assert max(two["mismatch"].values()) <= ROUNDING_LEVEL, two["mismatch"]
+    assert min(two["moe_load_balancing_loss"].values()) >= 0.99 and min(two["moe_z_loss"].values()) > 0, two
+    assert two["kl_ref"][2] > 1e-6, two["kl_ref"]  # the policy has moved: the syncs carried new weights
+    for tag in COMPARED:  # step 3 at EP=1 from the EP=2 checkpoint is the EP=2 run's step 3
+        assert_runs_agree(one[tag], two[tag], tag, steps=[2])
 
 
 # ------------------------------------------------------------ bad input --

@@ -343,6 +343,19 @@ def mark_tensor_parallel_weights(model) -> None:
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
+def mark_expert_parameters(model) -> None:
+    """Mark every routed expert's parameter as Megatron's linears do only at EP > 1 (`allreduce=False`,
+    tensor_parallel/layers.py), at any EP: DDP then reduces their gradients over the expert data-parallel
+    group (the data-parallel ranks that hold the same experts; at EP 1 the same ranks as before) and the
+    optimizer keeps them in its expert part (get_megatron_optimizer: a ChainedOptimizer of the dense and
+    the expert parameters). So the optimizer's layout, and with it the checkpoint's, is the same at every
+    EP: an EP=2 checkpoint resumes at EP=1 (the experts' own sharded keys already count experts globally)."""
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
+
+
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
                     **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device.
@@ -379,6 +392,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         **rope_kwargs,
     )
     mark_tensor_parallel_weights(model)
+    mark_expert_parameters(model)
     if late_llama3_scaling is not None:
         # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
         rotary = model.rotary_pos_emb
