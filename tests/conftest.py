@@ -79,6 +79,18 @@ def random_moe_policy(tiny_model, tmp_path_factory) -> str:
     return str(path)
 
 
+TINY_MOE = ROOT / "artifacts" / "tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> str:
+    """The MoE quickstart's policy (tools/make_tiny_model.py --moe, ~6 minutes on 2 cores); built once if absent."""
+    if not (TINY_MOE / "megarl_tiny.json").exists():
+        subprocess.run([sys.executable, "tools/make_tiny_model.py", "--moe", "--out", str(TINY_MOE), "--quiet"],
+                       cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return str(TINY_MOE)
+
+
 TINY_TEACHER = ROOT / "artifacts" / "tiny-qwen2-teacher"
 
 

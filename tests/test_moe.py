@@ -75,6 +75,17 @@ def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(random_moe_policy,
         assert_runs_agree(one[tag], two[tag], tag, steps=[2])
 
 
+@pytest.mark.learning  # the model's build (~6 min) and 200 steps: outside CI (bash run_tests.sh -m learning)
+def test_moe_quickstart_learns(tiny_moe, tmp_path):
+    """examples/quickstart_grpo_moe.yaml (the tiny Qwen3-MoE at EP=2): the reward rises as the dense
+    quickstart's does (issue 27: by >= 0.15)."""
+    result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo_moe.yaml", "--model", tiny_moe,
+                      "--log-dir", tmp_path / "tb", timeout=2400)
+    line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
+    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
+    assert last >= first + 0.15, line
+
+
 # ------------------------------------------------------------ bad input --
 
 def _parse(model, *flags, world_size=2):
