@@ -837,3 +837,30 @@ def distill_token_rewards(student_logprobs: torch.Tensor, teacher_logprobs: torc
     if mask is not None:
         rewards = rewards * mask.to(rewards.dtype)
     return rewards
+
+
+# ------------------------------------------------------------------ presets ----------
+# --algo NAME: the algorithm options of examples/<name>.yaml (what tests/test_presets.py trains), applied
+# where the config and the command line leave them unset. A value may be a function of the parsed options.
+PRESETS: dict[str, dict] = {
+    "grpo": {"advantage_estimator": "grpo", "scale_rewards": "group", "policy_loss": "ppo_clip",
+             "clip_eps_low": 0.2, "clip_eps_high": 0.2, "loss_agg": "sample_level", "kl_coef": 0.001,
+             "kl_estimator": "low_var_kl"},
+    "dapo": {"advantage_estimator": "grpo", "scale_rewards": "group", "policy_loss": "ppo_clip",
+             "clip_eps_low": 0.2, "clip_eps_high": 0.28, "loss_agg": "token_level", "kl_coef": 0.0,
+             "dynamic_sampling": [0.01, 0.99], "max_num_gen_batches": 4, "filter_truncated": True,
+             # soft overlong punishment over the last quarter of the response (at most 1024 tokens), as
+             # ColossalChat's DAPO setting does
+             "overlong_buffer_len": lambda args: min(1024, args.max_new_tokens // 4)},
+    "drgrpo": {"advantage_estimator": "grpo", "scale_rewards": "none", "policy_loss": "ppo_clip",
+               "clip_eps_low": 0.2, "clip_eps_high": 0.2, "loss_agg": "seq_mean_token_sum_norm", "kl_coef": 0.0},
+    "ppo": {"advantage_estimator": "gae", "gamma": 1.0, "lam": 0.95, "policy_loss": "ppo_clip",
+            "clip_eps_low": 0.2, "clip_eps_high": 0.2, "loss_agg": "token_level", "kl_coef": 0.001,
+            "kl_estimator": "k1", "kl_placement": "reward", "kl_controller": "adaptive", "kl_target": 0.05,
+            "kl_horizon": 10000.0, "value_clip": 0.5},
+}
+
+
+def preset(name: str, args) -> dict:
+    """The options of preset `name`, callables evaluated on `args`."""
+    return {dest: value(args) if callable(value) else value for dest, value in PRESETS[name].items()}

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from megarl import algorithms
+from megarl.config_formats.common import UniqueKeyLoader as _UniqueKeyLoader
 from megarl.errors import ConfigError
 from megarl.placement import ROLES, Placement, PlacementError
 from megarl.plugins import load_plugins
@@ -209,6 +210,9 @@ def _add_rollout_args(parser):
 
 def _add_algorithm_args(parser):
     g = parser.add_argument_group("algorithm")
+    g.add_argument("--algo", default=None, type=str.lower, choices=sorted(algorithms.PRESETS),
+                   help="algorithm preset (examples/<name>.yaml's algorithm options); options given in the config "
+                        "or on the command line win")
     g.add_argument("--advantage-estimator", default="grpo",
                    choices=sorted(algorithms.ADVANTAGE_ESTIMATORS),
                    help="advantage estimator (megarl/algorithms.py or a plugin)")
@@ -331,8 +335,14 @@ def _add_data_args(parser):
     g.add_argument("--data-format", default="auto", choices=["auto", "colossalchat", "verl", "swift"],
                    help="row layout (auto: detected per row)")
     g.add_argument("--prompt-key", default="prompt", help="verl layout: the column holding the chat")
+    g.add_argument("--prompt-id-key", default=None,
+                   help="the column holding each row's id (default: 'id'; verl's data.prompt_id_key)")
     g.add_argument("--preprocessor", default=None,
                    help="registered dataset preprocessor (a plugin's) applied to every raw row")
+    g.add_argument("--task-max-operand", type=int, default=None,
+                   help="the built-in arithmetic task's operands are drawn from [0, N] (default 19, what the tiny "
+                        "model learns); a large N (e.g. 10**15) makes the tool task: numbers too long for a small "
+                        "model to add, with --tools calculator or python to add them")
     g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
     g.add_argument("--max-prompt-length", type=int, default=128, help="longest prompt in tokens")
     g.add_argument("--truncation", default="error", choices=["error", "left", "right"],
@@ -373,6 +383,28 @@ def _add_reward_args(parser):
                         "at least one program at a time)")
 
 
+def _add_tool_args(parser):
+    from megarl.tools import TOOL_PARSERS
+
+    g = parser.add_argument_group("tools (multi-turn episodes, megarl/multiturn.py)")
+    g.add_argument("--tools", default="",
+                   help="comma-separated tools the policy may call (built in: calculator, python; plugins register "
+                        "more with megarl.tools.register_tool): each sample becomes a multi-turn episode, tool "
+                        "results between the policy's turns, trained on the policy's tokens only; a dataset row's "
+                        "'tools' list picks among them. Empty: one turn, no tools")
+    g.add_argument("--tool-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from an assistant turn (hermes: Qwen2.5 / Hermes "
+                        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>)")
+    g.add_argument("--max-turns", type=int, default=4,
+                   help="assistant turns per episode at most (a last turn's tool calls are not run); the "
+                        "episode's tokens after the prompt, tool results included, stay within --max-new-tokens")
+    g.add_argument("--tool-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a tool call still running after SECONDS answers the model with a timeout error (counted "
+                        "in tool_errors_timeout) and the episode goes on")
+    g.add_argument("--tool-workers", type=int, default=8,
+                   help="threads running tool calls per rollout rank, beside generation")
+
+
 def _add_eval_args(parser):
     g = parser.add_argument_group("evaluation and dumps")
     g.add_argument("--eval-dataset", nargs="*", default=[], metavar="NAME=PATH",
@@ -400,7 +432,17 @@ def _add_optimizer_args(parser):
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clipping")
-    g.add_argument("--train-steps", type=int, default=10, help="generation batches (steps) to run")
+    g.add_argument("--train-steps", type=int, default=None,
+                   help="generation batches (steps) to run (default: 10, or from --train-epochs)")
+    g.add_argument("--train-epochs", type=int, default=None,
+                   help="run this many passes over --train-data instead of --train-steps: rows // "
+                        "prompts_per_step steps each (a last partial batch is dropped, as verl's and ms-swift's "
+                        "loaders do)")
+    g.add_argument("--lr-warmup-ratio", type=float, default=None,
+                   help="warm-up as a fraction of all optimizer steps (instead of --lr-warmup-steps; verl's "
+                        "lr_warmup_steps_ratio, Megatron's lr_warmup_fraction)")
+    g.add_argument("--min-lr-ratio", type=float, default=None,
+                   help="--min-lr as a fraction of --lr (verl's min_lr_ratio)")
 
 
 def _add_checkpoint_args(parser):
@@ -413,6 +455,10 @@ def _add_checkpoint_args(parser):
     g.add_argument("--resume", default="none",
                    help="'auto': continue from the newest complete checkpoint in --save-dir (fresh if none); "
                         "a checkpoint directory; or 'none'")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="checkpoints leave out the optimizer states (smaller; a resumed run starts Adam afresh)")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="checkpoints leave out the RNG states (a resumed run reseeds from --seed)")
     g.add_argument("--save-hf-dir", default=None,
                    help="write the final policy here as an HF checkpoint (safetensors, config, tokenizer)")
     g.add_argument("--save-hf-interval", type=int, default=0,
@@ -438,13 +484,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="megarl: RL post-training with Megatron-core and in-process vLLM",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--config", default=None, help="YAML file of options (command-line flags win)")
+    parser.add_argument("--config", default=None,
+                        help="YAML file of options (command-line flags win); an ms-swift, verl or ColossalChat "
+                             "configuration is read as that framework means it (docs/migrating.md)")
+    parser.add_argument("--config-format", default=None, choices=["megarl", "swift", "verl", "colossalchat"],
+                        help="the format of --config (default: detected from the file); colossalchat without "
+                             "--config reads rl_example.py's flags from the command line")
     parser.add_argument("--external-plugins", nargs="*", default=[],
                         help="Python files imported before the options are checked; they register algorithms "
                              "with megarl.algorithms.register(REGISTRY, name)")
     for add in (_add_model_args, _add_parallelism_args, _add_lora_args, _add_placement_args, _add_rollout_args, _add_algorithm_args,
                 _add_distillation_args, _add_batch_args, _add_critic_args,
-                _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_eval_args, _add_optimizer_args,
+                _add_dapo_and_off_policy_args, _add_data_args, _add_reward_args, _add_tool_args, _add_eval_args, _add_optimizer_args,
                 _add_checkpoint_args, _add_logging_args):
         add(parser)
     return parser
@@ -518,22 +569,6 @@ def _coerce_scalar(action, value, where, fail):
     return value
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`; its keys may be overridden
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"the key '{key}' is given twice",
-                                                        key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
 def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Read a YAML config into {dest: value}, rejecting unknown keys and wrong types.
 
@@ -596,35 +631,107 @@ def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> 
 # ------------------------------------------------------------ parse ------------
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    """Defaults < YAML < command line, then `validate_args`. Raises ConfigError."""
+    """Defaults < --algo preset < YAML < command line, then `validate_args`. Raises ConfigError.
+
+    A `--config` in another framework's format (megarl/config_formats: ms-swift, verl with its Hydra-style
+    overrides, ColossalChat's rl_example.py flags), detected from the file or named by --config-format, is
+    read with that framework's meaning into the same defaults; `args.config_notes` says how (rank 0 prints it).
+    """
+    import sys
+
+    from megarl import config_formats
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    foreign = config_formats.read(argv, set(_actions(build_parser())))
+    translation = None
+    if foreign is not None:
+        translation, argv = foreign
     # First only --config and --external-plugins: plugins add choices to the full parser.
     pre = _Parser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--external-plugins", nargs="*", default=[])
     known, _ = pre.parse_known_args(argv)
     plugins = list(known.external_plugins)
-    if known.config:
+    if translation is not None:
+        plugins += translation.values.get("external_plugins", [])
+    elif known.config:
         plugins += load_yaml_config(known.config, build_parser(), only=("external_plugins",)).get(
             "external_plugins", [])
-    load_plugins(plugins)
+    from megarl.config_formats.common import expand_path
+
+    load_plugins([expand_path(path, "--external-plugins") for path in plugins])
     parser = build_parser()  # again: plugins add choices
-    if known.config:
-        parser.set_defaults(**load_yaml_config(known.config, parser))
+    config_values = {}
+    if translation is not None:
+        config_values = _translated_values(translation, parser)
+    elif known.config:
+        config_values = load_yaml_config(known.config, parser)
+    parser.set_defaults(**config_values)
     args = parser.parse_args(argv)
+    given = _given_on_command_line(parser, argv)
+    for pair in EXCLUSIVE:  # the command line's choice of the two replaces the config's
+        for mine, other in (pair, pair[::-1]):
+            if mine in given and other not in given and other in config_values:
+                setattr(args, other, build_parser().get_default(other))
+    _apply_algorithm_preset(args, set(config_values) | given)
+    args.config_notes = [] if translation is None else [
+        line for line in (translation.summary(), translation.ignored_line()) if line]
+    where = translation.where if translation is not None else known.config
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         validate_args(args, world_size)
     except ConfigError as error:
-        if known.config:
-            raise ConfigError(f"{error} (config: {known.config})") from None
+        if where:
+            raise ConfigError(f"{error} (config: {where})") from None
         raise
     return args
 
 
+def _translated_values(translation, parser) -> dict[str, Any]:
+    """A foreign config's megarl values, type-checked like YAML values; errors name the source key."""
+    actions = _actions(parser)
+    source_of = {dest: row.key for row in translation.rows for dest in row.targets}
+    values = {}
+    for dest, value in translation.values.items():
+        where = f"{translation.where}: {source_of.get(dest, dest)}"
+        if dest not in actions:
+            raise ConfigError(f"{where}: maps to megarl option '{dest}', which this megarl does not have")
+        values[dest] = _coerce(actions[dest], value, where)
+    return values
+
+
+# Options that say the same thing two ways: given both in one place is an error (validate_args); the command
+# line's choice of one replaces the config's other.
+EXCLUSIVE = (("train_steps", "train_epochs"), ("lr_warmup_steps", "lr_warmup_ratio"), ("min_lr", "min_lr_ratio"))
+
+
+def _apply_algorithm_preset(args, explicit: set[str]) -> None:
+    """--algo NAME: the preset's algorithm options (algorithms.PRESETS) where neither the config nor the
+    command line set them (`explicit`)."""
+    if args.algo is None:
+        return
+    for dest, value in algorithms.preset(args.algo, args).items():
+        if dest not in explicit:
+            setattr(args, dest, value)
+
+
+def _given_on_command_line(parser, argv: list[str]) -> set[str]:
+    """The dests the command line sets (a parse in which nothing has a default)."""
+    import copy
+
+    bare = copy.deepcopy(parser)
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    bare._defaults = {}
+    return set(vars(bare.parse_args(argv)))
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """The one place that turns impossible combinations into one-line errors."""
+    _expand_paths(args)
     _resolve_precision(args)
+    _resolve_schedule(args)
     if args.tokenizer is None:
         args.tokenizer = args.model
     if args.rollout_model is None:
@@ -653,6 +760,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                           "buffers after it, and a weight sync rewrites only parameters; use level 1")
     _validate_teacher_group(args)
     _validate_rollout_backend(args)
+    _validate_tools(args)
+    if args.task_max_operand is not None and args.task_max_operand < 1:
+        raise ConfigError(f"--task-max-operand must be >= 1, got {args.task_max_operand}")
     try:
         placement = Placement.from_args(args, world_size)
     except PlacementError as error:
@@ -668,10 +778,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.kernels == "auto":
         args.kernels = accelerator.default_kernels()
     _validate_batch_geometry(args, data_parallel=placement.dp)
+    if args.train_epochs is None:
+        resolve_epochs(args, 0)
     _validate_async_generation(args, placement)
     if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
         raise ConfigError(f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
-    if args.train_steps < 0 or args.temperature <= 0:
+    if (args.train_steps is not None and args.train_steps < 0) or args.temperature <= 0:
         raise ConfigError(f"--train-steps must be >= 0 and --temperature > 0, got {args.train_steps} "
                           f"and {args.temperature}")
     _validate_pipeline(args)
@@ -699,6 +811,70 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_recompute(args)
     _validate_lora(args)
     _validate_engine_kwargs(args)
+
+
+# Options that name files or directories: `~` and $VARIABLES in them are expanded (YAML has no shell).
+PATH_OPTIONS = ("model", "tokenizer", "rollout_model", "ref_model", "critic_model", "teacher_model",
+                "standalone_teacher_model", "reward_model", "train_data", "save_dir", "save_hf_dir", "log_dir",
+                "rollout_save_dir", "resume", "external_plugins")
+
+
+def _expand_paths(args) -> None:
+    from megarl.config_formats.common import expand_path
+
+    for name in PATH_OPTIONS:
+        value = getattr(args, name, None)
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, list):
+            setattr(args, name, [expand_path(item, flag) for item in value])
+        elif value is not None:
+            setattr(args, name, expand_path(value, flag))
+    args.eval_dataset = [f"{name}={expand_path(path, '--eval-dataset')}" if sep else name
+                         for name, sep, path in (item.partition("=") for item in args.eval_dataset)]
+
+
+def _resolve_schedule(args) -> None:
+    """--train-epochs / --train-steps, --min-lr-ratio and --lr-warmup-ratio; the warm-up ratio needs the run's
+    length, which with --train-epochs is known once the data set is read (resolve_epochs)."""
+    if args.train_epochs is not None:
+        if args.train_steps is not None:
+            raise ConfigError(f"--train-epochs {args.train_epochs} and --train-steps {args.train_steps} both set the "
+                              f"run's length; keep one")
+        if args.train_epochs < 1:
+            raise ConfigError(f"--train-epochs must be >= 1, got {args.train_epochs}")
+        if not args.train_data:
+            raise ConfigError("--train-epochs counts passes over --train-data; the built-in task has no end "
+                              "(use --train-steps)")
+    elif args.train_steps is None:
+        args.train_steps = 10
+    if args.min_lr_ratio is not None:
+        if not 0.0 <= args.min_lr_ratio <= 1.0:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+        if args.min_lr:
+            raise ConfigError(f"--min-lr {args.min_lr} and --min-lr-ratio {args.min_lr_ratio} both set the final "
+                              f"learning rate; keep one")
+        args.min_lr = args.min_lr_ratio * args.lr
+    if args.lr_warmup_ratio is not None:
+        if not 0.0 <= args.lr_warmup_ratio <= 1.0:
+            raise ConfigError(f"--lr-warmup-ratio must be in [0, 1], got {args.lr_warmup_ratio}")
+        if args.lr_warmup_steps:
+            raise ConfigError(f"--lr-warmup-steps {args.lr_warmup_steps} and --lr-warmup-ratio "
+                              f"{args.lr_warmup_ratio} both set the warm-up; keep one")
+
+
+def resolve_epochs(args, num_rows: int) -> None:
+    """With --train-epochs, the run's steps from the data set's size (rows // prompts_per_step per epoch);
+    then --lr-warmup-ratio in optimizer steps. Called once the rows are read (run.load_inputs); before
+    that, with --train-steps, validate_args calls it without rows."""
+    if args.train_epochs is not None:
+        per_epoch = num_rows // args.prompts_per_step
+        if per_epoch < 1:
+            raise ConfigError(f"--train-epochs: the training set has {num_rows} rows, fewer than one step's "
+                              f"prompts_per_step={args.prompts_per_step}")
+        args.train_steps = args.train_epochs * per_epoch
+    if args.lr_warmup_ratio is not None and args.train_steps is not None:
+        total_updates = args.train_steps * args.steps_per_generation * args.ppo_epochs
+        args.lr_warmup_steps = int(args.lr_warmup_ratio * total_updates)
 
 
 def _resolve_precision(args) -> None:
@@ -765,6 +941,31 @@ def _validate_rollout_backend(args) -> None:
     for bad, why in refused:
         if bad:
             raise ConfigError(f"--rollout-backend hf: {why}")
+
+
+def _validate_tools(args) -> None:
+    """--tools: the names as a list (args.tools), each registered; the limits positive; what episodes do
+    not run with refused."""
+    from megarl.tools import TOOLS
+
+    args.tools = [name.strip() for name in args.tools.split(",") if name.strip()] \
+        if isinstance(args.tools, str) else list(args.tools)
+    unknown = [name for name in args.tools if name not in TOOLS]
+    if unknown:
+        raise ConfigError(f"--tools: {', '.join(unknown)} not registered{_closest(unknown[0], TOOLS)}; known: "
+                          f"{', '.join(sorted(TOOLS))}")
+    if args.max_turns < 1 or args.tool_workers < 1 or args.tool_timeout <= 0:
+        raise ConfigError(f"--max-turns and --tool-workers must be >= 1 and --tool-timeout > 0, got "
+                          f"{args.max_turns}, {args.tool_workers} and {args.tool_timeout}")
+    if not args.tools:
+        return
+    refused = [(args.rollout_backend != "vllm", f"--rollout-backend {args.rollout_backend}: episodes run on "
+                                                "the vLLM engine's request loop"),
+               (args.seq_kd or bool(args.teacher_model and args.gkd_lmbda < 1.0),
+                "--seq-kd / --gkd-lmbda < 1 train on responses the teacher or the dataset wrote in one turn")]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"--tools: {why}")
 
 
 LORA_DEFAULT_ALPHA = 32.0  # ms-swift's lora_alpha default

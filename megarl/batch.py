@@ -21,14 +21,15 @@ from megarl.algorithms import soft_overlong_penalty, truncated_importance_weight
 # The per-token fields of a Batch a micro-batch can carry, in a fixed order.
 TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "ref_kl", "old_values", "advantages",
                 "returns", "is_weights", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs",
-                "constrained")
+                "constrained", "policy")
 
 
 @dataclass
 class Batch:
     samples: list  # rollout.Sample, ordered by prompt (groups of num_generations)
     scores: torch.Tensor  # [N] sequence scores: reward (+ overlong penalty)
-    response_mask: torch.Tensor  # [N, R] 1 on each sample's response tokens
+    response_mask: torch.Tensor  # [N, R] 1 on each sample's response tokens that are the policy's own (not
+    # a tool's result in a multi-turn episode): every loss, KL, mismatch and TIS term reads it or loss_mask
     loss_mask: torch.Tensor  # [N, R] response tokens left in the loss (filters, TIS masking)
     rollout_logprobs: torch.Tensor  # [N, R] the engines' logprobs of the sampled tokens
     old_logprobs: torch.Tensor | None = None  # trainer logprobs before the update
@@ -45,6 +46,10 @@ class Batch:
     # (None: nowhere). The policy and the reference are scored under it, the teacher is not.
     constrained: torch.Tensor | None = None
     held_back_ids: tuple[int, ...] = ()
+    # [N, R] float, 1 on the policy's tokens, 0 on tool-result tokens and past the end (`policy_tokens`);
+    # None when every response token is the policy's. It rides along the micro-batches, where
+    # MicroBatch.response_mask() reads it.
+    policy: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -85,7 +90,10 @@ def score_and_filter(samples, max_new_tokens: int, overlong_buffer_len: int = 0,
     keep their reward in the group statistics). Also the filters' metrics."""
     lengths = response_lengths(samples)
     width = max(int(lengths.max()), 1)
+    policy = policy_tokens(samples, width)
     response_mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    if policy is not None:
+        response_mask = response_mask * policy
     loss_mask = response_mask
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     metrics = {}
@@ -101,7 +109,23 @@ def score_and_filter(samples, max_new_tokens: int, overlong_buffer_len: int = 0,
     rollout = response_aligned([s.logprobs if s.logprobs is not None else [] for s in samples], width)
     held_back_ids, constrained = sampler_constraint(samples, width)
     return Batch(samples, scores, response_mask, loss_mask, rollout, constrained=constrained,
-                 held_back_ids=held_back_ids), metrics
+                 held_back_ids=held_back_ids, policy=policy), metrics
+
+
+def policy_tokens(samples, width: int) -> torch.Tensor | None:
+    """[N, width] float: 1 on the response tokens each sample's policy sampled, 0 on the tokens a tool's
+    result put between its turns (Sample.policy_mask) and past its end; None when no sample has tool
+    tokens (every response token is the policy's). A tool's tokens are context for the turns after them,
+    never trained: off this mask they leave the loss, the KL, the mismatch and TIS (they have no rollout
+    logprob to compare with either)."""
+    if all(s.policy_mask is None for s in samples):
+        return None
+    for i, s in enumerate(samples):
+        if s.policy_mask is not None and len(s.policy_mask) != len(s.response_ids):
+            raise ValueError(f"sample {i}: policy_mask has {len(s.policy_mask)} entries for "
+                             f"{len(s.response_ids)} response tokens")
+    return response_aligned([s.policy_mask if s.policy_mask is not None else [1] * len(s.response_ids)
+                             for s in samples], width)
 
 
 def sampler_constraint(samples, width: int) -> tuple[tuple[int, ...], torch.Tensor | None]:

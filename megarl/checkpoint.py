@@ -101,10 +101,10 @@ def resolve_resume(resume: str | None, save_dir: str | None) -> str | None:
     return resume
 
 
-def _sharded_state_dict(run, is_loading: bool) -> dict:
+def _sharded_state_dict(run, is_loading: bool, optimizer: bool = True) -> dict:
     state = {}
     for name, role in run.trainables().items():
-        state.update(role.sharded_state_dict(name, is_loading=is_loading))
+        state.update(role.sharded_state_dict(name, is_loading=is_loading, optimizer=optimizer))
     return state
 
 
@@ -156,8 +156,10 @@ def save(run, completed_steps: int, save_dir: str, keep: int, in_flight=None) ->
         if run.trainables():
             _use_in_process_results_queue()
             # Collective over the train ranks (the train world); a failed write raises on each of them.
-            dist_checkpointing.save(_sharded_state_dict(run, is_loading=False), os.path.join(partial, "dist"))
-        torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
+            dist_checkpointing.save(_sharded_state_dict(run, is_loading=False, optimizer=not run.args.no_save_optim),
+                                    os.path.join(partial, "dist"))
+        if not run.args.no_save_rng:  # without it a resumed run's RNGs start from --seed
+            torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
         if rank == 0:
             _save_hf_config(run, os.path.join(partial, "hf_config"))
             if in_flight is not None:
@@ -251,7 +253,10 @@ def load(run, path: str) -> int:
         for name in trainables:
             if name not in saved:
                 raise ValueError(f"{path}: the checkpoint has no {name} (was it saved by a run without one?)")
-        loaded = dist_checkpointing.load(_sharded_state_dict(run, is_loading=True), os.path.join(path, "dist"))
+        # A checkpoint saved with --no-save-optim holds no optimizer states: Adam's moments start afresh.
+        loaded = dist_checkpointing.load(_sharded_state_dict(run, is_loading=True,
+                                                             optimizer=state.get("optimizer_saved", True)),
+                                         os.path.join(path, "dist"))
         for name, role in trainables.items():
             role.load_sharded_state_dict(loaded, name)
             role.load_state_dict(saved[name])
@@ -324,6 +329,7 @@ def _run_state(run, completed_steps: int, in_flight: dict | None) -> dict:
         "roles": {name: role.state_dict() for name, role in run.trainables().items()},
         "run": run.state_dict(),
         "seed": args.seed,
+        "optimizer_saved": not args.no_save_optim,
         "parallel": {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                      "context_parallel_size": args.context_parallel_size,

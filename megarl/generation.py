@@ -114,10 +114,13 @@ def _generate_shard(run: Run, engine, prompts, step: int, n: int | None = None, 
             samples += _reference_samples(run, prompt, n)
             on_prompt_done(i, samples[-n:])
     else:  # without scoring to overlap, vLLM's own generate loop: no callback
+        # The student's samples are multi-turn episodes with --tools (megarl/multiturn.py); a teacher's are not.
+        episodes = {"episodes": run.episodes, "rows": [p.metadata for p in shard]} \
+            if run.episodes is not None and engine is run.rollout and policy == "student" else {}
         samples = engine.generate([p.ids for p in shard], [p.index for p in shard], step, n=n,
                                   temperature=temperature, seed_key=seed_key,
                                   on_prompt_done=on_prompt_done if scoring is not None else None,
-                                  min_tokens=min_tokens)
+                                  min_tokens=min_tokens, **episodes)
         if scoring is None:
             _attach_prompt_rows(samples, shard)
     if scoring is not None:

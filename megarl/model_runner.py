@@ -130,12 +130,13 @@ class MicroBatch:
         return out
 
     def response_mask(self) -> torch.Tensor:
-        """[rows, L] 1 on the positions scoring a response token (the response mask, position-aligned)."""
+        """[rows, L] 1 on the positions scoring a response token the policy sampled (the batch's response
+        mask, position-aligned: a tool result's tokens in a multi-turn episode are not, Batch.policy)."""
         mask = torch.zeros(self.tokens.shape, device=self.tokens.device)
         for sample in range(len(self.spans)):
             row, columns = self.response_positions(sample)
             mask[row, columns] = 1.0
-        return mask
+        return mask if self.policy is None else mask * self.policy
 
     def padding_tokens(self) -> int:
         """Positions the model computes that hold no sample's token."""
@@ -488,11 +489,14 @@ class TrainableModel:
             offloader.onload()
 
     # -------------------------------------------------------- checkpoint ----
-    def sharded_state_dict(self, prefix: str, is_loading: bool) -> dict:
-        """Megatron's sharded model and optimizer state (dist_checkpointing), keys under `prefix`."""
+    def sharded_state_dict(self, prefix: str, is_loading: bool, optimizer: bool = True) -> dict:
+        """Megatron's sharded model and optimizer state (dist_checkpointing), keys under `prefix`; the model
+        alone without `optimizer` (--no-save-optim)."""
         from megarl.models.convert import unwrap
 
         model_state = unwrap(self.model).sharded_state_dict(prefix=f"{prefix}.")
+        if not optimizer:
+            return {f"{prefix}_model": model_state}
         # The distributed optimizer's states in the model's own layout (each parameter's Adam moments
         # and main copy shaped like the parameter, gathered over the data-parallel group on save): loads
         # at another data-parallel, TP or PP size. (Megatron-core 0.16.1 refuses the flattened shards
@@ -507,7 +511,8 @@ class TrainableModel:
 
         model_state = {key.removeprefix(f"{prefix}."): value for key, value in loaded[f"{prefix}_model"].items()}
         unwrap(self.model).load_state_dict(model_state)
-        self.optimizer.load_state_dict(loaded[f"{prefix}_optimizer"])
+        if f"{prefix}_optimizer" in loaded:  # absent when saved with --no-save-optim: Adam starts afresh
+            self.optimizer.load_state_dict(loaded[f"{prefix}_optimizer"])
 
     def state_dict(self) -> dict:
         """What is not in the sharded state: the LR schedule."""

@@ -52,6 +52,7 @@ from megarl.data.dumps import write_samples
 from megarl.generation import ShardSamples
 from megarl.model_runner import make_micro_batches, sequence_multiple
 from megarl.run import Run
+from megarl.tools import tool_metrics
 
 
 @dataclass
@@ -114,8 +115,15 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
     # Weight versions between the policy that sampled and the one about to train (0: on-policy).
     metrics["staleness"] = run.weight_version - min(s.weight_version for s in samples)
     metrics.update(generation.reward_errors(samples, f"step {step + 1}", run.is_main))
+    metrics.update(tool_metrics(samples))
+    tool_wait = 0.0
+    if run.episodes is not None:  # the engine idle, only tools left to wait for (megarl/multiturn.py)
+        tool_wait, run.rollout.tool_wait_seconds = run.rollout.tool_wait_seconds, 0.0
     # Rollout ranks score their own samples; the slowest one bounds the step.
-    metrics["reward_seconds"] = max(distributed.all_gather_objects(reward_seconds, run.context))
+    seconds = distributed.all_gather_objects((reward_seconds, tool_wait), run.context)
+    metrics["reward_seconds"] = max(reward for reward, _ in seconds)
+    if args.tools:
+        metrics["tool_wait_seconds"] = max(wait for _, wait in seconds)
     if args.rollout_save_dir and run.is_main:
         write_samples(args.rollout_save_dir, f"train_step{step + 1}.jsonl", samples, run.tokenizer, step + 1)
     return samples, metrics

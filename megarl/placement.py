@@ -173,7 +173,8 @@ class Placement:
                                  f"launched ranks; each role needs at least one")
         needed = (train if colocated else train + rollout) + teacher
         if needed > world_size:
-            raise PlacementError(f"placement needs {needed} ranks ({counts}) but {world_size} were launched")
+            raise PlacementError(f"the {'colocated' if colocated else 'separate'} placement needs {needed} ranks "
+                                 f"({counts}) but {world_size} were launched")
         if needed < world_size:
             raise PlacementError(f"{world_size} ranks were launched but the placement uses {needed} ({counts}); "
                                  f"idle ranks would hang")

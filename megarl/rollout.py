@@ -77,6 +77,14 @@ class Sample:
     # `min_tokens` (0: nowhere); the trainer scores the policy under the same constraint (batch.sampler_constraint).
     min_tokens: int = 0
     held_back_ids: tuple[int, ...] = ()
+    # A multi-turn episode (megarl/multiturn.py): the response is every token after the prompt, the policy's
+    # turns and the tool results between them. policy_mask[j] is 1 where response token j is the policy's
+    # own (sampled, with its rollout logprob) and 0 where a tool's result put it (logprob 0, never trained);
+    # None: every response token is the policy's (a single turn).
+    policy_mask: list[int] | None = None
+    # The conversation after the prompt, as chat messages: {"role": "assistant", "content", "tool_calls"}
+    # and {"role": "tool", "name", "content", "error", "seconds"} (what rewards and dumps read); None: one turn.
+    turns: list[dict] | None = None
 
 
 class VllmEngine:
@@ -116,10 +124,13 @@ class VllmEngine:
         # fail on CPU (V1 rewinds a seeded request's generator after a chunked prefill, "CPU Generator
         # does not use offset") and cost one generator call per request per step on CUDA.
         self.seeds_per_request = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
+        self.tool_wait_seconds = 0.0  # idle, waiting on tools only, since the generate phase last reported it
+        self.last_episode_log: list = []
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
-                 seed_key: tuple = (), on_prompt_done=None, min_tokens: int = 0) -> list[Sample]:
+                 seed_key: tuple = (), on_prompt_done=None, min_tokens: int = 0, rows: list[dict] | None = None,
+                 episodes=None) -> list[Sample]:
         """n samples per prompt (default --num-generations; 1 when greedy) at `temperature`
         (default --temperature; 0 is greedy), each at least `min_tokens` long (vLLM's min_tokens;
         the caller passes --min-new-tokens for training samples only, so an evaluation measures
@@ -134,6 +145,12 @@ class VllmEngine:
         and the prompt's index); on V1 (CPU) requests carry none and the process RNG, which
         V1's sampler draws from, is reseeded before each call from (--seed, engine index,
         step, seed_key) (why not seeds on V1: `seeds_per_request` in __init__).
+
+        `episodes` (multiturn.EpisodeSettings, with --tools): each sample is a multi-turn episode with
+        tool calls, `rows[i]` prompt i's dataset row (the tools it may call, what a tool reads); the
+        engine's request log of the call is kept as `last_episode_log`, the seconds it stood idle
+        waiting on tools added to `tool_wait_seconds` (megarl/multiturn.py; the generate phase reports
+        and resets it).
         """
         from vllm.inputs import TokensPrompt
 
@@ -144,6 +161,16 @@ class VllmEngine:
                                  self.seeds_per_request)
         constraint = (min_tokens, self.held_back_ids(params[0])) if min_tokens and prompts else (0, ())
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
+        if episodes is not None:
+            from megarl.multiturn import run_episodes
+
+            # One request per episode and turn: a prompt's samples each get the seed vLLM would give them.
+            seeds = [[None if p.seed is None else p.seed + j for j in range(n)] for p in params]
+            samples, self.last_episode_log, waited = run_episodes(
+                self, prompts, prompt_indices, rows or [{} for _ in prompts], params, n, episodes, min_tokens,
+                on_prompt_done, seeds)
+            self.tool_wait_seconds += waited
+            return samples
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         if on_prompt_done is None:
             outputs = self.llm.generate(requests, params, use_tqdm=False)

@@ -60,6 +60,7 @@ class Run:
     weight_version: int = 0  # trainer -> rollout syncs so far, the same count on every rank (SPMD)
     timed_rewards: object | None = None  # scoring.TimedRewards on rollout ranks with --reward-timeout
     activity: Activity = field(default_factory=Activity)
+    episodes: object | None = None  # multiturn.EpisodeSettings on rollout ranks with --tools (its ToolRunner)
 
     @property
     def teacher_engine_placed(self) -> bool:
@@ -146,7 +147,12 @@ def load_inputs(args) -> Inputs:
         raise ConfigError(f"--tokenizer {args.tokenizer} has {len(tokenizer)} tokens but --model {args.model} has "
                           f"vocab_size={hf_config.vocab_size} (config.json): the tokenizer is not this model's")
     system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
-    return Inputs(hf_config, tokenizer, prompt_source(args, tokenizer, system_prompt or None),
+    prompts = prompt_source(args, tokenizer, system_prompt or None)
+    if args.train_epochs is not None:  # the run's length follows from the data set's
+        from megarl.arguments import resolve_epochs
+
+        resolve_epochs(args, len(prompts))
+    return Inputs(hf_config, tokenizer, prompts,
                   eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {})
 
 
@@ -217,6 +223,13 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \
             KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
     reward, timed_rewards = _build_reward(args, context.placement.colocated) if context.is_rollout else (None, None)
+    episodes = None
+    if args.tools and context.is_rollout:
+        from megarl.multiturn import EpisodeSettings
+        from megarl.tools import ToolRunner
+
+        episodes = EpisodeSettings(ToolRunner(args.tools, args.tool_workers, args.tool_timeout), tokenizer,
+                                   args.max_turns, args.tool_parser)
     # Every role built before the first group that spans them (the weight sync's) waits for the others.
     distributed.wait_for_every_rank(context, args.startup_timeout_minutes)
     return Run(
@@ -224,7 +237,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         prompts=inputs.prompts, eval_sets=inputs.eval_sets,
         reward=reward, rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
         teacher_engine=teacher_engine, kl_controller=kl_controller, timed_rewards=timed_rewards,
-        activity=activity or Activity(),
+        activity=activity or Activity(), episodes=episodes,
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
 
 
@@ -233,7 +246,7 @@ def _build_reward(args, colocated: bool):
     a code reward's sandbox pool gets this rank's share of --sandbox-memory-budget-mb."""
     from megarl.plugins import loaded_plugins
     from megarl.rewards import build_reward
-    from megarl.rewards.scoring import TimedRewards, sandbox_memory_budget_mb
+    from megarl.rewards.scoring import TimedRewards, sandbox_memory_budget_mb, tool_sandbox_limits
 
     # The reward model on this rollout rank's device; colocated with the trainer and vLLM it waits in host
     # memory between scoring calls (a GPU-only move, megarl.accelerator; a no-op on CPU).
@@ -242,7 +255,12 @@ def _build_reward(args, colocated: bool):
                           offload=colocated)
     budget = sandbox_memory_budget_mb(args)
     if args.reward_timeout > 0:
-        return reward, TimedRewards(reward, args.reward_workers, args.reward_timeout, loaded_plugins(), budget)
+        timed = TimedRewards(reward, args.reward_workers, args.reward_timeout, loaded_plugins(), budget)
+        if budget is not None and tool_sandbox_limits(args):  # the python tool's programs run in this process
+            from megarl.rewards.code import configure_pool
+
+            configure_pool(budget)
+        return reward, timed
     if budget is not None:
         from megarl.rewards.code import configure_pool
 

@@ -116,6 +116,9 @@ def main(argv=None) -> None:
     # written: before any process group, engine, log or checkpoint directory.
     try:
         args = parse_args(argv, world_size=launch_env().world_size)
+        if launch_env().rank == 0:  # how another framework's config was read, and what it ignored
+            for note in args.config_notes:
+                print(f"megarl: {note}", flush=True)
         inputs = load_inputs(args)
         check_sandbox(args)  # a code reward: stop here if the sandbox cannot run, not score every program 0
     except ConfigError as error:

@@ -23,10 +23,11 @@ LAYERS = [
     ("platform", [  # the device, the process groups, host memory
         "megarl.accelerator", "megarl.distributed", "megarl.offload"]),
     ("components", [  # what the roles are built from
-        "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards"]),
+        "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards", "megarl.config_formats",
+        "megarl.tools"]),
     ("roles", [  # the objects that hold a model or an engine
         "megarl.model_runner", "megarl.actor", "megarl.loss", "megarl.critic", "megarl.reference",
-        "megarl.rollout", "megarl.hf_rollout", "megarl.teacher", "megarl.weight_sync"]),
+        "megarl.rollout", "megarl.multiturn", "megarl.hf_rollout", "megarl.teacher", "megarl.weight_sync"]),
     ("run", [  # the parser, the run's roles and state, its preemption and metrics
         "megarl.arguments", "megarl.run", "megarl.preemption", "megarl.metrics"]),
     ("phases", [  # one step over a Run: its phases, the rollout they orchestrate, evaluation

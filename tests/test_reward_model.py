@@ -58,6 +58,19 @@ def test_score_matches_direct_forward(rm_path):
     assert_fp32_close([out.score for out in outputs], [_direct_score(rm_path, r) for r in RESPONSES[:3]])
 
 
+def test_an_episode_is_scored_whole(rm_path):
+    """A multi-turn episode's row carries its conversation (megarl/multiturn.py): the RM reads every turn
+    and tool message, not only the final answer."""
+    reward = RewardModelReward(rm_path)
+    turns = [{"role": "assistant", "content": "<tool_call>{}</tool_call>", "tool_calls": []},
+             {"role": "tool", "name": "calculator", "content": "7", "error": None, "seconds": 0.0},
+             {"role": "assistant", "content": "\\boxed{7}", "tool_calls": []}]
+    text = reward.render("\\boxed{7}", {**ROWS[0], "conversation": turns})
+    assert text == reward.tokenizer.apply_chat_template(
+        MESSAGES + [{"role": m["role"], "content": m["content"]} for m in turns], tokenize=False)
+    assert "<tool_call>{}</tool_call>" in text and text != reward.render("\\boxed{7}", ROWS[0])
+
+
 def test_scores_depend_on_the_response(rm_path):
     scores = RewardModelReward(rm_path).score_batch(RESPONSES, ROWS)
     assert len({round(s, 4) for s in scores}) == len(scores)

@@ -242,8 +242,9 @@ def _read_parquet(path: str) -> Iterator[tuple[int, dict]]:
 # ---------------------------------------------------------------- normalise ----
 
 def load_rows(paths, format: str = "auto", prompt_key: str = "prompt",
-              preprocessor: str | None = None) -> list[Row]:
-    """Every row of the files, normalised, in file order. Any bad row raises DatasetError."""
+              preprocessor: str | None = None, id_key: str | None = None) -> list[Row]:
+    """Every row of the files, normalised, in file order. Any bad row raises DatasetError. `id_key`: the
+    column that holds each row's id instead of `id` (verl's data.prompt_id_key)."""
     if format not in FORMATS:
         raise DatasetError(f"unknown dataset format '{format}'; known: {', '.join(FORMATS)}")
     prepare = _preprocessor(preprocessor)
@@ -253,14 +254,27 @@ def load_rows(paths, format: str = "auto", prompt_key: str = "prompt",
             where = f"{path}:{number}"
             if prepare is not None:
                 raw = _apply_preprocessor(prepare, preprocessor, raw, where)
+            if id_key not in (None, "id"):
+                raw = _id_from(raw, id_key, where)
             rows.append(normalize(raw, where, format, prompt_key))
     return rows
 
 
 def load_eval_dataset(paths, format: str = "auto", prompt_key: str = "prompt",
-                      preprocessor: str | None = None) -> list[Row]:
+                      preprocessor: str | None = None, id_key: str | None = None) -> list[Row]:
     """An evaluation set: all rows in file order (no shuffling, no repeats)."""
-    return load_rows(paths, format, prompt_key, preprocessor)
+    return load_rows(paths, format, prompt_key, preprocessor, id_key)
+
+
+def _id_from(raw: dict, id_key: str, where: str) -> dict:
+    """The row with its `id_key` column as its id; a row that has an `id` as well is ambiguous."""
+    if raw.get(id_key) is None:
+        return raw
+    if raw.get("id") is not None:
+        raise DatasetError(f"{where}: both '{id_key}' (--prompt-id-key) and 'id' fields; keep one")
+    raw = dict(raw)
+    raw["id"] = raw.pop(id_key)
+    return raw
 
 
 def _apply_preprocessor(fn, name: str, raw: dict, where: str) -> dict:
@@ -410,9 +424,19 @@ def _teacher_prompt(value, where: str) -> str | list | None:
 # ---------------------------------------------------------------- rendering ----
 
 def render(row: Row, tokenizer, system_prompt: str | None = None, max_prompt_length: int | None = None,
-           truncation: str = "error") -> list[int]:
-    """Token ids of the row's chat, ending with the generation prompt; see the system prompt rule."""
-    return _render_messages(row.messages, row, tokenizer, system_prompt, max_prompt_length, truncation)
+           truncation: str = "error", tools: list[str] = ()) -> list[int]:
+    """Token ids of the row's chat, ending with the generation prompt; see the system prompt rule. `tools`:
+    the run's enabled tools (--tools); the row's `tools` field picks among them (megarl.tools.row_tools),
+    and the chat template lists their schemas."""
+    schemas = None
+    if tools:
+        from megarl.tools import row_tools, tool_schemas
+
+        try:
+            schemas = tool_schemas(row_tools(row.extra.get("tools"), list(tools), row.origin or f"row {row.id}"))
+        except ValueError as error:
+            raise DatasetError(str(error)) from None
+    return _render_messages(row.messages, row, tokenizer, system_prompt, max_prompt_length, truncation, schemas)
 
 
 def render_teacher_prompt(row: Row, tokenizer, system_prompt: str | None = None,
@@ -426,12 +450,13 @@ def render_teacher_prompt(row: Row, tokenizer, system_prompt: str | None = None,
     return _render_messages(messages, row, tokenizer, system_prompt, max_prompt_length, truncation)
 
 
-def _render_messages(messages, row: Row, tokenizer, system_prompt, max_prompt_length, truncation) -> list[int]:
+def _render_messages(messages, row: Row, tokenizer, system_prompt, max_prompt_length, truncation,
+                     tools: list[dict] | None = None) -> list[int]:
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
     if not getattr(tokenizer, "chat_template", None):
         raise DatasetError("the tokenizer has no chat template; datasets are rendered with apply_chat_template")
-    return fit_length(chat_token_ids(tokenizer, messages), max_prompt_length, truncation, row.origin)
+    return fit_length(chat_token_ids(tokenizer, messages, tools), max_prompt_length, truncation, row.origin)
 
 
 def fit_length(ids: list[int], limit: int | None, truncation: str, where: str) -> list[int]:
@@ -447,10 +472,10 @@ def fit_length(ids: list[int], limit: int | None, truncation: str, where: str) -
 
 
 def make_prompts(rows: Iterable[Row], tokenizer, system_prompt: str | None = None,
-                 max_prompt_length: int | None = None, truncation: str = "error") -> list[Prompt]:
-    """Rendered prompts, indexed 0.. in order, each carrying its row as metadata."""
+                 max_prompt_length: int | None = None, truncation: str = "error", tools: list[str] = ()) -> list[Prompt]:
+    """Rendered prompts, indexed 0.. in order, each carrying its row as metadata (`tools`: as `render`)."""
     options = (tokenizer, system_prompt, max_prompt_length, truncation)
-    return [Prompt(index, render(row, *options), row.as_metadata(), render_teacher_prompt(row, *options))
+    return [Prompt(index, render(row, *options, tools=tools), row.as_metadata(), render_teacher_prompt(row, *options))
             for index, row in enumerate(rows)]
 
 
@@ -472,7 +497,7 @@ class PromptDataset:
 
     def __init__(self, rows: list[Row], tokenizer, *, prompts_per_step: int, seed: int = 0,
                  system_prompt: str | None = None, max_prompt_length: int | None = None,
-                 truncation: str = "error", check_lengths: bool = True):
+                 truncation: str = "error", check_lengths: bool = True, tools: list[str] = ()):
         if not rows:
             raise DatasetError("the training set has no rows")
         if prompts_per_step < 1:
@@ -480,7 +505,7 @@ class PromptDataset:
         self.rows, self.tokenizer = rows, tokenizer
         self.prompts_per_step, self.seed = prompts_per_step, seed
         self.render_args = {"system_prompt": system_prompt, "max_prompt_length": max_prompt_length,
-                            "truncation": truncation}
+                            "truncation": truncation, "tools": tuple(tools)}
         fit_length([], None, truncation, "")  # reject an unknown truncation mode now
         self._step, self._attempts, self._extra = -1, 1, 0
         self._permutations: dict[int, list[int]] = {}

@@ -1,7 +1,9 @@
 """Rollout and evaluation dumps: one JSONL file per step and set, written by rank 0.
 
 Each line: step, prompt (decoded, with the chat template), response, reward,
-reason, truncated, and the row's id / gt_answer / data_source when it has them.
+reason, truncated, and the row's id / gt_answer / data_source when it has them; a multi-turn
+episode (--tools) also its `conversation` after the prompt (megarl/multiturn.py: the assistant turns
+with their tool calls and the tool messages), its `response` being the last assistant turn.
 A file is written aside and renamed, so a crash never leaves half a file.
 """
 
@@ -22,6 +24,8 @@ def write_samples(directory: str, filename: str, samples, tokenizer, step: int) 
             record = {"step": step, "prompt": tokenizer.decode(sample.prompt_ids), "response": sample.response_text,
                       "reward": sample.reward, "reason": sample.reason, "truncated": sample.truncated}
             record.update({key: sample.metadata[key] for key in ROW_FIELDS if sample.metadata.get(key) is not None})
+            if sample.turns is not None:  # a multi-turn episode: "response" is its last turn, this the whole of it
+                record["conversation"] = sample.turns
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     os.replace(partial, path)
     return path

@@ -13,16 +13,25 @@ class Prompt:
     teacher_ids: list[int] | None = None  # OPSD: the row's privileged teacher prompt, rendered
 
 
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The tokenizer's chat template applied to `messages`, ending with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The tokenizer's chat template applied to `messages`, ending with the generation prompt; `tools`:
+    the OpenAI schemas of the tools the model may call (megarl/tools), listed as the template lists them."""
+    return template_ids(tokenizer, messages, tools, add_generation_prompt=True)
+
+
+def template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                 add_generation_prompt: bool = False) -> list[int]:
+    """The chat template's token ids of `messages` (by default without a generation prompt)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
 
 
-def render_chat(tokenizer, user_text: str, system_prompt: str | None = None) -> list[int]:
+def render_chat(tokenizer, user_text: str, system_prompt: str | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
         [{"role": "user", "content": user_text}]
-    return chat_token_ids(tokenizer, messages)
+    return chat_token_ids(tokenizer, messages, tools)
 
 
 def reference_response_ids(tokenizer, messages: list[dict], response_text: str) -> list[int]:

@@ -24,16 +24,18 @@ class ArithmeticPrompts:
 
     def __init__(self, args, tokenizer):
         self.args, self.tokenizer = args, tokenizer
+        self.max_operand = args.task_max_operand or arithmetic.MAX_OPERAND
         # The longest problem now, so that a too small --max-prompt-length fails at start, not at a step.
-        top = arithmetic.MAX_OPERAND
+        top = self.max_operand
         arithmetic_prompts([{"prompt": f"What is {top} + {top}?", "answer": str(2 * top)}], tokenizer,
-                           args.max_prompt_length, "the built-in task")
+                           args.max_prompt_length, "the built-in task", args.tools)
 
     def batch(self, step: int, attempt: int = 0) -> list[Prompt]:
         """The prompts of `step`; attempt > 0 gives fresh ones for DAPO's extra generation batches."""
         seed = self.args.seed * 1_000_003 + step + attempt * 7_919_993
-        return arithmetic_prompts(arithmetic.make_problems(self.args.prompts_per_step, seed=seed), self.tokenizer,
-                                  self.args.max_prompt_length, f"step {step}")
+        return arithmetic_prompts(arithmetic.make_problems(self.args.prompts_per_step, seed=seed,
+                                                           max_operand=self.max_operand), self.tokenizer,
+                                  self.args.max_prompt_length, f"step {step}", self.args.tools)
 
     def state_dict(self) -> dict:
         """Nothing to keep: a step's problems are a function of (seed, step, attempt)."""
@@ -43,10 +45,14 @@ class ArithmeticPrompts:
         pass
 
 
-def arithmetic_prompts(problems, tokenizer, max_prompt_length: int, where: str) -> list[Prompt]:
+def arithmetic_prompts(problems, tokenizer, max_prompt_length: int, where: str, tools: list[str] = ()) -> list[Prompt]:
+    """The problems as prompts; `tools` (--tools): every enabled tool is listed to the model."""
+    from megarl.tools import tool_schemas
+
+    schemas = tool_schemas(list(tools))
     prompts = []
     for index, problem in enumerate(problems):
-        ids = render_chat(tokenizer, problem["prompt"])
+        ids = render_chat(tokenizer, problem["prompt"], tools=schemas)
         if len(ids) > max_prompt_length:
             raise DatasetError(f"prompt {index} of {where} has {len(ids)} tokens, over "
                                f"--max-prompt-length {max_prompt_length}")
@@ -62,7 +68,7 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
     if not args.train_data:
         return ArithmeticPrompts(args, tokenizer)
     rows = load_rows(args.train_data, format=args.data_format, prompt_key=args.prompt_key,
-                     preprocessor=args.preprocessor)
+                     preprocessor=args.preprocessor, id_key=args.prompt_id_key)
     if args.gkd_lmbda < 1.0 and not args.seq_kd:  # some steps train on the rows' own responses
         missing = next((row for row in rows if not (row.extra.get("reference_solution") or row.extra.get("response"))),
                        None)
@@ -71,7 +77,7 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
                                f"responses, but this row has none (a final assistant message or a 'response' field)")
     return PromptDataset(rows, tokenizer, prompts_per_step=args.prompts_per_step, seed=args.seed,
                          system_prompt=system_prompt, max_prompt_length=args.max_prompt_length,
-                         truncation=args.truncation)
+                         truncation=args.truncation, tools=args.tools)
 
 
 def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[Prompt]]:
@@ -81,13 +87,16 @@ def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[P
     for name, path in args.eval_datasets.items():
         if path.split(":")[0] == BUILTIN_EVAL:
             count = int(path.split(":")[1]) if ":" in path else 200
-            sets[name] = arithmetic_prompts(arithmetic.make_problems(count, seed=BUILTIN_EVAL_SEED), tokenizer,
-                                            args.max_prompt_length, f"--eval-dataset {name}")
+            problems = arithmetic.make_problems(count, seed=BUILTIN_EVAL_SEED,
+                                                max_operand=args.task_max_operand or arithmetic.MAX_OPERAND)
+            sets[name] = arithmetic_prompts(problems, tokenizer,
+                                            args.max_prompt_length, f"--eval-dataset {name}", args.tools)
         else:
             try:
                 rows = load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
-                                         preprocessor=args.preprocessor)
-                sets[name] = make_prompts(rows, tokenizer, system_prompt, args.max_prompt_length, args.truncation)
+                                         preprocessor=args.preprocessor, id_key=args.prompt_id_key)
+                sets[name] = make_prompts(rows, tokenizer, system_prompt, args.max_prompt_length, args.truncation,
+                                          args.tools)
             except DatasetError as error:  # which set, as well as which file and line
                 raise DatasetError(f"--eval-dataset {name}: {error}") from None
     return sets

@@ -148,4 +148,5 @@ _BUILTIN_MODULES = [
     "megarl.rewards.arithmetic",
     "megarl.rewards.math",
     "megarl.rewards.code",
+    "megarl.rewards.verl_rules",
 ]

@@ -5,7 +5,7 @@
     rm.score_batch(responses, rows)             # [float, ...], batch_size at a time
 
 What is scored: the prompt conversation ``row["messages"]`` plus the response as
-an ``assistant`` turn, rendered with the REWARD MODEL's own chat template (not
+an ``assistant`` turn (a multi-turn episode: its whole ``row["conversation"]``), rendered with the REWARD MODEL's own chat template (not
 the policy's: the RM was trained on its own format) and tokenized with its own
 tokenizer, special tokens coming from the template only.
 
@@ -94,9 +94,13 @@ class RewardModelReward:
         self._lock = threading.Lock()  # one call at a time when rollout threads share the model
 
     def render(self, response: str, row: dict) -> str:
-        """The conversation with the response as the assistant's turn, in the RM's chat template."""
-        conversation = list(row.get("messages") or []) + [{"role": "assistant", "content": response}]
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False)
+        """The conversation with the response as the assistant's turn, in the RM's chat template. A
+        multi-turn episode (the row's `conversation`, megarl/multiturn.py: every assistant turn and tool
+        message after the prompt, the response being its last assistant turn) is scored whole."""
+        after = [{"role": "assistant", "content": response}]
+        if row.get("conversation"):
+            after = [{"role": m["role"], "content": m["content"]} for m in row["conversation"]]
+        return self.tokenizer.apply_chat_template(list(row.get("messages") or []) + after, tokenize=False)
 
     @torch.no_grad()
     def score_batch(self, responses: list[str], rows: list[dict]) -> list[float]:

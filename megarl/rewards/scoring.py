@@ -79,7 +79,7 @@ def sandbox_memory_budget_mb(args, local_ranks: int | None = None) -> int | None
     given that leaves a process less than one program's bound raises ValueError (one line)."""
     from megarl.rewards import sandbox_limits
 
-    limits = sandbox_limits(args.reward)
+    limits = sandbox_limits(args.reward) + tool_sandbox_limits(args)
     if not limits:
         return None
     processes = max(args.reward_workers, 1) if args.reward_timeout > 0 else 1
@@ -98,18 +98,37 @@ def sandbox_memory_budget_mb(args, local_ranks: int | None = None) -> int | None
     return share
 
 
+def tool_sandbox_limits(args) -> list:
+    """The sandbox limits of the --tools that run programs in the sandbox (a tool function with a
+    `sandbox_limits` attribute, as the code rewards carry: the built-in `python`)."""
+    from megarl.tools import TOOLS
+
+    limits = [getattr(TOOLS[name].function, "sandbox_limits", None) for name in getattr(args, "tools", [])]
+    return [limit for limit in limits if limit is not None]
+
+
 def check_sandbox(args) -> None:
-    """At start-up, when the reward runs programs in the sandbox: the memory budget fits one program,
-    and a real sandboxed run works (`megarl.rewards.sandbox.probe`). Raises ConfigError, one line."""
+    """At start-up, when the reward or a tool runs programs in the sandbox: the memory budget fits one
+    program, and a real sandboxed run works (`megarl.rewards.sandbox.probe`). Raises ConfigError, one line."""
     from megarl.errors import ConfigError
     from megarl.rewards import sandbox_limits
     from megarl.rewards.sandbox import SandboxError, probe
 
     try:
         if sandbox_memory_budget_mb(args) is not None:
-            probe(min(sandbox_limits(args.reward), key=lambda limit: limit.wall_seconds))
+            probe(min(sandbox_limits(args.reward) + tool_sandbox_limits(args), key=lambda limit: limit.wall_seconds))
     except (ValueError, SandboxError) as error:
-        raise ConfigError(f"--reward {args.reward}: {error}") from None
+        what = f"--reward {args.reward}" if sandbox_limits(args.reward) else f"--tools {','.join(args.tools)}"
+        raise ConfigError(f"{what}: {error}") from None
+
+
+def reward_row(sample) -> dict:
+    """The row a reward reads for `sample`: its prompt's row and, for a multi-turn episode, the whole
+    conversation after the prompt under "conversation" (Sample.turns: assistant turns with their tool
+    calls, tool messages with their errors); the response is then the episode's last assistant turn."""
+    if sample.turns is None:
+        return sample.metadata
+    return {**sample.metadata, "conversation": sample.turns}
 
 
 class OverlappedScoring:
@@ -132,7 +151,7 @@ class OverlappedScoring:
 
     def _score(self, samples) -> float:
         started = time.perf_counter()
-        outputs = self.scorer([s.response_text for s in samples], [s.metadata for s in samples])
+        outputs = self.scorer([s.response_text for s in samples], [reward_row(s) for s in samples])
         for sample, output in zip(samples, outputs):
             sample.reward, sample.reason = output.score, output.reason
         return time.perf_counter() - started

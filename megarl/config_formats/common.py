@@ -1,0 +1,325 @@
+"""What the three framework readers share: the rule table, the translation record, paths.
+
+A framework's configuration is a flat list of source keys (verl's nested YAML flattened to dotted
+paths, ms-swift's role groups to `train.gpus`, ColossalChat's flags to their long names). Each key
+meets one rule of its framework's table:
+
+    map      -> one or more megarl options (values converted with that framework's semantics)
+    ignore   -> no meaning in megarl (Ray, FSDP, hub settings, kernel switches): listed in one line
+    refuse   -> meaningful but needs a capability megarl lacks: the run stops with one line
+
+and a key no rule knows is a one-line error naming the file, the key and the closest known key.
+Keys a framework sets by default when they are omitted are recorded as `default` rows, so that the
+translation shows every value that differs from megarl's own defaults and why.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import yaml
+
+from megarl.errors import ConfigError
+
+MAPPED, DEFAULT, IGNORED, REFUSED = "mapped", "default", "ignored", "refused"
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str  # MAPPED, IGNORED or REFUSED
+    convert: Callable[[Any, "Context"], dict[str, Any]] | None = None  # value -> {megarl dest: value}
+    reason: str = ""
+    refuse_if: Callable[[Any], bool] | None = None  # a mapped/ignored key refused for some values only
+    refusal: str = ""  # why, when refuse_if holds
+    dest: str = ""  # the megarl option(s) it sets, for the reference tables (docs/migrating.md)
+
+    def refusal_text(self) -> str:
+        """Why a value `refuse_if` holds for is refused."""
+        return self.refusal or (f"megarl supports only: {self.reason}" if self.reason else "no counterpart in megarl")
+
+
+def to(dest: str, convert: Callable[[Any], Any] | None = None, note: str = "",
+       refuse_if: Callable[[Any], bool] | None = None, refusal: str = "") -> Rule:
+    """The key sets megarl option `dest` (its value passed through `convert`); a null value leaves megarl's
+    default (every framework here uses null for "unset")."""
+    return Rule(MAPPED, lambda value, ctx: {} if value is None else {dest: convert(value) if convert else value},
+                note, refuse_if, refusal, dest)
+
+
+def custom(fn: Callable[[Any, "Context"], dict[str, Any]], note: str = "",
+           refuse_if: Callable[[Any], bool] | None = None, refusal: str = "", dest: str = "") -> Rule:
+    """The key sets whatever `fn(value, context)` returns ({} when it only informs a later step)."""
+    return Rule(MAPPED, fn, note, refuse_if, refusal, dest)
+
+
+INFORMS = "read with the keys it qualifies"
+
+
+def informs() -> Rule:
+    """A key whose meaning depends on others: the framework's own post-processing maps it."""
+    return Rule(MAPPED, lambda value, ctx: {}, INFORMS)
+
+
+def ignore(reason: str, refuse_if: Callable[[Any], bool] | None = None, refusal: str = "") -> Rule:
+    """No meaning in megarl; `refuse_if(value)`: this value would need what megarl lacks (`refusal`, else
+    "megarl supports only <reason>")."""
+    return Rule(IGNORED, None, reason, refuse_if, refusal)
+
+
+def refuse(reason: str) -> Rule:
+    return Rule(REFUSED, None, reason)
+
+
+def ignore_all(reason: str, keys) -> dict[str, Rule]:
+    rule = ignore(reason)
+    return {key: rule for key in keys}
+
+
+@dataclass
+class Row:
+    """One line of the import table: a source key and what became of it."""
+    key: str
+    value: Any
+    status: str  # MAPPED, DEFAULT, IGNORED, REFUSED
+    targets: dict[str, Any] = field(default_factory=dict)  # megarl dest -> value
+    note: str = ""
+    placeholder: bool = False  # a key read with others: replaced by the row that maps it
+
+
+@dataclass
+class Context:
+    """The whole source config, for rules whose meaning depends on other keys."""
+    source: dict[str, Any]  # flat key -> value
+    where: str  # the file (or "command line") for error messages
+
+    def get(self, key: str, default=None):
+        return self.source.get(key, default)
+
+    def fail(self, key: str, message: str):
+        raise ConfigError(f"{self.where}: {key}: {message}")
+
+
+@dataclass
+class Translation:
+    format: str  # swift | verl | colossalchat
+    where: str
+    values: dict[str, Any] = field(default_factory=dict)  # megarl dest -> value (YAML semantics)
+    rows: list[Row] = field(default_factory=list)
+    how: str = ""  # how the file was read, for the one line rank 0 prints
+
+    def set(self, key: str, value, status: str, targets: dict[str, Any], note: str = "") -> None:
+        """Record a row; a target `dest.key` sets one key of the mapping option `dest` (engine kwargs); a
+        later row of a key that only informed others replaces its placeholder."""
+        kept = [row for row in self.rows if not (row.key == key and row.placeholder)]
+        note = "; ".join(filter(None, [note] + [row.note.removeprefix(INFORMS).lstrip("; ")
+                                                for row in self.rows if row not in kept]))
+        self.rows = kept
+        self.rows.append(Row(key, value, status, dict(targets), note))
+        for dest, item in targets.items():
+            if "." in dest:
+                dest, sub = dest.split(".", 1)
+                self.values.setdefault(dest, {})[sub] = item
+            else:
+                self.values[dest] = item
+
+    def refused(self) -> list[Row]:
+        return [row for row in self.rows if row.status == REFUSED]
+
+    def ignored(self) -> list[Row]:
+        return [row for row in self.rows if row.status == IGNORED]
+
+    def summary(self) -> str:
+        counts = {status: sum(row.status == status for row in self.rows)
+                  for status in (MAPPED, DEFAULT, IGNORED, REFUSED)}
+        return (f"read {self.where} as {self.how}: {counts[MAPPED]} keys mapped, {counts[DEFAULT]} of its "
+                f"defaults applied, {counts[IGNORED]} ignored")
+
+    def ignored_line(self) -> str | None:
+        rows = self.ignored()
+        if not rows:
+            return None
+        by_reason: dict[str, list[str]] = {}
+        for row in rows:
+            by_reason.setdefault(row.note, []).append(row.key)
+        return "ignored (no meaning in megarl): " + "; ".join(f"{', '.join(keys)} ({reason})"
+                                                             for reason, keys in by_reason.items())
+
+    def check(self) -> None:
+        """A refused key stops the run: one line naming the first."""
+        for row in self.refused():
+            raise ConfigError(f"{self.where}: {row.key}={_short(row.value)}: {row.note}")
+
+
+def _short(value) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def closest(name: str, names) -> str:
+    match = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def lookup(table: dict[str, Rule], key: str) -> Rule | None:
+    """The rule of `key`: its own, else that of the longest `prefix.*` entry above it."""
+    if key in table:
+        return table[key]
+    parts = key.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        rule = table.get(".".join(parts[:end]) + ".*")
+        if rule is not None:
+            return rule
+    return None
+
+
+def apply_table(translation: Translation, table: dict[str, Rule], source: dict[str, Any], context: Context,
+                order=None) -> None:
+    """Every source key through its rule; an unknown key is one error line with the closest name."""
+    known = [key for key in table if not key.endswith(".*")]
+    for key in (order or source):
+        value = source[key]
+        rule = lookup(table, key)
+        if rule is None:
+            raise ConfigError(f"{context.where}: {key}: unknown {translation.how} key{closest(key, known)}")
+        if rule.refuse_if is not None and rule.refuse_if(value):
+            translation.set(key, value, REFUSED, {}, rule.refusal_text())
+        elif rule.kind == MAPPED:
+            if isinstance(value, str) and "${" in value:
+                raise ConfigError(f"{context.where}: {key}: cannot resolve {value!r}")
+            translation.set(key, value, MAPPED, rule.convert(value, context), rule.reason)
+            translation.rows[-1].placeholder = rule.reason == INFORMS
+        else:
+            translation.set(key, value, rule.kind, {}, rule.reason)
+
+
+def apply_defaults(translation: Translation, defaults: dict[str, tuple[Any, str]], given) -> None:
+    """The framework's own default for each megarl option its keys did not set."""
+    for dest, (value, why) in defaults.items():
+        if dest not in translation.values and dest not in given:
+            translation.set(f"({why})", value, DEFAULT, {dest: value})
+
+
+_ENV = re.compile(r"\$(\w+)|\$\{([^}:]+)\}")
+
+
+def expand_path(value: str, where: str = "path") -> str:
+    """`~` and `$VAR` / `${VAR}` in a path, as a shell would expand them; an unset variable is an error
+    (an empty expansion would silently point somewhere else)."""
+    if not isinstance(value, str):
+        return value
+
+    def env(match):
+        name = match.group(1) or match.group(2)
+        if name not in os.environ:
+            raise ConfigError(f"{where}: {value!r} uses ${name}, which is not set in the environment")
+        return os.environ[name]
+
+    return os.path.expanduser(_ENV.sub(env, value))
+
+
+def as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys (an empty mapping stays a value: `override_config: {}`)."""
+    out = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`; its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def reference(table: dict[str, Rule], semantics: dict[str, str]) -> list[str]:
+    """A Markdown table of a framework's keys: what each becomes; ignored keys grouped by reason.
+    `semantics`: for keys read together with others, the megarl options they end in."""
+    lines = ["| key | megarl | notes |", "|---|---|---|"]
+    ignored: dict[str, list[str]] = {}
+    for key, rule in table.items():
+        when = f"other values refused: {rule.refusal_text()}" if rule.refuse_if else ""
+        if rule.kind == IGNORED and not rule.refuse_if:
+            ignored.setdefault(rule.reason, []).append(key)
+            continue
+        if rule.kind == REFUSED:
+            lines.append(f"| `{key}` | refused | {rule.reason} |")
+        elif rule.kind == IGNORED:
+            lines.append(f"| `{key}` | ignored | {'; '.join(filter(None, [rule.reason, when]))} |")
+        else:
+            target = semantics.get(key) or rule.dest
+            note = "" if rule.reason == INFORMS else rule.reason
+            shown = f"`{target}`" if target and " " not in target else target
+            lines.append(f"| `{key}` | {shown} | {'; '.join(filter(None, [note, when]))} |")
+    for reason, keys in ignored.items():
+        lines.append(f"| {', '.join(f'`{k}`' for k in keys)} | ignored | {reason} |")
+    return [line.replace("||", "| |") for line in lines]
+
+
+_ASSIGNMENT = re.compile(r"(?:export\s+)?([A-Za-z_]\w*)=(.*)")
+_SHELL_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+def shell_command(text: str, where: str, marker: str) -> list[str]:
+    """The arguments after `marker` (e.g. `rl_example.py`, `verl.trainer.main_ppo`, `megatron rlhf`) in a
+    shell snippet: backslash continuations joined; lines that begin with a flag continue the command (the
+    way READMEs write them); `$NAME` of the snippet's own assignments before the command (`gsm8k=$HOME/x`)
+    and of the environment expanded as the shell would (a name set nowhere is left as written)."""
+    variables: dict[str, str] = {}
+
+    def expand(value: str) -> str:
+        return _SHELL_VAR.sub(lambda m: variables.get(m.group(1) or m.group(2),
+                                                      os.environ.get(m.group(1) or m.group(2), m.group(0))), value)
+
+    command = None
+    for line in text.replace("\\\r\n", " ").replace("\\\n", " ").splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if command is None:
+            assignment = _ASSIGNMENT.fullmatch(stripped)
+            if marker in stripped:
+                command = stripped[stripped.index(marker) + len(marker):]
+            elif assignment and marker not in stripped:
+                rhs = assignment.group(2)
+                try:
+                    parts = shlex.split(rhs if rhs.startswith("'") else expand(rhs))
+                except ValueError:
+                    parts = [rhs]
+                variables[assignment.group(1)] = parts[0] if parts else ""
+            elif re.match(r"--?[A-Za-z]", stripped):  # flags alone: the command line itself
+                command = stripped
+        elif stripped.startswith("-"):
+            command += " " + stripped
+        else:
+            break
+    if command is None:
+        raise ConfigError(f"{where}: no {marker} command line in it")
+    try:
+        return shlex.split(expand(command), comments=True)
+    except ValueError as error:
+        raise ConfigError(f"{where}: cannot split the command line ({error})") from None

@@ -1,0 +1,251 @@
+"""Multi-turn episodes: the policy writes, calls tools, reads their results and goes on, in one engine.
+
+`run_episodes` drives an in-rank vLLM engine (rollout.VllmEngine) request by request, as vLLM's own
+generate loop does (LLM.enqueue, then `engine.step()` until nothing is left), with every episode of the
+call in flight together:
+
+  - each episode is one request per assistant turn (n = 1: episodes diverge after their first token);
+    the first turns of all episodes are enqueued at once;
+  - when a turn finishes, its tool calls are parsed (--tool-parser) and started on the ToolRunner's
+    worker threads, and the engine goes on stepping the other requests: continuous batching across
+    episodes, so a slow tool holds back only its own episode;
+  - between engine steps the loop collects the finished calls; an episode whose calls are all back gets
+    its tool messages appended (rendered by the chat template, `ToolMessages`) and its next turn enqueued
+    as a new request whose prompt is the whole conversation so far (vLLM's prefix cache, where enabled,
+    reuses the shared prefix);
+  - when nothing is left to generate but tools still run, the loop waits for them (`tool_wait_seconds`:
+    the engine idle);
+  - tensor parallelism: every rank of an engine must enqueue the same requests at the same engine step,
+    and a tool returns when it returns on each rank; so only the engine's leader runs tools, and at each
+    step where some episode waits it broadcasts (vLLM's TP group) which episodes' calls are back, with
+    their results, and every rank takes them up there.
+
+An episode ends when a turn calls no tool, at --max-turns assistant turns (a last turn's calls are not
+run), or when its tokens after the prompt reach the episode budget --max-new-tokens (policy and tool
+tokens together: it is the response the trainer sees, and the engine's max_model_len is the prompt's
+limit plus it). Each turn's request may generate at most what is left of the budget; a tool message that
+does not fit is cut and the episode ends truncated.
+
+The Sample: `response_ids` is every token after the prompt (turns and tool messages in order),
+`policy_mask` marks the policy's sampled tokens (1) against the tool messages' (0), `logprobs` has the
+rollout's logprob of each policy token and 0 on tool tokens; `turns` is the conversation (assistant
+messages with their parsed tool calls, tool messages with their error kind and seconds); `response_text`
+is the last assistant turn (the final answer, what an answer-checking reward reads). --min-new-tokens
+applies to the first turn (its positions are the first response tokens, where batch.sampler_constraint
+puts the constraint).
+
+Randomness: on Model Runner V2 every turn's request carries its own seed (from the call's key, the
+prompt, the sample and the turn), so an episode samples the same tokens whatever the tools' timing; on
+V1 (the CPU build) requests draw from the engine's generator in the order the engine steps them, and the
+moment a tool returns decides that order: with tools, a CPU run is not reproducible bit for bit.
+
+`request_log` (the loop's record, kept on the engine as `last_episode_log`): ("add" | "finish",
+engine step, prompt, sample, turn) per request and ("tool_done", step, prompt, sample, turn) when a
+turn's calls are all back, so tests read the scheduling from what the engine did, not from clocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+from megarl.tools import TOOL_PARSERS, CallContext, ToolResult, ToolRunner
+
+
+@dataclass
+class EpisodeSettings:
+    runner: ToolRunner
+    tokenizer: object
+    max_turns: int
+    parser: str = "hermes"
+
+
+@dataclass
+class _Episode:
+    prompt: int  # position in the call's prompt list
+    sample: int
+    prompt_ids: list[int]
+    row: dict
+    response_ids: list[int] = field(default_factory=list)
+    policy_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    running: list = field(default_factory=list)  # the current turn's tool calls (ToolRunner handles)
+    results: list = field(default_factory=list)  # their ToolResults, in call order
+    truncated: bool = False
+    done: bool = False
+    ended_with_stop: bool = True  # the last turn ended on a stop token (not a --stop string)
+    result: object = None  # the rollout Sample, once the episode has ended
+
+    @property
+    def turn(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.turns)
+
+
+class ToolMessages:
+    """The tokens that follow an assistant turn when tools answer it: the end of the assistant's turn as
+    the chat template writes it after the model's last token (e.g. Qwen's newline after <|im_end|>), the
+    tool messages and the next assistant generation prompt. Cut out of the template's rendering of a
+    fixed exchange with and without them, so whatever the family's template does is what the model
+    reads (verl's way)."""
+
+    _BASE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
+
+    def __init__(self, tokenizer, stop_ids: tuple[int, ...]):
+        from megarl.data.prompts import chat_token_ids, template_ids
+
+        self.tokenizer, self._chat, self._template = tokenizer, chat_token_ids, template_ids
+        base = template_ids(tokenizer, self._BASE)
+        # After the model's end-of-turn token (the last stop id the template writes), what the template adds.
+        ends = [i for i, token in enumerate(base) if token in stop_ids]
+        self.base, self.after_stop = base, (base[ends[-1] + 1:] if ends else [])
+        self.end_of_turn = base[ends[-1]:] if ends else []
+
+    def ids(self, results: list[ToolResult], ended_with_stop: bool) -> list[int]:
+        messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        full = self._chat(self.tokenizer, self._BASE + messages)
+        if full[: len(self.base)] != self.base:
+            raise ValueError("the chat template renders a tool message that changes the assistant turn before "
+                             "it; cannot cut the tool message's tokens out of it")
+        return (self.after_stop if ended_with_stop else self.end_of_turn) + full[len(self.base):]
+
+
+def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], rows: list[dict], params: list,
+                 n: int, settings: EpisodeSettings, first_turn_min_tokens: int, on_prompt_done=None,
+                 seeds: list[list[int | None]] | None = None):
+    """Episodes of every prompt (n each) through `engine` (a VllmEngine) together; (episodes as rollout
+    Samples in prompt order, the samples of a prompt in order, the request log, tool-wait seconds).
+    `params[i]`: prompt i's SamplingParams (n = 1, max_tokens = the episode budget), cloned per turn;
+    `seeds[i][j]`: the first turn's seed of sample j of prompt i (None: unseeded, V1), later turns
+    derive theirs from it; `on_prompt_done(i, samples)` as soon as prompt i's episodes have all ended."""
+    from vllm.inputs import TokensPrompt
+
+    from megarl.rollout import Sample, stable_seed
+
+    llm, parse = engine.llm, TOOL_PARSERS[settings.parser]
+    stop_ids = engine.held_back_ids(params[0]) if params else ()
+    messages = ToolMessages(settings.tokenizer, stop_ids)
+    budget = params[0].max_tokens if params else 0
+    episodes = [_Episode(i, j, list(prompt), rows[i]) for i, prompt in enumerate(prompts) for j in range(n)]
+    by_request: dict[str, _Episode] = {}
+    log, step, remaining = [], 0, [n] * len(prompts)
+    waiting: list[_Episode] = []  # episodes whose tools run
+    tool_wait = 0.0
+
+    def enqueue(episode: _Episode):
+        turn = episode.turn + 1
+        request = params[episode.prompt].clone()
+        request.n = 1
+        request.max_tokens = budget - len(episode.response_ids)
+        request.min_tokens = first_turn_min_tokens if turn == 1 else 0
+        seed = seeds[episode.prompt][episode.sample] if seeds else None
+        if seed is not None:
+            request.seed = seed if turn == 1 else stable_seed("turn", seed, turn) >> 8
+        # Outputs carry LLM's own request number (its counter), not the engine's id that enqueue returns.
+        by_request[str(llm.request_counter.counter)] = episode
+        llm.enqueue([TokensPrompt(prompt_token_ids=episode.prompt_ids + episode.response_ids)], [request],
+                    use_tqdm=False)
+        log.append(("add", step, episode.prompt, episode.sample, turn))
+
+    def finish(episode: _Episode):
+        episode.done = True
+        # Built once: the scoring (on_prompt_done) writes the reward into the very Sample returned.
+        episode.result = _as_sample(episode)
+        remaining[episode.prompt] -= 1
+        if remaining[episode.prompt] == 0 and on_prompt_done is not None:
+            on_prompt_done(episode.prompt, [e.result for e in episodes[episode.prompt * n:(episode.prompt + 1) * n]])
+
+    def _as_sample(e: _Episode):
+        final = next((m["content"] for m in reversed(e.turns) if m["role"] == "assistant"), "")
+        return Sample(prompt_indices[e.prompt], e.prompt_ids, e.response_ids, final, e.logprobs, e.truncated,
+                      min_tokens=first_turn_min_tokens, held_back_ids=stop_ids if first_turn_min_tokens else (),
+                      policy_mask=e.policy_mask, turns=e.turns)
+
+    def tools_back(episode: _Episode) -> list | None:
+        """The leader's poll of an episode's calls: their results once all are back, else None."""
+        for k, handle in enumerate(episode.running):
+            if episode.results[k] is None:
+                episode.results[k] = settings.runner.result(handle)
+        return None if any(r is None for r in episode.results) else episode.results
+
+    def turn_done(episode: _Episode, completion):
+        token_ids = list(completion.token_ids)
+        episode.response_ids += token_ids
+        episode.policy_mask += [1] * len(token_ids)
+        episode.logprobs += [lp[token].logprob for token, lp in zip(token_ids, completion.logprobs)]
+        calls = parse(completion.text)
+        episode.turns.append({"role": "assistant", "content": completion.text,
+                              "tool_calls": [vars(c) for c in calls if hasattr(c, "arguments")]})
+        if completion.finish_reason == "length" or len(episode.response_ids) >= budget:
+            episode.truncated = completion.finish_reason == "length" or len(episode.response_ids) > budget
+            return finish(episode)
+        if not calls or episode.turn >= settings.max_turns:
+            return finish(episode)
+        episode.ended_with_stop = bool(token_ids) and token_ids[-1] in stop_ids
+        if leader:  # the other ranks of a TP engine receive the results (broadcast in the loop below)
+            context = CallContext(episode.row, prompt_indices[episode.prompt], episode.sample, episode.turn)
+            episode.running = [settings.runner.start(call, context, episode.row.get("tools")) for call in calls]
+            episode.results = [None] * len(calls)
+        waiting.append(episode)
+
+    def answer(episode: _Episode, results: list):
+        """Append the tool messages of `results` and go on to the next turn (or end, out of budget)."""
+        log.append(("tool_done", step, episode.prompt, episode.sample, episode.turn))
+        for result in results:
+            episode.turns.append({"role": "tool", "name": result.name, "content": result.content,
+                                  "error": result.error, "seconds": result.seconds})
+        ids = messages.ids(results, episode.ended_with_stop)
+        room = budget - len(episode.response_ids)
+        episode.response_ids += ids[:room]
+        episode.policy_mask += [0] * len(ids[:room])
+        episode.logprobs += [0.0] * len(ids[:room])
+        episode.running, episode.results = [], []
+        if len(ids) >= room:  # no room left for another turn
+            episode.truncated = True
+            finish(episode)
+        else:
+            enqueue(episode)
+
+    # The ranks of a TP engine must enqueue each next turn at the same engine step: only the leader runs
+    # tools, and at each step where some episode waits it sends which came back, with their results.
+    leader, group = engine.is_leader, (_tensor_parallel_group() if engine.tp > 1 else None)
+    for episode in episodes:
+        enqueue(episode)
+    core = llm.llm_engine
+    while core.has_unfinished_requests() or waiting:
+        if core.has_unfinished_requests():
+            outputs = core.step()
+            step += 1
+        else:  # only tools are left: wait for the first of them (or a timeout's deadline)
+            started = time.perf_counter()
+            if leader:
+                futures = [h.future for e in waiting for h in e.running if not isinstance(h, ToolResult)]
+                concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+            tool_wait += time.perf_counter() - started
+            outputs = []
+        for output in outputs:
+            if output.finished:
+                episode = by_request.pop(output.request_id)
+                log.append(("finish", step, episode.prompt, episode.sample, episode.turn + 1))
+                turn_done(episode, output.outputs[0])
+        if not waiting:
+            continue
+        back = [(k, results) for k, e in enumerate(waiting) if leader and (results := tools_back(e)) is not None]
+        if group is not None:
+            back = group.broadcast_object(back if leader else None, src=0)
+        for k, results in back:
+            waiting[k].running, waiting[k].results = [], []
+            answer(waiting[k], results)
+        answered = {k for k, _ in back}
+        waiting[:] = [e for k, e in enumerate(waiting) if k not in answered]
+    if by_request or not all(e.done for e in episodes):
+        raise RuntimeError(f"multi-turn: {len(by_request)} requests were never returned by vLLM")
+    return [e.result for e in episodes], log, tool_wait
+
+
+def _tensor_parallel_group():
+    """vLLM's tensor-parallel GroupCoordinator of this rank's engine (its leader is TP rank 0)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()

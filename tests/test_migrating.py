@@ -1,0 +1,477 @@
+"""Other frameworks' configurations read with their meaning (megarl/config_formats): each seed config
+(tests/data/migrating, as the seed documents in shared/seeds show them) and each override style parse to
+the expected megarl options; the traps (ms-swift's omitted colocate_groups, gkd_lmbda, batch-size units);
+unknown keys are one-line errors with the closest name; refused keys stop with one line; the knobs those
+configs need (epochs, LR ratios, path expansion, --algo presets, prompt_id_key) and verl's rule rewards.
+
+In-process: parse_args with a given world size, no ranks are started."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from megarl import config_formats
+from megarl.arguments import _actions, _translated_values, build_parser, load_yaml_config, parse_args, resolve_epochs
+from megarl.errors import ConfigError
+from megarl.placement import Placement
+
+from helpers import ROOT
+
+DATA = ROOT / "tests" / "data" / "migrating"
+OPTIONS = set(_actions(build_parser()))
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the configs name hub models; the tests point them at local ones
+
+
+@pytest.fixture
+def tiny_teacher(tiny_model):
+    """Any model of the student's family serves as the teacher here: these tests read configs and run two
+    steps, and none needs a better teacher. conftest's `tiny_teacher` builds the trained one (1200 steps,
+    ten minutes and more on CI's two cores) and is kept for the distillation quickstart."""
+    return tiny_model
+
+
+def _parse(argv, world_size):
+    return parse_args([str(a) for a in argv], world_size=world_size)
+
+
+def _check(args, expected):
+    got = {key: getattr(args, key) for key in expected}
+    assert got == expected
+
+
+# ------------------------------------------------------------------- ms-swift ----------
+
+def _swift(name, tiny_model, tiny_teacher, world_size, *extra, standalone=False):
+    teacher = ["--standalone-teacher-model", tiny_teacher] if standalone else ["--teacher-model", tiny_teacher]
+    return _parse(["--config", DATA / name, "--model", tiny_model, *teacher, *extra], world_size)
+
+
+SWIFT_CASES = [
+    ("swift_rollout_colocate_teacher_colocate.yaml", 4, False, dict(
+        colocate_groups=[["train", "rollout"]], train_gpus=4, rollout_gpus=4, teacher_gpus=0,
+        tensor_model_parallel_size=2, rollout_tensor_parallel_size=2,
+        num_generations=1, prompts_per_step=16, global_batch_size=16, steps_per_generation=1, micro_batch_size=1,
+        gkd_beta=0.5, gkd_lmbda=0.5, gkd_logits_topk=64, temperature=1.0, gkd_temperature=1.0, policy_loss_coef=0.0,
+        offload_teacher_model=True, lr=1e-6, min_lr=1e-6, lr_decay_style="cosine", weight_decay=0.1,
+        adam_beta2=0.95, lr_warmup_steps=0, train_epochs=1, train_steps=None, no_save_optim=True, no_save_rng=True,
+        recompute_granularity="selective", use_distributed_optimizer=True, padding_free=True,
+        max_new_tokens=8192, max_prompt_length=8192, rollout_gpu_memory_utilization=0.4,
+        rollout_engine_kwargs={"max_model_len": 16384}, train_data=["data/gkd_train.jsonl"])),
+    # No colocate_groups: ms-swift's separate placement, on train.gpus + rollout.gpus ranks.
+    ("swift_rollout_separate_teacher_colocate.yaml", 8, False, dict(
+        colocate_groups=[], train_gpus=4, rollout_gpus=4, micro_batch_size=2, global_batch_size=16,
+        prompts_per_step=16, gkd_lmbda=0.5, temperature=1.0, rollout_gpu_memory_utilization=0.8)),
+    # A standalone vLLM teacher: engine kwargs under ms-swift's name vllm_engine_kwargs; temperature 0.9 default.
+    ("swift_rollout_colocate_teacher_standalone.yaml", 8, True, dict(
+        colocate_groups=[["train", "rollout"]], train_gpus=4, rollout_gpus=4, teacher_gpus=4,
+        teacher_engine_kwargs={"max_logprobs": 64}, teacher_model=None, temperature=0.9, gkd_temperature=0.9,
+        gkd_logits_topk=64, rollout_gpu_memory_utilization=0.9)),
+]
+
+
+@pytest.mark.parametrize("name,world_size,standalone,expected", SWIFT_CASES, ids=[c[0] for c in SWIFT_CASES])
+def test_swift_configs(name, world_size, standalone, expected, tiny_model, tiny_teacher):
+    args = _swift(name, tiny_model, tiny_teacher, world_size, standalone=standalone)
+    _check(args, expected)
+    assert args.config_notes[0].startswith(f"read {DATA / name} as ms-swift Megatron RLHF config: ")
+    assert Placement.from_args(args, world_size).colocated == bool(expected.get("colocate_groups", [[1]]))
+
+
+def test_swift_grpo(tiny_model):
+    args = _parse(["--config", DATA / "swift_grpo.yaml", "--model", tiny_model], 4)
+    # generation_batch_size = global_batch_size 16 * steps_per_generation 4 = 64 completions = 8 prompts x 8;
+    # train_iters 5 optimizer steps = ceil(5 / 4) generation steps.
+    _check(args, dict(num_generations=8, prompts_per_step=8, global_batch_size=16, steps_per_generation=4,
+                      train_steps=2, kl_coef=0.0, clip_eps_low=0.2, clip_eps_high=0.28, loss_agg="sample_level",
+                      policy_loss="ppo_clip", reward="boxed", temperature=0.9, colocate_groups=[["train", "rollout"]],
+                      lr=5e-5, lr_decay_style="cosine"))
+
+
+def test_swift_omitted_colocate_groups_is_separate_and_too_few_ranks_name_the_placement(tiny_model, tiny_teacher):
+    name = "swift_rollout_separate_teacher_colocate.yaml"
+    args = _swift(name, tiny_model, tiny_teacher, 8)
+    placement = Placement.from_args(args, 8)
+    assert not placement.colocated and placement.train_ranks == (0, 1, 2, 3) and placement.rollout_ranks == (4, 5, 6, 7)
+    with pytest.raises(ConfigError) as error:  # launched with only the train ranks: not silently colocated
+        _swift(name, tiny_model, tiny_teacher, 4)
+    assert "the separate placement needs 8 ranks" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_swift_defaults_differ_from_megarl(tmp_path, tiny_model, tiny_teacher):
+    """gkd_lmbda 0.5 (megarl: 1.0), GRPO's beta 0.04 as the KL coefficient, a teacher on GRPO = OPD-RL."""
+    config = tmp_path / "gkd.yaml"
+    config.write_text("rlhf_type: gkd\ntrain: {gpus: 2}\nrollout: {gpus: 2}\ncolocate_groups: [[train, rollout]]\n"
+                      "global_batch_size: 4\n")
+    _check(_parse(["--config", config, "--model", tiny_model, "--teacher-model", tiny_teacher], 2),
+           dict(gkd_lmbda=0.5, gkd_beta=0.5, num_generations=1, temperature=0.9))
+    config.write_text("rlhf_type: grpo\ncolocate_groups: [[train, rollout]]\ntrain: {gpus: 2}\nrollout: {gpus: 2}\n"
+                      "global_batch_size: 16\nteacher_model: T\nteacher_kl_coef: 0.5\n")
+    _check(_parse(["--config", config, "--model", tiny_model, "--teacher-model", tiny_teacher], 2),
+           dict(kl_coef=0.04, distill_reward_coef=0.5, distill_coef=0.0, num_generations=8, prompts_per_step=2))
+
+
+@pytest.mark.parametrize("text,message", [
+    ("rlhf_type: gkd\ngkd_logit_topk: 8\n", "gkd_logit_topk: unknown ms-swift Megatron RLHF config key (did you "
+                                            "mean 'gkd_logits_topk'?)"),
+    ("rlhf_type: gkd\ntrain: {gpus: 2, tuner_type: lora}\n", "needs LoRA, which megarl does not have yet"),
+    ("rlhf_type: dpo\n", "rlhf_type=dpo: megarl trains online RL (grpo) and distillation (gkd) only"),
+    ("rlhf_type: gkd\nsft_alpha: 0.5\n", "sft_alpha=0.5: sft_alpha > 0 adds an SFT loss"),
+    ("rlhf_type: grpo\nreward_funcs: [format]\n", "'format' is an ms-swift built-in reward megarl does not have"),
+    ("rlhf_type: gkd\ndataset: AI-ModelScope/alpaca-gpt4-data-en#2000\n", "'#2000' samples 2000 rows of a hub"),
+])
+def test_swift_unknown_and_refused_keys_are_one_line(tmp_path, text, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        _parse(["--config", config], 2)
+    assert message in str(error.value) and str(config) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_ignored_keys_are_listed_in_one_line(tmp_path, tiny_model, tiny_teacher):
+    config = tmp_path / "c.yaml"
+    config.write_text("rlhf_type: gkd\nuse_ray: true\ncolocate_groups: [[train, rollout]]\ndataloader_num_workers: 4\n"
+                      "attention_backend: flash\nglobal_batch_size: 2\n")
+    args = _parse(["--config", config, "--model", tiny_model, "--teacher-model", tiny_teacher], 2)
+    assert len(args.config_notes) == 2
+    ignored = args.config_notes[1]
+    assert ignored.startswith("ignored (no meaning in megarl): ")
+    for key, reason in (("use_ray", "Ray"), ("dataloader_num_workers", "data loading"),
+                        ("attention_backend", "kernel")):
+        assert key in ignored and reason in ignored
+
+
+# ----------------------------------------------------------------------- verl ----------
+
+VERL = DATA / "verl_ppo_trainer.yaml"
+
+
+def _verl(tiny_model, *overrides, world_size=2):
+    return _parse(["--config", VERL, f"actor_rollout_ref.model.path={tiny_model}", "trainer.n_gpus_per_node=2",
+                   "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size=4", *overrides], world_size)
+
+
+def test_verl_seed_config_with_overrides(tiny_model):
+    args = _verl(tiny_model, "trainer.total_epochs=15", "actor_rollout_ref.rollout.n=2")
+    home = os.path.expanduser("~")
+    _check(args, dict(
+        colocate_groups=[["train", "rollout"]], train_gpus=2, rollout_gpus=2, rollout_tensor_parallel_size=2,
+        prompts_per_step=8, num_generations=2, global_batch_size=8, micro_batch_size=2, steps_per_generation=2,
+        train_epochs=15, train_steps=None, lr=1e-6, weight_decay=0.01, lr_decay_style="constant", min_lr=0.0,
+        lr_warmup_steps=0, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, entropy_coef=0.001,
+        advantage_estimator="gae", gamma=1.0, lam=1.0,
+        # the seed's verl applies kl_ctrl in the reward (before use_kl_in_reward existed); `kl` is k1
+        kl_placement="reward", kl_estimator="k1", kl_coef=0.005, kl_controller="fixed",
+        reward="verl_data_source", system_prompt="", max_new_tokens=512, max_prompt_length=512,
+        train_data=[f"{home}/data/rlhf/gsm8k/train.parquet"], eval_datasets={"val": f"{home}/data/rlhf/gsm8k/test.parquet"},
+        eval_interval=2, save_dir="checkpoints/verl_examples/gsm8k", save_interval=0, resume="auto",
+        rollout_engine_kwargs={"enforce_eager": True, "max_num_batched_tokens": 8192, "max_num_seqs": 1024}))
+    assert args.config_notes[0].startswith(f"read {VERL} as verl PPO trainer config with 7 override(s): ")
+    assert "fsdp_config" in args.config_notes[1] and "HDFS" in args.config_notes[1]
+
+
+def test_verl_override_styles(tiny_model):
+    """`+key` adds, `++key` adds or replaces, `~key` deletes; the KL moves into the loss with use_kl_loss."""
+    args = _verl(tiny_model, "+algorithm.use_kl_in_reward=false", "++actor_rollout_ref.actor.use_kl_loss=true",
+                 "+actor_rollout_ref.actor.kl_loss_coef=0.01", "~data.val_files", "~trainer.test_freq",
+                 "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+                 "actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "actor_rollout_ref.actor.optim.warmup_style=cosine",
+                 "+trainer.total_training_steps=6", "algorithm.kl_penalty=mse", "algorithm.adv_estimator=grpo")
+    # 6 steps x 2 mini-batches x 1 epoch = 12 optimizer steps; half of them warm up.
+    _check(args, dict(kl_placement="loss", kl_coef=0.01, kl_estimator="low_var_kl", eval_datasets={},
+                      train_steps=6, train_epochs=None, lr_warmup_steps=6, min_lr=pytest.approx(1e-7),
+                      lr_decay_style="cosine", advantage_estimator="grpo"))
+
+
+@pytest.mark.parametrize("name,estimator", [("kl", "k1"), ("abs", "abs"), ("mse", "mse"), ("low_var_kl", "low_var_kl"),
+                                            ("k3", "k3"), ("full", "full")])
+def test_verl_kl_penalty_names(tiny_model, name, estimator):
+    assert _verl(tiny_model, f"algorithm.kl_penalty={name}").kl_estimator == estimator
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.total_epoch=3"], "override trainer.total_epoch=3: unknown verl key (did you mean 'trainer.total_epochs'?)"),
+    (["+trainer.total_epochs=3"], "trainer.total_epochs is already in"),
+    (["algorithm.kl_penalty=k3+"], "algorithm.kl_penalty: 'k3+' has no megarl KL estimator"),
+    (["actor_rollout_ref.model.lora_rank=8"], "needs LoRA, which megarl does not have yet"),
+    (["+actor_rollout_ref.model.override_config.attention_dropout=0.1"], "model.override_config needs megarl's"),
+    (["+algorithm.use_kl_in_reward=true", "+actor_rollout_ref.actor.use_kl_loss=true"],
+     "use_kl_in_reward: and actor.use_kl_loss are both on"),
+    (["trainer.n_gpus_per_node=4"], "the colocated placement needs 4 ranks"),
+])
+def test_verl_errors_are_one_line(tiny_model, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        _verl(tiny_model, *overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_verl_unknown_key_in_the_file(tmp_path):
+    config = tmp_path / "ppo.yaml"
+    config.write_text("data:\n  train_batch_size: 8\n  max_promt_length: 10\n")
+    with pytest.raises(ConfigError, match=r"ppo.yaml: data.max_promt_length: unknown verl PPO trainer config key "
+                                          r"\(did you mean 'data.max_prompt_length'\?\)"):
+        _parse(["--config", config], 8)
+
+
+def test_verl_reward_model_and_legacy_micro_batch_units(tiny_model):
+    args = _verl(tiny_model, "reward_model.enable=true", f"reward_model.model.path={tiny_model}",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size=2", "+actor_rollout_ref.actor.use_dynamic_bsz=false")
+    # reward_model.enable scores with the reward model alone; ppo_micro_batch_size 2 over 2 ranks = 1 per rank
+    _check(args, dict(reward="rm", reward_model=tiny_model, micro_batch_size=1, reward_model_micro_batch_size=64))
+
+
+# --------------------------------------------------------------- ColossalChat ----------
+
+def test_colossalchat_seed_command_lines_break_their_own_batch_rule():
+    """Both README command lines ask for more prompts per optimizer step than a generation round makes
+    (rl_example.py's documented rule): one line naming the flags, not a silent change of units."""
+    for name, world_size in (("colossalchat_zero2_8gpu.sh", 8), ("colossalchat_multinode_tp_pp.sh", 32)):
+        with pytest.raises(ConfigError) as error:
+            _parse(["--config", DATA / name], world_size)
+        assert "prompts per optimizer step (rl_example.py's rule" in str(error.value)
+
+
+CC = ["-t", "1", "-i", "1", "-ibs", "4", "-tbs", "2", "-g", "4", "-tmbs", "4", "-d", "x.jsonl", "-mnt", "16"]
+CC_LONG = ["--num-trainers", "1", "--num-inferencer", "1", "--inference-batch-size", "4", "--train-batch-size", "2",
+           "--num-generations", "4", "--train-microbatch-size", "4", "--dataset", "x.jsonl", "--max-new-tokens", "16"]
+
+
+@pytest.mark.parametrize("flags", [CC, CC_LONG], ids=["short", "long"])
+def test_colossalchat_flags_short_and_long(tiny_model, flags):
+    args = _parse(["--config-format", "colossalchat", *flags, "-m", tiny_model, "-a", "DAPO", "-e", "2"], 2)
+    # 1 producer x 4 prompts; optimizer steps of 2 prompts x 4 generations x 1 data-parallel group = 8 samples
+    _check(args, dict(colocate_groups=[], train_gpus=1, rollout_gpus=1, prompts_per_step=4, num_generations=4,
+                      global_batch_size=8, steps_per_generation=2, micro_batch_size=4, train_epochs=2,
+                      kl_coef=0.0, clip_eps_low=0.2, clip_eps_high=0.28, loss_agg="token_level",
+                      dynamic_sampling=[0.01, 0.99], overlong_buffer_len=4, filter_truncated=True,
+                      policy_loss="skip_threshold", lr=1e-6, min_lr=pytest.approx(1e-7), lr_decay_style="cosine",
+                      reward="think_answer_tags", top_k=50, max_prompt_length=512))
+    assert args.config_notes[0].startswith("read command line as ColossalChat rl_example.py flags: ")
+
+
+def test_colossalchat_grpo_eval_set_and_megarl_flags_after(tiny_model):
+    args = _parse(["--config-format", "colossalchat", *CC, "-m", tiny_model, "-b", "vllm", "-kl", "0.02",
+                   "-ed", json.dumps({"math": "~/m.jsonl"}), "-ei", "5", "--train-steps", "3"], 2)
+    _check(args, dict(kl_coef=0.02, kl_estimator="k3", loss_agg="sample_level", top_k=-1, train_steps=3,
+                      train_epochs=None, eval_datasets={"math": os.path.expanduser("~/m.jsonl")}, eval_interval=5,
+                      eval_temperature=0.6))
+
+
+def test_colossalchat_refusals_and_unknown_flags(tiny_model):
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        _parse(["--config-format", "colossalchat", *CC, "-zero", "3"], 2)
+    with pytest.raises(ConfigError, match="unrecognized arguments: -xyz"):
+        _parse(["--config-format", "colossalchat", *CC, "-xyz", "1"], 2)
+
+
+# --------------------------------------------------------------- detection ----------
+
+@pytest.mark.parametrize("name,fmt", [("swift_grpo.yaml", "swift"), ("verl_ppo_trainer.yaml", "verl"),
+                                      ("colossalchat_zero2_8gpu.sh", "colossalchat")])
+def test_detect(name, fmt):
+    assert config_formats.detect(str(DATA / name)) == fmt
+    assert config_formats.detect(str(ROOT / "examples" / "grpo.yaml")) == "megarl"
+
+
+def test_config_format_option_overrides_detection(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("rlhf_type: gkd\n")
+    with pytest.raises(ConfigError, match="rlhf_type: unknown option"):  # read as megarl's own YAML
+        _parse(["--config", config, "--config-format", "megarl"], 2)
+
+
+# ------------------------------------------------------------------- knobs ----------
+
+def test_train_epochs_and_lr_ratios(tmp_path, tiny_model):
+    args = _parse(["--model", tiny_model, "--train-data", "x.jsonl", "--train-epochs", "3", "--prompts-per-step", "4",
+                   "--num-generations", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                   "--lr-warmup-ratio", "0.25", "--lr", "1e-4", "--min-lr-ratio", "0.1"], 2)
+    assert args.train_steps is None and args.min_lr == pytest.approx(1e-5)
+    resolve_epochs(args, num_rows=10)  # 10 rows // 4 prompts = 2 steps an epoch (the last 2 rows dropped)
+    assert args.train_steps == 6
+    assert args.lr_warmup_steps == 3  # 0.25 x (6 steps x 2 mini-batches x 1 epoch)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train-epochs", "2"], "--train-epochs counts passes over --train-data"),
+    (["--train-data", "x", "--train-epochs", "2", "--train-steps", "3"], "both set the run's length"),
+    (["--lr-warmup-ratio", "0.1", "--lr-warmup-steps", "3"], "both set the warm-up"),
+    (["--min-lr", "1e-6", "--min-lr-ratio", "0.1"], "both set the final learning rate"),
+    (["--save-dir", "$MEGARL_SURELY_UNSET/ckpt"], "--save-dir: '$MEGARL_SURELY_UNSET/ckpt' uses $MEGARL_SURELY_UNSET"),
+])
+def test_knob_errors(tiny_model, argv, message):
+    with pytest.raises(ConfigError) as error:
+        _parse(["--model", tiny_model, *argv], 2)
+    assert message in str(error.value)
+
+
+def test_command_line_run_length_replaces_the_configs(tmp_path, tiny_model):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny_model}\ntrain_data: [x.jsonl]\ntrain_epochs: 2\n")
+    args = _parse(["--config", config, "--train-steps", "5"], 2)
+    assert (args.train_steps, args.train_epochs) == (5, None)
+
+
+def test_paths_expand_home_and_environment(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv("MEGARL_TEST_ROOT", str(tmp_path))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny_model}\nsave_dir: $MEGARL_TEST_ROOT/ckpt\nlog_dir: ~/runs/x\n"
+                      f"eval_dataset: ['a=${{MEGARL_TEST_ROOT}}/e.jsonl']\n")
+    args = _parse(["--config", config], 2)
+    assert args.save_dir == f"{tmp_path}/ckpt" and args.log_dir == os.path.expanduser("~/runs/x")
+    assert args.eval_datasets == {"a": f"{tmp_path}/e.jsonl"}
+
+
+def test_algo_preset_under_config_and_command_line(tmp_path, tiny_model):
+    args = _parse(["--model", tiny_model, "--algo", "DAPO", "--max-new-tokens", "16", "--clip-eps-high", "0.3"], 2)
+    _check(args, dict(clip_eps_low=0.2, clip_eps_high=0.3, loss_agg="token_level", kl_coef=0.0,
+                      dynamic_sampling=[0.01, 0.99], overlong_buffer_len=4, filter_truncated=True))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny_model}\nalgo: grpo\nkl_coef: 0.05\n")
+    _check(_parse(["--config", config], 2), dict(kl_coef=0.05, loss_agg="sample_level", kl_estimator="low_var_kl"))
+
+
+def test_prompt_id_key(tmp_path):
+    from megarl.data.datasets import DatasetError, load_rows
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}], "uid": "p-7",
+                                "reward_model": {"ground_truth": "1"}}) + "\n")
+    assert load_rows(str(path), id_key="uid")[0].id == "p-7"
+    assert load_rows(str(path))[0].extra["uid"] == "p-7"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}], "uid": "a", "id": "b"}) + "\n")
+    with pytest.raises(DatasetError, match="both 'uid' \\(--prompt-id-key\\) and 'id'"):
+        load_rows(str(path), id_key="uid")
+
+
+# ---------------------------------------------------------------- rewards ----------
+
+@pytest.mark.parametrize("source,response,answer,score", [
+    ("openai/gsm8k", "so 3 + 4 = 7\n#### 7", "7", 1.0),
+    ("openai/gsm8k", "#### 1,234", "1234", 1.0),
+    ("openai/gsm8k", "#### 7 then #### 8", "7", 0.0),  # the last #### answer counts
+    ("openai/gsm8k", "the answer is 7", "7", 0.0),
+    ("lighteval/MATH", "\\boxed{\\frac{1}{2}}", "\\frac12", 1.0),
+    ("unknown/set", "#### 7", "7", 0.0),
+])
+def test_verl_data_source_reward(source, response, answer, score):
+    from megarl.rewards import as_output, get_reward
+
+    out = as_output(get_reward("verl_data_source").fn(response, {"data_source": source, "gt_answer": answer}))
+    assert out.score == score
+    if source == "unknown/set":
+        assert "no rule reward for data_source 'unknown/set'" in out.reason
+
+
+# ------------------------------------------------------------- import tool ----------
+
+@pytest.mark.parametrize("name,extra", [("verl_ppo_trainer.yaml", ["trainer.total_epochs=2"]),
+                                        ("swift_rollout_colocate_teacher_standalone.yaml", []),
+                                        ("colossalchat_multinode_tp_pp.sh", ["-tbs", "1"])])
+def test_import_config_prints_yaml_and_every_key(name, extra, capsys, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_config", ROOT / "tools" / "import_config.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(DATA / name), *extra]) == 0
+    out = capsys.readouterr().out
+    table = out.partition("\n# ---- source keys ----\n")[2]
+    (tmp_path / "run.yaml").write_text(out)
+    fmt = config_formats.detect(str(DATA / name))
+    translation, _ = config_formats.translate(fmt, str(DATA / name), extra, OPTIONS)
+    for row in translation.rows:  # every source key has its line in the table
+        assert f"| {row.key} |" in table
+    # The printed YAML is megarl's own config, and it reads as the translation does.
+    parser = build_parser()
+    assert load_yaml_config(str(tmp_path / "run.yaml"), parser) == _translated_values(translation, parser)
+    if name.startswith("verl"):
+        assert yaml.safe_load(out)["train_epochs"] == 2 and yaml.safe_load(out)["kl_estimator"] == "k1"
+
+
+# ----------------------------------------------------------- a run, end to end ----------
+
+@pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
+def test_swift_gkd_config_runs_separate_and_resumes_without_optimizer_states(tiny_model, tiny_teacher, tmp_path):
+    """An ms-swift GKD config without colocate_groups, launched on train.gpus + rollout.gpus ranks, runs in the
+    separate placement with ms-swift's defaults; no_save_optim / no_save_rng leave the optimizer and RNG states
+    out of its checkpoints, and a run resumes from one."""
+    from helpers import torchrun
+
+    config = tmp_path / "gkd.yaml"
+    config.write_text(yaml.safe_dump({
+        "rlhf_type": "gkd", "model": tiny_model, "teacher_model": tiny_teacher, "gkd_logits_topk": 8,
+        "global_batch_size": 8, "micro_batch_size": 4, "max_completion_length": 8, "max_length": 64, "lr": 1e-4,
+        "train_iters": 2, "no_save_optim": True, "no_save_rng": True, "output_dir": str(tmp_path / "ckpt"),
+        "save_steps": 1, "use_vllm": True, "use_ray": True, "train": {"gpus": 1}, "rollout": {"gpus": 1}}))
+    first = torchrun("../../megarl/train.py", "--config", config, "--log-dir", tmp_path / "tb", timeout=600)
+    assert f"megarl: read {config} as ms-swift Megatron RLHF config: " in first.stdout
+    assert "megarl: ignored (no meaning in megarl): " in first.stdout and "use_ray" in first.stdout
+    assert "placement: separate, 2 ranks" in first.stdout and "step 2/2" in first.stdout
+    state = json.loads((tmp_path / "ckpt" / "step_00000002" / "state.json").read_text())
+    assert state["optimizer_saved"] is False
+    assert os.listdir(tmp_path / "ckpt" / "step_00000002" / "rng") == []
+    resumed = torchrun("../../megarl/train.py", "--config", config, "--log-dir", tmp_path / "tb2", "--train-steps", "3",
+                       "--resume", "auto", timeout=600)
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} after step 2" in resumed.stdout
+    assert "step 3/3" in resumed.stdout
+
+
+def test_migrating_page_lists_every_key_of_the_readers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_config", ROOT / "tools" / "import_config.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    page = (ROOT / "docs" / "migrating.md").read_text()
+    assert f"{tool.START}\n{tool.reference()}{tool.END}" in page, \
+        "docs/migrating.md is stale: run python tools/import_config.py --reference --write"
+
+
+# -------------------------------------------------------- launch scripts ----------
+
+def test_verl_launch_script_with_shell_variables(tiny_model):
+    args = _parse(["--config", DATA / "verl_grpo_script.sh", f"actor_rollout_ref.model.path={tiny_model}",
+                   "trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 2)
+    home = os.path.expanduser("~")
+    _check(args, dict(advantage_estimator="grpo", num_generations=5, prompts_per_step=8, global_batch_size=20,
+                      micro_batch_size=5, kl_placement="loss", kl_coef=0.001, kl_estimator="low_var_kl",
+                      train_epochs=15, train_data=[f"{home}/data/gsm8k/train.parquet"],
+                      eval_datasets={"val": f"{home}/data/gsm8k/test.parquet"}, colocate_groups=[["train", "rollout"]]))
+
+
+def test_verl_overrides_alone_on_the_command_line(tiny_model):
+    args = _parse(["--config-format", "verl", f"actor_rollout_ref.model.path={tiny_model}", "trainer.n_gpus_per_node=2",
+                   "data.train_files=[x.parquet]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=3"], 2)
+    # verl's own defaults where the overrides say nothing: GAE, AdamW weight decay 0.01, lr 1e-6
+    _check(args, dict(advantage_estimator="gae", weight_decay=0.01, lr=1e-6, train_steps=3, train_epochs=None,
+                      global_batch_size=4, micro_batch_size=2, kl_coef=0.0))
+
+
+def test_swift_command_line_without_ray_is_colocated(tiny_model, tiny_teacher):
+    args = _parse(["--config", DATA / "swift_gkd_command.sh", "--model", tiny_model, "--teacher-model", tiny_teacher,
+                   "--train-data", "x.jsonl"], 2)
+    _check(args, dict(colocate_groups=[["train", "rollout"]], train_gpus=2, rollout_gpus=2, gkd_lmbda=1.0, gkd_beta=1.0,
+                      gkd_logits_topk=20, global_batch_size=16, prompts_per_step=16, micro_batch_size=2,
+                      train_epochs=1, lr=5e-5, no_save_optim=True, no_save_rng=True))
+
+
+def test_verl_megatron_backend_keys(tiny_model):
+    """ppo_megatron_trainer.yaml's actor.megatron section: parallel sizes, offload, recomputation."""
+    args = _verl(tiny_model, "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+                 "++actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                 "++actor_rollout_ref.actor.megatron.param_offload=true",
+                 "++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
+                 "++actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=flash",
+                 "++actor_rollout_ref.model.override_config.moe_config.freeze_moe_router=false")
+    # TP 2 on 2 ranks: one data-parallel rank takes all of ppo_micro_batch_size
+    _check(args, dict(tensor_model_parallel_size=2, offload_model=True, recompute_granularity="selective",
+                      micro_batch_size=2))

@@ -1,0 +1,95 @@
+"""torchrun worker (colocated; the test runs two ranks, one engine at rollout TP = 2) of tests/test_multiturn.py:
+multi-turn episodes on the real engine.
+
+Runs with --external-plugins tests/plugins/probe_tools.py --tools probe --tool-parser always_probe: every
+assistant turn calls `probe` (the tiny model writes no tool calls of its own), --max-turns turns per episode.
+
+  scheduling  prompts 0..3, 2 samples each; prompt 0's row makes its first-turn probe "slow": it returns
+              only when every other prompt's episodes have ended (on_prompt_done sets the plugin's
+              RELEASE; 50 s at most, below --tool-timeout). Prompt 1's probe raises.
+              Report: the engine's request log, each episode's turns, policy_mask and logprobs.
+  mismatch    one training step's generate -> prepare (two-pass: --kl-coef) on episodes: the rollout vs
+              trainer mismatch over the policy's tokens (batch.response_mask); the trainer's logprobs of the
+              tool tokens, unmasked, against the 0 the rollout records there (what the mismatch would read
+              if they entered it); then update + sync and the same on fresh episodes.
+  dump        the step's rollout dump (--rollout-save-dir), read back.
+  ranks       every rank's request log and episodes of the scheduling call, compared (`ranks_agree`).
+Rank 0 writes the report (JSON) to argv[1].
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from megarl import distributed, phases
+from megarl.arguments import parse_args
+from megarl.batch import mismatch_metrics
+from megarl.data.prompts import render_chat
+from megarl.run import build_run
+
+
+def episodes_report(samples):
+    return [{"prompt": s.prompt_index, "policy_mask": s.policy_mask, "logprobs": s.logprobs,
+             "response_ids": s.response_ids, "turns": s.turns, "truncated": s.truncated,
+             "text": s.response_text} for s in samples]
+
+
+def measure(run, step):
+    samples, report = phases.generate(run, step)
+    batch, _ = phases.score_and_filter(run, samples)
+    batch, _ = phases.prepare(run, batch)
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    tool = (torch.arange(batch.width)[None, :] < lengths[:, None]).float() - batch.response_mask
+    raw, _ = run.actor.logprobs(phases._micro_batches(run, batch), batch.width)  # unmasked, every token
+    return batch, {"policy": mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask),
+                   "tool_tokens_unmasked": mismatch_metrics(raw, batch.rollout_logprobs, tool),
+                   "policy_tokens": batch.response_mask.sum().item(), "tool_tokens": tool.sum().item(),
+                   "metrics": report.metrics}
+
+
+def main():
+    out, argv = sys.argv[1], sys.argv[2:]
+    args = parse_args(argv)
+    context = distributed.init_distributed(args)
+    run = build_run(args, context)
+    plugin = sys.modules[next(name for name, m in sys.modules.items() if hasattr(m, "RELEASE")
+                              and name.startswith("megarl_plugin"))]
+    texts = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "What is 3 + 9?"]
+    rows = [{"probe": "slow"}, {"probe": "raise"}, {}, {}]
+    done_order = []
+
+    def on_prompt_done(i, samples):
+        done_order.append(i)
+        if set(done_order) >= {1, 2, 3}:
+            plugin.RELEASE.set()
+
+    samples = run.rollout.generate([render_chat(run.tokenizer, t) for t in texts], [0, 1, 2, 3], 0, n=2,
+                                   seed_key=("test",), on_prompt_done=on_prompt_done, rows=rows,
+                                   episodes=run.episodes)
+    report = {"log": run.rollout.last_episode_log, "done_order": done_order, "episodes": episodes_report(samples),
+              "released_by_others": plugin.RELEASE.is_set()}
+    # With --rollout-tensor-parallel-size 2 both ranks are one engine: the same requests at the same engine
+    # steps, the same tokens and tool messages (the leader ran the tools, the other rank received them).
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, (report["log"], report["episodes"]))
+    report["ranks_agree"] = all(other == every[0] for other in every)
+    report["ranks"] = len(every)
+    run.rollout.tool_wait_seconds = 0.0
+    batch, report["mismatch_before"] = measure(run, 0)
+    batch, _ = phases.compute_advantages(run, batch)
+    phases.update(run, batch, 0)
+    phases.sync(run)
+    _, report["mismatch_after"] = measure(run, 1)
+    dump = os.path.join(args.rollout_save_dir, "train_step2.jsonl")
+    with open(dump) as f:
+        report["dump"] = [json.loads(line) for line in f]
+    if context.rank == 0:
+        with open(out, "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)
