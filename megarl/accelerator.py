@@ -353,6 +353,18 @@ def _set_states_besides_step(set_states):
     return wrapped
 
 
+def _dtoh_without_streams(self, point, tokens_per_expert=None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize without its side stream: at the point where
+    it copies the split sizes to the host, give them the types that copy gives (numpy arrays for the
+    splits, which the all-to-all reads as lists); the tensors are on the host already."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
 def _load_state_dict_with_a_step_per_parameter(load_state_dict):
     """DistributedOptimizer.load_state_dict without Apex or Transformer Engine hands every parameter's Adam
     state one shared 'step' tensor (Megatron-core 0.16.1, distrib_optimizer.py:817-825). torch's Adam adds 1
@@ -388,13 +400,21 @@ def _fix_distributed_optimizer_over_torch_adam() -> None:
 
 @functools.cache
 def apply_megatron_shims() -> None:
-    """Rebind Megatron-core's CUDA-only call sites to CPU versions (on CUDA only the torch-Adam fixes).
+    """Rebind Megatron-core's CUDA-only call sites to CPU versions (on CUDA only the torch-Adam fixes and,
+    without Transformer Engine, the MoE router's name).
 
     Idempotent. Must run before Megatron models, optimizers or RNG trackers are
     built. Each shim names the site it replaces, so removing one when Megatron
     gains CPU support is a one-line change.
     """
     _fix_distributed_optimizer_over_torch_adam()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE:
+        # On any host without Transformer Engine: the MoE router's gating GEMM (moe_utils.py:
+        # RouterGatingLinearFunction) tests `te_general_gemm is not None`, a name bound only when TE imports
+        # (a NameError otherwise); None selects its torch.mm path.
+        moe_utils.te_general_gemm = None
     if ON_CUDA:
         return
     # Apex and Transformer Engine are GPU libraries: their absence is expected here.
@@ -455,3 +475,10 @@ def apply_megatron_shims() -> None:
 
     for cls in (distrib_optimizer.DistributedOptimizer, megatron_optimizer.Float16OptimizerWithFloat16Params):
         cls.__init__ = _reporting_cuda_tensor_types(cls.__init__)
+
+    # MoE's all-to-all token dispatcher (transformer/moe/token_dispatcher.py) creates a CUDA stream at its
+    # first construction and copies its split sizes to the host on it: on CPU they are already there.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU ranks"  # not None: none is created
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_without_streams

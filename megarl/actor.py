@@ -88,7 +88,7 @@ class Actor(TrainableModel, SampledLogprobs):
             sums, grad_norm = self.optimizer_step(
                 micro_batches, loss, companions={name: role.companion_logits for name, role in companions.items()},
                 hidden=hidden)
-        return loss.metrics(sums, grad_norm, self.lr)
+        return {**loss.metrics(sums, grad_norm, self.lr), **self.moe_losses}
 
     def hf_weights(self, bucket_bytes: int):
         """What the weight sync sends (policy_weights); collective over the train ranks."""

@@ -88,6 +88,17 @@ def _add_parallelism_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="trainer CP size: each packed sequence split over CP ranks (needs --padding-free; "
                         "Transformer Engine's attention where installed, all-gather attention otherwise)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="trainer EP size (mixture-of-experts models): each MoE layer's routed experts split over "
+                        "this many ranks of a pipeline stage, tokens exchanged all-to-all; experts are not split "
+                        "over TP (Megatron's expert TP size 1). Must divide the model's num_experts and train "
+                        "ranks / PP")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="MoE: weight of Megatron's load-balancing loss (aux_loss: Switch Transformer's, over each "
+                        "micro-batch), added to the policy loss and logged as moe_load_balancing_loss; 0: off")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=0.0,
+                   help="MoE: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2), added to the "
+                        "policy loss and logged as moe_z_loss; 0: off")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism at TP > 1: the activations outside attention and the MLP "
                         "(norms, residuals) split along the sequence over the TP ranks, all-gathered before and "
@@ -767,6 +778,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(str(error)) from None
     # Resolved counts, for the checkpoint's record and the config reference.
     args.train_gpus, args.rollout_gpus = len(placement.train_ranks), len(placement.rollout_ranks)
+    _validate_moe(args)
     from megarl import accelerator
 
     unsupported = accelerator.check_supported(args)
@@ -1033,6 +1045,39 @@ def _validate_lora(args) -> None:
         raise ConfigError("--lora-rank is not supported with Transformer Engine's layers yet (its layer-norm-fused "
                           "linears hide the normalised input the adapters take); LoRA runs on Megatron's local "
                           "spec, used where Transformer Engine is not installed")
+
+
+def _validate_moe(args) -> None:
+    """MoE options need an MoE policy (--model), and EP must divide its experts (the placement checked the
+    ranks). The model's config is read here when it can be; a missing or unsupported one is named at
+    start-up (run.load_inputs)."""
+    for flag, value in (("--moe-aux-loss-coeff", args.moe_aux_loss_coeff), ("--moe-z-loss-coeff", args.moe_z_loss_coeff)):
+        if value < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {value}")
+    asked = [f"{flag} {value}" for flag, value, off in (
+        ("--expert-model-parallel-size", args.expert_model_parallel_size, 1),
+        ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0), ("--moe-z-loss-coeff", args.moe_z_loss_coeff, 0.0))
+        if value != off]
+    if not asked and not args.lora_rank:
+        return
+    from transformers import AutoConfig
+
+    from megarl.models.families import family_of
+
+    try:
+        hf_config = AutoConfig.from_pretrained(args.model)
+        family = family_of(hf_config)
+    except (OSError, ValueError, AttributeError):
+        return
+    if asked and not family.moe:
+        raise ConfigError(f"{asked[0]} needs a mixture-of-experts model; --model {args.model} is {family.name} "
+                          f"(dense)")
+    if family.moe and hf_config.num_experts % args.expert_model_parallel_size:
+        raise ConfigError(f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the "
+                          f"model's num_experts={hf_config.num_experts}")
+    if family.moe and args.lora_rank:
+        raise ConfigError("--lora-rank with a mixture-of-experts model is not supported yet (adapters on the "
+                          "routed experts are not wired up)")
 
 
 def _validate_teacher_group(args) -> None:

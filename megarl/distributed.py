@@ -201,7 +201,8 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def init_megatron_parallel(context: DistContext, seed: int) -> None:
-    """Megatron's TP x PP x CP x DP groups over the train world (train ranks only)."""
+    """Megatron's TP x PP x CP x DP groups over the train world (train ranks only), and the expert groups
+    (EP x expert DP, expert TP 1: megarl/models/megatron_gpt.py, moe_config)."""
     if not context.is_train:
         return
     from megatron.core import parallel_state, tensor_parallel
@@ -210,7 +211,8 @@ def init_megatron_parallel(context: DistContext, seed: int) -> None:
     placement = context.placement
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=placement.tp, pipeline_model_parallel_size=placement.pp,
-        context_parallel_size=placement.cp)
+        context_parallel_size=placement.cp, expert_model_parallel_size=placement.ep,
+        expert_tensor_parallel_size=1)
     expected = (placement.dp, placement.data_parallel_rank(context.rank))
     actual = (parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
     if expected != actual:

@@ -314,6 +314,39 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
     return from_last_stage(outputs)
 
 
+def clear_moe_losses() -> None:
+    """Zero Megatron's MoE loss tracker (module state shared by every model of the rank), so that the next
+    step's values are its own model's."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.clear_aux_losses_tracker()
+
+
+def moe_losses(model, num_micro_batches: int) -> dict[str, float]:
+    """The MoE router losses of the last forward-backward, unweighted, as Megatron-LM logs them
+    (track_moe_metrics): each layer's value summed over the micro-batches, over the pipeline stages and
+    averaged over data-parallel ranks (reduce_aux_losses_tracker_across_ranks), then the mean over layers
+    and micro-batches: {"moe_load_balancing_loss", "moe_z_loss"} for the terms the run turned on, {} for a
+    dense model. Collective over the train ranks."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megarl.models.convert import unwrap
+
+    config = unwrap(model).config
+    names = [name for name, on in (("load_balancing_loss", config.moe_aux_loss_coeff),
+                                   ("z_loss", config.moe_z_loss_coeff)) if config.num_moe_experts and on]
+    if not names:
+        return {}
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    for name in names:  # a stage without the loss's layers still takes part in the reductions
+        if name not in tracker:
+            tracker[name] = {"values": torch.zeros(config.num_layers, device=accelerator.device()),
+                             "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False}
+    moe_utils.reduce_aux_losses_tracker_across_ranks(names)
+    return {f"moe_{name}": tracker[name]["values"].sum().item() / (config.num_layers * num_micro_batches)
+            for name in names}
+
+
 def from_last_stage(outputs: list[dict]) -> list[dict]:
     """The last pipeline stage's loss-function results on every stage (the others got [] from the
     schedule); tensors travel through host memory, whatever the group's backend."""
@@ -405,6 +438,7 @@ class TrainableModel:
         self.micro_batch_size = args.micro_batch_size
         self.model, self.optimizer, self.scheduler = build_trainable(module, args, lr, args.weight_decay)
         self.offloaders = []
+        self.moe_losses = {}  # the last step's MoE router losses (moe_losses), logged by the actor
         if offload_model:
             self.offloaders.append(Offloader(lambda: model_tensors(self.model)))
         if offload_optimizer:
@@ -428,6 +462,7 @@ class TrainableModel:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        clear_moe_losses()
         outputs = forward_backward(self.model, micro_batches, loss_fn, False, self.micro_batch_size,
                                    companions=companions, hidden=hidden)
         updated, grad_norm, _ = self.optimizer.step()
@@ -437,6 +472,7 @@ class TrainableModel:
         metrics = reduce_over_data_parallel([o["sums"] for o in outputs])
         if "maxes" in outputs[0]:
             metrics.update(reduce_over_data_parallel([o["maxes"] for o in outputs], op="max"))
+        self.moe_losses = moe_losses(self.model, len(micro_batches))
         return metrics, grad_norm
 
     @property

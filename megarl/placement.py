@@ -70,6 +70,7 @@ class Placement:
     tp: int
     pp: int
     cp: int
+    ep: int = 1  # expert parallelism (MoE): experts split over EP ranks of each stage, whole on each (ETP 1)
 
     # ------------------------------------------------------------- sizes ----
     @property
@@ -131,7 +132,7 @@ class Placement:
 
         lines = [f"placement: {'colocate' if self.colocated else 'separate'}, {self.world_size} ranks"]
         lines.append(f"  train   ranks {span(self.train_ranks)}: TP={self.tp} PP={self.pp} CP={self.cp} "
-                     f"DP={self.dp}" + (", teacher colocated" if self.teacher_colocated else ""))
+                     f"DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "") + (", teacher colocated" if self.teacher_colocated else ""))
         lines.append(f"  rollout ranks {span(self.rollout_ranks)}: TP={self.rollout.tp}, "
                      f"{self.rollout.num_engines} {'vLLM' if rollout_backend == 'vllm' else 'HF'} engine(s)")
         if self.teacher is not None:
@@ -152,8 +153,8 @@ class Placement:
         # A top-level teacher_model without teacher ranks is a teacher on the train ranks.
         teacher_colocated = teacher_colocated or bool(args.teacher_model and not args.teacher_gpus)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "rollout_tensor_parallel_size", "teacher_tensor_parallel_size"):
-            if getattr(args, name) < 1:
+                     "expert_model_parallel_size", "rollout_tensor_parallel_size", "teacher_tensor_parallel_size"):
+            if getattr(args, name, 1) < 1:
                 raise PlacementError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         for name in ("train_gpus", "rollout_gpus"):
             value = getattr(args, name)
@@ -181,6 +182,11 @@ class Placement:
         if train % (tp * pp * cp):
             raise PlacementError(f"train.gpus={train} is not divisible by tensor_model_parallel_size * "
                                  f"pipeline_model_parallel_size * context_parallel_size = {tp}*{pp}*{cp}")
+        ep = getattr(args, "expert_model_parallel_size", 1)
+        if train % (pp * ep):
+            raise PlacementError(f"train.gpus={train} is not divisible by pipeline_model_parallel_size * "
+                                 f"expert_model_parallel_size = {pp}*{ep}: each pipeline stage's ranks hold the "
+                                 f"experts split EP ways")
         if rollout % args.rollout_tensor_parallel_size:
             raise PlacementError(f"rollout.gpus={rollout} is not divisible by "
                                  f"rollout.tensor_parallel_size={args.rollout_tensor_parallel_size}")
@@ -194,7 +200,7 @@ class Placement:
         teacher_group = EngineGroup(tuple(range(first_teacher, first_teacher + teacher)),
                                     args.teacher_tensor_parallel_size) if teacher else None
         return cls(world_size, colocated, teacher_colocated, train_ranks,
-                   EngineGroup(rollout_ranks, args.rollout_tensor_parallel_size), teacher_group, tp, pp, cp)
+                   EngineGroup(rollout_ranks, args.rollout_tensor_parallel_size), teacher_group, tp, pp, cp, ep)
 
 
 def _check_groups(groups: list[list[str]]) -> tuple[bool, bool]:

@@ -364,10 +364,15 @@ def _load_in_place(worker, weights) -> None:
     the only post-load step that matters is the CPU GEMM dispatch, which packs
     each linear weight into a oneDNN handle and drops the parameter. So here
     the parameters stay: a dropped linear weight is materialized once from
-    vLLM's recorded metadata and kept (`_kept_weight`), each sync copies into
+    vLLM's recorded metadata and kept (`_kept_weights`), each sync copies into
     it through the model's `load_weights` (the same loaders as the first load:
-    fused qkv / gate_up, TP shards, tied embeddings) and then reruns the layer's
-    post-load processing (a repack on CPU, a no-op on GPU for these methods).
+    fused qkv / gate_up, TP shards, tied embeddings, routed experts into the fused
+    w13 / w2 by vLLM's expert_params_mapping) and then reruns the layer's
+    post-load processing (a repack on CPU, a no-op on GPU for these methods). The
+    routed experts likewise: on CPU their kernel pads and packs w13 / w2 into a
+    layout of its own, so the sync loads into kept copies in the checkpoint's
+    layout and packs again; on GPU they load in place and vLLM's processing of a
+    weight update reruns (what vLLM's RL updates do).
     Anything else (quantization, LoRA) takes `reload_weights`.
     """
     model = worker.model_runner.model
@@ -378,15 +383,21 @@ def _load_in_place(worker, weights) -> None:
         _refresh_tied_output_layer(worker)
         return
     by_block = {}
-    for layer, weight, block in layers:
-        if weight is not None:
-            layer.weight = weight
-        by_block.setdefault(block, []).append(layer)
+    for layer, kept, block in layers:
+        for name, weight in (kept or {}).items():
+            setattr(layer, name, weight)
+        by_block.setdefault(block, []).append((layer, kept))
     pending = set(by_block)
 
     def process(block):
-        for layer in by_block.get(block, ()):
-            layer.quant_method.process_weights_after_loading(layer)
+        for layer, kept in by_block.get(block, ()):
+            if kept and _is_fused_moe(layer):
+                # The experts' CPU kernel packed w13/w2 into its own layout at the first load, and vLLM's
+                # processing of a weight update skips that packing (unquantized_fused_moe_method.py,
+                # _setup_kernel: `is_weight_update` runs only the shuffle): pack the loaded copies again.
+                layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+            else:
+                layer.quant_method.process_weights_after_loading(layer)
         pending.discard(block)
 
     def stream():
@@ -440,6 +451,10 @@ def _in_place_layers(worker):
         head = getattr(model, "lm_head", None)
         for module_name, layer in model.named_modules():
             method = getattr(layer, "quant_method", None)
+            if method is not None and _is_fused_moe(layer):  # routed experts: w13_weight, w2_weight
+                layers.append((layer, _kept_weights(layer, ("w13_weight", "w2_weight"), _packs_experts(layer)),
+                               _block_of(module_name + ".")))
+                continue
             if method is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
                 continue
             if type(layer) is VocabParallelEmbedding and isinstance(head, ParallelLMHead) and head is not layer:
@@ -449,28 +464,49 @@ def _in_place_layers(worker):
             if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
                 layers = None  # some other post-load processing: leave it to vLLM
                 break
-            layers.append((layer, _kept_weight(layer), _block_of(module_name + ".")))
+            layers.append((layer, _kept_weights(layer, ("weight",)), _block_of(module_name + ".")))
     worker._megarl_in_place = layers
     worker._megarl_param_names = {name for name, _ in model.named_parameters()}
     return layers
 
 
-def _kept_weight(layer):
-    """The layer's full weight parameter when post-load processing dropped it (CPU GEMM dispatch), else None."""
+def _is_fused_moe(layer) -> bool:
+    """Whether `layer` holds routed experts with vLLM's unquantized fused-MoE method."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    return type(getattr(layer, "quant_method", None)) is UnquantizedFusedMoEMethod
+
+
+def _packs_experts(layer) -> bool:
+    """Whether the layer's experts kernel packs w13 / w2 into a layout of its own after loading (vLLM's CPU
+    kernels: experts/cpu_moe.py, CPUUnquantizedExperts.process_weights_after_loading, cpu_prepack_moe_weight;
+    the packed tensor can keep the loaded shape, so the shape does not tell)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kernel = getattr(layer.quant_method, "moe_kernel", None)
+    return isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts)
+
+
+def _kept_weights(layer, names: tuple[str, ...], repacked: bool = False) -> dict | None:
+    """{name: a parameter in the checkpoint's layout} for each of the layer's weights that post-load
+    processing dropped (CPU GEMM dispatch: an empty weight), reshaped, or (`repacked`) packed into a layout
+    of its own (CPU fused MoE); None when every one is still as loaded."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
-    weight = layer.weight
-    if weight.numel() > 0:
-        return None
     info = get_layerwise_info(layer)
-    meta = info.restore_metadata[0].get("weight")
-    if meta is None or meta.numel() == 0:
-        raise RuntimeError(f"weight sync: {type(layer).__name__} dropped its weight and vLLM recorded no shape")
-    with info.restore_device:
-        kept = materialize_meta_tensor(meta)
-    return restore_layer_refs(kept, layer)
+    kept = {}
+    for name in names:
+        meta = info.restore_metadata[0].get(name)
+        weight = getattr(layer, name)
+        if not repacked and weight.numel() > 0 and (meta is None or weight.shape == meta.shape):
+            continue
+        if meta is None or meta.numel() == 0:
+            raise RuntimeError(f"weight sync: {type(layer).__name__} changed its {name} and vLLM recorded no shape")
+        with info.restore_device:
+            kept[name] = restore_layer_refs(materialize_meta_tensor(meta), layer)
+    return kept or None
 
 
 def _refresh_tied_output_layer(worker) -> None:

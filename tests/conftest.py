@@ -41,6 +41,9 @@ RANDOM_MODELS = {
     "random_qwen3_tied": ("qwen3", True, 4, None),
     "random_llama_untied": ("llama", False, 5, "custom"),
     "random_llama_tied": ("llama", True, 6, "megatron"),
+    "random_qwen3_moe_untied": ("qwen3_moe", False, 7, None),
+    "random_qwen3_moe_tied": ("qwen3_moe", True, 8, None),
+    "random_qwen2_moe_untied": ("qwen2_moe", False, 9, None),
 }
 
 
@@ -56,6 +59,36 @@ def _random_model_fixture(name: str):
 
 for _name in RANDOM_MODELS:
     globals()[_name] = _random_model_fixture(_name)
+
+
+@pytest.fixture(scope="session")
+def random_moe_policy(tiny_model, tmp_path_factory) -> str:
+    """A random Qwen3-MoE (8 experts of width 64, top 2) with the tiny model's tokenizer and stop tokens:
+    a whole RL run's machinery on an MoE policy in seconds (its rewards are those of a random policy; the
+    trained tiny MoE, tools/make_tiny_model.py --moe, takes minutes to build)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("random_moe_policy")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    make_random_model(path, "qwen3_moe", False, 13, vocab_size=len(tokenizer), moe_intermediate_size=64,
+                      max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tokenizer.save_pretrained(path)
+    shutil.copy(os.path.join(tiny_model, "generation_config.json"), path)
+    return str(path)
+
+
+TINY_MOE = ROOT / "artifacts" / "tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> str:
+    """The MoE quickstart's policy (tools/make_tiny_model.py --moe, ~6 minutes on 2 cores); built once if absent."""
+    if not (TINY_MOE / "megarl_tiny.json").exists():
+        subprocess.run([sys.executable, "tools/make_tiny_model.py", "--moe", "--out", str(TINY_MOE), "--quiet"],
+                       cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return str(TINY_MOE)
 
 
 TINY_TEACHER = ROOT / "artifacts" / "tiny-qwen2-teacher"

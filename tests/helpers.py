@@ -114,6 +114,15 @@ _FAMILIES = {
     # Larger weights: at std 0.1 attention is so nearly uniform that positions (hence RoPE
     # scaling) barely move the logits; at 0.2 the scaling changes them by > 1e-2.
     "llama": (("LlamaConfig", "LlamaForCausalLM"), dict(max_position_embeddings=16384, head_dim=32), 0.2),
+    # Mixture of experts: 8 experts, top 2, every layer sparse. Qwen3-MoE renormalises the top-k weights
+    # (norm_topk_prob, as Qwen3-30B-A3B), Qwen2-MoE does not (as Qwen1.5-MoE-A2.7B) and adds a gated shared
+    # expert: the two router orders of Megatron (moe_router_pre_softmax) and its shared-expert gate.
+    "qwen3_moe": (("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                  dict(max_position_embeddings=128, head_dim=32, moe_intermediate_size=48, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True), 0.1),
+    "qwen2_moe": (("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+                  dict(max_position_embeddings=128, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False), 0.1),
 }
 
 

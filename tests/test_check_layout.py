@@ -55,3 +55,12 @@ def test_parameter_count_is_the_models(tmp_path, family, tied):
     counts = check_layout.parameters(shapes, tp=1, pp=1, divisible_by=1)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     assert counts["per_gpu"] == counts["total"]
+
+
+def test_a_mixture_of_experts_model_is_not_estimated_as_dense(capsys, monkeypatch, random_qwen3_moe_untied):
+    """The estimate's MLP is dense (intermediate_size per layer): an MoE model gets one line, not wrong numbers."""
+    monkeypatch.chdir(ROOT)
+    assert check_layout.main(["--config", "examples/quickstart_grpo.yaml", "--nodes", "1", "--gpus-per-node", "2",
+                              "--model", random_qwen3_moe_untied]) == 2
+    out = capsys.readouterr().out.strip()
+    assert "\n" not in out and "mixture-of-experts model (8 experts)" in out, out

@@ -17,6 +17,11 @@ new families add; Llama's names are Qwen2's without the biases. Llama runs 1024
 tokens, so that Llama-3 scaling with an original context of 8192 visibly changes
 the logits (it only touches low frequencies). Eight launches in all.
 
+Mixture of experts (Qwen3-MoE: renormalised top-k; Qwen2-MoE: plain top-k and a gated shared expert),
+both families' checkpoints in one launch per layout: TP=2 with EP=2 (attention split over TP, four whole
+experts per rank: expert TP 1, tokens exchanged all-to-all between the same two ranks) and PP=2 (export
+only, as above). Two launches.
+
 The config checks (which family, which features are refused) run in-process.
 """
 
@@ -54,6 +59,29 @@ def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
         assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
+MOE_CHECKPOINTS = ["random_qwen3_moe_untied", "random_qwen3_moe_tied", "random_qwen2_moe_untied"]
+MOE_LAYOUTS = [(2, 1, 2), (1, 2, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,ep", MOE_LAYOUTS, ids=[f"tp{tp}-pp{pp}-ep{ep}" for tp, pp, ep in MOE_LAYOUTS])
+def test_moe_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
+    """Every MoE family's logits (routing included: the top-k experts and their weights decide them) against
+    transformers in float64, and the bit-exact HF round trip, with experts gathered from their EP ranks."""
+    paths = [request.getfixturevalue(name) for name in MOE_CHECKPOINTS]
+    out = tmp_path / "report.json"
+    torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep, nproc=2)
+    run = read_json(out)
+    assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
+    assert [r["family"] for r in run["models"]] == ["qwen3_moe", "qwen3_moe", "qwen2_moe"]
+    for report in run["models"]:
+        if pp == 1:
+            _assert_parity(report)
+        # 8 experts x 3 tensors x 2 layers beside the attention's: every expert of every EP rank
+        assert sum(".mlp.experts." in name for name in report["exported_names"]) == 48, report
+        assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
+
+
 def _assert_parity(report):
     """Every float check within the fp32 rule (tests/helpers.py) of its float64 reference, and each
     compared quantity far enough from 0 (or from its alternative) that a wrong path would show."""
@@ -86,14 +114,15 @@ def _assert_parity(report):
 # ------------------------------------------------------------ config checks --
 
 def _config(family, **fields):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
-    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family]
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
+                    "qwen2_moe": Qwen2MoeConfig}[family]
     return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                         max_position_embeddings=16384, **fields)
 
 
-@pytest.mark.parametrize("family", list(FAMILY_CHECKPOINTS))
+@pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe"])
 def test_family_of_picks_by_architecture_then_model_type(family):
     from megarl.models.families import FAMILIES, family_of
 
@@ -113,7 +142,8 @@ def test_unsupported_architecture_is_one_line_listing_the_supported():
         family_of(config)
     message = str(error.value)
     assert "\n" not in message and "MistralForCausalLM" in message
-    for supported in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
+    for supported in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
+                      "Qwen2MoeForCausalLM"):
         assert supported in message
 
 
@@ -130,6 +160,10 @@ REFUSED = [
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "sliding-window"),
     ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1]"),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok=5"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
 ]
 
 
@@ -207,3 +241,34 @@ def test_built_model_marks_its_tensor_parallel_weights_and_sequence_parallel_nor
     assert block.layer_norm is layer.input_layernorm is layer.pre_mlp_layernorm is SequenceParallelRMSNorm
     assert layer.self_attention.submodules.q_layernorm is SequenceParallelRMSNorm
     assert SequenceParallelRMSNorm(model.config, 64).weight.sequence_parallel is False
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_config_follows_the_hf_router(norm_topk_prob):
+    """The HF router renormalises its top-k softmax weights with norm_topk_prob: Megatron's default order
+    (top-k of the logits, softmax over them) gives exactly that; without it, the softmax's own weights
+    (pre-softmax). Experts whole on their EP rank; the dense families get no MoE field."""
+    import torch
+
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import moe_config, transformer_config
+
+    config = _config("qwen3_moe", norm_topk_prob=norm_topk_prob, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=48)
+    fields = moe_config(config, family_of(config), ep=2)
+    assert fields["moe_router_pre_softmax"] is (not norm_topk_prob)
+    assert (fields["num_moe_experts"], fields["moe_router_topk"], fields["moe_ffn_hidden_size"]) == (8, 2, 48)
+    assert fields["expert_model_parallel_size"] == 2 and fields["expert_tensor_parallel_size"] == 1
+    assert "moe_shared_expert_intermediate_size" not in fields
+    shared = _config("qwen2_moe", shared_expert_intermediate_size=80)
+    assert moe_config(shared, family_of(shared), ep=1)["moe_shared_expert_gate"] is True
+    dense = _config("qwen3")
+    assert moe_config(dense, family_of(dense), ep=1) == {}
+    # The loss coefficients reach an MoE model (aux_loss on when its weight is), never a dense one.
+    moe = transformer_config(config, family_of(config), 1, 1, 1, torch.float32, moe_aux_loss_coeff=0.01,
+                             moe_z_loss_coeff=0.001)
+    assert (moe.moe_router_load_balancing_type, moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff) == (
+        "aux_loss", 0.01, 0.001)
+    plain = transformer_config(dense, family_of(dense), 1, 1, 1, torch.float32, moe_aux_loss_coeff=0.01,
+                               moe_z_loss_coeff=0.001)
+    assert plain.num_moe_experts is None and plain.moe_aux_loss_coeff == 0.0 and plain.moe_z_loss_coeff is None

@@ -145,6 +145,13 @@ def main(argv=None) -> int:
         return 2
     with open(path) as f:
         hf = json.load(f)
+    # The estimate counts a dense MLP of intermediate_size per layer. (transformers 5 writes Qwen-MoE's
+    # num_experts as num_local_experts.)
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if experts:
+        print(f"check_layout: {path} is a mixture-of-experts model ({experts} experts); its memory is not "
+              f"estimated yet (the layout itself is valid)")
+        return 2
     gpu_gib = own.gpu_memory_gb * 1e9 / GIB
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     e = estimate(args, hf, gpu_gib)

@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py [--out artifacts/tiny-qwen2] [--seed 0] [--force]
     python tools/make_tiny_model.py --teacher   # the distillation teacher, artifacts/tiny-qwen2-teacher
+    python tools/make_tiny_model.py --moe       # a mixture-of-experts policy, artifacts/tiny-qwen3-moe
 
 Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
@@ -36,6 +37,13 @@ only a longer warm-up (1200 steps instead of 400: about three times the
 student's build time), which lifted pass@1 at T=1 to 0.888 (greedy 0.906) on the
 machine whose student build printed hash 6ce6c77b. Without --teacher nothing
 changes: the default build's weights hash is the same as before the flag.
+
+--moe builds a Qwen3-MoE of the same trunk (hidden 128, 2 layers, 4/2 heads of 32) whose MLPs are 8
+routed experts of width 64, top-2 with renormalised weights (norm_topk_prob, as Qwen3-30B-A3B), no
+shared expert, untied embeddings (as Qwen3-MoE), with the same tokenizer and warm-up recipe; the
+routers learn during the warm-up, so routing is not uniform (the build prints each layer's expert
+load on held-out prompts). transformers runs its per-expert loop (experts_implementation "eager":
+deterministic, and the grouped GEMM has no deterministic CPU kernel). docs/moe.md.
 """
 import os
 import sys
@@ -64,7 +72,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,  # noqa: E402
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megarl.data.tasks import arithmetic  # noqa: E402
@@ -90,6 +99,9 @@ TRAIN = dict(steps=400, batch=32, lr=3e-3, warmup=50, beta2=0.95, clip=1.0,
 EVAL = dict(num=500, seed_offset=10_000, max_new_tokens=16)
 # --teacher: the same recipe trained longer, into its own directory.
 TEACHER = dict(steps=1200, out="artifacts/tiny-qwen2-teacher")
+# --moe: the same trunk with routed experts (8 of width 64, top 2) in every layer.
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+           out="artifacts/tiny-qwen3-moe")
 
 
 def build_tokenizer():
@@ -115,8 +127,14 @@ def stop_ids(tokenizer):
     return [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
 
 
-def build_model(tokenizer, seed):
+def build_model(tokenizer, seed, moe: bool = False):
     torch.manual_seed(seed)
+    if moe:
+        config = Qwen3MoeConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, bos_token_id=None,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                rope_theta=10000.0, dtype="float32", head_dim=32,
+                                **{k: v for k, v in MOE.items() if k != "out"}, **MODEL)
+        return Qwen3MoeForCausalLM._from_config(config, experts_implementation="eager")
     config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True,
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0,
@@ -183,6 +201,20 @@ def accuracy(model, tokenizer, problems, temperature, seed, max_new_tokens):
     return sum(arithmetic.score(t, p["answer"]) for t, p in zip(texts, problems)) / len(problems)
 
 
+@torch.no_grad()
+def expert_load(model, tokenizer, problems) -> list[list[float]]:
+    """Per MoE layer, the share of the prompts' routed (token, slot) pairs that each expert receives."""
+    loads = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda module, inputs, output: loads.append(output[2].flatten()))
+             for layer in model.model.layers]
+    enc = tokenizer([render(tokenizer, p) for p in problems], return_tensors="pt", padding=True)
+    model(**enc)
+    for hook in hooks:
+        hook.remove()
+    experts = model.config.num_experts
+    return [(torch.bincount(chosen, minlength=experts).float() / chosen.numel()).tolist() for chosen in loads]
+
+
 def weights_sha256(model_dir):
     """sha256 of a checkpoint's weights, independent of file layout and metadata.
 
@@ -234,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"warm-up steps (default: {TRAIN['steps']}, or {TEACHER['steps']} with --teacher)")
     ap.add_argument("--teacher", action="store_true",
                     help="build the stronger distillation teacher (same tokenizer, longer warm-up)")
+    ap.add_argument("--moe", action="store_true",
+                    help=f"build a Qwen3-MoE policy (same tokenizer and recipe) into {MOE['out']}")
     ap.add_argument("--force", action="store_true", help="rebuild over a complete model")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -241,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main():
     args = build_parser().parse_args()
+    if args.teacher and args.moe:
+        sys.exit("--teacher and --moe: choose one")
     if args.out is None:
-        args.out = Path(TEACHER["out"] if args.teacher else "artifacts/tiny-qwen2")
+        args.out = Path(TEACHER["out"] if args.teacher else MOE["out"] if args.moe else "artifacts/tiny-qwen2")
     if args.steps is None:
         args.steps = TEACHER["steps"] if args.teacher else TRAIN["steps"]
     if (args.out / "megarl_tiny.json").exists() and not args.force:
@@ -261,14 +297,19 @@ def main():
               "not pinned): the weights will differ from an AVX2 machine's", file=sys.stderr)
     settings = dict(TRAIN, steps=args.steps)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
+    model = build_model(tokenizer, args.seed, moe=args.moe)
     n_params = sum(p.numel() for p in model.parameters())
     train(model, tokenizer, args.seed, quiet=args.quiet, **settings)
 
     held_out = arithmetic.make_problems(EVAL["num"], args.seed + EVAL["seed_offset"])
     pass1 = accuracy(model, tokenizer, held_out, 1.0, args.seed, EVAL["max_new_tokens"])
     greedy = accuracy(model, tokenizer, held_out, 0.0, args.seed, EVAL["max_new_tokens"])
-    report = dict(seed=args.seed, params=n_params, model=MODEL, train=settings, eval=EVAL,
+    if args.moe:
+        load = expert_load(model, tokenizer, held_out[:100])
+        print("expert load per layer (share of routed tokens):",
+              [[round(share, 3) for share in layer] for layer in load])
+    report = dict(seed=args.seed, params=n_params, model=dict(MODEL, **MOE) if args.moe else MODEL,
+                  train=settings, eval=EVAL,
                   max_operand=arithmetic.MAX_OPERAND, pass_at_1_t1=pass1, greedy_accuracy=greedy,
                   build_seconds=round(time.time() - start, 1),
                   torch=torch.__version__, transformers=transformers.__version__,

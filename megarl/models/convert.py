@@ -85,8 +85,10 @@ def split_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: int, tp_size: int,
                       vocab_rows: int) -> torch.Tensor:
     """This TP rank's shard of the Megatron parameter built from the HF tensors."""
-    if rule.layout == "replicated":
+    if rule.layout in ("replicated", "expert"):
         return hf[0]
+    if rule.layout == "expert_gate_up":
+        return torch.cat(hf, dim=0)
     if rule.layout == "column":
         return hf[0].chunk(tp_size, dim=0)[tp_rank]
     if rule.layout == "row":
@@ -113,8 +115,10 @@ def to_hf_tensors(rule: Rule, shards: list[torch.Tensor], hf_config) -> list[tor
 
     With one shard (TP=1) nothing is copied that a view can express: the
     results may be views of the shards (consumers copy them anyway)."""
-    if rule.layout == "replicated":
+    if rule.layout in ("replicated", "expert"):
         return [shards[0]]
+    if rule.layout == "expert_gate_up":
+        return list(shards[0].chunk(2, dim=0))
     if rule.layout == "row":
         return [_cat(shards, dim=1)]
     if rule.layout == "column":
@@ -141,32 +145,64 @@ def _rule_table(family: Family, hf_config) -> dict[str, Rule]:
     return table
 
 
-def _local_entries(model, hf_config) -> list[tuple[str, Rule, int | None, torch.nn.Parameter]]:
-    """(canonical name, rule, global layer index, parameter) for every parameter of this stage."""
+# A routed expert's weights: the local spec's SequentialMLP (`local_experts.<j>.linear_fc1.weight`) or Transformer
+# Engine's grouped GEMM (`linear_fc1.weight<j>`), <j> this EP rank's local index of the expert.
+_EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))")
+EXPERT_LAYOUTS = ("expert", "expert_gate_up")
+
+
+def _expert_parallel() -> tuple[int, int]:
+    """(EP rank, EP size) of this rank, (0, 1) outside Megatron's parallel state or without experts."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def _local_entries(model, hf_config) -> list[tuple[str, Rule, dict | None, torch.nn.Parameter]]:
+    """(canonical name, rule, index, parameter) for every parameter of this stage; index is None for
+    global parameters, else {"i": global layer} and, for a routed expert, "e": the expert's index on
+    this EP rank (`_ep_indices` gives the global ones)."""
     gpt = unwrap(model)
     table = _rule_table(family_of(hf_config), hf_config)
     entries, unknown = [], []
     for name, param in gpt.named_parameters():
         if getattr(param, "lora_adapter", False):  # LoRA adapters (models/lora.py): exported merged into their base
             continue
-        layer = None
+        index = None
         match = _LAYER_NAME.fullmatch(name)
         if match:
-            layer = gpt.decoder.layers[int(match.group(1))].layer_number - 1  # global, 0-based
-            key = "decoder.layers.{i}." + match.group(2)
+            index = {"i": gpt.decoder.layers[int(match.group(1))].layer_number - 1}  # global, 0-based
+            rest = match.group(2)
+            expert = _EXPERT_NAME.fullmatch(rest)
+            if expert:
+                local, linear = (expert.group(1), expert.group(2)) if expert.group(1) else \
+                    (expert.group(4), expert.group(3))
+                index["e"] = int(local)
+                rest = f"mlp.experts.local_experts.{{e}}.{linear}.weight"
+            key = "decoder.layers.{i}." + rest
         else:
             key = name
         if key not in table:
             unknown.append(name)
             continue
-        entries.append((key, table[key], layer, param))
+        entries.append((key, table[key], index, param))
     if unknown:
         raise KeyError(f"no {family_of(hf_config).name} conversion rule for Megatron parameters {unknown}")
     return entries
 
 
-def _hf_names(rule: Rule, layer: int | None) -> list[str]:
-    return [name.format(i=layer) for name in rule.hf]
+def _ep_indices(index: dict, hf_config, ep_rank: int, ep_size: int) -> dict:
+    """The index with a local expert number made global: EP rank r holds experts [r * E/EP, (r + 1) * E/EP)
+    (Megatron's MoELayer: local_expert_indices)."""
+    if index is None or "e" not in index:
+        return index
+    return {**index, "e": ep_rank * (hf_config.num_experts // ep_size) + index["e"]}
+
+
+def _hf_names(rule: Rule, index: dict | None) -> list[str]:
+    return [name.format(**(index or {})) for name in rule.hf]
 
 
 # ------------------------------------------------------------- load/export ---
@@ -178,14 +214,16 @@ def load_hf_weights(model, hf_path: str, hf_config) -> None:
     checkpoint = HFCheckpoint(hf_path)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_rank, ep_size = _expert_parallel()
     vocab_rows = unwrap(model).vocab_size
     with torch.no_grad():
-        for key, rule, layer, param in _local_entries(model, hf_config):
-            hf = [checkpoint.get(name) for name in _hf_names(rule, layer)]
+        for key, rule, index, param in _local_entries(model, hf_config):
+            names = _hf_names(rule, _ep_indices(index, hf_config, ep_rank, ep_size))
+            hf = [checkpoint.get(name) for name in names]
             shard = to_megatron_shard(rule, hf, hf_config, tp_rank, tp_size, vocab_rows)
             if shard.shape != param.shape:
-                raise ValueError(f"{hf_path}: {_hf_names(rule, layer)} give shape {tuple(shard.shape)} for "
-                                 f"{key} (layer {layer}) but the model has {tuple(param.shape)}")
+                raise ValueError(f"{hf_path}: {names} give shape {tuple(shard.shape)} for "
+                                 f"{key} ({index}) but the model has {tuple(param.shape)}")
             param.copy_(shard)
 
 
@@ -206,12 +244,15 @@ def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterat
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank, ep_size = _expert_parallel()
+    ep_group = parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None
     entries = [e for e in _local_entries(model, hf_config) if e[1].export]
 
     stage_names = [None] * pp_size
     if pp_size > 1:
-        dist.all_gather_object(stage_names, [_hf_names(rule, layer) for _, rule, layer, _ in entries],
-                               group=pp_group)
+        names = [_hf_names(rule, _ep_indices(index, hf_config, r, ep_size)) for _, rule, index, _ in entries
+                 for r in (range(ep_size) if rule.layout in EXPERT_LAYOUTS else (ep_rank,))]
+        dist.all_gather_object(stage_names, names, group=pp_group)
     for stage in range(pp_size):
         src = dist.get_global_rank(pp_group, stage) if pp_size > 1 else None
         if stage != my_stage:
@@ -219,20 +260,24 @@ def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterat
                 for name in names:
                     yield name, _broadcast_tensor(None, src, pp_group)
             continue
-        for bucket in _buckets(entries, bucket_bytes, tp_size):
-            for (_, rule, layer, _), shards in zip(bucket, _gather_tp_shards(bucket, tp_group, tp_size)):
-                for name, tensor in zip(_hf_names(rule, layer), to_hf_tensors(rule, shards, hf_config)):
-                    if pp_size > 1:
-                        _broadcast_tensor(tensor, src, pp_group)
-                    yield name, tensor
+        for bucket in _buckets(entries, bucket_bytes, tp_size, ep_size):
+            gathered = _gather_tp_shards(bucket, tp_group, tp_size)
+            gathered = _gather_experts(bucket, gathered, ep_group, ep_size, ep_rank)
+            for (_, rule, index, _), sources in zip(bucket, gathered):
+                for source_ep_rank, shards in sources:
+                    names = _hf_names(rule, _ep_indices(index, hf_config, source_ep_rank, ep_size))
+                    for name, tensor in zip(names, to_hf_tensors(rule, shards, hf_config)):
+                        if pp_size > 1:
+                            _broadcast_tensor(tensor, src, pp_group)
+                        yield name, tensor
 
 
-def _buckets(entries, bucket_bytes: int, tp_size: int):
+def _buckets(entries, bucket_bytes: int, tp_size: int, ep_size: int = 1):
     """Consecutive entries whose gathered size stays under bucket_bytes (at least one each)."""
     bucket, size = [], 0
     for entry in entries:
         param = entry[3]
-        nbytes = param.numel() * param.element_size() * tp_size
+        nbytes = param.numel() * param.element_size() * (ep_size if entry[1].layout in EXPERT_LAYOUTS else tp_size)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -240,6 +285,26 @@ def _buckets(entries, bucket_bytes: int, tp_size: int):
         size += nbytes
     if bucket:
         yield bucket
+
+
+def _gather_experts(bucket, shards, ep_group, ep_size: int, ep_rank: int) -> list[list[tuple[int, list]]]:
+    """For each entry, [(EP rank, its shards there)]: every EP rank's copy of a routed expert's weight (one
+    all-gather over the EP group per bucket: each EP rank holds the same local experts' shapes in the same
+    order), and this rank's alone for every other parameter (the same on every EP rank)."""
+    experts = [n for n, entry in enumerate(bucket) if entry[1].layout in EXPERT_LAYOUTS]
+    result = [[(ep_rank, entry_shards)] for entry_shards in shards]
+    if ep_size == 1 or not experts:
+        return result
+    flat = torch.cat([shards[n][0].reshape(-1) for n in experts])
+    everyone = torch.empty(ep_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(everyone, flat, group=ep_group)
+    per_rank = everyone.view(ep_size, -1)
+    offset = 0
+    for n in experts:
+        shape, numel = shards[n][0].shape, shards[n][0].numel()
+        result[n] = [(r, [per_rank[r, offset: offset + numel].view(shape)]) for r in range(ep_size)]
+        offset += numel
+    return result
 
 
 def _exported(param: torch.Tensor) -> torch.Tensor:
@@ -255,7 +320,7 @@ def _gather_tp_shards(bucket, tp_group, tp_size: int) -> list[list[torch.Tensor]
     """For each entry, the list of its shards on every TP rank, with one all-gather per bucket."""
     if tp_size == 1:
         return [[_exported(entry[3])] for entry in bucket]
-    split = [entry for entry in bucket if entry[1].layout != "replicated"]
+    split = [entry for entry in bucket if entry[1].layout not in ("replicated",) + EXPERT_LAYOUTS]
     gathered = {}
     if split:
         flat = torch.cat([_exported(entry[3]).reshape(-1) for entry in split])
@@ -268,7 +333,7 @@ def _gather_tp_shards(bucket, tp_group, tp_size: int) -> list[list[torch.Tensor]
             gathered[id(param)] = [per_rank[r, offset: offset + param.numel()].view(param.shape)
                                    for r in range(tp_size)]
             offset += param.numel()
-    return [gathered.get(id(entry[3]), [entry[3].detach()]) for entry in bucket]
+    return [gathered.get(id(entry[3]), [_exported(entry[3])]) for entry in bucket]
 
 
 def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group) -> torch.Tensor:

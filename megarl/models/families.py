@@ -10,8 +10,12 @@ built from which HF tensors, and how it is laid out over tensor parallelism:
   vocab       padded to Megatron's vocabulary size, then split on dim 0
   qkv         q, k, v interleaved per query group, then split on dim 0
   gate_up     gate and up each split on dim 0; each rank holds cat(gate_r, up_r)
+  expert_gate_up, expert
+              one routed expert's cat(gate, up) / down projection, whole on the EP rank that holds
+              it (experts are not split over TP: expert_tensor_parallel_size is 1)
 
-`{i}` stands for the global layer index. With the Transformer Engine layer spec
+`{i}` stands for the global layer index, `{e}` for the global index of a routed expert (MoE
+families: the EP rank that holds experts [r * E/EP, (r + 1) * E/EP) names them by their local index). With the Transformer Engine layer spec
 the two pre-norms live inside the following linear (`*.layer_norm_weight`);
 TE_FUSED_NAMES maps the local-spec names to those. The per-head q/k norms (Qwen3)
 are modules of their own in both specs (`self_attention.{q,k}_layernorm.weight`),
@@ -48,6 +52,8 @@ class Family:
     refused_flags: tuple[tuple[str, str], ...]  # (HF config flag, what it adds): must be false
     global_rules: tuple[Rule, ...]
     layer_rules: tuple[Rule, ...]
+    moe: bool = False  # routed experts in every layer's MLP (HF: num_experts, num_experts_per_tok, ...)
+    shared_expert: bool = False  # plus a dense shared expert scaled by a sigmoid gate (Qwen2-MoE)
 
     def rules(self, tied_embeddings: bool) -> tuple[Rule, ...]:
         output = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False) \
@@ -64,16 +70,19 @@ _GLOBAL_RULES = (
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
 )
 
-_DENSE_LAYER_RULES = (
+_ATTENTION_LAYER_RULES = (  # and the two pre-norms: every family's
     Rule(_LAYER + "input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "replicated"),
     Rule(_LAYER + "self_attention.linear_qkv.weight",
          (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"), "qkv"),
     Rule(_LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",), "row"),
     Rule(_LAYER + "pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
          "replicated"),
+)
+_DENSE_MLP_RULES = (
     Rule(_LAYER + "mlp.linear_fc1.weight", (_MLP + "gate_proj.weight", _MLP + "up_proj.weight"), "gate_up"),
     Rule(_LAYER + "mlp.linear_fc2.weight", (_MLP + "down_proj.weight",), "row"),
 )
+_DENSE_LAYER_RULES = _ATTENTION_LAYER_RULES + _DENSE_MLP_RULES
 
 _QKV_BIAS_RULES = (
     Rule(_LAYER + "self_attention.linear_qkv.bias",
@@ -89,6 +98,23 @@ _QK_NORM_RULES = (  # RMSNorm over head_dim, shared by all heads: the same on ev
 # bias alone, or MLP biases alone, cannot be expressed.
 _ATTENTION_BIAS = ("attention_bias", "biases on q/k/v and o_proj (Megatron has no o_proj-only bias)")
 _MLP_BIAS = ("mlp_bias", "biases on the MLP projections")
+
+# MoE layers (transformers' Qwen3MoeSparseMoeBlock / Qwen2MoeSparseMoeBlock, saved per expert): the router
+# (`gate`, replicated: every TP rank routes its tokens alike) and the routed experts, whole on their EP rank.
+_EXPERT = "model.layers.{i}.mlp.experts.{e}."
+_LOCAL_EXPERT = _LAYER + "mlp.experts.local_experts.{e}."
+_MOE_RULES = (
+    Rule(_LAYER + "mlp.router.weight", (_MLP + "gate.weight",), "replicated"),
+    Rule(_LOCAL_EXPERT + "linear_fc1.weight", (_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight"),
+         "expert_gate_up"),
+    Rule(_LOCAL_EXPERT + "linear_fc2.weight", (_EXPERT + "down_proj.weight",), "expert"),
+)
+_SHARED_EXPERT_RULES = (  # a dense MLP over TP like the dense families', and its sigmoid gate [1, hidden]
+    Rule(_LAYER + "mlp.shared_experts.linear_fc1.weight",
+         (_MLP + "shared_expert.gate_proj.weight", _MLP + "shared_expert.up_proj.weight"), "gate_up"),
+    Rule(_LAYER + "mlp.shared_experts.linear_fc2.weight", (_MLP + "shared_expert.down_proj.weight",), "row"),
+    Rule(_LAYER + "mlp.shared_experts.gate_weight", (_MLP + "shared_expert_gate.weight",), "replicated"),
+)
 
 QWEN2 = Family(
     name="qwen2",
@@ -123,8 +149,33 @@ LLAMA = Family(
     layer_rules=_DENSE_LAYER_RULES,
 )
 
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    hf_architectures=("Qwen3MoeForCausalLM",),
+    qkv_bias=False,
+    qk_layernorm=True,
+    rope_types=("default",),
+    refused_flags=(_ATTENTION_BIAS,),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_ATTENTION_LAYER_RULES + _QK_NORM_RULES + _MOE_RULES,
+    moe=True,
+)
+
+QWEN2_MOE = Family(
+    name="qwen2_moe",
+    hf_architectures=("Qwen2MoeForCausalLM",),
+    qkv_bias=True,
+    qk_layernorm=False,
+    rope_types=("default",),
+    refused_flags=(),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_ATTENTION_LAYER_RULES + _QKV_BIAS_RULES + _MOE_RULES + _SHARED_EXPERT_RULES,
+    moe=True,
+    shared_expert=True,
+)
+
 FAMILIES = Registry("model family")
-for _family in (QWEN2, QWEN3, LLAMA):
+for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE):
     FAMILIES.add(_family.name, _family)
 
 TE_FUSED_NAMES = {
@@ -154,7 +205,8 @@ def family_of(hf_config) -> Family:
 
 # What must agree for one checkpoint's weights to load into an engine built for another.
 SHAPE_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+                "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def shape_difference(hf_config, other) -> str | None:

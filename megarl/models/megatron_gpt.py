@@ -78,9 +78,59 @@ def check_supported(hf_config, family: Family) -> None:
     partial = rope.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"{family.name}: partial_rotary_factor={partial} is not supported; it must be 1.0")
+    if family.moe:
+        check_moe_supported(hf_config, family)
     if "sliding_attention" in (getattr(hf_config, "layer_types", None) or ()):
         raise ValueError(f"{family.name}: sliding-window attention (use_sliding_window / layer_types) is not "
                          f"supported; every layer must be full_attention")
+
+
+def check_moe_supported(hf_config, family: Family) -> None:
+    """An MoE config whose every layer is an MoE layer of the family's kind: Megatron's layer spec here is
+    one spec for every layer (moe_layer_freq would express a pattern; not wired up), and a shared expert
+    only where the family has one."""
+    sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
+    if sparse_step != 1:
+        raise ValueError(f"{family.name}: decoder_sparse_step={sparse_step} is not supported; every layer must "
+                         f"be an MoE layer (decoder_sparse_step 1)")
+    dense = list(getattr(hf_config, "mlp_only_layers", None) or ())
+    if dense:
+        raise ValueError(f"{family.name}: mlp_only_layers={dense} is not supported; every layer must be an MoE "
+                         f"layer")
+    if hf_config.num_experts < 1 or not 1 <= hf_config.num_experts_per_tok <= hf_config.num_experts:
+        raise ValueError(f"{family.name}: num_experts={hf_config.num_experts}, num_experts_per_tok="
+                         f"{hf_config.num_experts_per_tok}: need 1 <= num_experts_per_tok <= num_experts")
+    if family.shared_expert and not getattr(hf_config, "shared_expert_intermediate_size", 0):
+        raise ValueError(f"{family.name}: shared_expert_intermediate_size must be > 0")
+
+
+def moe_config(hf_config, family: Family, ep: int) -> dict:
+    """TransformerConfig's MoE fields for an MoE family ({} for a dense one), as transformers routes:
+
+      * router: logits = x W_gate^T in fp32, softmax over the experts, the top k; with norm_topk_prob the k
+        weights are renormalised to sum to 1, which is Megatron's default order (top-k of the logits, then a
+        softmax over those k: the same numbers), without it they are the softmax's own (pre-softmax);
+      * experts: SwiGLU MLPs of moe_intermediate_size; dropless (no capacity factor), as HF;
+      * Qwen2-MoE's shared expert: a dense SwiGLU MLP times sigmoid(x w_gate), added to the routed output
+        (moe_shared_expert_gate);
+      * the all-to-all token dispatcher (the allgather one refuses variable_seq_lengths, which pipeline stages
+        need; megarl/accelerator.py runs the all-to-all one on CPU ranks);
+      * experts whole on their EP rank (expert_tensor_parallel_size 1, as Megatron-LM's large MoE recipes), so
+        their conversion is a copy; grouped GEMM where Transformer Engine provides it (TEGroupedMLP), else
+        Megatron's SequentialMLP (one GEMM per expert; CPU ranks).
+    The load-balancing loss and the z-loss are off unless the run asks (`model_config_overrides`)."""
+    if not family.moe:
+        return {}
+    fields = dict(num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+                  moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_router_score_function="softmax",
+                  moe_router_pre_softmax=not hf_config.norm_topk_prob, moe_router_dtype="fp32",
+                  moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0, moe_grouped_gemm=accelerator.transformer_engine_available(),
+                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    if family.shared_expert:
+        fields.update(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
+    return fields
 
 
 def rope_arguments(hf_config) -> tuple[dict, dict | None]:
@@ -99,7 +149,7 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def check_parallel_sizes(hf_config, tp: int, pp: int) -> None:
+def check_parallel_sizes(hf_config, tp: int, pp: int, ep: int = 1) -> None:
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % tp or groups % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide num_attention_heads={heads} "
@@ -107,6 +157,10 @@ def check_parallel_sizes(hf_config, tp: int, pp: int) -> None:
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} must divide num_hidden_layers="
                          f"{hf_config.num_hidden_layers} of the model")
+    # A dense model at EP > 1 (a dense colocated teacher beside an MoE policy) has no experts to split.
+    experts = hf_config.num_experts if family_of(hf_config).moe else None
+    if experts is not None and experts % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} must divide num_experts={experts} of the model")
 
 
 def _importable(*modules: str) -> bool:
@@ -146,9 +200,9 @@ def fusions(on_cuda: bool, transformer_engine: bool, importable=_importable) -> 
 
 
 def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, params_dtype: torch.dtype,
-                       **overrides):
-    """Megatron's TransformerConfig of this model on this host (`fusions`); `overrides` are further
-    fields, and win over the host's."""
+                       ep: int = 1, **overrides):
+    """Megatron's TransformerConfig of this model on this host (`fusions`), with EP `ep` for an MoE family
+    (`moe_config`); `overrides` are further fields, and win over the host's."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -181,8 +235,21 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         # sequence_parallel: off unless overridden (model_config_overrides, from --sequence-parallel).
         **{"sequence_parallel": False, **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
-           **overrides},
+           **moe_config(hf_config, family, ep), **_moe_only(overrides, family)},
     )
+
+
+MOE_LOSS_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+
+
+def _moe_only(overrides: dict, family: Family) -> dict:
+    """The overrides without the MoE loss fields for a dense family (the options are refused with a dense
+    model at start, arguments.validate_args; a frozen or dense model built in the same run ignores them)."""
+    if family.moe:
+        if overrides.get("moe_aux_loss_coeff"):
+            overrides = dict(overrides, moe_router_load_balancing_type="aux_loss")
+        return overrides
+    return {key: value for key, value in overrides.items() if key not in MOE_LOSS_FIELDS}
 
 
 def model_config_overrides(args) -> dict:
@@ -199,7 +266,8 @@ def trainer_config_overrides(args) -> dict:
     (--recompute-granularity/-method/-num-layers; frozen models run forward-only and never recompute)."""
     return dict(model_config_overrides(args), calculate_per_token_loss=True,
                 recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-                recompute_num_layers=args.recompute_num_layers)
+                recompute_num_layers=args.recompute_num_layers, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                moe_z_loss_coeff=args.moe_z_loss_coeff or None)
 
 
 class SequenceParallelRMSNorm:
@@ -226,11 +294,13 @@ def gpt_layer_spec(config):
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if accelerator.transformer_engine_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     from megarl.models.attention import PackedDotProductAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+                                                    **moe)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = PackedDotProductAttention  # takes --padding-free rows
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
@@ -273,6 +343,19 @@ def mark_tensor_parallel_weights(model) -> None:
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
+def mark_expert_parameters(model) -> None:
+    """Mark every routed expert's parameter as Megatron's linears do only at EP > 1 (`allreduce=False`,
+    tensor_parallel/layers.py), at any EP: DDP then reduces their gradients over the expert data-parallel
+    group (the data-parallel ranks that hold the same experts; at EP 1 the same ranks as before) and the
+    optimizer keeps them in its expert part (get_megatron_optimizer: a ChainedOptimizer of the dense and
+    the expert parameters). So the optimizer's layout, and with it the checkpoint's, is the same at every
+    EP: an EP=2 checkpoint resumes at EP=1 (the experts' own sharded keys already count experts globally)."""
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
+
+
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
                     **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device.
@@ -289,8 +372,9 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
-    check_parallel_sizes(hf_config, tp, pp)
-    config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, **config_overrides)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    check_parallel_sizes(hf_config, tp, pp, ep)
+    config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, ep, **config_overrides)
     # Micro-batches differ in length (and, with a token budget, in rows): pipeline stages exchange each
     # activation's shape first. Set after construction: __post_init__ rejects it for an MoE dispatcher
     # setting that dense models never use.
@@ -308,6 +392,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         **rope_kwargs,
     )
     mark_tensor_parallel_weights(model)
+    mark_expert_parameters(model)
     if late_llama3_scaling is not None:
         # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
         rotary = model.rotary_pos_emb

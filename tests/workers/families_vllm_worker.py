@@ -75,8 +75,11 @@ def main():
     own.add_argument("--fresh", required=True, help="checkpoint the engine is built from")
     own.add_argument("--synced", required=True, help="checkpoint Megatron loads and syncs into the engine")
     own.add_argument("--out", required=True)
+    own.add_argument("--tp", default="2", help="Megatron's TP size")
+    own.add_argument("--ep", default="1", help="Megatron's EP size (MoE)")
     mine = own.parse_args()
-    args = parse_args(["--model", mine.fresh, "--tensor-model-parallel-size", "2",
+    args = parse_args(["--model", mine.fresh, "--tensor-model-parallel-size", mine.tp,
+                       "--expert-model-parallel-size", mine.ep,
                        "--rollout-tensor-parallel-size", "2", "--rollout-kv-cache-gb", "0.25",
                        "--max-prompt-length", str(PROMPT_LEN), "--max-new-tokens", str(NEW_TOKENS),
                        # Random checkpoints have no tokenizer; prompts are token ids.

@@ -174,7 +174,9 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
     if without_rope_scaling:
         config = copy.deepcopy(config)
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope_parameters(config)["rope_theta"]}
-    return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64).eval()
+    # MoE: transformers' per-expert loop (its default grouped GEMM takes no float64)
+    moe = {"experts_implementation": "eager"} if getattr(config, "num_experts", None) else {}
+    return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64, **moe).eval()
 
 
 def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) -> dict:
@@ -229,6 +231,7 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
                                if hf_config.tie_word_embeddings else set(original.weight_map) - exported)
     report["extra"] = sorted(exported - set(original.weight_map))
     report["exported"] = len(exported)
+    report["exported_names"] = sorted(exported)
     return report
 
 
@@ -238,17 +241,18 @@ def main():
     own.add_argument("--out", required=True)
     own.add_argument("--tp", type=int, default=1)
     own.add_argument("--pp", type=int, default=1)
+    own.add_argument("--ep", type=int, default=1)
     own.add_argument("--seq-len", type=int, default=17)
     mine, _ = own.parse_known_args()
     args = parse_args(["--model", mine.hf[0], "--tensor-model-parallel-size", str(mine.tp),
-                       "--pipeline-model-parallel-size", str(mine.pp)])
+                       "--pipeline-model-parallel-size", str(mine.pp), "--expert-model-parallel-size", str(mine.ep)])
     context = distributed.init_distributed(args)
     distributed.init_megatron_parallel(context, args.seed)
 
     reports = [check_checkpoint(path, mine.pp, mine.seq_len, args.seed) for path in mine.hf]
     if dist.get_rank() == 0:
         with open(mine.out, "w") as f:
-            json.dump({"tp": mine.tp, "pp": mine.pp, "models": reports}, f)
+            json.dump({"tp": mine.tp, "pp": mine.pp, "ep": mine.ep, "models": reports}, f)
     dist.barrier()
     dist.destroy_process_group()
 
