@@ -111,7 +111,15 @@ def test_swift_defaults_differ_from_megarl(tmp_path, tiny_model, tiny_teacher):
 @pytest.mark.parametrize("text,message", [
     ("rlhf_type: gkd\ngkd_logit_topk: 8\n", "gkd_logit_topk: unknown ms-swift Megatron RLHF config key (did you "
                                             "mean 'gkd_logits_topk'?)"),
-    ("rlhf_type: gkd\ntrain: {gpus: 2, tuner_type: lora}\n", "needs LoRA, which megarl does not have yet"),
+    ("rlhf_type: gkd\ntrain: {gpus: 2, tuner_type: longlora}\n", "train.tuner_type=longlora: megarl trains every "
+                                                                "weight (full) or LoRA adapters (lora)"),
+    ("rlhf_type: gkd\ntuner_type: lora\nuse_dora: true\n", "use_dora=True: DoRA has no megarl counterpart"),
+    ("rlhf_type: gkd\ntuner_type: lora\nlora_bias: all\n", "lora_bias=all: trainable biases"),
+    ("rlhf_type: gkd\ntuner_type: lora\ntarget_regex: '.*q_proj'\n", "target_regex=.*q_proj: a regular expression"),
+    ("rlhf_type: gkd\ntuner_type: lora\nmodules_to_save: [lm_head]\n", "modules_to_save=['lm_head']: training whole"),
+    ("rlhf_type: gkd\ntuner_type: lora\ntarget_modules: [all-router, all-linear]\n",
+     "target_modules: all-router: megarl puts adapters on the decoder layers' linears only"),
+    ("rlhf_type: gkd\ntrain_type: lora\nadapters: [ckpt/lora]\n", "adapters=['ckpt/lora']: loading trained adapters"),
     ("rlhf_type: dpo\n", "rlhf_type=dpo: megarl trains online RL (grpo) and distillation (gkd) only"),
     ("rlhf_type: gkd\nsft_alpha: 0.5\n", "sft_alpha=0.5: sft_alpha > 0 adds an SFT loss"),
     ("rlhf_type: grpo\nreward_funcs: [format]\n", "'format' is an ms-swift built-in reward megarl does not have"),
@@ -123,6 +131,34 @@ def test_swift_unknown_and_refused_keys_are_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as error:
         _parse(["--config", config], 2)
     assert message in str(error.value) and str(config) in str(error.value) and "\n" not in str(error.value)
+
+
+SWIFT_LORA = "rlhf_type: grpo\ncolocate_groups: [[train, rollout]]\ntrain: {gpus: 2}\nrollout: {gpus: 2}\n" \
+             "global_batch_size: 16\n"
+
+
+@pytest.mark.parametrize("text,expected", [
+    # ms-swift's defaults with tuner_type lora: rank 8, alpha 32, dropout 0.05, all-linear, lr 1e-4
+    ("tuner_type: lora\n", dict(lora_rank=8, lora_alpha=32.0, lora_dropout=0.05, lora_target_modules=["all-linear"],
+                                lr=1e-4)),
+    # ms-swift 3's train_type, in the train group; Megatron and PEFT names as given (a PEFT suffix is its module)
+    ("train_type: lora\nlora_rank: 16\nlora_alpha: 8\nlora_dropout: 0.0\n"
+     "target_modules: [linear_qkv, linear_proj, self_attn.o_proj, gate_proj]\nlr: 3.0e-5\n",
+     dict(lora_rank=16, lora_alpha=8.0, lora_dropout=0.0, lr=3e-5,
+          lora_target_modules=["linear_qkv", "linear_proj", "o_proj", "gate_proj"])),
+    # rsLoRA's scale alpha / sqrt(r) = 32 / 2 is megarl's alpha / r with alpha 32 * 2
+    ("tuner_type: lora\nlora_rank: 4\nuse_rslora: true\ntarget_modules: all-linear\n",
+     dict(lora_rank=4, lora_alpha=64.0, lora_target_modules=["all-linear"])),
+    # tuner_type full: LoRA's keys are listed as ignored, no adapters
+    ("tuner_type: full\nlora_rank: 8\ntarget_modules: [all-linear]\n", dict(lora_rank=0, lr=1e-5)),
+])
+def test_swift_lora(tmp_path, tiny_model, text, expected):
+    config = tmp_path / "lora.yaml"
+    config.write_text(SWIFT_LORA + text)
+    args = _parse(["--config", config, "--model", tiny_model], 2)
+    _check(args, expected)
+    if not expected["lora_rank"]:
+        assert "lora_rank, target_modules (LoRA settings (tuner_type full))" in args.config_notes[1]
 
 
 def test_ignored_keys_are_listed_in_one_line(tmp_path, tiny_model, tiny_teacher):
@@ -191,7 +227,19 @@ def test_verl_kl_penalty_names(tiny_model, name, estimator):
     (["trainer.total_epoch=3"], "override trainer.total_epoch=3: unknown verl key (did you mean 'trainer.total_epochs'?)"),
     (["+trainer.total_epochs=3"], "trainer.total_epochs is already in"),
     (["algorithm.kl_penalty=k3+"], "algorithm.kl_penalty: 'k3+' has no megarl KL estimator"),
-    (["actor_rollout_ref.model.lora_rank=8"], "needs LoRA, which megarl does not have yet"),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.exclude_modules=[o_proj]"],
+     "exclude_modules=['o_proj']: excluding modules"),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.use_dora=true"], "DoRA has no megarl"),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.lora_bias=all"], "trainable biases"),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.lora_adapter_path=/a"], "loading a trained"),
+    (["+actor_rollout_ref.model.lora.rank=8", "+actor_rollout_ref.model.lora.type=dora"],
+     "model.lora.type: 'dora' has no megarl counterpart"),
+    (["+actor_rollout_ref.model.lora.rank=8", "+actor_rollout_ref.model.lora.target_modules=['*.layers.0.*.linear_qkv']"],
+     "'*.layers.0.*.linear_qkv' picks some layers"),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.target_modules=embed_tokens"],
+     "model.target_modules: embed_tokens: megarl puts adapters on the decoder layers' linears only"),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.target_modules=[up_proj,fc9]"],
+     "--lora-target-modules 'fc9': the qwen2 family has no such linear"),
     (["+actor_rollout_ref.model.override_config.attention_dropout=0.1"], "model.override_config needs megarl's"),
     (["+algorithm.use_kl_in_reward=true", "+actor_rollout_ref.actor.use_kl_loss=true"],
      "use_kl_in_reward: and actor.use_kl_loss are both on"),
@@ -209,6 +257,34 @@ def test_verl_unknown_key_in_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"ppo.yaml: data.max_promt_length: unknown verl PPO trainer config key "
                                           r"\(did you mean 'data.max_prompt_length'\?\)"):
         _parse(["--config", config], 8)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    # FSDP back-end (PEFT): verl's lora_alpha default 16, all-linear, PEFT names as megarl's
+    (["actor_rollout_ref.model.lora_rank=32"], dict(lora_rank=32, lora_alpha=16.0, lora_dropout=0.0,
+                                                    lora_target_modules=["all-linear"])),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.lora_alpha=32",
+      "+actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "+actor_rollout_ref.model.lora_dropout=0.1",
+      "+actor_rollout_ref.model.use_rslora=true", "+actor_rollout_ref.model.exclude_modules=null"],
+     dict(lora_rank=8, lora_alpha=pytest.approx(32 * 8 ** 0.5), lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj"])),
+    # Megatron back-end (Megatron-Bridge): alpha 32 and the four fused linears by default
+    (["+actor_rollout_ref.model.lora.rank=16"], dict(lora_rank=16, lora_alpha=32.0, lora_dropout=0.0, lora_target_modules=[
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])),
+    # canonical LoRA: one adapter per HF module, named as Megatron-Bridge names them
+    (["+actor_rollout_ref.model.lora.rank=4", "+actor_rollout_ref.model.lora.type=canonical_lora",
+      "+actor_rollout_ref.model.lora.alpha=8", "+actor_rollout_ref.model.lora.merge=true",
+      "+actor_rollout_ref.model.lora.target_modules=[linear_q,linear_v,linear_fc1_gate,linear_fc2]"],
+     dict(lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj", "v_proj", "gate_proj", "linear_fc2"])),
+    # rank 0 (verl's hf_model.yaml defaults): the LoRA keys are ignored, no adapters
+    (["actor_rollout_ref.model.lora_rank=0", "+actor_rollout_ref.model.lora_alpha=16",
+      "+actor_rollout_ref.model.target_modules=all-linear"], dict(lora_rank=0, lora_target_modules=["all-linear"])),
+])
+def test_verl_lora(tiny_model, overrides, expected):
+    args = _verl(tiny_model, "trainer.default_local_dir=null", *overrides)  # megarl's LoRA saves no checkpoints yet
+    _check(args, expected)
+    if not expected["lora_rank"]:
+        assert "actor_rollout_ref.model.lora_alpha, actor_rollout_ref.model.target_modules (LoRA settings (lora_rank " \
+               "0))" in args.config_notes[1]
 
 
 def test_verl_reward_model_and_legacy_micro_batch_units(tiny_model):
