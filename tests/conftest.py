@@ -9,11 +9,11 @@ from helpers import ROOT, make_random_model
 TINY_MODEL = ROOT / "artifacts" / "tiny-qwen2"
 
 
-OPT_IN_LANES = ("soak", "learning")  # pytest.ini: lanes outside CI, run by hand before an issue is resolved
+OPT_IN_LANES = ("soak", "learning", "migrating")  # pytest.ini: outside CI, run by hand before an issue is resolved
 
 
 def pytest_collection_modifyitems(config, items):
-    """Soak and learning tests (pytest.ini) run only when -m names their lane. Not `addopts = -m "not soak"`:
+    """Soak, learning and migrating tests (pytest.ini) run only when -m names their lane. Not `addopts = -m "not soak"`:
     the last -m wins, so the unit lane's `-m "not slow"` would then replace it and pull the soak in."""
     expression = config.getoption("markexpr") or ""
     lanes = [lane for lane in OPT_IN_LANES if lane not in expression]  # named lanes: the expression decides
