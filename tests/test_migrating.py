@@ -469,7 +469,7 @@ def test_import_config_prints_yaml_and_every_key(name, extra, capsys, tmp_path):
 # versions in tests/data/migrating) starts and completes a 2-step run on CPU ranks in the placement it
 # asks for, its model and data pointed at the tiny model (the tiny teacher for GKD) and a local dataset
 # in that framework's layout. Rank counts are scaled down, the placement kind kept (each case says how).
-# The whole set is the opt-in `migrating` lane (bash run_tests.sh -m migrating, about 10 minutes); CI's
+# The whole set is the opt-in `migrating` lane (bash run_tests.sh -m migrating, about 20 minutes); CI's
 # slow lane keeps two runs: the ms-swift trap (omitted colocate_groups runs separate) and one verl run.
 
 def _problems(count, seed=3):
@@ -643,8 +643,8 @@ def test_colossalchat_seed_command_lines_run_two_steps(case, tiny_model, tmp_pat
     name, scaled, nproc, placement = CC_RUNS[case]
     rows = 4 if case == "zero2" else 2  # prompts per step: 2 (-i 1 x -ibs 2), 2 (-i 2 x -ibs 1)
     data = _colossalchat_data(tmp_path / "train.jsonl", rows)
-    _two_steps(DATA / name, "-m", tiny_model, "-d", data, "-mnt", "8", "-mpt", "64", *scaled, nproc=nproc,
-               tmp_path=tmp_path, read_as="ColossalChat rl_example.py command line", placement=placement)
+    _two_steps(DATA / name, "-m", tiny_model, "-d", data, "-mnt", "8", "-mpt", "160", *scaled, nproc=nproc,
+               tmp_path=tmp_path, read_as="ColossalChat rl_example.py flags", placement=placement)
 
 
 VERL = "verl PPO trainer config"
