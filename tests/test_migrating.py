@@ -543,7 +543,7 @@ def _two_steps(config, *flags, nproc, tmp_path, read_as, placement):
     return out
 
 
-SWIFT = "ms-swift Megatron RLHF config"
+SWIFT_READ_AS = "ms-swift Megatron RLHF config"
 # Sizes: 4 completions per step, responses of up to 8 tokens, prompts of up to 64; 2 optimizer steps.
 SWIFT_SMALL = {"global_batch_size": 4, "max_completion_length": 8, "max_length": 64, "train_iters": 2,
                "rollout.vllm_max_model_len": 128, "num_train_epochs": None}
@@ -586,7 +586,7 @@ def test_swift_seed_configs_run_two_steps(case, tiny_model, tiny_teacher, tmp_pa
         {} if case == "grpo" else {"teacher_model": tiny_teacher}
     data = _swift_data(tmp_path / "train.jsonl", 64, teacher_prompt=case == "opsd")
     config = _seed_yaml(name, tmp_path, model=tiny_model, dataset=data, **teacher, **edits)
-    _two_steps(config, nproc=nproc, tmp_path=tmp_path, read_as=SWIFT, placement=placement)
+    _two_steps(config, nproc=nproc, tmp_path=tmp_path, read_as=SWIFT_READ_AS, placement=placement)
 
 
 def _swift_trap_config(tiny_model, tiny_teacher, tmp_path):
@@ -603,7 +603,7 @@ def test_swift_config_without_colocate_groups_runs_separate(tiny_model, tiny_tea
     ranks (1 + 1), runs in the separate placement with ms-swift's defaults; no_save_optim / no_save_rng leave
     the optimizer and RNG states out of its checkpoint."""
     config = _swift_trap_config(tiny_model, tiny_teacher, tmp_path)
-    out = _two_steps(config, nproc=2, tmp_path=tmp_path, read_as=SWIFT, placement="placement: separate, 2 ranks")
+    out = _two_steps(config, nproc=2, tmp_path=tmp_path, read_as=SWIFT_READ_AS, placement="placement: separate, 2 ranks")
     assert "megarl: ignored (no meaning in megarl): " in out and "use_ray" in out
     state = json.loads((tmp_path / "ckpt" / "step_00000002" / "state.json").read_text())
     assert state["optimizer_saved"] is False
@@ -617,7 +617,7 @@ def test_swift_checkpoint_without_optimizer_states_resumes(tiny_model, tiny_teac
     from helpers import torchrun
 
     config = _swift_trap_config(tiny_model, tiny_teacher, tmp_path)
-    _two_steps(config, nproc=2, tmp_path=tmp_path, read_as=SWIFT, placement="placement: separate, 2 ranks")
+    _two_steps(config, nproc=2, tmp_path=tmp_path, read_as=SWIFT_READ_AS, placement="placement: separate, 2 ranks")
     resumed = torchrun("../../megarl/train.py", "--config", config, "--log-dir", tmp_path / "tb2", "--train-steps", "3",
                        "--resume", "auto", timeout=600)
     assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} after step 2" in resumed.stdout
@@ -647,7 +647,7 @@ def test_colossalchat_seed_command_lines_run_two_steps(case, tiny_model, tmp_pat
                tmp_path=tmp_path, read_as="ColossalChat rl_example.py flags", placement=placement)
 
 
-VERL = "verl PPO trainer config"
+VERL_READ_AS = "verl PPO trainer config"
 # Sizes: 2 prompts per step, responses of up to 8 tokens, 2 steps; checkpoints off.
 VERL_SMALL = ["data.train_batch_size=2", "data.max_prompt_length=160", "data.max_response_length=8",
               "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.default_local_dir=null"]
@@ -660,7 +660,7 @@ def _verl_run(tiny_model, tmp_path, name, *overrides, validation=True):
     # nnodes x n_gpus_per_node 8 -> 1 x 2: the hybrid engine, every role on both ranks.
     return _two_steps(DATA / name, f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={train}", *val,
                       "trainer.n_gpus_per_node=2", *VERL_SMALL, *overrides, nproc=2, tmp_path=tmp_path,
-                      read_as=VERL, placement="placement: colocate, 2 ranks")
+                      read_as=VERL_READ_AS, placement="placement: colocate, 2 ranks")
 
 
 @pytest.mark.slow  # one of CI's two runs of these configs
