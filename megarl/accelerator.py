@@ -5,7 +5,8 @@ collective backend, whether Transformer Engine and Triton run, and -- only when 
 is absent -- the shims that let Megatron-core 0.16 run on CPU. Megatron-core hard-codes CUDA in
 a handful of places (docs/platform.md, "Megatron-core on CPU", lists them); rather than fork it, we rebind those
 names to CPU equivalents once, at start-up, before any Megatron object exists.
-With CUDA present `apply_megatron_shims()` does nothing.
+With CUDA present `apply_megatron_shims()` only fixes Megatron's distributed optimizer over torch's Adam
+(without Apex or Transformer Engine; see `_fix_distributed_optimizer_over_torch_adam`).
 
 GPU-only code paths in megarl (all of them live here or are selected here):
   * NCCL process groups (`backend()`, `store_group`) and `cuda:<local_rank>` devices;
@@ -352,14 +353,48 @@ def _set_states_besides_step(set_states):
     return wrapped
 
 
+def _load_state_dict_with_a_step_per_parameter(load_state_dict):
+    """DistributedOptimizer.load_state_dict without Apex or Transformer Engine hands every parameter's Adam
+    state one shared 'step' tensor (Megatron-core 0.16.1, distrib_optimizer.py:817-825). torch's Adam adds 1
+    to each parameter's step in place, so after a resume every optimizer step advanced the shared counter
+    once per parameter (saved after step 2, the tiny model's 9 parameters read step 11 after step 3) and every
+    later update had the wrong bias correction: the resumed run left the uninterrupted one. Give each
+    parameter its own copy, as a run that never resumed has."""
+    @functools.wraps(load_state_dict)
+    def wrapped(self, state_dict):
+        result = load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return result
+
+    return wrapped
+
+
+def _fix_distributed_optimizer_over_torch_adam() -> None:
+    """Without Apex or Transformer Engine (CPU hosts, and CUDA hosts running the local layer spec) Megatron's
+    distributed optimizer drives torch's Adam, whose per-parameter 'step' state three of its methods get
+    wrong; on a CUDA host with either library it uses their fused Adam and none of this applies."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    optimizer_class.state_dict = _state_dict_of_a_fresh_optimizer(optimizer_class.state_dict)
+    optimizer_class._set_main_param_and_optimizer_states = _set_states_besides_step(
+        optimizer_class._set_main_param_and_optimizer_states)
+    optimizer_class.load_state_dict = _load_state_dict_with_a_step_per_parameter(optimizer_class.load_state_dict)
+
+
 @functools.cache
 def apply_megatron_shims() -> None:
-    """Rebind Megatron-core's CUDA-only call sites to CPU versions (no-op on CUDA).
+    """Rebind Megatron-core's CUDA-only call sites to CPU versions (on CUDA only the torch-Adam fixes).
 
     Idempotent. Must run before Megatron models, optimizers or RNG trackers are
     built. Each shim names the site it replaces, so removing one when Megatron
     gains CPU support is a one-line change.
     """
+    _fix_distributed_optimizer_over_torch_adam()
     if ON_CUDA:
         return
     # Apex and Transformer Engine are GPU libraries: their absence is expected here.
@@ -420,8 +455,3 @@ def apply_megatron_shims() -> None:
 
     for cls in (distrib_optimizer.DistributedOptimizer, megatron_optimizer.Float16OptimizerWithFloat16Params):
         cls.__init__ = _reporting_cuda_tensor_types(cls.__init__)
-    # Without Apex or Transformer Engine it drives torch's Adam, whose 'step' state two methods trip on.
-    optimizer_class = distrib_optimizer.DistributedOptimizer
-    optimizer_class.state_dict = _state_dict_of_a_fresh_optimizer(optimizer_class.state_dict)
-    optimizer_class._set_main_param_and_optimizer_states = _set_states_besides_step(
-        optimizer_class._set_main_param_and_optimizer_states)

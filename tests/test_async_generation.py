@@ -71,6 +71,7 @@ def test_staleness_is_one_step_at_most_and_a_resume_continues_exactly(tiny_model
 
 
 @pytest.mark.slow
+@pytest.mark.learning  # a reward that must rise over tens of steps; the staleness/resume test stays in CI
 def test_async_generation_learns(tiny_model, tmp_path):
     """The separate quickstart with --async-generation and token-level TIS, shortened like
     test_train_e2e.py's quickstart test: the reward must rise by 0.10."""

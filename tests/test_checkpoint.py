@@ -24,6 +24,7 @@ def _run(tiny_model, tmp_path, name, *extra, worker="../../megarl/train.py", env
                     env=env, check=check, timeout=900)
 
 
+@pytest.mark.soak  # a kill point of the soak lane's suite (backward); CI keeps the sync and save kills (test_faults.py)
 def test_exact_resume_after_sigkill_mid_step(tiny_model, tmp_path):
     steps = ["--train-steps", "4", "--save-interval", "2"]
     _run(tiny_model, tmp_path, "straight", *steps, "--save-dir", tmp_path / "straight")

@@ -12,12 +12,16 @@ from fault_injection import CI_CHAINS, full_disk_case, kill_chain, table
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
 
-@pytest.mark.parametrize("placement", sorted(CI_CHAINS))
+# CI runs the colocated chain; the separate one and the full disk run with the soak lane (-m soak), which has
+# every kill point in both placements.
+@pytest.mark.parametrize("placement", [pytest.param(p, marks=pytest.mark.soak) if p == "separate" else p
+                                       for p in sorted(CI_CHAINS)])
 def test_sigkill_in_weight_sync_and_checkpoint_save_then_resume(tiny_model, tmp_path, placement):
     results = kill_chain(CI_CHAINS[placement], placement, tmp_path / placement)
     assert all(result.ok for result in results), table(results)
 
 
+@pytest.mark.soak
 def test_full_disk_while_saving(tiny_model, tmp_path):
     result = full_disk_case("colocated", tmp_path)
     assert result.ok, table([result])

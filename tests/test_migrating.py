@@ -28,6 +28,14 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the configs name hub models; the tests point them at local ones
 
 
+@pytest.fixture
+def tiny_teacher(tiny_model):
+    """Any model of the student's family serves as the teacher here: these tests read configs and run two
+    steps, and none needs a better teacher. conftest's `tiny_teacher` builds the trained one (1200 steps,
+    ten minutes and more on CI's two cores) and is kept for the distillation quickstart."""
+    return tiny_model
+
+
 def _parse(argv, world_size):
     return parse_args([str(a) for a in argv], world_size=world_size)
 

@@ -105,8 +105,12 @@ def srun_nodes(config: str, model: str, tmp_path) -> list[tuple[list[str], dict]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
-@pytest.mark.parametrize("placement", list(CONFIGS))
+# CI: each launcher once and each placement once (srun colocated, torchrun separate); the other two: -m variants
+@pytest.mark.parametrize("launcher,placement", [
+    pytest.param(launcher, placement, id=f"{placement}-{launcher}",
+                 marks=[] if (launcher, placement) in {("srun", "colocate"), ("torchrun", "separate")}
+                 else [pytest.mark.variants])
+    for launcher in ("torchrun", "srun") for placement in CONFIGS])
 def test_two_nodes_train(launcher, placement, tiny_model, tmp_path):
     build = torchrun_nodes if launcher == "torchrun" else srun_nodes
     results = run_nodes(build(CONFIGS[placement], tiny_model, tmp_path), tmp_path)

@@ -28,7 +28,8 @@ def _close(a: dict, b: dict, steps, tag: str = "loss", **rtol):
 
 def test_distributed_optimizer_matches_the_plain_one_and_resumes_at_another_data_parallel_size(tiny_model,
                                                                                                tmp_path):
-    steps = ["--train-steps", "4"]
+    # A trainer-side comparison: the HF rollout backend spares the launches vLLM's import and start.
+    steps = ["--train-steps", "4", "--rollout-backend", "hf"]
     plain, _ = _run(tiny_model, tmp_path, "plain", *steps)
     sharded, _ = _run(tiny_model, tmp_path, "sharded", *steps, "--use-distributed-optimizer",
                       "--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--save-keep", "0")
@@ -42,6 +43,10 @@ def test_distributed_optimizer_matches_the_plain_one_and_resumes_at_another_data
     assert "after step 2" in stdout
     assert sorted(resumed["loss"]) == [2, 3]
     _close(sharded, resumed, (2, 3))
+    # Step 4's gradient is the first to depend on an update made after the load (Adam's step count
+    # included: Megatron shared one step tensor between all parameters, accelerator.py). It must not be
+    # zero, or the comparison below would hold for any optimizer state (a batch whose rewards are all equal).
+    assert resumed["grad_norm"][3] > 0, resumed
     # ... and its gradient norm: each TP-split weight counted once, from both shards (megatron_gpt:
     # mark_tensor_parallel_weights; unmarked, TP rank 0's shards alone made it smaller).
     _close(sharded, resumed, (2, 3), "grad_norm")
@@ -55,7 +60,8 @@ def test_distributed_optimizer_matches_the_plain_one_and_resumes_at_another_data
 
 
 def test_activation_recomputation_leaves_the_losses_unchanged(tiny_model, tmp_path):
-    steps = ["--train-steps", "3"]
+    # A trainer-side comparison: the HF rollout backend spares the three launches vLLM's import and start.
+    steps = ["--train-steps", "3", "--rollout-backend", "hf"]
     plain, _ = _run(tiny_model, tmp_path, "plain", *steps)
     for name, recompute in (("full", ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                       "--recompute-num-layers", "1"]),

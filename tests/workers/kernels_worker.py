@@ -280,9 +280,15 @@ def max_over_ranks(report: dict) -> dict:
 def start_tensor_parallel_world() -> str:
     """A kernel worker's start: its --out path, and a gloo world whose every rank is one TP rank (with
     Megatron's CPU shims and parallel state)."""
+    global CHUNKS
     own = argparse.ArgumentParser()
     own.add_argument("--out", required=True)
-    out = own.parse_args().out
+    own.add_argument("--chunks", help="comma-separated chunk sizes ('None' = the default) instead of CHUNKS: "
+                     "the Triton interpreter at TP=2 runs one (its chunking is checked at TP=1)")
+    parsed = own.parse_args()
+    if parsed.chunks:
+        CHUNKS = [None if c == "None" else int(c) for c in parsed.chunks.split(",")]
+    out = parsed.out
     from megatron.core import parallel_state
 
     from megarl import accelerator
