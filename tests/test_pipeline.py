@@ -19,15 +19,33 @@ SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4",
 COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean")
 
 
+@pytest.fixture
+def perturbed_tiny(tiny_model, tmp_path):
+    """The tiny model with every weight moved by seeded noise (5% of its tensor's spread): a reference and a
+    teacher that differ from the policy from the first step, without training one."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "perturbed"
+    shutil.copytree(tiny_model, out)
+    generator = torch.Generator().manual_seed(5)
+    weights = load_file(out / "model.safetensors")
+    save_file({name: w + 0.05 * w.float().std().nan_to_num() * torch.randn(w.shape, generator=generator).to(w.dtype)
+               for name, w in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
 @pytest.mark.slow
-def test_full_vocabulary_companions_at_two_stages_and_two_context_parallel_ranks_match_one(tiny_model, tiny_teacher,
+def test_full_vocabulary_companions_at_two_stages_and_two_context_parallel_ranks_match_one(tiny_model, perturbed_tiny,
                                                                                            tmp_path):
     """A reference for --kl-estimator full and a colocated teacher's full-vocabulary distillation (every
     other sample an OPSD row): at PP=2 (the frozen models' own pipeline schedule, their logits on the last
     stage) and at CP=2 (each CP rank's part; OPSD views gathered and re-laid) the exact KL, two actor steps
     with both terms and the logprobs after them equal one rank's."""
     flags = [*WORKER, "--model", tiny_model, "--padding-free", "--loss-agg", "sample_level", "--kl-estimator", "full",
-             "--kl-coef", "0.1", "--ref-model", tiny_teacher, "--teacher-model", tiny_teacher, "--distill-coef", "1",
+             "--kl-coef", "0.1", "--ref-model", perturbed_tiny, "--teacher-model", perturbed_tiny, "--distill-coef", "1",
              "--gkd-logits-topk", "0"]
     torchrun("pipeline_worker.py", tmp_path / "one", *flags, "--train-gpus", "1", "--rollout-gpus", "1", nproc=1,
              timeout=600)
