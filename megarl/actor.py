@@ -50,7 +50,7 @@ class Actor(TrainableModel, SampledLogprobs):
                     full_kl(self.args, self.hf_config.vocab_size, logits, companion_outputs["ref"], batch.held_back()))
 
         with full_kl_to.resident():
-            outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to.companion_logits})
+            outputs = self.forward_only(micro_batches, both, companions={"ref": full_kl_to})
         return (response_aligned(micro_batches, [o[0] for o in outputs], width),
                 response_aligned(micro_batches, [o[1] for o in outputs], width))
 
@@ -86,8 +86,7 @@ class Actor(TrainableModel, SampledLogprobs):
             for role in companions.values():
                 stack.enter_context(role.resident())
             sums, grad_norm = self.optimizer_step(
-                micro_batches, loss, companions={name: role.companion_logits for name, role in companions.items()},
-                hidden=hidden)
+                micro_batches, loss, companions=companions, hidden=hidden)
         return {**loss.metrics(sums, grad_norm, self.lr), **self.moe_losses}
 
     def hf_weights(self, bucket_bytes: int):

@@ -1097,26 +1097,16 @@ def _validate_teacher_group(args) -> None:
 
 
 def _validate_pipeline(args) -> None:
-    """Pipeline stages run the loss on the last stage only: a frozen model's full-vocabulary logits
-    beside each student micro-batch (model_runner.forward_backward's companions) would need a pipeline
-    of their own; with context parallelism they would need the frozen model's own CP parts (an OPSD
-    teacher's prompt differs from the student's, so its slots do not line up). Context parallelism
-    cuts packed sequences only (megarl/context_parallel.py). Sequence parallelism needs a TP group: off at
-    TP 1, as Megatron-LM's own arguments turn it off there."""
+    """Context parallelism cuts packed sequences only (megarl/context_parallel.py). Sequence parallelism
+    needs a TP group: off at TP 1, as Megatron-LM's own arguments turn it off there. Full-vocabulary
+    companions (--kl-estimator full, a colocated teacher's full-vocabulary distillation) run at any PP
+    and CP (model_runner.forward_backward)."""
     cp = args.context_parallel_size
     # Megatron-LM turns sequence parallelism off at TP 1 (there is no TP group to split over); so does megarl.
     args.sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     if cp > 1 and not args.padding_free:
         raise ConfigError(f"--context-parallel-size {cp} needs --padding-free: megarl splits each packed sequence "
                           f"over the context-parallel ranks")
-    companion = ("--kl-estimator full" if args.kl_estimator == "full" else
-                 "a colocated teacher (--teacher-model) with full-vocabulary distillation (--gkd-logits-topk 0)"
-                 if args.teacher_model and args.distill_coef and not args.gkd_logits_topk else None)
-    for flag, size in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                       ("--context-parallel-size", cp)):
-        if size > 1 and companion:
-            raise ConfigError(f"{flag} {size} does not support {companion} yet: use top-k (--gkd-logits-topk K) "
-                              f"or a sampled-token KL estimator")
 
 
 def _validate_engine_kwargs(args) -> None:

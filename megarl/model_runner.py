@@ -114,6 +114,17 @@ class MicroBatch:
                           {name: part(values) for name, values in self.fields.items()}, part(self.position_ids),
                           self.indices, self.packed_lengths, part_of=self, held_back_ids=self.held_back_ids)
 
+    def own_positions(self, whole: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor [b, L, ...] of the whole micro-batch -> this part's positions [b, L_part, ...]
+        (`gather`'s inverse); unchanged when this micro-batch is whole."""
+        if self.part_of is None:
+            return whole
+        from megatron.core import parallel_state
+
+        positions = context_parallel.local_positions(self.packed_lengths, context_parallel.size(),
+                                                     parallel_state.get_context_parallel_rank())
+        return whole.index_select(1, positions.to(whole.device))
+
     def response_positions(self, sample: int) -> tuple[int, slice]:
         """(row, columns) of the positions scoring sample `sample`'s response tokens."""
         row, offset, p, r = self.spans[sample]
@@ -285,11 +296,16 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
 
     loss_fn(batch, output, companion_outputs) -> (numerator, units, dict); the dicts are
     returned, one per micro-batch. The output is the logits, or with `hidden` the final hidden
-    states (`final_hidden_states`). `companions` maps names to frozen models'
-    `companion_logits(micro_batch)`, run on the same batch under no_grad (the reference's
-    logits for a full-vocabulary KL, the teacher's for full-vocabulary distillation):
-    only one micro-batch of their logits exists at a time (pipeline parallelism has none:
-    arguments refuse the combination).
+    states (`final_hidden_states`). `companions` maps names to frozen models (the reference
+    for a full-vocabulary KL, the teacher for full-vocabulary distillation) whose logits of the
+    same tokens the loss takes (`companion_outputs`), under no_grad:
+      * one pipeline stage: `role.companion_logits(part)` beside each micro-batch, on the same
+        context-parallel part (the frozen model runs its CP attention with the same ranks), so
+        only one micro-batch of their logits exists at a time;
+      * pipeline stages: the student's 1F1B schedule cannot run another model's stages beside a
+        micro-batch, so `role.pipelined_companion_logits(micro_batches)` runs the frozen model's own
+        forward-only schedule first (`last_stage_outputs`); the last stage, where the loss runs, keeps
+        each micro-batch's logits in host memory until its loss takes them.
 
     With pipeline stages, Megatron's 1F1B schedule passes activations between them and runs
     `loss_fn` on the last stage only; its dicts are then sent to every stage, so callers see
@@ -297,12 +313,24 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron.core import parallel_state
+
+    companions = companions or {}
+    ready = None
+    if companions and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        with torch.no_grad():
+            ready = {name: iter(role.pipelined_companion_logits(micro_batches)) for name, role in companions.items()}
+    device = accelerator.device()
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator).context_parallel_part()
         with final_hidden_states(model) if hidden else contextlib.nullcontext():
             output = run_model(model, batch)
         with torch.no_grad():
-            outputs = {name: logits(batch) for name, logits in (companions or {}).items()}
+            if ready is not None:  # None on the stages before the last: their loss is not run
+                outputs = {name: _to(next(kept), device) for name, kept in ready.items()}
+            else:
+                outputs = {name: role.companion_logits(batch) for name, role in companions.items()}
         return output, partial(loss_fn, batch, companion_outputs=outputs)
 
     # seq_length and micro_batch_size only size the activations sent between pipeline stages; with
@@ -345,6 +373,37 @@ def moe_losses(model, num_micro_batches: int) -> dict[str, float]:
     moe_utils.reduce_aux_losses_tracker_across_ranks(names)
     return {f"moe_{name}": tracker[name]["values"].sum().item() / (config.num_layers * num_micro_batches)
             for name in names}
+
+
+def _to(tensor, device):
+    return None if tensor is None else tensor.to(device)
+
+
+def last_stage_outputs(model, micro_batches: list[MicroBatch], micro_batch_size: int, transform) -> list:
+    """A frozen model's forward-only pipeline schedule over the micro-batches (each on this CP rank's
+    part): `transform(i, part, logits)` of micro-batch i on the last pipeline stage, in host memory
+    (a pipelined companion's logits wait there for the student's schedule: forward_backward); None on
+    the other stages. Call while the model is resident."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    kept, index = [], iter(range(len(micro_batches)))
+
+    def forward_step(data_iterator, model):
+        i, part = next(index), next(data_iterator).context_parallel_part()
+        output = run_model(model, part)
+
+        def keep(output):
+            kept.append(transform(i, part, output).to("cpu"))
+            return output.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+
+        return output, keep
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+        num_microbatches=len(micro_batches), seq_length=max(b.tokens.shape[1] for b in micro_batches),
+        micro_batch_size=micro_batch_size, forward_only=True)
+    return kept if parallel_state.is_pipeline_last_stage() else [None] * len(micro_batches)
 
 
 def from_last_stage(outputs: list[dict]) -> list[dict]:
@@ -602,6 +661,12 @@ class FrozenModel(SampledLogprobs):
     def companion_logits(self, batch: MicroBatch) -> torch.Tensor:
         """Beside a student micro-batch (forward_backward's companions): the logits of the same tokens."""
         return self.logits(batch)
+
+    @torch.no_grad()
+    def pipelined_companion_logits(self, micro_batches: list[MicroBatch]) -> list:
+        """With pipeline stages (forward_backward's companions): each micro-batch's logits on the last stage."""
+        return last_stage_outputs(self.model, micro_batches, self.args.micro_batch_size,
+                                  lambda i, part, logits: logits)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch], transform, hidden: bool = False) -> list[torch.Tensor]:

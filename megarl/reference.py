@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from megarl.model_runner import FrozenModel, MicroBatch, run_model
+from megarl.model_runner import FrozenModel, MicroBatch, last_stage_outputs, run_model
 
 
 class Reference(FrozenModel):
@@ -51,6 +51,14 @@ class BaseOfPolicy:
 
     def companion_logits(self, batch: MicroBatch) -> torch.Tensor:
         return self.logits(batch)
+
+    @torch.no_grad()
+    def pipelined_companion_logits(self, micro_batches: list[MicroBatch]) -> list:
+        from megarl.models.lora import adapters_disabled
+
+        with adapters_disabled(self.actor.model):
+            return last_stage_outputs(self.actor.model, micro_batches, self.actor.args.micro_batch_size,
+                                      lambda i, part, logits: logits)
 
     @contextlib.contextmanager
     def resident(self):

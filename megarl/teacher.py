@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from megarl import accelerator, kernels
-from megarl.model_runner import FrozenModel, MicroBatch, output_weight, response_aligned
+from megarl.model_runner import FrozenModel, MicroBatch, last_stage_outputs, output_weight, response_aligned
 from megarl.rollout import VllmEngine
 
 
@@ -63,17 +63,39 @@ class Teacher(FrozenModel):
 
     def companion_logits(self, batch: MicroBatch) -> torch.Tensor:
         """This rank's vocabulary shard of the teacher's logits, laid out like the student's micro-batch
-        (full-vocabulary distillation). OPSD rows are run after their teacher prompt and their response
-        positions moved to the student's; other positions are 0 (outside the loss)."""
-        view = batch.teacher_view
+        (its context-parallel part: full-vocabulary distillation). OPSD rows are run after their teacher
+        prompt and their response positions moved to the student's (`_student_layout`)."""
+        view = batch.whole.teacher_view
         if view is None:
             return self.logits(batch)
-        logits = self.logits(view)
-        aligned = logits.new_zeros(*batch.tokens.shape, logits.shape[-1])
-        for sample in range(len(batch.spans)):
-            row, columns = batch.response_positions(sample)
-            aligned[row, columns] = logits[view.response_positions(sample)]
-        return aligned
+        part = view.context_parallel_part()
+        return _student_layout(batch, part, self.logits(part))
+
+    @torch.no_grad()
+    def pipelined_companion_logits(self, micro_batches: list[MicroBatch]) -> list:
+        """With pipeline stages: each micro-batch's `companion_logits` on the last stage, from the teacher's
+        own forward-only schedule over the micro-batches (their teacher views for OPSD rows)."""
+        def transform(i, part, logits):
+            batch = micro_batches[i]
+            return logits if batch.teacher_view is None else \
+                _student_layout(batch.context_parallel_part(), part, logits)
+
+        return last_stage_outputs(self.model, [b.teacher_view or b for b in micro_batches],
+                                  self.args.micro_batch_size, transform)
+
+
+def _student_layout(batch: MicroBatch, view_part: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+    """The teacher's logits of an OPSD view's part laid out as the student micro-batch's part: each response
+    position moved to the student's, other positions 0 (outside the loss). With context parallelism the
+    two sequences' chunks do not line up (their prompts differ), so the view's logits are gathered over
+    the CP ranks first and this rank takes its own positions of the student's layout."""
+    view, whole = view_part.whole, batch.whole
+    logits = view_part.gather(logits)
+    aligned = logits.new_zeros(*whole.tokens.shape, logits.shape[-1])
+    for sample in range(len(whole.spans)):
+        row, columns = whole.response_positions(sample)
+        aligned[row, columns] = logits[view.response_positions(sample)]
+    return batch.own_positions(aligned)
 
 
 class TeacherEngine(VllmEngine):

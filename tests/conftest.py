@@ -9,12 +9,12 @@ from helpers import ROOT, make_random_model
 TINY_MODEL = ROOT / "artifacts" / "tiny-qwen2"
 
 
-OPT_IN_LANES = ("soak", "learning", "variants")  # pytest.ini: lanes outside CI, run by hand before an issue is resolved
+OPT_IN_LANES = ("soak", "learning", "variants", "migrating")  # pytest.ini: outside CI, run by hand
 
 
 def pytest_collection_modifyitems(config, items):
-    """Soak, learning and variants tests (pytest.ini) run only when -m names their lane. Not `addopts = -m "not soak"`:
-    the last -m wins, so the unit lane's `-m "not slow"` would then replace it and pull the soak in."""
+    """Soak, learning, variants and migrating tests (pytest.ini) run only when -m names their lane. Not
+    `addopts = -m "not soak"`: the last -m wins, so the unit lane's `-m "not slow"` would then replace it and pull the soak in."""
     expression = config.getoption("markexpr") or ""
     lanes = [lane for lane in OPT_IN_LANES if lane not in expression]  # named lanes: the expression decides
     opted_out = [item for item in items if any(item.get_closest_marker(lane) for lane in lanes)]

@@ -19,18 +19,47 @@ SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4",
 COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean")
 
 
-@pytest.mark.parametrize("flags", [["--kl-estimator", "full", "--kl-coef", "0.1"],
-                                   ["--teacher-model", "TINY", "--distill-coef", "1"]])
-def test_full_vocabulary_companions_are_refused_in_one_line(flags, tiny_model):
-    from megarl.arguments import parse_args
-    from megarl.errors import ConfigError
+@pytest.fixture
+def perturbed_tiny(tiny_model, tmp_path):
+    """The tiny model with every weight moved by seeded noise (5% of its tensor's spread): a reference and a
+    teacher that differ from the policy from the first step, without training one."""
+    import shutil
 
-    flags = [tiny_model if flag == "TINY" else flag for flag in flags]
-    with pytest.raises(ConfigError) as error:
-        parse_args(["--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
-                    "--pipeline-model-parallel-size", "2", *flags], world_size=2)
-    message = str(error.value)
-    assert "\n" not in message and "--pipeline-model-parallel-size 2 does not support" in message, message
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "perturbed"
+    shutil.copytree(tiny_model, out)
+    generator = torch.Generator().manual_seed(5)
+    weights = load_file(out / "model.safetensors")
+    save_file({name: w + 0.05 * w.float().std().nan_to_num() * torch.randn(w.shape, generator=generator).to(w.dtype)
+               for name, w in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.mark.slow
+def test_full_vocabulary_companions_at_two_stages_and_two_context_parallel_ranks_match_one(tiny_model, perturbed_tiny,
+                                                                                           tmp_path):
+    """A reference for --kl-estimator full and a colocated teacher's full-vocabulary distillation (every
+    other sample an OPSD row): at PP=2 (the frozen models' own pipeline schedule, their logits on the last
+    stage) and at CP=2 (each CP rank's part; OPSD views gathered and re-laid) the exact KL, two actor steps
+    with both terms and the logprobs after them equal one rank's."""
+    flags = [*WORKER, "--model", tiny_model, "--padding-free", "--loss-agg", "sample_level", "--kl-estimator", "full",
+             "--kl-coef", "0.1", "--ref-model", perturbed_tiny, "--teacher-model", perturbed_tiny, "--distill-coef", "1",
+             "--gkd-logits-topk", "0"]
+    torchrun("pipeline_worker.py", tmp_path / "one", *flags, "--train-gpus", "1", "--rollout-gpus", "1", nproc=1,
+             timeout=600)
+    one = read_json(tmp_path / "one.json")
+    assert min(max(row) for row in one["kl"]) > 0  # two models: a KL on every response
+    for name, layout in (("pp2", ["--pipeline-model-parallel-size", "2"]), ("cp2", ["--context-parallel-size", "2"])):
+        torchrun("pipeline_worker.py", tmp_path / name, *flags, *layout, timeout=600)
+        two = read_json(tmp_path / f"{name}.json")
+        assert_fp32_paths_agree(two["kl"], one["kl"], f"{name} kl")
+        for metric in ("loss", "grad_norm", "kl_loss", "distill_loss"):
+            assert_runs_agree(dict(enumerate(s[metric] for s in two["actor"])),
+                              dict(enumerate(s[metric] for s in one["actor"])), f"{name} actor {metric}")
+        assert_runs_agree(flat_series(two["logprobs_after"]), flat_series(one["logprobs_after"]),
+                          f"{name} logprobs_after")
 
 
 @pytest.mark.slow

@@ -323,3 +323,44 @@ def shell_command(text: str, where: str, marker: str) -> list[str]:
         return shlex.split(expand(command), comments=True)
     except ValueError as error:
         raise ConfigError(f"{where}: cannot split the command line ({error})") from None
+
+
+# LoRA target names of the other frameworks -> megarl's --lora-target-modules names (megarl/models/lora.py:
+# the family's HF module names, Megatron's fused linears, or all-linear). Megatron-Bridge's canonical LoRA
+# names one adapter per HF module, as megarl's adapters are.
+CANONICAL_LORA = {"linear_q": "q_proj", "linear_k": "k_proj", "linear_v": "v_proj", "linear_fc1_gate": "gate_proj",
+                  "linear_fc1_up": "up_proj"}
+FUSED_LINEARS = ("all-linear", "linear_qkv", "linear_fc1")
+LORA_LAYOUT = ("megarl's adapters are PEFT's, one (A, B) pair per HF module: an adapter on a fused linear "
+               "(linear_qkv, linear_fc1, all-linear in Megatron) is one per q/k/v and gate/up module here")
+
+
+def lora_targets(value, key: str, ctx: "Context") -> list[str]:
+    """A framework's LoRA target_modules as megarl names. PEFT matches a name as a suffix of the module path,
+    so `self_attn.q_proj` is q_proj; names that pick layers (`*.layers.0.*.linear_qkv`, digits) or regexes
+    are refused: megarl puts adapters on every layer. Unknown module names are left to --lora-target-modules'
+    own check against the model's family."""
+    items = as_list(value)
+    if isinstance(value, str) and value != "all-linear" and re.search(r"[\\^$*+?()\[\]|{}]", value):
+        ctx.fail(key, f"{value!r} is a regular expression over module paths; megarl takes module names "
+                      f"(q_proj, linear_qkv, all-linear)")
+    out = []
+    for item in items:
+        name = str(item)
+        if name in ("all-router", "all-embedding", "router", "embed_tokens", "lm_head", "output_layer",
+                    "word_embeddings"):
+            ctx.fail(key, f"{name}: megarl puts adapters on the decoder layers' linears only "
+                          f"(attention and MLP)")
+        if re.search(r"[*?\[\]]|(^|\.)\d+(\.|$)", name):
+            ctx.fail(key, f"{name!r} picks some layers; megarl's adapters go on every layer")
+        name = name.rsplit(".", 1)[-1]
+        out.append(CANONICAL_LORA.get(name, name))
+    if not out:
+        ctx.fail(key, "empty: name the modules that get adapters (all-linear for every linear)")
+    return out
+
+
+def rslora_alpha(alpha: float, rank: int) -> float:
+    """rsLoRA scales the adapters by alpha / sqrt(rank); megarl's scale is alpha / rank, so this alpha gives
+    the same scale (the initialisation does not depend on alpha: the runs are the same)."""
+    return alpha * rank ** 0.5

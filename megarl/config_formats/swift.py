@@ -24,7 +24,8 @@ import json
 import math
 
 from megarl.config_formats.common import (
-    DEFAULT, Context, Rule, Translation, apply_table, custom, expand_path, ignore, ignore_all, informs, refuse, to,
+    DEFAULT, LORA_LAYOUT, Context, Rule, Translation, apply_table, custom, expand_path, ignore, ignore_all, informs,
+    lora_targets, refuse, rslora_alpha, to,
 )
 
 ROLES = ("train", "rollout", "teacher")
@@ -57,7 +58,8 @@ def _vllm_rules(role: str) -> dict[str, Rule]:
         "vllm_engine_kwargs": custom(_engine_kwargs(role)),
         "vllm_limit_mm_per_prompt": ignore("multimodal inputs (megarl is text only)", refuse_if=bool),
         "vllm_mm_processor_cache_gb": ignore("multimodal inputs (megarl is text only)"),
-        "vllm_enable_lora": ignore("LoRA (megarl trains full weights)", refuse_if=bool),
+        "vllm_enable_lora": ignore("megarl syncs the merged weights (W + scale * B A) into the engines, LoRA or "
+                                   "not"),
     }
 
 
@@ -145,6 +147,28 @@ def _not(value_ok):
 
 _INFORMS = informs()
 
+TUNERS = "megarl trains every weight (full) or LoRA adapters (lora)"
+LOAD_ADAPTER = "loading trained adapters: megarl's LoRA starts its adapters fresh on the base --model"
+
+# ms-swift's LoRA keys (tuner_type lora), read by _lora; with tuner_type full they are ignored.
+LORA_TABLE: dict[str, Rule] = {
+    "lora_rank": _INFORMS,
+    "lora_alpha": _INFORMS,
+    "lora_dropout": _INFORMS,
+    "target_modules": _INFORMS,
+    "use_rslora": _INFORMS,
+    "lora_bias": ignore("none: the biases stay frozen", refuse_if=_not((None, "none")),
+                        refusal="trainable biases (lora_bias all): megarl trains the adapters alone"),
+    "lora_dtype": ignore("the adapters are kept in the parameters' dtype", refuse_if=lambda v: v is not None),
+    "target_regex": ignore("none", refuse_if=bool,
+                           refusal="a regular expression over module paths: name the modules in target_modules"),
+    "modules_to_save": ignore("none", refuse_if=bool,
+                              refusal="training whole modules beside the adapters: megarl trains the adapters alone"),
+    "use_dora": ignore("off", refuse_if=bool, refusal="DoRA has no megarl counterpart (plain LoRA)"),
+    "init_weights": ignore("PEFT's initialisation (A uniform, B zero)", refuse_if=_not((None, True, "true")),
+                           refusal="megarl initialises the adapters as PEFT does by default (A uniform, B zero)"),
+}
+
 TABLE: dict[str, Rule] = {
     # what the run is
     "rlhf_type": custom(lambda v, ctx: {}, refuse_if=_not(("grpo", "gkd")),
@@ -157,9 +181,8 @@ TABLE: dict[str, Rule] = {
     "teacher_model_server": refuse("a teacher behind an HTTP server: megarl's standalone teacher is a teacher: "
                                    "group of vLLM ranks (teacher.gpus, teacher.model)"),
     "teacher_tag_key": ignore("multi-teacher routing over teacher servers"),
-    "tuner_type": ignore("full fine-tuning is megarl's mode",
-                         refuse_if=_not(("full",))),
-    "train_type": ignore("full fine-tuning is megarl's mode", refuse_if=_not(("full",))),
+    "tuner_type": custom(lambda v, ctx: {}, refuse_if=_not(("full", "lora")), refusal=TUNERS),
+    "train_type": custom(lambda v, ctx: {}, refuse_if=_not(("full", "lora")), refusal=TUNERS),
     "task_type": ignore("causal LM is megarl's task", refuse_if=_not((None, "causal_lm"))),
     # GKD
     "gkd_logits_topk": to("gkd_logits_topk", lambda v: v or 0),
@@ -282,12 +305,12 @@ TABLE: dict[str, Rule] = {
     "freeze_parameters_ratio": ignore("every weight trains", refuse_if=bool),
     "trainable_parameters": ignore("every weight trains", refuse_if=bool),
     "trainable_parameters_regex": ignore("every weight trains", refuse_if=bool),
-    "adapters": ignore("no LoRA adapters", refuse_if=bool),
-    "ref_adapters": ignore("no LoRA adapters", refuse_if=bool),
+    "adapters": ignore("none", refuse_if=bool, refusal=LOAD_ADAPTER),
+    "ref_adapters": ignore("none", refuse_if=bool, refusal=LOAD_ADAPTER),
     "mcore_model": ignore("megarl loads HF checkpoints", refuse_if=lambda v: v is not None),
-    "mcore_adapter": ignore("no LoRA adapters", refuse_if=lambda v: v is not None),
+    "mcore_adapter": ignore("none", refuse_if=lambda v: v is not None, refusal=LOAD_ADAPTER),
     "mcore_ref_model": ignore("megarl loads HF checkpoints", refuse_if=lambda v: v is not None),
-    "mcore_ref_adapter": ignore("no LoRA adapters", refuse_if=lambda v: v is not None),
+    "mcore_ref_adapter": ignore("none", refuse_if=lambda v: v is not None, refusal=LOAD_ADAPTER),
     # data
     "dataset": custom(_dataset),
     "val_dataset": custom(_val_dataset),
@@ -359,9 +382,7 @@ TABLE: dict[str, Rule] = {
         "lr_wsd_decay_iters", "fp8_recipe", "fp8_param_gather", "fp8_amax_history_len", "fp8_amax_compute_algo",
         "fp4_recipe", "fp4_param_gather", "mtp_loss_scaling_factor", "mtp_decoder_input_detach",
         "mtp_shared_weights", "sgd_momentum"]),
-    **ignore_all("LoRA settings (tuner_type full)", [
-        "lora_rank", "lora_alpha", "lora_dropout", "lora_bias", "lora_dtype", "use_rslora", "target_modules",
-        "target_regex", "modules_to_save"]),
+    **LORA_TABLE,
     **ignore_all("multimodal settings (megarl is text only)", [
         "freeze_vit", "freeze_aligner", "vit_gradient_checkpointing", "vit_gradient_checkpointing_kwargs",
         "vit_attn_impl", "vit_lr", "aligner_lr", "max_pixels"]),
@@ -377,7 +398,6 @@ ROLE_TABLE: dict[str, Rule] = {
     **{f"teacher.{key}": rule for key, rule in _vllm_rules("teacher").items()},
 }
 
-LORA = ("tuner_type lora needs LoRA, which megarl does not have yet (full fine-tuning only: tuner_type full)")
 
 
 def parse_flags(tokens: list[str], where) -> dict:
@@ -428,17 +448,19 @@ def translate(raw: dict, where: str, megarl_options) -> Translation:
     flat = flatten(raw, where)
     out = Translation("swift", where, how="ms-swift Megatron RLHF config")
     ctx = Context(flat, where)
-    # `train.X` is the trainer's X: the top-level rule of X.
     table = dict(TABLE)
+    if _tuner(flat) != "lora":  # LoRA's keys mean nothing in a full fine-tuning run (ms-swift ignores them too)
+        for key in LORA_TABLE:
+            table[key] = ignore("LoRA settings (tuner_type full)")
+    # `train.X` is the trainer's X: the top-level rule of X.
+    top = dict(table)
     table.update(ROLE_TABLE)
     for key in flat:
-        if key.startswith("train.") and key not in table and lookup(TABLE, key[len("train."):]) is not None:
-            table[key] = TABLE[key[len("train."):]]
+        if key.startswith("train.") and key not in table and lookup(top, key[len("train."):]) is not None:
+            table[key] = top[key[len("train."):]]
     rlhf = flat.get("rlhf_type")
     if rlhf is None:
         ctx.fail("rlhf_type", "missing: an ms-swift RLHF config names grpo or gkd")
-    if flat.get("tuner_type", flat.get("train.tuner_type", "full")) != "full":
-        table["tuner_type"] = table["train.tuner_type"] = refuse(LORA)
     apply_table(out, table, flat, ctx)
     _semantics(out, flat, ctx, rlhf, megarl_options)
     return out
@@ -446,6 +468,41 @@ def translate(raw: dict, where: str, megarl_options) -> Translation:
 
 def _given(flat, key):
     return flat.get(key, flat.get(f"train.{key}"))
+
+
+def _tuner(flat) -> str:
+    """tuner_type (ms-swift 4) or train_type (ms-swift 3), top level or in the train group; default full."""
+    for key in ("tuner_type", "train_type"):
+        if _given(flat, key) is not None:
+            return _given(flat, key)
+    return "full"
+
+
+# ms-swift's LoRA defaults (swift/megatron/arguments, tuner arguments).
+LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["all-linear"]}
+
+
+def _lora(out: Translation, flat: dict, ctx: Context) -> None:
+    """tuner_type lora: the adapters' rank, scale, dropout and targets, with ms-swift's defaults."""
+    def value(key):
+        given = _given(flat, key)
+        return (LORA_DEFAULTS[key], DEFAULT) if given is None else (given, "mapped")
+
+    rank, rank_status = value("lora_rank")
+    if not isinstance(rank, int) or rank <= 0:
+        ctx.fail("lora_rank", f"{rank!r}: tuner_type lora needs a rank > 0")
+    out.set("lora_rank", rank, rank_status, {"lora_rank": rank})
+    alpha, status = value("lora_alpha")
+    if _given(flat, "use_rslora"):
+        out.set("use_rslora", True, "mapped", {}, "rsLoRA's scale alpha / sqrt(rank) as megarl's alpha / rank")
+        alpha = rslora_alpha(alpha, rank)
+    out.set("lora_alpha", _given(flat, "lora_alpha"), status, {"lora_alpha": alpha}, "scale = alpha / rank")
+    dropout, status = value("lora_dropout")
+    out.set("lora_dropout", dropout, status, {"lora_dropout": dropout})
+    targets, status = value("target_modules")
+    key = "target_modules" if "target_modules" in flat else "train.target_modules"
+    out.set("target_modules", _given(flat, "target_modules"), status,
+            {"lora_target_modules": lora_targets(targets, key, ctx)}, LORA_LAYOUT)
 
 
 def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_options) -> None:
@@ -469,6 +526,8 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
     else:
         ctx.fail("vllm_mode", f"{flat['vllm_mode']}: an external vLLM server; megarl's engines run in-process "
                               f"(vllm_mode colocate, or a Ray config with role groups)")
+    if _tuner(flat) == "lora":
+        _lora(out, flat, ctx)
     beta = flat.get("beta")
     temperature = _given(flat, "temperature")
     temperature = 0.9 if temperature is None else temperature
@@ -553,7 +612,7 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
         put("wandb_project", project, {"wandb_project": project})
     # Megatron's and ms-swift's defaults where megarl's differ.
     for dest, value, why in (
-            ("lr", 1e-5, "lr default (full)"), ("lr_decay_style", "cosine", "Megatron default"),
+            ("lr", 1e-4 if _tuner(flat) == "lora" else 1e-5, f"lr default ({_tuner(flat)})"), ("lr_decay_style", "cosine", "Megatron default"),
             ("weight_decay", 0.1, "Megatron default"), ("adam_beta2", 0.95, "Megatron default"),
             ("micro_batch_size", 1, "default"), ("seed", 42, "default"), ("max_new_tokens", 512, "default"),
             ("padding_free", True, "default"), ("use_distributed_optimizer", True, "default"),
@@ -593,6 +652,14 @@ SEMANTICS = {
     "recompute_granularity": "`recompute_granularity` (none: off)",
     "report_to": "wandb when it lists wandb",
     "vllm_engine_kwargs": "`rollout_engine_kwargs`",
+    "tuner_type": "lora: `lora_rank` and the keys below (lr default 1e-4); full: every weight trains",
+    "train_type": "ms-swift 3's tuner_type",
+    "lora_rank": "`lora_rank` (tuner_type lora; default 8)",
+    "lora_alpha": "`lora_alpha` (default 32; with use_rslora: alpha x sqrt(rank))",
+    "lora_dropout": "`lora_dropout` (default 0.05)",
+    "target_modules": "`lora_target_modules` (default all-linear; module names as given, canonical linear_q/k/v -> "
+                      "q_proj/k_proj/v_proj)",
+    "use_rslora": "`lora_alpha` = lora_alpha x sqrt(lora_rank): the same scale alpha / sqrt(rank)",
     "teacher.vllm_engine_kwargs": "`teacher_engine_kwargs`",
     "rollout.vllm_engine_kwargs": "`rollout_engine_kwargs`",
 }

@@ -27,8 +27,8 @@ import re
 import yaml
 
 from megarl.config_formats.common import (
-    DEFAULT, Context, Rule, Translation, apply_table, as_list, closest, custom, expand_path, flatten, ignore,
-    informs, lookup, to,
+    DEFAULT, LORA_LAYOUT, Context, Rule, Translation, apply_table, as_list, closest, custom, expand_path, flatten,
+    ignore, informs, lora_targets, lookup, rslora_alpha, to,
 )
 from megarl.errors import ConfigError
 
@@ -77,6 +77,8 @@ def _nonempty(value):
     return value not in (None, {}, [], "", 0, False)
 
 
+LOAD_ADAPTER = "loading a trained adapter: megarl's LoRA starts its adapters fresh on the base model"
+EXCLUDE = "excluding modules: name the ones that get adapters in target_modules"
 PERF = "performance only: megarl's forward-only passes use micro_batch_size"
 FSDP = "FSDP settings: megarl trains with Megatron-core"
 
@@ -145,11 +147,28 @@ TABLE: dict[str, Rule] = {
     f"{F}.use_shm": ignore("shared-memory model loading"),
     f"{F}.use_liger": ignore("megarl picks its kernels (--kernels)"),
     f"{F}.custom_chat_template": ignore("the tokenizer's template", refuse_if=_nonempty),
-    f"{F}.lora_rank": ignore("0: full fine-tuning", refuse_if=_truthy,
-                             refusal="LoRA (lora_rank > 0) needs LoRA, which megarl does not have yet"),
-    f"{F}.lora_adapter_path": ignore("no adapter", refuse_if=_nonempty),
-    **{f"{F}.{key}": ignore("LoRA settings (lora_rank 0)")
-       for key in ("lora_alpha", "target_modules", "exclude_modules", "use_dora", "lora_dropout")},
+    # LoRA: the FSDP back-end's PEFT keys (model.lora_rank ...) and the Megatron back-end's (model.lora.*),
+    # read by _lora; at rank 0 they are ignored.
+    **{f"{F}.{key}": INF for key in ("lora_rank", "lora_alpha", "target_modules", "lora_dropout", "use_rslora",
+                                     "lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.type")},
+    f"{F}.lora_adapter_path": ignore("none", refuse_if=_nonempty, refusal=LOAD_ADAPTER),
+    f"{F}.lora.adapter_path": ignore("none", refuse_if=_nonempty, refusal=LOAD_ADAPTER),
+    f"{F}.exclude_modules": ignore("none", refuse_if=_nonempty, refusal=EXCLUDE),
+    f"{F}.lora.exclude_modules": ignore("none", refuse_if=_nonempty, refusal=EXCLUDE),
+    f"{F}.use_dora": ignore("off", refuse_if=_truthy, refusal="DoRA has no megarl counterpart (plain LoRA)"),
+    f"{F}.lora_bias": ignore("none: the biases stay frozen", refuse_if=lambda v: v not in (None, "none", False),
+                             refusal="trainable biases: megarl trains the adapters alone"),
+    f"{F}.lora.merge": ignore("megarl always syncs the merged weights (W + scale * B A) into the engines"),
+    f"{F}.lora.dropout_position": ignore("pre: dropout on the adapters' input", refuse_if=lambda v: v != "pre",
+                                         refusal="dropout after the low-rank projection: megarl's is on its input"),
+    f"{F}.lora.lora_A_init_method": ignore("megarl initialises A as PEFT does (uniform +-1/sqrt(in))"),
+    f"{F}.lora.lora_B_init_method": ignore("zero", refuse_if=lambda v: v != "zero",
+                                           refusal="B must start at zero (the run starts from the base model)"),
+    f"{F}.lora.a2a_experimental": ignore("off", refuse_if=_truthy),
+    f"{F}.lora.dtype": ignore("the adapters are kept in the parameters' dtype", refuse_if=_nonempty),
+    f"{F}.lora.fully_sharded_loras": ignore("vLLM's LoRA sharding (megarl syncs merged weights)"),
+    **{f"{F}.lora.{key}": ignore("multimodal models (megarl is text only)")
+       for key in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model")},
     f"{F}.hf_config_path": ignore("from the model directory", refuse_if=_nonempty),
     "actor_rollout_ref.hybrid_engine": ignore("the hybrid engine is megarl's colocated placement",
                                               refuse_if=lambda v: not v),
@@ -554,7 +573,65 @@ def translate(raw: dict, where: str, megarl_options, overrides: list[str] = ()) 
     return out
 
 
+# verl's LoRA defaults: the FSDP back-end's PEFT keys (model/hf_model.yaml), the Megatron back-end's model.lora
+# (Megatron-Bridge's fused LoRA on every linear).
+LORA_FSDP = {"lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0}
+LORA_MEGATRON = {"lora.alpha": 32, "lora.target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                 "lora.dropout": 0.0}
+LORA_TYPES = ("lora", "canonical_lora")
+
+
+def _lora(out: Translation, flat: dict, ctx: Context) -> None:
+    """model.lora_rank (FSDP, PEFT) or model.lora.rank (Megatron) > 0: the adapters, with that back-end's
+    defaults; at rank 0 every LoRA key is listed as ignored."""
+    keys = [key for key in flat if key.startswith(f"{F}.lora") or key in (f"{F}.target_modules", f"{F}.use_rslora")]
+    fsdp, megatron = flat.get(f"{F}.lora_rank") or 0, flat.get(f"{F}.lora.rank") or 0
+    if fsdp and megatron:
+        ctx.fail(f"{F}.lora.rank", f"and model.lora_rank are both set ({megatron}, {fsdp}): one LoRA rank")
+    if not (fsdp or megatron):
+        for key in keys:
+            if lookup(TABLE, key) is INF:
+                out.set(key, flat[key], "ignored", {}, "LoRA settings (lora_rank 0)")
+        return
+    names, defaults = ((("lora_rank", "lora_alpha", "lora_dropout", "target_modules"), LORA_FSDP)
+                       if fsdp else (("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules"), LORA_MEGATRON))
+    rank_key, alpha_key, dropout_key, targets_key = (f"{F}.{name}" for name in names)
+    rank = fsdp or megatron
+    if not isinstance(rank, int) or rank < 0:
+        ctx.fail(rank_key, f"{rank!r}: a LoRA rank is a whole number (0: off)")
+    kind = (flat.get(f"{F}.lora.type") or "lora") if megatron else "peft"
+    if megatron and kind not in LORA_TYPES:
+        ctx.fail(f"{F}.lora.type", f"{kind!r} has no megarl counterpart (megarl: {', '.join(LORA_TYPES)})")
+    chosen = {rank_key, alpha_key, dropout_key, targets_key, f"{F}.use_rslora"}
+    if megatron and f"{F}.lora.type" in flat:
+        chosen.add(f"{F}.lora.type")
+        out.set(f"{F}.lora.type", kind, "mapped", {}, "canonical_lora: one adapter per HF module, as megarl's")
+    for key in keys:  # the other back-end's keys: verl's LoRA guide says they are ignored
+        if lookup(TABLE, key) is INF and key not in chosen:
+            out.set(key, flat[key], "ignored", {}, f"the {'FSDP' if megatron else 'Megatron'} back-end's LoRA keys")
+    out.set(rank_key, rank, "mapped", {"lora_rank": rank})
+    alpha = flat.get(alpha_key)
+    status = "mapped" if alpha is not None else DEFAULT
+    alpha = defaults[names[1]] if alpha is None else alpha
+    if flat.get(f"{F}.use_rslora"):
+        out.set(f"{F}.use_rslora", True, "mapped", {}, "rsLoRA's scale alpha / sqrt(rank) as megarl's alpha / rank")
+        alpha = rslora_alpha(alpha, rank)
+    elif f"{F}.use_rslora" in flat:
+        out.set(f"{F}.use_rslora", flat[f"{F}.use_rslora"], "mapped", {})
+    out.set(alpha_key, flat.get(alpha_key), status, {"lora_alpha": alpha}, "scale = alpha / rank")
+    dropout = flat.get(dropout_key)
+    out.set(dropout_key, dropout, "mapped" if dropout is not None else DEFAULT,
+            {"lora_dropout": defaults[names[2]] if dropout is None else dropout})
+    targets = flat.get(targets_key)
+    note = "" if kind in ("peft", "canonical_lora") else LORA_LAYOUT
+    out.set(targets_key, targets, "mapped" if targets is not None else DEFAULT,
+            {"lora_target_modules": lora_targets(defaults[names[3]] if targets is None else targets, targets_key,
+                                                 ctx)}, note)
+
+
 def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> None:
+    _lora(out, flat, ctx)
+
     def get(key, default=None):
         value = flat.get(key)
         return default if value is None else value
@@ -727,4 +804,15 @@ SEMANTICS = {
     "trainer.resume_mode": "`resume`: auto, disable -> none, resume_path -> resume_from_path",
     "trainer.resume_from_path": "`resume` (resume_mode resume_path)",
     "trainer.test_freq": "`eval_interval` (with val_files; -1: after the last step)",
+    f"{F}.lora_rank": "`lora_rank` (FSDP back-end, PEFT; 0: off)",
+    f"{F}.lora_alpha": "`lora_alpha` (default 16; rank 0: ignored)",
+    f"{F}.lora_dropout": "`lora_dropout` (default 0)",
+    f"{F}.target_modules": "`lora_target_modules` (default all-linear)",
+    f"{F}.use_rslora": "`lora_alpha` = alpha x sqrt(rank): the same scale alpha / sqrt(rank)",
+    f"{F}.lora.rank": "`lora_rank` (Megatron back-end; 0: off)",
+    f"{F}.lora.alpha": "`lora_alpha` (default 32)",
+    f"{F}.lora.dropout": "`lora_dropout` (default 0)",
+    f"{F}.lora.target_modules": "`lora_target_modules` (default all four linears; canonical linear_q/k/v, "
+                                "linear_fc1_gate/up -> q/k/v_proj, gate/up_proj)",
+    f"{F}.lora.type": "lora (fused) or canonical_lora (one per HF module, as megarl's); dora, vlm_lora refused",
 }

@@ -1,6 +1,10 @@
 """torchrun worker: the actor's logprobs, the critic's values and two train steps of each on a fixed
 batch, at whatever TP/PP/CP/DP the command line gives (packed with --padding-free). Rank 0 writes <out>.json with the whole batch's
-response-aligned outputs (gathered over data-parallel ranks) and the per-step metrics."""
+response-aligned outputs (gathered over data-parallel ranks) and the per-step metrics.
+
+With --teacher-model (`companions`): the full-vocabulary companions instead, a reference (--ref-model) for
+--kl-estimator full and a colocated teacher for full-vocabulary distillation, every other sample an OPSD
+row (a longer teacher prompt): the exact per-token KL and two actor steps with both."""
 
 import os
 import sys
@@ -17,6 +21,8 @@ from megarl.model_runner import make_micro_batches, sequence_multiple  # noqa: E
 def main():
     out, argv = sys.argv[1], sys.argv[2:]
     args, context, hf_config, batch, share = train_ranks(argv, count=8)
+    if args.teacher_model:
+        return companions(out, args, context, hf_config, batch, share)
     from megarl.actor import Actor
     from megarl.critic import Critic
 
@@ -35,6 +41,32 @@ def main():
               "actor": [actor.train_step(micro_batches, kl_coef=0.1, reference=actor) for _ in range(2)],
               "critic": [critic.train_step(micro_batches) for _ in range(2)],
               "logprobs_after": actor.logprobs(micro_batches, batch.width)[0].tolist()}
+    write_report(f"{out}.json", report)
+
+
+def _whole(share, rows_of_share, context):
+    rows = {}
+    for indices, values in distributed.all_gather_objects((share.tolist(), rows_of_share.tolist()), context):
+        rows.update(zip(indices, values))  # tensor-/pipeline-/context-parallel peers hold the same rows
+    return [rows[i] for i in sorted(rows)]
+
+
+def companions(out, args, context, hf_config, batch, share):
+    from megarl.actor import Actor
+    from megarl.reference import Reference
+    from megarl.teacher import Teacher
+
+    for i, sample in enumerate(batch.samples):  # OPSD rows: a longer privileged prompt before the same response
+        if i % 2 == 0:
+            sample.teacher_prompt_ids = [7, 8, 9, 10] + sample.prompt_ids
+    micro_batches = make_micro_batches(batch.select(share), args.micro_batch_size, 0, packed=args.padding_free,
+                                       sequence_multiple=sequence_multiple(args))
+    actor, reference, teacher = Actor(args, hf_config), Reference(args, hf_config), Teacher(args)
+    _, kl = actor.logprobs(micro_batches, batch.width, full_kl_to=reference)
+    report = {"kl": _whole(share, kl, context),
+              "actor": [actor.train_step(micro_batches, kl_coef=0.1, reference=reference, teacher=teacher)
+                        for _ in range(2)]}
+    report["logprobs_after"] = _whole(share, actor.logprobs(micro_batches, batch.width)[0], context)
     write_report(f"{out}.json", report)
 
 
