@@ -24,10 +24,8 @@ import json
 import os
 from typing import Any
 
-import yaml
-
 from megarl import algorithms
-from megarl.config_formats.common import UniqueKeyLoader as _UniqueKeyLoader
+from megarl.config_formats.common import load_yaml_mapping
 from megarl.errors import ConfigError
 from megarl.placement import ROLES, Placement, PlacementError
 from megarl.plugins import load_plugins
@@ -586,7 +584,7 @@ def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> 
     try:
         with open(path, "rb") as f:
             data = f.read()
-        raw = yaml.load(data.decode("utf-8"), Loader=_UniqueKeyLoader) or {}
+        raw = load_yaml_mapping(path, data.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except OSError as e:  # a directory, no permission
@@ -594,12 +592,6 @@ def load_yaml_config(path: str, parser, only: tuple[str, ...] | None = None) -> 
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"{path} line {line}: not UTF-8 text") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of options")
 
     actions = _actions(parser)
     values: dict[str, Any] = {}

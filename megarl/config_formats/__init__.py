@@ -19,7 +19,7 @@ import re
 
 import yaml
 
-from megarl.config_formats.common import Translation, shell_command
+from megarl.config_formats.common import Translation, load_yaml_mapping, shell_command
 from megarl.errors import ConfigError
 
 FORMATS = ("megarl", "swift", "verl", "colossalchat")
@@ -132,7 +132,7 @@ def translate(fmt: str, path: str | None, rest: list[str], megarl_options) -> tu
         if match:  # a `megatron rlhf --key value ...` command line
             raw = swift.parse_flags(shell_command(text, path, match.group(0)), path)
         else:
-            raw = _load_yaml(path, text)
+            raw = load_yaml_mapping(path, text)
         return swift.translate(raw, path, megarl_options), rest
     if fmt == "verl":
         from megarl.config_formats import verl
@@ -140,23 +140,9 @@ def translate(fmt: str, path: str | None, rest: list[str], megarl_options) -> tu
         if path is None or "verl.trainer.main_ppo" in text:  # overrides only: over verl's defaults
             raw, script = {}, shell_command(text, path, "verl.trainer.main_ppo") if path else []
         else:
-            raw, script = _load_yaml(path, text), []
+            raw, script = load_yaml_mapping(path, text), []
         script = verl.script_overrides(script, path)
         overrides = [token for token in rest if verl.is_override(token)]
         left = [token for token in rest if not verl.is_override(token)]
         return verl.translate(raw, path or "command line", megarl_options, script + overrides), left
     raise ConfigError(f"--config-format {fmt!r}: one of {', '.join(FORMATS)}")
-
-
-def _load_yaml(path: str, text: str) -> dict:
-    from megarl.config_formats.common import UniqueKeyLoader
-
-    try:
-        raw = yaml.load(text, Loader=UniqueKeyLoader) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(error, 'problem', error)})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of options")
-    return raw

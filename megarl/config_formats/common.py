@@ -256,6 +256,20 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def load_yaml_mapping(path: str, text: str) -> dict:
+    """A YAML file's top-level mapping (UniqueKeyLoader); invalid YAML or another top level is one line
+    naming the file (and the line)."""
+    try:
+        raw = yaml.load(text, Loader=UniqueKeyLoader) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(error, 'problem', error)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of options")
+    return raw
+
+
 def reference(table: dict[str, Rule], semantics: dict[str, str]) -> list[str]:
     """A Markdown table of a framework's keys: what each becomes; ignored keys grouped by reason.
     `semantics`: for keys read together with others, the megarl options they end in."""
