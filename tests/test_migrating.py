@@ -29,10 +29,11 @@ def offline(monkeypatch):
 
 
 @pytest.fixture
-def tiny_teacher(tiny_model):
-    """Any model of the student's family serves as the teacher here: these tests read configs and run two
-    steps, and none needs a better teacher. conftest's `tiny_teacher` builds the trained one (1200 steps,
-    ten minutes and more on CI's two cores) and is kept for the distillation quickstart."""
+def stand_in_teacher(tiny_model):
+    """Any model of the student's family serves as the teacher where a test only reads a config, or runs
+    CI's one GKD seed config for two steps: conftest's `tiny_teacher` builds the trained one (1200 steps,
+    ten minutes and more on CI's two cores). The `migrating` lane's seed runs use the trained teacher, as
+    issue 24 asks."""
     return tiny_model
 
 
@@ -47,8 +48,8 @@ def _check(args, expected):
 
 # ------------------------------------------------------------------- ms-swift ----------
 
-def _swift(name, tiny_model, tiny_teacher, world_size, *extra, standalone=False):
-    teacher = ["--standalone-teacher-model", tiny_teacher] if standalone else ["--teacher-model", tiny_teacher]
+def _swift(name, tiny_model, stand_in_teacher, world_size, *extra, standalone=False):
+    teacher = ["--standalone-teacher-model", stand_in_teacher] if standalone else ["--teacher-model", stand_in_teacher]
     return _parse(["--config", DATA / name, "--model", tiny_model, *teacher, *extra], world_size)
 
 
@@ -76,8 +77,8 @@ SWIFT_CASES = [
 
 
 @pytest.mark.parametrize("name,world_size,standalone,expected", SWIFT_CASES, ids=[c[0] for c in SWIFT_CASES])
-def test_swift_configs(name, world_size, standalone, expected, tiny_model, tiny_teacher):
-    args = _swift(name, tiny_model, tiny_teacher, world_size, standalone=standalone)
+def test_swift_configs(name, world_size, standalone, expected, tiny_model, stand_in_teacher):
+    args = _swift(name, tiny_model, stand_in_teacher, world_size, standalone=standalone)
     _check(args, expected)
     assert args.config_notes[0].startswith(f"read {DATA / name} as ms-swift Megatron RLHF config: ")
     assert Placement.from_args(args, world_size).colocated == bool(expected.get("colocate_groups", [[1]]))
@@ -93,26 +94,26 @@ def test_swift_grpo(tiny_model):
                       lr=5e-5, lr_decay_style="cosine"))
 
 
-def test_swift_omitted_colocate_groups_is_separate_and_too_few_ranks_name_the_placement(tiny_model, tiny_teacher):
+def test_swift_omitted_colocate_groups_is_separate_and_too_few_ranks_name_the_placement(tiny_model, stand_in_teacher):
     name = "swift_rollout_separate_teacher_colocate.yaml"
-    args = _swift(name, tiny_model, tiny_teacher, 8)
+    args = _swift(name, tiny_model, stand_in_teacher, 8)
     placement = Placement.from_args(args, 8)
     assert not placement.colocated and placement.train_ranks == (0, 1, 2, 3) and placement.rollout_ranks == (4, 5, 6, 7)
     with pytest.raises(ConfigError) as error:  # launched with only the train ranks: not silently colocated
-        _swift(name, tiny_model, tiny_teacher, 4)
+        _swift(name, tiny_model, stand_in_teacher, 4)
     assert "the separate placement needs 8 ranks" in str(error.value) and "\n" not in str(error.value)
 
 
-def test_swift_defaults_differ_from_megarl(tmp_path, tiny_model, tiny_teacher):
+def test_swift_defaults_differ_from_megarl(tmp_path, tiny_model, stand_in_teacher):
     """gkd_lmbda 0.5 (megarl: 1.0), GRPO's beta 0.04 as the KL coefficient, a teacher on GRPO = OPD-RL."""
     config = tmp_path / "gkd.yaml"
     config.write_text("rlhf_type: gkd\ntrain: {gpus: 2}\nrollout: {gpus: 2}\ncolocate_groups: [[train, rollout]]\n"
                       "global_batch_size: 4\n")
-    _check(_parse(["--config", config, "--model", tiny_model, "--teacher-model", tiny_teacher], 2),
+    _check(_parse(["--config", config, "--model", tiny_model, "--teacher-model", stand_in_teacher], 2),
            dict(gkd_lmbda=0.5, gkd_beta=0.5, num_generations=1, temperature=0.9))
     config.write_text("rlhf_type: grpo\ncolocate_groups: [[train, rollout]]\ntrain: {gpus: 2}\nrollout: {gpus: 2}\n"
                       "global_batch_size: 16\nteacher_model: T\nteacher_kl_coef: 0.5\n")
-    _check(_parse(["--config", config, "--model", tiny_model, "--teacher-model", tiny_teacher], 2),
+    _check(_parse(["--config", config, "--model", tiny_model, "--teacher-model", stand_in_teacher], 2),
            dict(kl_coef=0.04, distill_reward_coef=0.5, distill_coef=0.0, num_generations=8, prompts_per_step=2))
 
 
@@ -169,11 +170,11 @@ def test_swift_lora(tmp_path, tiny_model, text, expected):
         assert "lora_rank, target_modules (LoRA settings (tuner_type full))" in args.config_notes[1]
 
 
-def test_ignored_keys_are_listed_in_one_line(tmp_path, tiny_model, tiny_teacher):
+def test_ignored_keys_are_listed_in_one_line(tmp_path, tiny_model, stand_in_teacher):
     config = tmp_path / "c.yaml"
     config.write_text("rlhf_type: gkd\nuse_ray: true\ncolocate_groups: [[train, rollout]]\ndataloader_num_workers: 4\n"
                       "attention_backend: flash\nglobal_batch_size: 2\n")
-    args = _parse(["--config", config, "--model", tiny_model, "--teacher-model", tiny_teacher], 2)
+    args = _parse(["--config", config, "--model", tiny_model, "--teacher-model", stand_in_teacher], 2)
     assert len(args.config_notes) == 2
     ignored = args.config_notes[1]
     assert ignored.startswith("ignored (no meaning in megarl): ")
@@ -597,20 +598,20 @@ def test_swift_seed_configs_run_two_steps(case, tiny_model, tiny_teacher, tmp_pa
     _two_steps(config, nproc=nproc, tmp_path=tmp_path, read_as=SWIFT_READ_AS, placement=placement)
 
 
-def _swift_trap_config(tiny_model, tiny_teacher, tmp_path):
+def _swift_trap_config(tiny_model, stand_in_teacher, tmp_path):
     return _seed_yaml("swift_rollout_separate_teacher_colocate.yaml", tmp_path, model=tiny_model,
-                      teacher_model=tiny_teacher, dataset=_swift_data(tmp_path / "train.jsonl", 32),
+                      teacher_model=stand_in_teacher, dataset=_swift_data(tmp_path / "train.jsonl", 32),
                       **SWIFT_SMALL, **{"train.gpus": 1, "rollout.gpus": 1, "train.tensor_model_parallel_size": 1,
                                         "output_dir": str(tmp_path / "ckpt"), "save_steps": 2, "no_save_optim": True,
                                         "no_save_rng": True, "use_ray": True})
 
 
 @pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core; one of CI's two runs of these configs
-def test_swift_config_without_colocate_groups_runs_separate(tiny_model, tiny_teacher, tmp_path):
+def test_swift_config_without_colocate_groups_runs_separate(tiny_model, stand_in_teacher, tmp_path):
     """The trap: an ms-swift GKD config without colocate_groups, launched on exactly train.gpus + rollout.gpus
     ranks (1 + 1), runs in the separate placement with ms-swift's defaults; no_save_optim / no_save_rng leave
     the optimizer and RNG states out of its checkpoint."""
-    config = _swift_trap_config(tiny_model, tiny_teacher, tmp_path)
+    config = _swift_trap_config(tiny_model, stand_in_teacher, tmp_path)
     out = _two_steps(config, nproc=2, tmp_path=tmp_path, read_as=SWIFT_READ_AS, placement="placement: separate, 2 ranks")
     assert "megarl: ignored (no meaning in megarl): " in out and "use_ray" in out
     state = json.loads((tmp_path / "ckpt" / "step_00000002" / "state.json").read_text())
@@ -729,8 +730,8 @@ def test_verl_overrides_alone_on_the_command_line(tiny_model):
                       global_batch_size=4, micro_batch_size=2, kl_coef=0.0))
 
 
-def test_swift_command_line_without_ray_is_colocated(tiny_model, tiny_teacher):
-    args = _parse(["--config", DATA / "swift_gkd_command.sh", "--model", tiny_model, "--teacher-model", tiny_teacher,
+def test_swift_command_line_without_ray_is_colocated(tiny_model, stand_in_teacher):
+    args = _parse(["--config", DATA / "swift_gkd_command.sh", "--model", tiny_model, "--teacher-model", stand_in_teacher,
                    "--train-data", "x.jsonl"], 2)
     _check(args, dict(colocate_groups=[["train", "rollout"]], train_gpus=2, rollout_gpus=2, gkd_lmbda=1.0, gkd_beta=1.0,
                       gkd_logits_topk=20, global_batch_size=16, prompts_per_step=16, micro_batch_size=2,
