@@ -404,6 +404,7 @@ def test_lora_quickstart_learns(placement, sync, tiny_model, tmp_path):
                       "--lora-rank", "8", "--lr", "2e-3", "--lora-sync", sync, "--log-dir", tmp_path / "tb",
                       timeout=2400)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
+    print(f"{placement}/{sync}: {line}")  # the figure for the notes (pytest -s)
     first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
     assert last >= first + 0.15, line
 
@@ -418,6 +419,7 @@ def test_lora_distillation_closes_half_the_gap_to_the_teacher(tiny_model, tiny_t
                       "--log-dir", tmp_path / "tb", timeout=2400)
     lines = [line for line in result.stdout.splitlines() if line.startswith("pass@1: ")]
     assert lines, result.stdout[-3000:]
+    print(lines[-1])  # the figure for the notes (pytest -s)
     before, after, teacher = (float(value) for value in
                               re.fullmatch(r"pass@1: student ([\d.]+) -> ([\d.]+), teacher ([\d.]+)", lines[-1]).groups())
     assert teacher >= before + 0.2, lines[-1]  # a real gap to close
