@@ -1,7 +1,7 @@
 """Benchmark: trainer -> rollout weight sync of a >= 100M-parameter model, on 2 ranks.
 
     python bench/weight_sync.py [--hidden 1024 --layers 12 --repeats 3] [--only colocate|separate] [--profile]
-                                [--lora-rank 16 [--modes full merged adapter]]
+                                [--lora-rank 16 [--modes full merged adapter]] [--models dense moe]
 
 Runs two torchrun launches and prints, measured side by side in each run:
   colocated  sync (TP gather + HF conversion + in-place vLLM load) vs a plain copy of
@@ -25,6 +25,11 @@ only, into an engine serving them with vLLM's LoRA (--lora-sync adapter); each p
 runs --modes (default: full, merged, adapter), one launch each, and prints each mode's
 bytes and sync seconds, and the seconds one greedy generation of 16 prompts x 32 tokens
 takes on the synced engine (vLLM's LoRA adds its kernels to every forward).
+
+--models (default: dense moe) runs each placement on a dense Qwen2 and on a Qwen3-MoE of the same
+trunk (8 routed experts, top 2, each a quarter of the dense MLP's width, so the experts hold twice
+the dense MLP's parameters): the MoE's colocated sync gathers the experts from expert-parallel
+ranks (EP=2 over the 2 train ranks) and both placements load them into vLLM's fused expert layout.
 """
 
 import argparse
@@ -40,15 +45,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def make_checkpoint(path, hidden, layers, vocab):
+def make_checkpoint(path, hidden, layers, vocab, moe=False):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config)
+    shape = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                 num_key_value_heads=max(1, hidden // 256), max_position_embeddings=256, tie_word_embeddings=False)
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                                   moe_intermediate_size=hidden * 11 // 16, norm_topk_prob=True))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, intermediate_size=hidden * 11 // 4))
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
@@ -82,6 +90,8 @@ def worker(model_dir, placement, repeats, out, profile=False, mode="full", lora_
         flags += ["--colocate-groups", "none", "--train-gpus", "1", "--rollout-gpus", "1"]
     if mode != "full":
         flags += ["--lora-rank", str(lora_rank), "--lora-sync", mode]
+    if getattr(AutoConfig.from_pretrained(model_dir), "num_experts", None) and placement == "colocate":
+        flags += ["--expert-model-parallel-size", "2"]  # the experts' gather from their EP ranks is part of the sync
     args = parse_args(flags)
     context = distributed.init_distributed(args)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -167,12 +177,12 @@ def worker(model_dir, placement, repeats, out, profile=False, mode="full", lora_
 
 def _reprocess(worker):
     """Rerun the post-load processing `_load_in_place` runs after loading (no load)."""
-    from megarl.rollout import _in_place_layers
+    from megarl.rollout import _in_place_layers, process_after_load
 
     for layer, kept, _ in _in_place_layers(worker) or []:
-        if kept is not None:
-            layer.weight = kept
-        layer.quant_method.process_weights_after_loading(layer)
+        for name, weight in (kept or {}).items():
+            setattr(layer, name, weight)
+        process_after_load(layer, kept)
 
 
 def main():
@@ -186,6 +196,8 @@ def main():
     parser.add_argument("--lora-rank", type=int, default=0, help="also time LoRA syncs with adapters of this rank")
     parser.add_argument("--modes", nargs="+", choices=("full", "merged", "adapter"), default=None,
                         help="with --lora-rank: which syncs to time (default: all three)")
+    parser.add_argument("--models", nargs="+", choices=("dense", "moe"), default=["dense", "moe"],
+                        help="which models to sync (default both; LoRA modes run on the dense one only)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -198,39 +210,44 @@ def main():
         parser.error("--modes merged/adapter need --lora-rank")
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "model")
-        params = make_checkpoint(model_dir, options.hidden, options.layers, options.vocab)
-        print(f"model: random Qwen2, {params / 1e6:.0f}M parameters (fp32), 2 ranks, "
-              f"median of {options.repeats}")
-        env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
-        if options.lora_rank:
-            print(f"LoRA: rank {options.lora_rank} on every linear")
-        for placement, mode in [(p, m) for p in ([options.only] if options.only else ("colocate", "separate"))
-                                for m in modes]:
-            out = os.path.join(tmp, f"{placement}_{mode}.json")
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            os.path.abspath(__file__), "--repeats", str(options.repeats),
-                            "--lora-rank", str(options.lora_rank), *(["--profile"] if options.profile else []),
-                            "--worker", model_dir, placement, out, mode], env=env, check=True,
-                           stdout=subprocess.DEVNULL)
-            with open(out) as f:
-                ranks = json.load(f)
-            result = max(ranks, key=lambda r: r["sync_s"])  # the slowest rank bounds a step
-            gib = result["bytes"] / 2**30
-            generate = max(r.get("generate_s", 0.0) for r in ranks)
-            print(f"{placement:9s} {mode:7s} sync {result['sync_s']:.3f}s of {result['bytes'] / 2**20:.1f} MiB | "
-                  f"first sync {result['first_sync_s']:.3f}s | generation (16 x 32 tokens) {generate:.3f}s")
-            if mode != "full":
-                continue
-            print(f"{placement:9s} sync {result['sync_s']:.3f}s ({gib / result['sync_s']:.2f} GiB/s) | "
-                  f"{result['baseline']} {result['baseline_s']:.3f}s ({gib / result['baseline_s']:.2f} GiB/s) | "
-                  f"ratio sync/baseline {result['sync_s'] / result['baseline_s']:.1f}x | {gib:.2f} GiB")
-            repack = max(r.get("repack_s", 0.0) for r in ranks)
-            print(f"{'':9s} first sync {result['first_sync_s']:.3f}s | the engine's post-load processing alone "
-                  f"(CPU GEMM repack) {repack:.3f}s | ratio without it "
-                  f"{(result['sync_s'] - repack) / result['baseline_s']:.1f}x")
-            for rank, ranked in enumerate(ranks if options.profile else []):
-                print(f"rank {rank}: profiled sync {ranked['profile_s']:.3f}s\n{ranked['profile']}")
+        for model in options.models:
+            model_dir = os.path.join(tmp, model)
+            params = make_checkpoint(model_dir, options.hidden, options.layers, options.vocab, moe=model == "moe")
+            kind = "Qwen3-MoE (8 experts, top 2; colocated at EP=2)" if model == "moe" else "Qwen2"
+            print(f"model: random {kind}, {params / 1e6:.0f}M parameters (fp32), 2 ranks, median of {options.repeats}")
+            run_placements(options, model_dir, modes if model == "dense" else ["full"], tmp)
+
+
+def run_placements(options, model_dir, modes, tmp):
+    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    if options.lora_rank and modes != ["full"]:
+        print(f"LoRA: rank {options.lora_rank} on every linear")
+    for placement, mode in [(p, m) for p in ([options.only] if options.only else ("colocate", "separate"))
+                            for m in modes]:
+        out = os.path.join(tmp, f"{os.path.basename(model_dir)}_{placement}_{mode}.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.abspath(__file__), "--repeats", str(options.repeats),
+                        "--lora-rank", str(options.lora_rank), *(["--profile"] if options.profile else []),
+                        "--worker", model_dir, placement, out, mode], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            ranks = json.load(f)
+        result = max(ranks, key=lambda r: r["sync_s"])  # the slowest rank bounds a step
+        gib = result["bytes"] / 2**30
+        generate = max(r.get("generate_s", 0.0) for r in ranks)
+        print(f"{placement:9s} {mode:7s} sync {result['sync_s']:.3f}s of {result['bytes'] / 2**20:.1f} MiB | "
+              f"first sync {result['first_sync_s']:.3f}s | generation (16 x 32 tokens) {generate:.3f}s")
+        if mode != "full":
+            continue
+        print(f"{placement:9s} sync {result['sync_s']:.3f}s ({gib / result['sync_s']:.2f} GiB/s) | "
+              f"{result['baseline']} {result['baseline_s']:.3f}s ({gib / result['baseline_s']:.2f} GiB/s) | "
+              f"ratio sync/baseline {result['sync_s'] / result['baseline_s']:.1f}x | {gib:.2f} GiB")
+        repack = max(r.get("repack_s", 0.0) for r in ranks)
+        print(f"{'':9s} first sync {result['first_sync_s']:.3f}s | the engine's post-load processing alone "
+              f"(CPU GEMM repack) {repack:.3f}s | ratio without it "
+              f"{(result['sync_s'] - repack) / result['baseline_s']:.1f}x")
+        for rank, ranked in enumerate(ranks if options.profile else []):
+            print(f"rank {rank}: profiled sync {ranked['profile_s']:.3f}s\n{ranked['profile']}")
 
 
 if __name__ == "__main__":

@@ -391,13 +391,7 @@ def _load_in_place(worker, weights) -> None:
 
     def process(block):
         for layer, kept in by_block.get(block, ()):
-            if kept and _is_fused_moe(layer):
-                # The experts' CPU kernel packed w13/w2 into its own layout at the first load, and vLLM's
-                # processing of a weight update skips that packing (unquantized_fused_moe_method.py,
-                # _setup_kernel: `is_weight_update` runs only the shuffle): pack the loaded copies again.
-                layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-            else:
-                layer.quant_method.process_weights_after_loading(layer)
+            process_after_load(layer, kept)
         pending.discard(block)
 
     def stream():
@@ -423,6 +417,17 @@ def _load_in_place(worker, weights) -> None:
                            f"{sorted(set(loaded) - expected)[:8]}")
     for block in list(pending):
         process(block)
+
+
+def process_after_load(layer, kept: dict | None) -> None:
+    """A layer's post-load processing once a sync has loaded its (kept) weights: a repack on CPU."""
+    if kept and _is_fused_moe(layer):
+        # The experts' CPU kernel packed w13/w2 into its own layout at the first load, and vLLM's
+        # processing of a weight update skips that packing (unquantized_fused_moe_method.py,
+        # _setup_kernel: `is_weight_update` runs only the shuffle): pack the loaded copies again.
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    else:
+        layer.quant_method.process_weights_after_loading(layer)
 
 
 _BLOCK = re.compile(r"(.*?\.layers\.\d+)\.")
