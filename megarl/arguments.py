@@ -410,6 +410,10 @@ def _add_tool_args(parser):
                         "in tool_errors_timeout) and the episode goes on")
     g.add_argument("--tool-workers", type=int, default=8,
                    help="threads running tool calls per rollout rank, beside generation")
+    g.add_argument("--interaction", default="",
+                   help="an environment that answers (megarl/tools/interactions.py; built in: retry, which asks "
+                        "for another try while the run's --reward scores the answer below 1): after a turn without "
+                        "tool calls it replies as the user and the episode goes on, up to --max-turns. Empty: none")
 
 
 def _add_eval_args(parser):
@@ -955,18 +959,24 @@ def _validate_tools(args) -> None:
     if unknown:
         raise ConfigError(f"--tools: {', '.join(unknown)} not registered{_closest(unknown[0], TOOLS)}; known: "
                           f"{', '.join(sorted(TOOLS))}")
+    from megarl.tools.interactions import INTERACTIONS
+
+    if args.interaction and args.interaction not in INTERACTIONS:
+        raise ConfigError(f"--interaction: {args.interaction} not registered{_closest(args.interaction, INTERACTIONS)}; "
+                          f"known: {', '.join(sorted(INTERACTIONS))}")
     if args.max_turns < 1 or args.tool_workers < 1 or args.tool_timeout <= 0:
         raise ConfigError(f"--max-turns and --tool-workers must be >= 1 and --tool-timeout > 0, got "
                           f"{args.max_turns}, {args.tool_workers} and {args.tool_timeout}")
-    if not args.tools:
+    if not args.tools and not args.interaction:
         return
+    what = "--tools" if args.tools else "--interaction"
     refused = [(args.rollout_backend != "vllm", f"--rollout-backend {args.rollout_backend}: episodes run on "
                                                 "the vLLM engine's request loop"),
                (args.seq_kd or bool(args.teacher_model and args.gkd_lmbda < 1.0),
                 "--seq-kd / --gkd-lmbda < 1 train on responses the teacher or the dataset wrote in one turn")]
     for bad, why in refused:
         if bad:
-            raise ConfigError(f"--tools: {why}")
+            raise ConfigError(f"{what}: {why}")
 
 
 LORA_DEFAULT_ALPHA = 32.0  # ms-swift's lora_alpha default

@@ -20,8 +20,9 @@ call in flight together:
     step where some episode waits it broadcasts (vLLM's TP group) which episodes' calls are back, with
     their results, and every rank takes them up there.
 
-An episode ends when a turn calls no tool, at --max-turns assistant turns (a last turn's calls are not
-run), or when its tokens after the prompt reach the episode budget --max-new-tokens (policy and tool
+An episode ends when a turn calls no tool (unless an --interaction replies as the user: the environment
+answers, megarl/tools/interactions.py, and the user's turn is appended like a tool message, policy mask 0),
+at --max-turns assistant turns (a last turn's calls are not run, no interaction is asked), or when its tokens after the prompt reach the episode budget --max-new-tokens (policy and tool
 tokens together: it is the response the trainer sees, and the engine's max_model_len is the prompt's
 limit plus it). Each turn's request may generate at most what is left of the budget; a tool message that
 does not fit is cut and the episode ends truncated.
@@ -41,7 +42,8 @@ moment a tool returns decides that order: with tools, a CPU run is not reproduci
 
 `request_log` (the loop's record, kept on the engine as `last_episode_log`): ("add" | "finish",
 engine step, prompt, sample, turn) per request and ("tool_done", step, prompt, sample, turn) when a
-turn's calls are all back, so tests read the scheduling from what the engine did, not from clocks.
+turn's calls are all back (("reply", ...) when an interaction's reply is), so tests read the scheduling
+from what the engine did, not from clocks.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import concurrent.futures
 import time
 from dataclasses import dataclass, field
 
-from megarl.tools import TOOL_PARSERS, CallContext, ToolResult, ToolRunner
+from megarl.tools import INTERACTION, TOOL_PARSERS, CallContext, ToolResult, ToolRunner
 
 
 @dataclass
@@ -59,6 +61,7 @@ class EpisodeSettings:
     tokenizer: object
     max_turns: int
     parser: str = "hermes"
+    interaction: object = None  # respond(turns, context) -> the user's reply or None (--interaction)
 
 
 @dataclass
@@ -83,10 +86,10 @@ class _Episode:
         return sum(m["role"] == "assistant" for m in self.turns)
 
 
-class ToolMessages:
-    """The tokens that follow an assistant turn when tools answer it: the end of the assistant's turn as
-    the chat template writes it after the model's last token (e.g. Qwen's newline after <|im_end|>), the
-    tool messages and the next assistant generation prompt. Cut out of the template's rendering of a
+class TurnMessages:
+    """The tokens that follow an assistant turn when tools (or the user) answer it: the end of the
+    assistant's turn as the chat template writes it after the model's last token (e.g. Qwen's newline
+    after <|im_end|>), the tool (or user) messages and the next assistant generation prompt. Cut out of the template's rendering of a
     fixed exchange with and without them, so whatever the family's template does is what the model
     reads (verl's way)."""
 
@@ -102,13 +105,17 @@ class ToolMessages:
         self.base, self.after_stop = base, (base[ends[-1] + 1:] if ends else [])
         self.end_of_turn = base[ends[-1]:] if ends else []
 
-    def ids(self, results: list[ToolResult], ended_with_stop: bool) -> list[int]:
-        messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+    def ids(self, messages: list[dict], ended_with_stop: bool) -> list[int]:
+        """`messages`: chat messages ({"role": "tool" | "user", "content": ...}) after the assistant's turn."""
         full = self._chat(self.tokenizer, self._BASE + messages)
         if full[: len(self.base)] != self.base:
-            raise ValueError("the chat template renders a tool message that changes the assistant turn before "
-                             "it; cannot cut the tool message's tokens out of it")
+            raise ValueError(f"the chat template renders a {messages[0]['role']} message that changes the assistant "
+                             f"turn before it; cannot cut the message's tokens out of it")
         return (self.after_stop if ended_with_stop else self.end_of_turn) + full[len(self.base):]
+
+
+def tool_messages(results: list[ToolResult]) -> list[dict]:
+    return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
 
 
 def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], rows: list[dict], params: list,
@@ -125,7 +132,7 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
 
     llm, parse = engine.llm, TOOL_PARSERS[settings.parser]
     stop_ids = engine.held_back_ids(params[0]) if params else ()
-    messages = ToolMessages(settings.tokenizer, stop_ids)
+    messages = TurnMessages(settings.tokenizer, stop_ids)
     budget = params[0].max_tokens if params else 0
     episodes = [_Episode(i, j, list(prompt), rows[i]) for i, prompt in enumerate(prompts) for j in range(n)]
     by_request: dict[str, _Episode] = {}
@@ -180,22 +187,35 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
         if completion.finish_reason == "length" or len(episode.response_ids) >= budget:
             episode.truncated = completion.finish_reason == "length" or len(episode.response_ids) > budget
             return finish(episode)
-        if not calls or episode.turn >= settings.max_turns:
+        if episode.turn >= settings.max_turns or (not calls and settings.interaction is None):
             return finish(episode)
         episode.ended_with_stop = bool(token_ids) and token_ids[-1] in stop_ids
         if leader:  # the other ranks of a TP engine receive the results (broadcast in the loop below)
             context = CallContext(episode.row, prompt_indices[episode.prompt], episode.sample, episode.turn)
-            episode.running = [settings.runner.start(call, context, episode.row.get("tools")) for call in calls]
-            episode.results = [None] * len(calls)
+            episode.running = [settings.runner.start(call, context, episode.row.get("tools")) for call in calls] \
+                if calls else [settings.runner.start_reply(settings.interaction, episode.turns, context)]
+            episode.results = [None] * len(episode.running)
         waiting.append(episode)
 
     def answer(episode: _Episode, results: list):
-        """Append the tool messages of `results` and go on to the next turn (or end, out of budget)."""
-        log.append(("tool_done", step, episode.prompt, episode.sample, episode.turn))
-        for result in results:
-            episode.turns.append({"role": "tool", "name": result.name, "content": result.content,
-                                  "error": result.error, "seconds": result.seconds})
-        ids = messages.ids(results, episode.ended_with_stop)
+        """Append the tool messages of `results` (or the user's reply) and go on to the next turn (or end:
+        out of budget, or the environment has nothing to say)."""
+        if len(results) == 1 and results[0].name == INTERACTION:
+            reply = results[0]
+            log.append(("reply", step, episode.prompt, episode.sample, episode.turn))
+            if reply.error is not None:  # raised or timed out: counted (tool_metrics), the episode ends
+                episode.turns[-1]["interaction_error"] = reply.error
+            if reply.error is not None or reply.content is None:
+                return finish(episode)
+            said = [{"role": "user", "content": reply.content}]
+            episode.turns.append({**said[0], "seconds": reply.seconds})
+        else:
+            log.append(("tool_done", step, episode.prompt, episode.sample, episode.turn))
+            said = tool_messages(results)
+            for result in results:
+                episode.turns.append({"role": "tool", "name": result.name, "content": result.content,
+                                      "error": result.error, "seconds": result.seconds})
+        ids = messages.ids(said, episode.ended_with_stop)
         room = budget - len(episode.response_ids)
         episode.response_ids += ids[:room]
         episode.policy_mask += [0] * len(ids[:room])

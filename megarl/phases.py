@@ -122,7 +122,7 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
     # Rollout ranks score their own samples; the slowest one bounds the step.
     seconds = distributed.all_gather_objects((reward_seconds, tool_wait), run.context)
     metrics["reward_seconds"] = max(reward for reward, _ in seconds)
-    if args.tools:
+    if args.tools or args.interaction:
         metrics["tool_wait_seconds"] = max(wait for _, wait in seconds)
     if args.rollout_save_dir and run.is_main:
         write_samples(args.rollout_save_dir, f"train_step{step + 1}.jsonl", samples, run.tokenizer, step + 1)

@@ -224,12 +224,14 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
             KL_CONTROLLERS["adaptive"](args.kl_coef, args.kl_target, args.kl_horizon)
     reward, timed_rewards = _build_reward(args, context.placement.colocated) if context.is_rollout else (None, None)
     episodes = None
-    if args.tools and context.is_rollout:
+    if (args.tools or args.interaction) and context.is_rollout:
         from megarl.multiturn import EpisodeSettings
         from megarl.tools import ToolRunner
+        from megarl.tools.interactions import INTERACTIONS
 
+        interaction = INTERACTIONS[args.interaction](reward) if args.interaction else None
         episodes = EpisodeSettings(ToolRunner(args.tools, args.tool_workers, args.tool_timeout), tokenizer,
-                                   args.max_turns, args.tool_parser)
+                                   args.max_turns, args.tool_parser, interaction)
     # Every role built before the first group that spans them (the weight sync's) waits for the others.
     distributed.wait_for_every_rank(context, args.startup_timeout_minutes)
     return Run(

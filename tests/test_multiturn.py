@@ -260,11 +260,11 @@ def test_tool_messages_are_the_template_s_tokens_after_the_assistant_turn():
     from transformers import AutoTokenizer
 
     from megarl.data.prompts import chat_token_ids
-    from megarl.multiturn import ToolMessages
+    from megarl.multiturn import TurnMessages, tool_messages
 
     tokenizer = AutoTokenizer.from_pretrained("artifacts/tiny-qwen2")
-    messages = ToolMessages(tokenizer, stop_ids=(0, 2))
-    results = [ToolResult("calculator", "42"), ToolResult("python", "7\n")]
+    messages = TurnMessages(tokenizer, stop_ids=(0, 2))
+    results = tool_messages([ToolResult("calculator", "42"), ToolResult("python", "7\n")])
     turn = "<tool_call>{}</tool_call>"
     chat = [{"role": "user", "content": "q"}]
     # The whole conversation as the template writes it == prompt + the model's turn (ending <|im_end|>) + these.
@@ -377,6 +377,44 @@ def test_episodes_on_the_engine(tiny_model, tmp_path):
         assert roles[:2] == ["assistant", "tool"]
         last = max(i for i, role in enumerate(roles) if role == "assistant")
         assert record["response"] == record["conversation"][last]["content"]
+    _check_user_turns(report["interaction"], tokenizer)
+
+
+def _check_user_turns(report, tokenizer):
+    """An environment that answers (--interaction; the plugin's `probe_user`, the built-in `retry` unless its
+    row says otherwise), on episodes without tools, 3 assistant turns at most: after each wrong answer the
+    user asks again, after a right one the episode ends; the user's tokens are the template's user message
+    with policy mask 0 and logprob 0; a user who hangs past the 2 s timeout or raises ends the episode and
+    is counted; one who says nothing (None) ends it."""
+    from megarl.rewards.arithmetic import arithmetic_reward
+    from megarl.tools.interactions import RETRY_MESSAGE
+
+    def right(turn, row):
+        return arithmetic_reward(turn["content"], row).score >= 1.0
+
+    asked_again = 0
+    for episode in report["episodes"]:
+        row, turns = report["rows"][episode["prompt"]], episode["turns"]
+        mask, logprobs, ids = episode["policy_mask"], episode["logprobs"], episode["response_ids"]
+        assert all((lp == 0.0) == (m == 0) for m, lp in zip(mask, logprobs)), episode
+        assert [t["role"] for t in turns][::2] == ["assistant"] * ((len(turns) + 1) // 2), turns
+        if "user" in row:  # hung, raised, or ended: no user turn
+            assert len(turns) == 1 and not episode["truncated"], episode
+            assert turns[0].get("interaction_error") == {"hang": "timeout", "raise": "raised"}.get(row["user"])
+            continue
+        assert not any("interaction_error" in turn for turn in turns), turns
+        for k, turn in enumerate(turns):
+            if turn["role"] == "user":
+                assert turn["content"] == RETRY_MESSAGE and not right(turns[k - 1], row), turns
+                asked_again += 1
+        # stopped by a right answer, at 3 turns, or out of tokens
+        assert right(turns[-1], row) or len(turns) == 5 or episode["truncated"], turns
+        user_text = tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
+        assert user_text.count(f"<|im_start|>user\n{RETRY_MESSAGE}<|im_end|>") == (len(turns) - 1) // 2, user_text
+    assert asked_again > 0  # the tiny model answers some of these wrong at T = 1
+    assert sum(kind == "reply" for kind, *_ in report["log"]) >= asked_again
+    assert report["metrics"]["interaction_errors"] == 8  # 4 samples hung, 4 raised
+    assert report["metrics"]["user_turns_per_episode"] == asked_again / 20
 
 
 def test_the_tool_task_lists_the_enabled_tools_to_the_template_and_draws_big_numbers():
@@ -422,6 +460,8 @@ def test_tool_options_are_checked_in_one_line():
     assert "--tools: --seq-kd" in refused("--tools", "calculator", "--teacher-model", "artifacts/tiny-qwen2",
                                           "--seq-kd")
     assert "--task-max-operand must be >= 1" in refused("--task-max-operand", "0")
+    assert "--interaction: retyr not registered (did you mean 'retry'?)" in refused("--interaction", "retyr")
+    assert "--interaction: --rollout-backend hf" in refused("--interaction", "retry", "--rollout-backend", "hf")
     args = parse_args(["--model", "artifacts/tiny-qwen2", "--tools", " calculator, python "], world_size=1)
     assert args.tools == ["calculator", "python"]
     assert parse_args(["--model", "artifacts/tiny-qwen2"], world_size=1).tools == []

@@ -37,6 +37,9 @@ ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout"
 # Calls that name no registered, enabled tool are counted under these names (a model's invented tool
 # names would otherwise make a metric each).
 MALFORMED, UNKNOWN = "malformed", "unknown"
+# An interaction's reply (megarl/tools/interactions.py) comes back through the same runner under this name.
+INTERACTION = "interaction"
+RESERVED = (MALFORMED, UNKNOWN, INTERACTION)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ def register_tool(name: str, description: str, parameters: dict):
     """Decorator: register `fn(**arguments) -> str` as the tool `name`."""
     if parameters.get("type") != "object":
         raise ValueError(f"tool {name!r}: parameters must be a JSON schema of type 'object'")
+    if name in RESERVED:
+        raise ValueError(f"tool {name!r}: the name is reserved ({', '.join(RESERVED)} count failures and replies)")
 
     def wrap(fn):
         TOOLS.add(name, Tool(name, fn, description, parameters))
@@ -184,8 +189,8 @@ def current_call() -> CallContext | None:
 
 @dataclass
 class ToolResult:
-    name: str  # the tool's name, or MALFORMED / UNKNOWN when the call named none that is enabled
-    content: str  # what the model reads as the tool message
+    name: str  # the tool's name, MALFORMED / UNKNOWN when the call named none that is enabled, or INTERACTION
+    content: str | None  # what the model reads as the tool message (an interaction's reply: None ends the episode)
     error: str | None = None  # one of ERROR_KINDS, None when the tool answered
     seconds: float = 0.0
 
@@ -225,15 +230,24 @@ class ToolRunner:
         if problem:
             return ToolResult(tool.name, f"error: {tool.name}: {problem}", "bad_arguments")
         running = _Running(call, None)
-        running.future = self.executor.submit(self._run, tool, call.arguments, context, running.started)
+        running.future = self.executor.submit(self._run, lambda: tool.function(**call.arguments), context,
+                                              running.started)
+        return running
+
+    def start_reply(self, respond: Callable, turns: list[dict], context: CallContext) -> _Running:
+        """Ask an interaction for the user's reply to the episode `turns` on a worker thread; `result` gives
+        it as a ToolResult named INTERACTION, under the same timeout as a tool."""
+        running = _Running(ToolCall(INTERACTION, {}), None)
+        turns = [dict(m) for m in turns]  # the episode goes on appending to its own
+        running.future = self.executor.submit(self._run, lambda: respond(turns, context), context, running.started)
         return running
 
     @staticmethod
-    def _run(tool: Tool, arguments: dict, context: CallContext, started: list):
+    def _run(call: Callable, context: CallContext, started: list):
         started.append(time.perf_counter())
         token = _CONTEXT.set(context)
         try:
-            return tool.function(**arguments)
+            return call()
         finally:
             _CONTEXT.reset(token)
 
@@ -248,7 +262,10 @@ class ToolRunner:
             if error is not None:
                 return ToolResult(name, f"error: {name} raised {type(error).__name__}: {str(error)[:500]}", "raised",
                                   seconds)
-            text = str(running.future.result())
+            value = running.future.result()
+            if name == INTERACTION and value is None:
+                return ToolResult(name, None, None, seconds)
+            text = str(value)
             if len(text) > MAX_RESULT_CHARS:
                 text = text[:MAX_RESULT_CHARS] + f"\n... ({len(text) - MAX_RESULT_CHARS} more characters cut)"
             return ToolResult(name, text, None, seconds)
@@ -284,7 +301,13 @@ def tool_metrics(samples) -> dict:
         metrics[f"tool_errors_{name}"] = sum(m["error"] is not None for m in mine)
     for kind in ERROR_KINDS:
         metrics[f"tool_errors_{kind}"] = sum(m["error"] == kind for m in calls)
+    # An environment's user turns (--interaction), and its replies that failed (raised or timed out).
+    failed = [m for t in episodes for m in t if m.get("interaction_error")]
+    users = [m for t in episodes for m in t if m["role"] == "user"]
+    if users or failed:
+        metrics["user_turns_per_episode"] = len(users) / len(episodes)
+        metrics["interaction_errors"] = len(failed)
     return metrics
 
 
-from megarl.tools import builtin  # noqa: E402,F401 - registers the built-in tools
+from megarl.tools import builtin, interactions  # noqa: E402,F401 - registers the built-in tools and interactions

@@ -14,6 +14,9 @@ assistant turn calls `probe` (the tiny model writes no tool calls of its own), -
               if they entered it); then update + sync and the same on fresh episodes.
   dump        the step's rollout dump (--rollout-save-dir), read back.
   ranks       every rank's request log and episodes of the scheduling call, compared (`ranks_agree`).
+  interaction episodes without tools whose user answers (the plugin's `probe_user`: the built-in `retry`
+              on the arithmetic reward, or per row a user who hangs past a 2 s timeout, raises, or ends),
+              up to 3 assistant turns; report: the episodes, their rows, the request log, tool metrics.
 Rank 0 writes the report (JSON) to argv[1].
 """
 
@@ -49,6 +52,24 @@ def measure(run, step):
                    "metrics": report.metrics}
 
 
+def interaction(run, plugin):
+    from megarl.multiturn import EpisodeSettings
+    from megarl.tools import ToolRunner, tool_metrics
+    from megarl.tools.interactions import INTERACTIONS
+
+    plugin.RELEASE.clear()  # the hanging user waits on it: past the 2 s timeout
+    settings = EpisodeSettings(ToolRunner([], 4, timeout=2.0), run.tokenizer, 3, "hermes",
+                               INTERACTIONS["probe_user"](run.reward))
+    texts = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "What is 3 + 9?", "What is 5 + 6?"]
+    rows = [{"answer": "42"}, {"answer": "95"}, {"answer": "90", "user": "hang"}, {"answer": "12", "user": "raise"},
+            {"answer": "11", "user": "end"}]
+    samples = run.rollout.generate([render_chat(run.tokenizer, t) for t in texts], list(range(5)), 7, n=4,
+                                   seed_key=("interaction",), rows=rows, episodes=settings)
+    plugin.RELEASE.set()
+    return {"episodes": episodes_report(samples), "rows": rows, "log": run.rollout.last_episode_log,
+            "metrics": tool_metrics(samples)}
+
+
 def main():
     out, argv = sys.argv[1], sys.argv[2:]
     args = parse_args(argv)
@@ -82,6 +103,7 @@ def main():
     phases.update(run, batch, 0)
     phases.sync(run)
     _, report["mismatch_after"] = measure(run, 1)
+    report["interaction"] = interaction(run, plugin)
     dump = os.path.join(args.rollout_save_dir, "train_step2.jsonl")
     with open(dump) as f:
         report["dump"] = [json.loads(line) for line in f]

@@ -1,0 +1,53 @@
+"""Environments that answer: after an assistant turn that calls no tool, an interaction may reply as the
+user, and the episode goes on with that user turn (verl's multi-turn `interaction`, whose GSM8K example
+tells the model its answer is wrong and asks it to try again).
+
+An interaction is registered under a name (`@register_interaction(name)`, plugins register more the same
+way) as a factory `factory(reward) -> respond`, where `reward` is the run's RewardSpec (--reward), and
+`respond(turns, context) -> str | None` gets the episode's conversation after the prompt (Sample.turns:
+assistant turns with their parsed tool calls, tool and user messages) and the episode's CallContext
+(its dataset row, prompt and sample index, the turn just ended); it returns the user's reply, or None to
+end the episode. `--interaction NAME` enables one for a run. It runs on the ToolRunner's threads beside
+generation, under --tool-timeout like a tool; one that raises or runs past the timeout ends its episode
+and is counted (`interaction_errors`). The user's tokens, like the tools', are not the policy's: they
+carry policy mask 0 (no gradient, no loss, no KL, no mismatch). At --max-turns assistant turns the
+episode ends without asking.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megarl.registry import Registry
+
+INTERACTIONS = Registry("interaction")  # name -> factory(reward spec) -> respond(turns, context) -> str | None
+
+# verl's GSM8K interaction says as much; the arithmetic task's tiny model reads any text as the user's.
+RETRY_MESSAGE = "Your answer is incorrect. Please reflect on it and try again."
+
+
+def register_interaction(name: str):
+    """Decorator: register `factory(reward) -> respond(turns, context) -> str | None` as `name`."""
+    def wrap(factory: Callable):
+        INTERACTIONS.add(name, factory)
+        return factory
+    return wrap
+
+
+def last_answer(turns: list[dict]) -> str:
+    """The content of the episode's last assistant turn ("" before any)."""
+    return next((m["content"] for m in reversed(turns) if m["role"] == "assistant"), "")
+
+
+@register_interaction("retry")
+def retry(reward):
+    """Until the answer is right: the run's reward scores the last assistant turn against the prompt's row;
+    below 1.0 (what megarl's answer-checking rewards give a correct answer) the user asks for another try,
+    at 1.0 the episode ends. The episode's reward then scores its last answer, as without the interaction."""
+    from megarl.rewards import score_all
+
+    def respond(turns: list[dict], context) -> str | None:
+        row = {**context.row, "conversation": turns}  # what a reward reads of an episode (scoring.reward_row)
+        output = score_all(reward, [last_answer(turns)], [row])[0]
+        return None if output.score >= 1.0 else RETRY_MESSAGE
+    return respond
