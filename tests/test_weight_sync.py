@@ -23,9 +23,13 @@ COMMON = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_sync_parity(placement, tiny_model, tmp_path):
+def test_sync_parity(placement, tiny_model, request, tmp_path):
+    """The separate placement syncs a Qwen3-MoE (random, 8 experts, top 2): its broadcast carries the dense
+    layers and the experts alike, into vLLM's fused expert layout (issue 27: expert weights in both
+    placements; the colocated MoE sync is tests/test_families_vllm.py's and test_moe.py's)."""
+    model = request.getfixturevalue("random_moe_policy") if placement == "separate" else tiny_model
     out = tmp_path / "sync"
-    torchrun("sync_worker.py", out, "--model", tiny_model, *COMMON, *PLACEMENTS[placement], timeout=900)
+    torchrun("sync_worker.py", out, "--model", model, *COMMON, *PLACEMENTS[placement], timeout=900)
     reports = read_json(f"{out}.json")
     train_reports = [r for r in reports if r["before"] is not None]
     assert train_reports
