@@ -1035,12 +1035,10 @@ def _validate_lora(args) -> None:
     if args.ref_model != args.model:
         raise ConfigError(f"--ref-model {args.ref_model} with --lora-rank: the reference of a LoRA run is the "
                           f"policy's base (--model {args.model}) with its adapters off; drop --ref-model")
-    for flag, value, allowed in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, 1),
-                                 ("--context-parallel-size", args.context_parallel_size, 1),
-                                 ("--sequence-parallel", getattr(args, "sequence_parallel", False), False)):
-        if value != allowed:
-            raise ConfigError(f"--lora-rank with {flag} {value} is not supported yet; LoRA runs with tensor and "
-                              f"data parallelism only")
+    if getattr(args, "sequence_parallel", False):
+        raise ConfigError("--lora-rank with --sequence-parallel is not supported yet (the adapters would take the "
+                          "linears' sequence-split inputs and outputs, for which their TP collectives are not "
+                          "written); LoRA runs with tensor, pipeline, context and data parallelism")
     from megarl import accelerator
 
     if accelerator.transformer_engine_available():

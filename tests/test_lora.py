@@ -344,21 +344,29 @@ def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tin
 
 
 @pytest.mark.slow
-def test_tp2_adapters_equal_tp1(tiny_model, tmp_path):
-    """The same adapters sharded over TP=2 and whole at TP=1 (one launch, tests/workers/lora_worker.py):
-    logits and every adapter's gradient (gathered whole) agree as two fp32 paths (skipping the TP reduction
-    of the replicated A's gradient reads 1e7 ulps); with dropout, the replicated A's gradient is the same on
-    both TP ranks (its input's mask drawn alike)."""
+def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(tiny_model, tmp_path):
+    """The same adapters sharded over TP=2, split into PP=2 stages and over CP=2 ranks, and on one rank's
+    layout (one launch, tests/workers/lora_worker.py; the actor's DDP, schedule and finalize_model_grads with
+    the frozen tied embedding): logits and every adapter's gradient (gathered whole, from every stage) agree
+    as two fp32 paths (skipping the TP reduction of the replicated A's gradient reads 1e7 ulps; a stage's
+    adapters without gradient, or another layout's initial A, would read ~1e9); with dropout, the replicated
+    A's gradient is the same on both TP ranks (its input's mask drawn alike). The PP=2 checkpoint (Megatron's
+    layer offsets) resumes a fresh PP=2 actor's next step bit for bit, and loads at PP=1 with every adapter
+    and Adam moment as saved."""
     from helpers import read_json
 
-    torchrun("lora_worker.py", tiny_model, tmp_path / "report.json", timeout=300)
+    torchrun("lora_worker.py", tiny_model, tmp_path / "report.json", timeout=400)
     report = read_json(tmp_path / "report.json")
-    assert report["logits_ulps"] <= FP32_PATHS_ULPS, report["logits_ulps"]
-    assert len(report["grad_ulps"]) == 2 * 2 * 7  # layers x (A, B) x the 7 linears of a layer
     assert min(report["grad_max"].values()) > 0, report["grad_max"]
-    off = {name: value for name, value in report["grad_ulps"].items() if value > FP32_PATHS_ULPS}
-    assert not off, off
-    assert report["dropout_replicated_A_max"] > 0 and report["dropout_replicated_A_rank_difference"] == 0, report
+    for layout in ("tp2", "pp2", "cp2"):
+        assert report[layout]["logits_ulps"] <= FP32_PATHS_ULPS, (layout, report[layout]["logits_ulps"])
+        assert len(report[layout]["grad_ulps"]) == 2 * 2 * 7  # layers x (A, B) x the 7 linears of a layer
+        off = {name: value for name, value in report[layout]["grad_ulps"].items() if value > FP32_PATHS_ULPS}
+        assert not off, (layout, off)
+    tp2, pp2 = report["tp2"], report["pp2"]
+    assert tp2["dropout_replicated_A_max"] > 0 and tp2["dropout_replicated_A_rank_difference"] == 0, tp2
+    assert pp2["resumed_step_bit_exact"] and pp2["resumed_step_moved"] > 1e-5, pp2  # the step moved the adapters
+    assert report["pp2_checkpoint_loaded"] == {"keys": True, "count": 3 * 2 * 2 * 7, "bit_exact": True}, report
 
 
 @pytest.mark.slow

@@ -241,35 +241,58 @@ def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterat
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    my_stage = parallel_state.get_pipeline_model_parallel_rank()
     ep_rank, ep_size = _expert_parallel()
     ep_group = parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None
     entries = [e for e in _local_entries(model, hf_config) if e[1].export]
 
-    stage_names = [None] * pp_size
-    if pp_size > 1:
-        names = [_hf_names(rule, _ep_indices(index, hf_config, r, ep_size)) for _, rule, index, _ in entries
-                 for r in (range(ep_size) if rule.layout in EXPERT_LAYOUTS else (ep_rank,))]
-        dist.all_gather_object(stage_names, names, group=pp_group)
-    for stage in range(pp_size):
-        src = dist.get_global_rank(pp_group, stage) if pp_size > 1 else None
-        if stage != my_stage:
-            for names in stage_names[stage]:
-                for name in names:
-                    yield name, _broadcast_tensor(None, src, pp_group)
-            continue
+    def this_stage():
         for bucket in _buckets(entries, bucket_bytes, tp_size, ep_size):
             gathered = _gather_tp_shards(bucket, tp_group, tp_size)
             gathered = _gather_experts(bucket, gathered, ep_group, ep_size, ep_rank)
             for (_, rule, index, _), sources in zip(bucket, gathered):
                 for source_ep_rank, shards in sources:
                     names = _hf_names(rule, _ep_indices(index, hf_config, source_ep_rank, ep_size))
-                    for name, tensor in zip(names, to_hf_tensors(rule, shards, hf_config)):
-                        if pp_size > 1:
-                            _broadcast_tensor(tensor, src, pp_group)
-                        yield name, tensor
+                    yield from zip(names, to_hf_tensors(rule, shards, hf_config))
+
+    names = [name for _, rule, index, _ in entries
+             for r in (range(ep_size) if rule.layout in EXPERT_LAYOUTS else (ep_rank,))
+             for name in _hf_names(rule, _ep_indices(index, hf_config, r, ep_size))]
+    yield from every_stage(names, this_stage)
+
+
+def every_stage(names: list[str], this_stage) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every pipeline stage's (name, tensor) pairs on every rank of the train world, stage by stage:
+    `this_stage()` yields this stage's, named `names` in that order (collective over this stage's TP
+    group if its tensors are gathered there); each tensor goes from its stage to the others by a
+    broadcast over the PP group (the shapes with it), and the names once, by one all-gather. The
+    single loop over stages of the merged export (iter_hf_weights) and of the LoRA adapters'
+    (lora.iter_peft_weights)."""
+    from megatron.core import parallel_state
+
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        yield from this_stage()
+        return
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    stage_names = [None] * pp_size
+    dist.all_gather_object(stage_names, names, group=pp_group)
+    for stage in range(pp_size):
+        src = dist.get_global_rank(pp_group, stage)
+        if stage != my_stage:
+            for name in stage_names[stage]:
+                yield name, _broadcast_tensor(None, src, pp_group)
+            continue
+        count = 0
+        for name, tensor in this_stage():
+            if count >= len(names) or name != names[count]:  # the others would take it under another name
+                raise RuntimeError(f"pipeline stage {stage} yielded {name!r} where its names say "
+                                   f"{names[count] if count < len(names) else 'nothing more'}")
+            count += 1
+            _broadcast_tensor(tensor, src, pp_group)
+            yield name, tensor
+        if count != len(names):
+            raise RuntimeError(f"pipeline stage {stage} yielded {count} tensors of its {len(names)} names")
 
 
 def _buckets(entries, bucket_bytes: int, tp_size: int, ep_size: int = 1):

@@ -402,14 +402,14 @@ PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def iter_peft_weights(model, bucket_bytes: int = 256 * 2**20):
-    """(PEFT name, whole tensor) of every adapter, gathered over TP (the split one of each pair: B of a
-    column-parallel base, A of a row-parallel one), in the model's order; collective over the TP group.
+    """(PEFT name, whole tensor) of every adapter of the model, every pipeline stage's on every train rank,
+    gathered over TP (the split one of each pair: B of a column-parallel base, A of a row-parallel one), in
+    the model's order; collective over the train ranks (convert.every_stage: the merged export's stage loop).
     PEFT's names for the HF model: `base_model.model.<HF module>.lora_A.weight` [r, in] and `lora_B.weight`
-    [out, r], adapter name `default` left out, as peft's save_pretrained writes them. (Pipeline parallelism:
-    refused with LoRA; each stage would hold only its layers.)"""
+    [out, r], adapter name `default` left out, as peft's save_pretrained writes them."""
     from megatron.core import parallel_state
 
-    from megarl.models.convert import _buckets, _gather_tp_shards
+    from megarl.models.convert import _buckets, _gather_tp_shards, every_stage
     from megarl.models.families import Rule
 
     entries = []
@@ -422,9 +422,13 @@ def iter_peft_weights(model, bucket_bytes: int = 256 * 2**20):
                                 0 if which == "B" else 1, param))
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    for bucket in _buckets(entries, bucket_bytes, tp_size):
-        for (name, rule, dim, _), shards in zip(bucket, _gather_tp_shards(bucket, tp_group, tp_size)):
-            yield name, torch.cat(shards, dim=dim) if rule.layout == "split" else shards[0]
+
+    def this_stage():
+        for bucket in _buckets(entries, bucket_bytes, tp_size):
+            for (name, rule, dim, _), shards in zip(bucket, _gather_tp_shards(bucket, tp_group, tp_size)):
+                yield name, torch.cat(shards, dim=dim) if rule.layout == "split" else shards[0]
+
+    yield from every_stage([entry[0] for entry in entries], this_stage)
 
 
 def save_peft_adapter(model, config: LoraConfig, out_dir: str, base_model: str, tokenizer=None,

@@ -1,12 +1,19 @@
 """torchrun worker (2 ranks): the tiny model with LoRA adapters on every linear, the same adapters
-(A as initialised, B drawn from a fixed seed, whole, then sharded as the layer shards it) at TP=2 and
-then at TP=1 in the same launch; a loss on fixed random weights of the real vocabulary, backward.
-Rank 0 writes a JSON report: the TP=2 logits and adapter gradients (gathered whole) against TP=1's,
-in ulps (tests/helpers.py: two fp32 paths), and the gradients' scale; and, from a TP=2 pass with the
-adapters' dropout on, how far the replicated A's gradients of the two TP ranks are apart (0: the same masks)."""
+(A as initialised, B drawn whole from a seed per adapter, then sharded as the layer shards it) through the
+actor (Megatron DDP, its schedule and finalize_model_grads, the base frozen) at TP=2, PP=2, CP=2 and
+then on one rank's layout (TP=1, the two ranks data-parallel copies), in the same launch: one packed
+micro-batch of two sequences, a loss on fixed random weights of the real vocabulary, backward.
+Rank 0 writes a JSON report: each layout's logits (the last stage's, whole over TP and CP) and every
+adapter's gradient (gathered whole over TP, from every stage) against the one-rank layout's, in ulps
+(tests/helpers.py: two fp32 paths), and the gradients' scale; from a TP=2 pass with the adapters'
+dropout on, how far the replicated A's gradients of the two TP ranks are apart (0: the same masks);
+and the checkpoint at PP=2 (adapters and Adam's moments, Megatron's layer offsets): a fresh PP=2 actor
+resumed from it takes the next step bit for bit as the saved one did, and the one-rank layout loads it
+with every adapter and moment bit for bit as saved."""
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -15,85 +22,177 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import fp32_paths_ulps
 
+LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2), "one": {}}
+LENGTHS = (12, 8)  # the packed row's sequences: slots of a multiple of 2 x CP as they are
 
-def run(model_dir: str, tp: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    from megatron.core import parallel_state, tensor_parallel
+
+def micro_batch(vocab: int):
+    from megarl.model_runner import MicroBatch
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, vocab, (1, sum(LENGTHS)), generator=generator)
+    labels, positions, spans, offset = torch.zeros_like(tokens), torch.zeros_like(tokens), [], 0
+    for length in LENGTHS:
+        labels[0, offset: offset + length - 1] = tokens[0, offset + 1: offset + length]
+        positions[0, offset: offset + length] = torch.arange(length)
+        spans.append((0, offset, 4, length - 4))
+        offset += length
+    return MicroBatch(tokens, labels, torch.ones(tokens.shape), spans, {}, positions, [0, 1], list(LENGTHS))
+
+
+def adapter_params(model) -> dict[str, torch.nn.Parameter]:
+    """This stage's adapters by global name (HF module path, A or B)."""
+    from megarl.models.lora import adapters_of
+
+    return {f"{adapter.hf_paths[module]}.{kind}": param for adapter in adapters_of(model)
+            for kind, params in (("A", adapter.A), ("B", adapter.B)) for module, param in params.items()}
+
+
+def whole_over_tp(param, tensor, tp: int, group) -> torch.Tensor:
+    dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+    if dim is None or tp == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(tp)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def everyone(local: dict) -> dict:
+    """The union of every rank's dict (tensor-, context- and data-parallel peers hold the same entries)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return {name: value for part in gathered for name, value in part.items()}
+
+
+def optimizer_moments(actor) -> dict[str, torch.Tensor]:
+    named = {id(param): name for name, param in adapter_params(actor.model).items()}
+    moments = {}
+    for part in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for param, state in part.optimizer.state.items():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                moments[f"{named[id(param)]}.{moment}"] = state[moment].clone()
+    return moments
+
+
+def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from transformers import AutoConfig
 
+    from megarl.actor import Actor
+    from megarl.arguments import parse_args
+    from megarl.checkpoint import _use_in_process_results_queue
     from megarl.kernels import naive
-    from megarl.models.convert import load_hf_weights
-    from megarl.models.families import family_of
-    from megarl.models.lora import LoraConfig, apply_lora, resolve_targets
-    from megarl.models.megatron_gpt import build_gpt_model
+    from megarl.model_runner import forward_backward
+    from megarl.models.lora import adapters_of
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    layout = LAYOUTS[name]
+    tp, pp, cp = (layout.get(key, 1) for key in ("tp", "pp", "cp"))
+    args = parse_args(["--model", model_dir, "--lora-rank", "4", "--lora-alpha", "8", "--micro-batch-size", "1", "--lr", "1e-3",
+                       "--padding-free", "--tensor-model-parallel-size", str(tp),
+                       "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp)], world_size=2)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    tp_rank, group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
+    tp_rank, tp_group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
     hf_config = AutoConfig.from_pretrained(model_dir)
-    model = build_gpt_model(hf_config)
-    load_hf_weights(model, model_dir, hf_config)
-    config = LoraConfig(4, 8.0, 0.0, resolve_targets(["all-linear"], family_of(hf_config)))
-    apply_lora(model, hf_config, config, seed=5)
-    adapters = {name: module for name, module in model.named_modules() if name.endswith("_lora")}
-    with torch.no_grad():  # B as trained adapters have it: drawn whole, sharded as the layer's output rows
-        for index, (name, adapter) in enumerate(sorted(adapters.items())):
-            for module, b in adapter.B.items():
-                rows = b.shape[0] * (tp if adapter.split == "column" else 1)
-                whole = torch.randn(rows, b.shape[1], generator=torch.Generator().manual_seed(index)) * 0.1
-                b.copy_(whole.chunk(tp, dim=0)[tp_rank] if adapter.split == "column" else whole)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, hf_config.vocab_size, (2, 10), generator=generator)
-    weights = torch.randn(2, 10, hf_config.vocab_size, generator=generator)
-    logits = model(tokens, torch.arange(10).expand(2, 10), attention_mask=None)  # [b, s, V/TP]
-    width = logits.shape[-1]
-    shard = torch.zeros(2, 10, width)
-    real = weights[..., tp_rank * width: (tp_rank + 1) * width]
-    shard[..., : real.shape[-1]] = real
-    (logits * shard).sum().backward()  # the ranks' parts sum to the whole loss
-    whole_logits = naive._all_gather_last_dim(logits.detach(), group)[..., : hf_config.vocab_size]
-    grads = {}
-    for name, adapter in adapters.items():
-        for kind, params in (("A", adapter.A), ("B", adapter.B)):
-            for module, param in params.items():
-                grad = param.grad
-                dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
-                if dim is not None and tp > 1:
-                    parts = [torch.empty_like(grad) for _ in range(tp)]
-                    dist.all_gather(parts, grad.contiguous(), group=group)
-                    grad = torch.cat(parts, dim=dim)
-                grads[f"{name}.{kind}.{module}"] = grad
+    batch = micro_batch(hf_config.vocab_size)
+    weights = torch.randn(*batch.tokens.shape, hf_config.vocab_size, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(part, logits, companion_outputs):
+        whole = part.gather(logits)  # [1, L, V/TP]: every CP rank's positions
+        width = whole.shape[-1]
+        shard = torch.zeros(*whole.shape[:-1], width)
+        real = weights[..., tp_rank * width: (tp_rank + 1) * width]
+        shard[..., : real.shape[-1]] = real
+        loss = (whole * shard).sum()  # the TP ranks' parts sum to the whole loss
+        logits = naive._all_gather_last_dim(whole.detach(), tp_group)[..., : hf_config.vocab_size]
+        return loss, torch.tensor(1, dtype=torch.int), {"sums": {"loss": loss.detach()}, "logits": logits}
+
+    def actor_with_adapters():
+        actor = Actor(args, hf_config)
+        with torch.no_grad():  # B as trained adapters have it: drawn whole, sharded as the layer's output rows
+            for key, param in adapter_params(actor.model).items():
+                if key.endswith(".B"):
+                    split = getattr(param, "tensor_model_parallel", False)  # column base: on its rows
+                    whole = torch.randn(param.shape[0] * (tp if split else 1), param.shape[1],
+                                        generator=torch.Generator().manual_seed(zlib.crc32(key.encode()))) * 0.1
+                    param.copy_(whole.chunk(tp, dim=0)[tp_rank] if split else whole)
+        return actor
+
+    actor = actor_with_adapters()
+    actor.model.zero_grad_buffer()
+    outputs = forward_backward(actor.model, [batch], loss_fn, False, 1)  # DDP's reduction over DP x CP included
+    params = adapter_params(actor.model)
+    grads = everyone({key: whole_over_tp(param, param.main_grad, tp, tp_group) for key, param in params.items()})
+    result = {"logits": outputs[0]["logits"], "grads": grads}
     if tp > 1:  # with dropout, a replicated A must see the same mask (so the same gradient) on every TP rank
-        model.zero_grad()
-        model.train()
-        for adapter in adapters.values():
+        actor.model.zero_grad_buffer()
+        actor.model.train()
+        for adapter in adapters_of(actor.model):
             adapter.dropout = 0.5
-        (model(tokens, torch.arange(10).expand(2, 10), attention_mask=None) * shard).sum().backward()
-        replicated = torch.cat([param.grad.flatten() for adapter in adapters.values() if adapter.split == "column"
-                                for param in adapter.A.values()])
-        everyone = [torch.empty_like(replicated) for _ in range(tp)]
-        dist.all_gather(everyone, replicated, group=group)
-        grads["dropout_replicated_A_rank_difference"] = (everyone[1] - everyone[0]).abs().max()
-        grads["dropout_replicated_A_max"] = replicated.abs().max()
+        forward_backward(actor.model, [batch], loss_fn, False, 1)
+        replicated = torch.cat([param.main_grad.flatten() for key, param in params.items()
+                                if key.endswith(".A") and not getattr(param, "tensor_model_parallel", False)])
+        copies = [torch.empty_like(replicated) for _ in range(tp)]
+        dist.all_gather(copies, replicated, group=tp_group)
+        result["dropout_replicated_A_rank_difference"] = (copies[1] - copies[0]).abs().max().item()
+        result["dropout_replicated_A_max"] = replicated.abs().max().item()
+    _use_in_process_results_queue()
+    if pp > 1:  # a step, the checkpoint, a step; a fresh actor resumed from it takes the same step
+        actor.optimizer_step([batch], loss_fn)
+        if dist.get_rank() == 0:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(actor.sharded_state_dict("policy", is_loading=False), str(ckpt))
+        schedule = actor.state_dict()
+        result["saved"] = everyone({key: param.detach().clone() for key, param in params.items()} |
+                                   optimizer_moments(actor))
+        actor.optimizer_step([batch], loss_fn)
+        straight = {key: param.detach().clone() for key, param in params.items()}
+        resumed = Actor(args, hf_config)
+        loaded = dist_checkpointing.load(resumed.sharded_state_dict("policy", is_loading=True), str(ckpt))
+        resumed.load_sharded_state_dict(loaded, "policy")
+        resumed.load_state_dict(schedule)
+        resumed.optimizer_step([batch], loss_fn)
+        again = adapter_params(resumed.model)
+        exact = torch.tensor(int(again.keys() == straight.keys() and
+                                 all(torch.equal(again[key], straight[key]) for key in straight)))
+        dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+        result["resumed_step_bit_exact"] = bool(exact)
+        result["resumed_step_moved"] = max((straight[key] - result["saved"][key]).abs().max().item()
+                                           for key in straight)
+    if saved is not None:  # the PP=2 checkpoint on this layout
+        other = Actor(args, hf_config)
+        loaded = dist_checkpointing.load(other.sharded_state_dict("policy", is_loading=True), str(ckpt))
+        other.load_sharded_state_dict(loaded, "policy")
+        mine = everyone({key: param.detach().clone() for key, param in adapter_params(other.model).items()} |
+                        optimizer_moments(other))
+        result["pp2_checkpoint_loaded"] = {"keys": mine.keys() == saved.keys(), "count": len(mine),
+                                           "bit_exact": all(torch.equal(mine[key], saved[key]) for key in saved)}
     parallel_state.destroy_model_parallel()
-    return whole_logits, grads
+    return result
 
 
 def main():
     from megarl import accelerator
 
     model_dir, out = sys.argv[1], sys.argv[2]
+    ckpt = Path(out).parent / "lora_pp2_checkpoint"
     dist.init_process_group("gloo")
     accelerator.apply_megatron_shims()
-    logits2, grads2 = run(model_dir, 2)
-    logits1, grads1 = run(model_dir, 1)
+    results = {}
+    for name in LAYOUTS:
+        results[name] = run(model_dir, name, ckpt, results["pp2"].pop("saved") if name == "one" else None)
     if dist.get_rank() == 0:
-        dropout = {name: grads2.pop(name).item() for name in ("dropout_replicated_A_rank_difference",
-                                                               "dropout_replicated_A_max")}
-        assert grads1.keys() == grads2.keys(), (sorted(grads1), sorted(grads2))
-        report = {**dropout, "logits_ulps": fp32_paths_ulps(logits2, logits1),
-                  "grad_ulps": {name: fp32_paths_ulps(grads2[name], grads1[name]) for name in grads1},
-                  "grad_max": {name: grads1[name].abs().max().item() for name in grads1},
-                  "shapes": {name: list(grads2[name].shape) for name in grads2}}
+        one = results.pop("one")
+        report = {"grad_max": {key: grad.abs().max().item() for key, grad in one["grads"].items()},
+                  "pp2_checkpoint_loaded": one["pp2_checkpoint_loaded"]}
+        for name, result in results.items():
+            assert result["grads"].keys() == one["grads"].keys(), (name, sorted(result["grads"]), sorted(one["grads"]))
+            report[name] = {"logits_ulps": fp32_paths_ulps(result["logits"], one["logits"]),
+                            "grad_ulps": {key: fp32_paths_ulps(result["grads"][key], one["grads"][key])
+                                          for key in one["grads"]},
+                            **{key: value for key, value in result.items() if key not in ("logits", "grads")}}
         Path(out).write_text(json.dumps(report, indent=1))
     dist.barrier()
     dist.destroy_process_group()
