@@ -352,7 +352,8 @@ def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(tiny_model, tmp_path):
     adapters without gradient, or another layout's initial A, would read ~1e9); with dropout, the replicated
     A's gradient is the same on both TP ranks (its input's mask drawn alike). The PP=2 checkpoint (Megatron's
     layer offsets) resumes a fresh PP=2 actor's next step bit for bit, and loads at PP=1 with every adapter
-    and Adam moment as saved."""
+    and Adam moment as saved. The weight syncs' two streams (merged weights, PEFT adapters), every stage's on
+    every rank, equal one rank's."""
     from helpers import read_json
 
     torchrun("lora_worker.py", tiny_model, tmp_path / "report.json", timeout=400)
@@ -363,6 +364,11 @@ def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(tiny_model, tmp_path):
         assert len(report[layout]["grad_ulps"]) == 2 * 2 * 7  # layers x (A, B) x the 7 linears of a layer
         off = {name: value for name, value in report[layout]["grad_ulps"].items() if value > FP32_PATHS_ULPS}
         assert not off, (layout, off)
+        # The syncs' and exports' streams: the merged weights (as two fp32 paths: the same sums) and the adapters
+        # (bit for bit: the same tensors, gathered), every stage's, on every rank.
+        assert report[layout]["merged_ulps"] <= FP32_PATHS_ULPS and report[layout]["peft_bit_exact"], \
+            (layout, report[layout]["merged_ulps"], report[layout]["peft_bit_exact"])
+    assert report["streamed"] == {"merged": 2 + 2 * 12, "peft": 2 * 2 * 7}, report["streamed"]
     tp2, pp2 = report["tp2"], report["pp2"]
     assert tp2["dropout_replicated_A_max"] > 0 and tp2["dropout_replicated_A_rank_difference"] == 0, tp2
     assert pp2["resumed_step_bit_exact"] and pp2["resumed_step_moved"] > 1e-5, pp2  # the step moved the adapters
@@ -371,20 +377,24 @@ def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_the_adapter_sync_serves_the_policy_with_vllms_lora(tiny_model, tmp_path):
-    """--lora-sync adapter: three GRPO steps, TP=2 trainer ranks and one TP=2 engine on them (colocated), a KL
-    term. Each sync moves only the adapters (a fraction of the model's bytes), vLLM serves them on its base
-    through its LoRA kernels, and the rollout-vs-trainer mismatch stays at rounding level, as with the merged
-    sync (without the adapters the engine's logprobs would be the base's: 5e-2 off at this learning rate)."""
+    """--lora-sync adapter: three GRPO steps, PP=2 trainer ranks (one layer's adapters on each stage, streamed
+    to both ranks: convert.every_stage) and one TP=2 engine on them (colocated), a KL term (the base with the
+    adapters off, through the pipeline schedule). Each sync moves only the adapters, all of them (a fraction of
+    the model's bytes), vLLM serves them on its base through its LoRA kernels, and the rollout-vs-trainer
+    mismatch stays at rounding level, as with the merged sync (without the adapters the engine's logprobs would
+    be the base's: 5e-2 off at this learning rate). (The TP=2 trainer's gather of the same stream: the PEFT
+    export at TP=2 equals tools/export_hf.py's at TP=1 in tests/test_checkpoint.py.)"""
     from safetensors.torch import load_file
 
     from helpers import ROUNDING_LEVEL, scalars
 
     torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
              "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12", "--micro-batch-size", "8",
-             "--rollout-kv-cache-gb", "1", "--lr", "1e-2", "--train-steps", "3", "--tensor-model-parallel-size", "2",
+             "--rollout-kv-cache-gb", "1", "--lr", "1e-2", "--train-steps", "3", "--pipeline-model-parallel-size", "2",
              "--rollout-tensor-parallel-size", "2", "--lora-rank", "8", "--kl-coef", "0.05", "--lora-sync", "adapter",
              "--log-dir", tmp_path / "tb", timeout=600)
     series = scalars(tmp_path / "tb", ("mismatch", "kl_ref", "sync_bytes"))
+    print("mismatch after each sync:", series["mismatch"])  # the figures for the notes (pytest -s)
     assert sorted(series["mismatch"]) == [0, 1, 2] and max(series["mismatch"].values()) <= ROUNDING_LEVEL, series
     assert series["kl_ref"][0] == 0.0 and series["kl_ref"][1] > 0.0, series
     # Each sync: the A [8, in] and B [out, 8] of the 7 linears of both layers, fp32, and nothing else.

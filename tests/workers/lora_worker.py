@@ -5,7 +5,8 @@ then on one rank's layout (TP=1, the two ranks data-parallel copies), in the sam
 micro-batch of two sequences, a loss on fixed random weights of the real vocabulary, backward.
 Rank 0 writes a JSON report: each layout's logits (the last stage's, whole over TP and CP) and every
 adapter's gradient (gathered whole over TP, from every stage) against the one-rank layout's, in ulps
-(tests/helpers.py: two fp32 paths), and the gradients' scale; from a TP=2 pass with the adapters'
+(tests/helpers.py: two fp32 paths), and the gradients' scale; the weight syncs' and exports' two streams
+(merged weights, PEFT adapters: every stage's on every rank, whole) against the one-rank layout's; from a TP=2 pass with the adapters'
 dropout on, how far the replicated A's gradients of the two TP ranks are apart (0: the same masks);
 and the checkpoint at PP=2 (adapters and Adam's moments, Megatron's layer offsets): a fresh PP=2 actor
 resumed from it takes the next step bit for bit as the saved one did, and the one-rank layout loads it
@@ -83,7 +84,8 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     from megarl.checkpoint import _use_in_process_results_queue
     from megarl.kernels import naive
     from megarl.model_runner import forward_backward
-    from megarl.models.lora import adapters_of
+    from megarl.models.convert import iter_hf_weights
+    from megarl.models.lora import adapters_of, iter_peft_weights
 
     layout = LAYOUTS[name]
     tp, pp, cp = (layout.get(key, 1) for key in ("tp", "pp", "cp"))
@@ -120,11 +122,16 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
         return actor
 
     actor = actor_with_adapters()
+    # The syncs' streams (every stage's tensors on every rank, gathered over TP; small buckets: several):
+    # the merged weights (--lora-sync merged, --lora-export merged) and the adapters (--lora-sync adapter, the
+    # PEFT export), each whole.
+    streams = {"merged": iter_hf_weights(actor.model, hf_config, 2**16), "peft": iter_peft_weights(actor.model, 2**16)}
+    streams = {kind: {key: tensor.detach().clone() for key, tensor in stream} for kind, stream in streams.items()}
     actor.model.zero_grad_buffer()
     outputs = forward_backward(actor.model, [batch], loss_fn, False, 1)  # DDP's reduction over DP x CP included
     params = adapter_params(actor.model)
     grads = everyone({key: whole_over_tp(param, param.main_grad, tp, tp_group) for key, param in params.items()})
-    result = {"logits": outputs[0]["logits"], "grads": grads}
+    result = {"logits": outputs[0]["logits"], "grads": grads, **streams}
     if tp > 1:  # with dropout, a replicated A must see the same mask (so the same gradient) on every TP rank
         actor.model.zero_grad_buffer()
         actor.model.train()
@@ -186,13 +193,20 @@ def main():
     if dist.get_rank() == 0:
         one = results.pop("one")
         report = {"grad_max": {key: grad.abs().max().item() for key, grad in one["grads"].items()},
+                  "streamed": {kind: len(one[kind]) for kind in ("merged", "peft")},
                   "pp2_checkpoint_loaded": one["pp2_checkpoint_loaded"]}
         for name, result in results.items():
             assert result["grads"].keys() == one["grads"].keys(), (name, sorted(result["grads"]), sorted(one["grads"]))
             report[name] = {"logits_ulps": fp32_paths_ulps(result["logits"], one["logits"]),
                             "grad_ulps": {key: fp32_paths_ulps(result["grads"][key], one["grads"][key])
                                           for key in one["grads"]},
-                            **{key: value for key, value in result.items() if key not in ("logits", "grads")}}
+                            "merged_ulps": max(fp32_paths_ulps(result["merged"][key], one["merged"][key])
+                                               for key in one["merged"]) if result["merged"].keys() == one["merged"].keys()
+                            else sorted(result["merged"].keys() ^ one["merged"].keys()),
+                            "peft_bit_exact": result["peft"].keys() == one["peft"].keys() and
+                            all(torch.equal(result["peft"][key], one["peft"][key]) for key in one["peft"]),
+                            **{key: value for key, value in result.items()
+                               if key not in ("logits", "grads", "merged", "peft")}}
         Path(out).write_text(json.dumps(report, indent=1))
     dist.barrier()
     dist.destroy_process_group()
