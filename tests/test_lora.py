@@ -2,7 +2,8 @@
 merged export equals base + adapters after training, the base is frozen out of DDP and the optimizer, the
 reference is the policy's own base, activation recomputation still trains the adapters. The options' errors are
 rows of tests/test_bad_input.py; GRPO runs with TP=2 adapters (the merged sync, the resume, the exports) are
-tests/test_checkpoint.py's."""
+tests/test_checkpoint.py's. Two-rank launches: TP=2, PP=2 and CP=2 against one rank (gradients, the syncs'
+streams, a PP=2 checkpoint), and the adapter sync of a PP=2 GRPO run."""
 
 from __future__ import annotations
 

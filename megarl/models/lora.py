@@ -26,8 +26,22 @@ Tensor parallelism: A and B are split the way the base weight is.
     product into the base's own reduction would save that collective but leave B's gradient a
     per-rank partial sum that Megatron does not reduce for a replicated parameter; the r-wide
     reduction costs r/out of the base's.
-Initialisation is drawn on the host from a generator seeded by (--seed, layer, module), whole,
-and then sharded: every TP, DP and PP layout starts from the same adapters.
+Initialisation is drawn on the host from a generator seeded by (--seed, global layer, module), whole,
+and then sharded: every TP, PP, CP and DP layout starts from the same adapters (tests/workers/lora_worker.py:
+PP=2's logits equal one rank's bit for bit).
+
+Pipeline and context parallelism need nothing of their own: each stage's layers carry their adapters,
+which enter the stages' activations and gradients like any layer's weights. Megatron's reductions of
+the frozen base skip it (megatron/core/distributed/finalize_model_grads.py, 0.16.1): the tied
+embedding's across the first and last stage finds no main_grad (DDP keeps none for a frozen parameter)
+and a None .grad, and returns on both stages alike ("When the embedding is frozen, the grad is None");
+the position embedding's group is the first stage alone (and RoPE models have none); the layer norms'
+TP reduction (sequence parallelism, qk_layernorm) takes only parameters that require grad. DDP's
+buffers hold the adapters alone and reduce them over DP x CP, each CP rank's gradient being of its own
+positions, divided by the loss units counted over DP x CP (megarl/model_runner.py). Measured at TP=2,
+PP=2 and CP=2 against one rank (tests/workers/lora_worker.py, through the actor's DDP, schedule and
+finalize_model_grads, the tiny model's tied embedding frozen): logits 2.9, 0, 1.9 ulps; every
+adapter's gradient <= 91, 0, 126 ulps (fp32, the rule of tests/helpers.py: 2048).
 
 The base is frozen: every parameter of the model is requires_grad False but the adapters, so
 Megatron's DDP makes no gradient buffer, and its optimizer (distributed or not) no fp32 main copy
@@ -45,7 +59,8 @@ policy's own base weights (megarl/reference.py), no second copy.
 
 Sync to the rollout engines (--lora-sync): `merged` (the default) sends the whole model with the merged
 weights through the weight sync's strategies, as full training does; `adapter` sends the adapters only
-(`iter_peft_weights`, PEFT's names, gathered whole over TP; Actor.hf_weights) through the same strategies, and
+(`iter_peft_weights`, PEFT's names, gathered whole over TP, every pipeline stage's on every train rank by
+the merged export's own stage loop, convert.every_stage; Actor.hf_weights) through the same strategies, and
 the engine, started with vLLM's LoRA (`vllm_lora_kwargs`: one slot of the smallest vLLM rank >= r), loads
 them as one adapter replaced in place each sync and runs every request with it (megarl/rollout.py:
 RolloutEngine._load_adapter). vLLM's LoRA computes x A^T B^T scale beside the base's output in its punica
@@ -59,8 +74,9 @@ default; GPU (triton punica kernels) is not measured yet. Not with --rollout-bac
 
 Checkpoints hold the adapters only: the policy's sharded state (megarl/checkpoint.py's dist/) is the
 adapters and their optimizer state (Adam's moments; with the distributed optimizer also its fp32 main
-copies), under the same keys as in a full checkpoint, so Megatron reshards them to another TP or DP size on
-load. The frozen base is not saved again: it is --model, the HF checkpoint the run started from, recorded in
+copies), under the same keys as in a full checkpoint, so Megatron reshards them to another TP, PP or DP size
+on load (the layers' global offsets reach `LoraAdapter.sharded_state_dict` through TransformerBlock's
+sharded_offsets: a PP=2 checkpoint resumes at PP=2 bit for bit and loads at PP=1 as saved, lora_worker). The frozen base is not saved again: it is --model, the HF checkpoint the run started from, recorded in
 state.json's `lora` (its path and a fingerprint of its weights, `base_fingerprint`, with the adapters' rank,
 alpha, dropout and targets). A resume rebuilds the base from its own --model and loads the adapters onto it;
 it is refused, in one line, when the fingerprint or the adapters' shape differ, or when a LoRA checkpoint
@@ -79,8 +95,10 @@ W + scale * B A (the same stream as the merged sync); `both`, the merged checkpo
 directory in its adapter/.
 
 Not served (refused at start by megarl/arguments.py): Transformer Engine's layer-norm-fused
-linears (their input is the un-normalised hidden state), sequence parallelism, pipeline and
-context parallelism (untested: their gradient reductions of a frozen tied embedding).
+linears (their input is the un-normalised hidden state), and sequence parallelism: there a column-parallel
+base takes the sequence-split input and gathers it itself, and a row-parallel one reduce-scatters its output
+over the sequence, so the hook would see split inputs and owe split outputs for which the adapters' TP
+collectives (copy/all-reduce of the [tokens, r] product) are not written.
 """
 
 from __future__ import annotations
@@ -277,7 +295,8 @@ def apply_lora(model, hf_config, config: LoraConfig, seed: int) -> list[LoraAdap
 
     gpt = unwrap(model)
     if gpt.config.sequence_parallel:
-        raise ValueError("--lora-rank with sequence parallelism is not supported yet")
+        raise ValueError("--lora-rank with sequence parallelism is not supported yet (the adapters' TP collectives "
+                         "take unsplit sequences: see the module docstring)")
     gpt.requires_grad_(False)
     adapters = []
     for layer in gpt.decoder.layers:
