@@ -56,7 +56,8 @@ class Actor(TrainableModel, SampledLogprobs):
         Collective over the train ranks."""
         return routing_replay.routing_metrics(self.model)
 
-    def _logprobs(self, micro_batches: list[MicroBatch], width: int, full_kl_to) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, micro_batches: list[MicroBatch], width: int,
+                  full_kl_to) -> tuple[torch.Tensor, torch.Tensor | None]:
         if full_kl_to is None:
             return self.sampled_logprobs(micro_batches, width), None
 

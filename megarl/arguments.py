@@ -1084,11 +1084,14 @@ def _validate_moe(args) -> None:
 
 def _policy_family(args):
     """(HF config, megarl family) of --model, or (None, None) where its config cannot be read here or its
-    family is unsupported (named at start-up: run.load_inputs)."""
+    family is unsupported (named at start-up: run.load_inputs, which also refuses anything but a directory:
+    so no hub look-up here)."""
     from transformers import AutoConfig
 
     from megarl.models.families import family_of
 
+    if not os.path.isdir(args.model):
+        return None, None
     try:
         hf_config = AutoConfig.from_pretrained(args.model)
         return hf_config, family_of(hf_config)

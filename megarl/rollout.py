@@ -130,7 +130,7 @@ class VllmEngine:
         self.tool_wait_seconds = 0.0  # idle, waiting on tools only, since the generate phase last reported it
         self.last_episode_log: list = []
         self.lora_request = None  # the LoRA adapter every request runs with (--lora-sync adapter), once synced
-        self.routes = None  # routing_replay.EngineRoutes where the samples carry routes (the rollout's, --routing-replay)
+        self.routes = None  # routing_replay.EngineRoutes where the samples carry routes (--routing-replay)
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,

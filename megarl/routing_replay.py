@@ -22,9 +22,10 @@ which is sampled and never fed back, so it has no route). One code path per plat
     request computed it, possibly in an earlier generate call; keeping those needs a store keyed by block
     hashes that lives as long as the cache (what vLLM's V2 connector does). The cost is recomputing each
     prompt for every one of its samples.
-Both end in `sample_routes`, the one place that checks a completion's routes against its tokens.
+Both end in `EngineRoutes.of` -> `sample_routes`, the one place that checks a completion's routes against
+its length.
 
-Trainer side (`LayerReplay`, `install_on_model`, `set_targets`): Megatron-core's `RouterReplay`
+Trainer side (`layer_replay`, `install_on_model`, `set_targets`): Megatron-core's `RouterReplay`
 (`transformer/moe/router_replay.py`; `topk_routing_with_score_function` asks it for the top-k), one per
 router, installed by megarl rather than by `moe_enable_routing_replay` (that one registers every router of
 every model of the process in one class-level list, in instantiation order: the actor's and the
@@ -94,12 +95,21 @@ class RouteRecorder:
         """The routes [p + r - 1, layers, k] of the finished request that fed exactly prompt + response[:-1],
         removed from the recorder. Requests are found by their tokens, not by vLLM's internal ids (which
         carry a random suffix and, for n > 1, a child index): two requests that fed the same tokens were
-        routed alike, so either's routes serve."""
+        routed alike, so either's routes serve. Failing an exact match, a request that fed more tokens after
+        the same ones serves: vLLM drops the tokens generated past a matched stop string from the
+        completion (output_processor.py, _trim_surplus_tokens, e.g. several tokens accepted in one step;
+        on CUDA their routes too), not from what the model was fed."""
         fed = torch.tensor(list(prompt_ids) + list(response_ids[:-1]), dtype=torch.long)
+        match = None
         for request_id, (tokens, routes, length) in self.requests.items():
-            if length == len(fed) and torch.equal(tokens[:length], fed):
-                del self.requests[request_id]
-                return routes[:length].clone()
+            if length >= len(fed) and torch.equal(tokens[:len(fed)], fed):
+                if length == len(fed):
+                    match = request_id
+                    break
+                match = match or request_id
+        if match is not None:
+            tokens, routes, length = self.requests.pop(match)
+            return routes[:len(fed)].clone()
         raise RuntimeError(f"routing replay: no request of the engine fed this sample's {len(fed)} tokens (its "
                            f"routes were not recorded)")
 
@@ -356,7 +366,8 @@ def routing_metrics(model) -> dict[str, float]:
     """{"routing_replay_flip": share of recorded (token, layer) routes where the trainer's own top-k differs}
     since `measure(model, True)`, over every train rank (each pipeline stage counts its layers, each
     data-parallel, context-parallel and sequence-parallel rank its tokens; TP ranks without sequence
-    parallelism count the same tokens alike, which leaves the share unchanged). {} without replay.
+    parallelism count the same tokens alike, which leaves the share unchanged). {} without replay or
+    without recorded routes.
     Collective over the train ranks."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -371,4 +382,4 @@ def routing_metrics(model) -> dict[str, float]:
                   parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_tensor_model_parallel_group()):
         dist.all_reduce(counts, group=group)
     differ, total = counts.tolist()
-    return {"routing_replay_flip": differ / max(total, 1.0)}
+    return {"routing_replay_flip": differ / total} if total else {}  # {}: no sample carried routes

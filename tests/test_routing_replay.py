@@ -38,6 +38,9 @@ def test_recorder_maps_each_steps_rows_to_requests_and_positions():
         assert routes.shape == (len(fed), 2, 2)
         assert torch.equal(routes.long(), _rows(fed))
     assert recorder.requests == {}
+    # A completion cut after a --stop string fed fewer tokens than its request: the request's first ones.
+    recorder.step(["d"], [0], [4], torch.tensor([1, 2, 3, 4]), _rows([1, 2, 3, 4]))
+    assert torch.equal(recorder.take([1, 2], [3, 9]).long(), _rows([1, 2, 3]))
     with pytest.raises(RuntimeError, match="no request of the engine fed this sample's 5 tokens"):
         recorder.take(a, [21])
 

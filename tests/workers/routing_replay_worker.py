@@ -6,10 +6,10 @@ trainer roles of one run (build_run: vLLM records, Megatron replays).
 2. The perturbation (below) on the policy's and the reference's routers, then routing equality: every
    micro-batch, padded (several rows: Megatron's [s, b] token order) and packed, through both; per layer,
    the experts each router used at the recorded positions against the samples' routes.
-3. The perturbation on the policy only: a trainer-only selection bias (a large per-expert offset added to the router's logits
-   for the top-k choice only, probabilities from the unbiased logits, as DeepSeek-V3's bias-based
-   balancing does), so that the trainer's own routes differ from the engine's. The old logprobs again with
-   replay, then without (the samples' routes dropped), then unperturbed without replay.
+3. The perturbation on the policy only: a trainer-only selection bias (a large per-expert offset added to
+   the router's logits for the top-k choice only, probabilities from the unbiased logits, as DeepSeek-V3's
+   bias-based balancing does), so that the trainer's own routes differ from the engine's. The old logprobs
+   again with replay, then without (the samples' routes dropped), then unperturbed without replay.
 Rank 0 writes the report (JSON) to argv[1].
 """
 
@@ -98,8 +98,8 @@ def main():
     samples, _ = phases.generate(run, 0)
     report = {"samples": len(samples), "with_routes": sum(s.routes is not None for s in samples),
               "routes_shape_ok": all(tuple(s.routes.shape) == (len(s.prompt_ids) + len(s.response_ids) - 1,
-                                                               hf_config.num_hidden_layers, hf_config.num_experts_per_tok)
-                                     for s in samples),
+                                                               hf_config.num_hidden_layers,
+                                                               hf_config.num_experts_per_tok) for s in samples),
               "unperturbed_replay": old_logprobs(run, samples)}
     for model in (run.actor.model, run.reference.model):
         set_bias(model, True, hf_config.num_experts, hf_config.num_experts_per_tok)
