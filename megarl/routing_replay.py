@@ -55,40 +55,36 @@ NO_ROUTE = -1
 # ----------------------------------------------------------------- rollout side ----
 class RouteRecorder:
     """Per-request routes from the forward steps of a vLLM V1 engine (no vLLM here: the worker hook in
-    `install` feeds it). Each request keeps the tokens it fed and their routes by position; a finished
-    completion takes its routes by its tokens (`take`)."""
+    `install` feeds it). Each request keeps the tokens it fed by position (a Python list) and, per step it
+    took part in, where its rows lie in that step's routes; a finished completion finds its request by its
+    tokens and assembles the routes then (`take`). The per-step work is a few list operations per request:
+    it runs between every two decode steps of the engine."""
 
     def __init__(self, num_layers: int, top_k: int):
         self.num_layers, self.top_k = num_layers, top_k
-        self.requests: dict[str, list] = {}  # request id -> [tokens [cap] int64, routes [cap, layers, k], length]
+        # request id -> (tokens fed by position, [(step's routes, offset in the step, start position, count)])
+        self.requests: dict[str, tuple[list[int], list]] = {}
 
     def step(self, request_ids: list[str], starts: list[int], counts: list[int], tokens, rows) -> None:
         """One forward step: request i fed `counts[i]` tokens from position `starts[i]`, laid end to end in
         request order; `tokens` [sum(counts)] are the step's input ids, `rows` [sum(counts), layers, k] the
-        experts each layer routed them to. A position written again (a preempted request recomputed from
-        the start) is overwritten."""
+        experts each layer routed them to (copied: the capturer reuses its buffer). A position written again
+        (a preempted request recomputed from the start) takes the later step's route."""
         total = sum(counts)
         if len(tokens) < total or len(rows) < total:
             raise RuntimeError(f"routing replay: the step fed {total} tokens but {len(rows)} routes were captured")
+        tokens = torch.as_tensor(tokens[:total]).tolist()
+        rows = torch.as_tensor(rows[:total]).to(torch.int16, copy=True)
         offset = 0
         for request_id, start, count in zip(request_ids, starts, counts):
             if not count:
                 continue
-            entry = self.requests.get(request_id)
-            end = start + count
-            if entry is None:
-                entry = self.requests[request_id] = [torch.zeros(0, dtype=torch.long),
-                                                     torch.zeros(0, self.num_layers, self.top_k, dtype=torch.int16), 0]
-            if end > len(entry[0]):  # grow geometrically: decode appends one position a step
-                capacity = max(end, 2 * len(entry[0]), 64)
-                grown_tokens = torch.full((capacity,), -1, dtype=torch.long)
-                grown_routes = torch.zeros(capacity, self.num_layers, self.top_k, dtype=torch.int16)
-                grown_tokens[:entry[2]] = entry[0][:entry[2]]
-                grown_routes[:entry[2]] = entry[1][:entry[2]]
-                entry[0], entry[1] = grown_tokens, grown_routes
-            entry[0][start:end] = torch.as_tensor(tokens[offset:offset + count]).long()
-            entry[1][start:end] = torch.as_tensor(rows[offset:offset + count]).to(torch.int16)
-            entry[2] = max(entry[2], end)
+            fed, segments = self.requests.setdefault(request_id, ([], []))
+            if start > len(fed):
+                raise RuntimeError(f"routing replay: request {request_id} fed positions from {start}, after only "
+                                   f"{len(fed)} recorded (a prefix-cached prompt? prefix caching must be off)")
+            fed[start:start + count] = tokens[offset:offset + count]
+            segments.append((rows, offset, start, count))
             offset += count
 
     def take(self, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
@@ -99,19 +95,23 @@ class RouteRecorder:
         the same ones serves: vLLM drops the tokens generated past a matched stop string from the
         completion (output_processor.py, _trim_surplus_tokens, e.g. several tokens accepted in one step;
         on CUDA their routes too), not from what the model was fed."""
-        fed = torch.tensor(list(prompt_ids) + list(response_ids[:-1]), dtype=torch.long)
+        want = list(prompt_ids) + list(response_ids[:-1])
+        n = len(want)
         match = None
-        for request_id, (tokens, routes, length) in self.requests.items():
-            if length >= len(fed) and torch.equal(tokens[:len(fed)], fed):
-                if length == len(fed):
+        for request_id, (fed, _) in self.requests.items():
+            if len(fed) >= n and fed[:n] == want:
+                if len(fed) == n:
                     match = request_id
                     break
                 match = match or request_id
-        if match is not None:
-            tokens, routes, length = self.requests.pop(match)
-            return routes[:len(fed)].clone()
-        raise RuntimeError(f"routing replay: no request of the engine fed this sample's {len(fed)} tokens (its "
-                           f"routes were not recorded)")
+        if match is None:
+            raise RuntimeError(f"routing replay: no request of the engine fed this sample's {n} tokens (its "
+                               f"routes were not recorded)")
+        fed, segments = self.requests.pop(match)
+        routes = torch.zeros(len(fed), self.num_layers, self.top_k, dtype=torch.int16)
+        for rows, offset, start, count in segments:  # in step order: a later write wins
+            routes[start:start + count] = rows[offset:offset + count]
+        return routes[:n]
 
     def clear(self) -> None:
         """Forget every request (after a generate call: anything left was not a returned completion)."""
@@ -150,7 +150,7 @@ def install(worker, num_layers: int, top_k: int) -> RouteRecorder:
                 raise RuntimeError(f"routing replay: the input batch holds {sum(counts)} of the step's {total} "
                                    f"scheduled tokens: vLLM's batch layout changed")
             recorder.step(request_ids, [starts.get(r, 0) for r in request_ids], counts,
-                          runner.input_ids.cpu[:total].clone(), capturer.device_buffer[:total].cpu())
+                          runner.input_ids.cpu[:total], capturer.device_buffer[:total].cpu())
         return output
 
     runner.execute_model = recording_execute_model
