@@ -268,18 +268,22 @@ def layer_replay(layer: int, recompute: bool):
 
             def set_target_indices(self, topk_indices):
                 self.target_topk_idx = topk_indices
-                if self.recompute and topk_indices is not None:
+                if self.recompute:  # None too: a micro-batch without routes keeps its place in the queue
                     self.replay_backward_list.append(topk_indices)
 
             def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
                 # The router's own choice, always: it fills the positions without a recorded route and
                 # is what `measure` compares the recorded routes with.
                 own_values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                if self.router_replay_action is None or self.target_topk_idx is None:
+                backward = self.recompute and in_backward()
+                if backward:  # the rerun forward of the oldest micro-batch not yet rerun
+                    targets = self.replay_backward_list.pop(0) if self.replay_backward_list else None
+                else:
+                    targets = self.target_topk_idx if self.router_replay_action is not None else None
+                if targets is None:
                     self.recorded_topk_idx = own
                     return own_values, own
-                backward = self.recompute and in_backward()
-                targets = (self.replay_backward_list.pop(0) if backward else self.target_topk_idx).to(scores.device)
+                targets = targets.to(scores.device)
                 if targets.shape != own.shape:
                     raise RuntimeError(f"routing replay: layer {self.layer} routes {tuple(own.shape)} (tokens, k), "
                                        f"the recorded routes are {tuple(targets.shape)}")
