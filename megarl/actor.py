@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from megarl import kernels
+from megarl import kernels, routing_replay
 from megarl.loss import ActorLoss, LossTerms, full_kl
 from megarl.model_runner import MicroBatch, SampledLogprobs, TrainableModel, output_weight, response_aligned
 from megarl.models.convert import iter_hf_weights, load_hf_weights
@@ -35,12 +35,29 @@ class Actor(TrainableModel, SampledLogprobs):
             from megarl.models.lora import apply_lora, lora_config
 
             apply_lora(module, hf_config, lora_config(args, hf_config), args.seed)
+        if args.routing_replay == "on":  # the routers take the rollout's routes (megarl/routing_replay.py)
+            routing_replay.install_on_model(module)
         super().__init__(module, args, args.lr, args.offload_model, args.offload_optimizer)
 
     def logprobs(self, micro_batches: list[MicroBatch], width: int,
                  full_kl_to=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned [n, width] logprobs of the sampled tokens under the current policy; with
-        `full_kl_to` (the Reference) also the exact per-token KL(pi || ref) over the vocabulary."""
+        `full_kl_to` (the Reference) also the exact per-token KL(pi || ref) over the vocabulary. With routing
+        replay, how often the policy's own routing differs from the rollout's is counted here
+        (`routing_metrics`): these are the weights the rollout sampled with."""
+        routing_replay.measure(self.model, True)
+        try:
+            return self._logprobs(micro_batches, width, full_kl_to)
+        finally:
+            routing_replay.measure(self.model, False)
+
+    def routing_metrics(self) -> dict:
+        """routing_replay_flip of the last `logprobs` (or on-policy `train_step`); {} without routing replay.
+        Collective over the train ranks."""
+        return routing_replay.routing_metrics(self.model)
+
+    def _logprobs(self, micro_batches: list[MicroBatch], width: int,
+                  full_kl_to) -> tuple[torch.Tensor, torch.Tensor | None]:
         if full_kl_to is None:
             return self.sampled_logprobs(micro_batches, width), None
 
@@ -82,12 +99,15 @@ class Actor(TrainableModel, SampledLogprobs):
         loss = ActorLoss(args, self.hf_config.vocab_size,
                          LossTerms(kl_coef if kl_in_loss else 0.0, distill, on_policy, hidden),
                          output_weight=lambda: output_weight(self.model))
+        routing_replay.measure(self.model, on_policy)  # the on-policy forward stands in for `logprobs`
         with contextlib.ExitStack() as stack:
             for role in companions.values():
                 stack.enter_context(role.resident())
             sums, grad_norm = self.optimizer_step(
                 micro_batches, loss, companions=companions, hidden=hidden)
-        return {**loss.metrics(sums, grad_norm, self.lr), **self.moe_losses}
+        routing_replay.measure(self.model, False)
+        routing = self.routing_metrics() if on_policy else {}
+        return {**loss.metrics(sums, grad_norm, self.lr), **self.moe_losses, **routing}
 
     def hf_weights(self, bucket_bytes: int):
         """What the weight sync sends (policy_weights); collective over the train ranks."""

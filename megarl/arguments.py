@@ -97,6 +97,14 @@ def _add_parallelism_args(parser):
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0,
                    help="MoE: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2), added to the "
                         "policy loss and logged as moe_z_loss; 0: off")
+    g.add_argument("--routing-replay", default="auto", choices=["auto", "on", "off"], type=_auto_on_off,
+                   help="MoE routing replay (R3, megarl/routing_replay.py): the rollout engine records the experts "
+                        "each token was routed to and the trainer's routers take exactly those in every forward "
+                        "(old logprobs, the update, the reference), probabilities from the trainer's own router; "
+                        "logged: routing_replay_flip, the share of (token, layer) routes the trainer's own top-k "
+                        "would change. auto: on for an MoE --model with the vLLM rollout backend and no --tools, "
+                        "off otherwise; on where the engine cannot record routes is refused. On CPU it turns vLLM's "
+                        "prefix caching off")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism at TP > 1: the activations outside attention and the MLP "
                         "(norms, residuals) split along the sequence over the TP ranks, all-gathered before and "
@@ -518,6 +526,11 @@ def _actions(parser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
 
 
+def _auto_on_off(value: str) -> str:
+    """An auto / on / off option's value (YAML reads a bare on / off as a boolean: _coerce_scalar maps it back)."""
+    return value
+
+
 def _closest(name: str, names) -> str:
     match = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
@@ -571,6 +584,8 @@ def _coerce_scalar(action, value, where, fail):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail("a number")
         value = float(value)
+    elif action.type is _auto_on_off and isinstance(value, bool):
+        value = "on" if value else "off"
     elif isinstance(value, (dict, list)) or isinstance(value, bool):
         fail("a string")
     else:
@@ -775,6 +790,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     # Resolved counts, for the checkpoint's record and the config reference.
     args.train_gpus, args.rollout_gpus = len(placement.train_ranks), len(placement.rollout_ranks)
     _validate_moe(args)
+    _validate_routing_replay(args)
     from megarl import accelerator
 
     unsupported = accelerator.check_supported(args)
@@ -1060,14 +1076,8 @@ def _validate_moe(args) -> None:
         if value != off]
     if not asked and not args.lora_rank:
         return
-    from transformers import AutoConfig
-
-    from megarl.models.families import family_of
-
-    try:
-        hf_config = AutoConfig.from_pretrained(args.model)
-        family = family_of(hf_config)
-    except (OSError, ValueError, AttributeError):
+    hf_config, family = _policy_family(args)
+    if family is None:
         return
     if asked and not family.moe:
         raise ConfigError(f"{asked[0]} needs a mixture-of-experts model; --model {args.model} is {family.name} "
@@ -1078,6 +1088,44 @@ def _validate_moe(args) -> None:
     if family.moe and args.lora_rank:
         raise ConfigError("--lora-rank with a mixture-of-experts model is not supported yet (adapters on the "
                           "routed experts are not wired up)")
+
+
+def _policy_family(args):
+    """(HF config, megarl family) of --model, or (None, None) where its config cannot be read here or its
+    family is unsupported (named at start-up: run.load_inputs, which also refuses anything but a directory:
+    so no hub look-up here)."""
+    from transformers import AutoConfig
+
+    from megarl.models.families import family_of
+
+    if not os.path.isdir(args.model):
+        return None, None
+    try:
+        hf_config = AutoConfig.from_pretrained(args.model)
+        return hf_config, family_of(hf_config)
+    except (OSError, ValueError, AttributeError):
+        return None, None
+
+
+def _validate_routing_replay(args) -> None:
+    """--routing-replay resolved to on or off: auto is on where the rollout engine can record routes for an
+    MoE policy; on is refused, in one line, where it cannot."""
+    if args.routing_replay == "off":
+        return
+    _, family = _policy_family(args)
+    cannot = [(family is not None and not family.moe,
+               f"needs a mixture-of-experts model; --model {args.model} is {family and family.name} (dense)"),
+              (args.rollout_backend != "vllm",
+               f"--rollout-backend {args.rollout_backend} cannot record the experts each token was routed to "
+               f"(only the vLLM engine does); use --rollout-backend vllm or --routing-replay off"),
+              (bool(args.tools), "--tools: the routes of multi-turn episodes are not recorded yet; use "
+                                 "--routing-replay off")]
+    reason = next((why for bad, why in cannot if bad), None)
+    if args.routing_replay == "on":
+        if reason is not None:
+            raise ConfigError(f"--routing-replay on {reason}")
+        return
+    args.routing_replay = "on" if reason is None and family is not None else "off"
 
 
 def _validate_teacher_group(args) -> None:

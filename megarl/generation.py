@@ -132,6 +132,7 @@ def _generate_shard(run: Run, engine, prompts, step: int, n: int | None = None, 
         sample.weight_version = run.weight_version
         if policy != "student":
             sample.logprobs = None  # not the student's: no rollout logprobs, importance ratio 1
+            sample.routes = None  # nor the student's routes: the trainer routes them itself
     if engine.is_leader:  # the ranks of one engine hold identical samples
         result.mine = samples
     return result

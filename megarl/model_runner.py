@@ -67,6 +67,9 @@ class MicroBatch:
     part_of: MicroBatch | None = None
     # The token ids the sampler held back where the `constrained` field is True (Batch.held_back_ids).
     held_back_ids: tuple[int, ...] = ()
+    # --routing-replay: [b, L, layers, k] long, the experts the rollout engine routed the token at each position
+    # to (routing_replay.micro_batch_routes; NO_ROUTE where none was recorded); None: the routers choose.
+    routes: torch.Tensor | None = None
 
     def __getattr__(self, name):  # batch.advantages etc.: the field, or None when the batch has none
         if name in TOKEN_FIELDS:
@@ -112,7 +115,8 @@ class MicroBatch:
 
         return MicroBatch(part(self.tokens), part(self.labels), part(self.loss_mask), [],
                           {name: part(values) for name, values in self.fields.items()}, part(self.position_ids),
-                          self.indices, self.packed_lengths, part_of=self, held_back_ids=self.held_back_ids)
+                          self.indices, self.packed_lengths, part_of=self, held_back_ids=self.held_back_ids,
+                          routes=None if self.routes is None else part(self.routes))
 
     def own_positions(self, whole: torch.Tensor) -> torch.Tensor:
         """A per-token tensor [b, L, ...] of the whole micro-batch -> this part's positions [b, L_part, ...]
@@ -185,10 +189,10 @@ def make_micro_batches(batch: Batch, micro_batch_size: int, pad_id: int, max_tok
                                    {name: values[rows] for name, values in fields.items()}, rows, packed,
                                    sequence_multiple)
         micro_batch.held_back_ids = batch.held_back_ids
-        if any(s.teacher_prompt_ids for s in chunk):
+        if any(s.teacher_prompt_ids for s in chunk):  # the teacher routes its own tokens: no routes
             micro_batch.teacher_view = _micro_batch([s.teacher_prompt_ids or s.prompt_ids for s in chunk], chunk,
                                                     pad_id, batch.loss_mask[rows], {}, rows, packed,
-                                                    sequence_multiple)
+                                                    sequence_multiple, with_routes=False)
         micro_batches.append(micro_batch)
     return micro_batches
 
@@ -203,9 +207,10 @@ def _max_over_data_parallel(count: int) -> int:
 
 def _micro_batch(prompts: list[list[int]], samples, pad_id: int, loss_mask: torch.Tensor,
                  fields: dict[str, torch.Tensor], indices: list[int], packed: bool,
-                 sequence_multiple: int = 1) -> MicroBatch:
+                 sequence_multiple: int = 1, with_routes: bool = True) -> MicroBatch:
     """Sequences prompt + response, one per right-padded row or (`packed`) end to end in one row;
-    response-aligned `loss_mask` and `fields` placed at the positions that score each response token.
+    response-aligned `loss_mask` and `fields` placed at the positions that score each response token; the
+    samples' routes (`with_routes`, when they carry them) at the positions of their tokens.
     Each CP rank's length a multiple of `sequence_multiple`: right-padded rows are padded to it, a packed
     row's last slot lengthened (context_parallel.packed_slots)."""
     device = accelerator.device()
@@ -237,8 +242,13 @@ def _micro_batch(prompts: list[list[int]], samples, pad_id: int, loss_mask: torc
             per_token[name][row, response] = values[sample, :r]
     per_token = {name: value.to(device) for name, value in per_token.items()}
     loss_mask = per_token.pop("loss_mask")
+    routes = None
+    if with_routes and any(getattr(s, "routes", None) is not None for s in samples):
+        from megarl.routing_replay import micro_batch_routes
+
+        routes = micro_batch_routes(samples, places, tokens.shape).to(device)
     return MicroBatch(tokens.to(device), labels.to(device), loss_mask, spans, per_token, position_ids.to(device),
-                      list(indices), slots if packed else None)
+                      list(indices), slots if packed else None, routes=routes)
 
 
 def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -252,7 +262,11 @@ def response_aligned(micro_batches: list[MicroBatch], outputs: list[torch.Tensor
 def run_model(model, batch: MicroBatch):
     """The model's output on the micro-batch. Right-padded rows need only the causal mask; a packed
     row goes in the THD format (`accelerator.packed_sequence_params`): each sequence attends only to
-    itself, with RoPE restarted at its own first token."""
+    itself, with RoPE restarted at its own first token. With routing replay installed on the model, its
+    routers take the micro-batch's recorded routes (megarl/routing_replay.py)."""
+    from megarl import routing_replay
+
+    routing_replay.set_targets(model, batch.routes)
     params = None if batch.packed_lengths is None else accelerator.packed_sequence_params(batch.packed_lengths)
     return model(batch.tokens, batch.position_ids, attention_mask=None, packed_seq_params=params)
 
@@ -315,6 +329,9 @@ def forward_backward(model, micro_batches: list[MicroBatch], loss_fn, forward_on
 
     from megatron.core import parallel_state
 
+    from megarl import routing_replay
+
+    routing_replay.start_pass(model)
     companions = companions or {}
     ready = None
     if companions and parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -387,6 +404,9 @@ def last_stage_outputs(model, micro_batches: list[MicroBatch], micro_batch_size:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl import routing_replay
+
+    routing_replay.start_pass(model)
     kept, index = [], iter(range(len(micro_batches)))
 
     def forward_step(data_iterator, model):
@@ -622,9 +642,10 @@ class SampledLogprobs:
 
 class FrozenModel(SampledLogprobs):
     """A frozen Megatron GPTModel on the train ranks with the trainer's TP (no DDP, no optimizer),
-    loaded from an HF checkpoint; with `offload`, it waits in host memory between its forwards."""
+    loaded from an HF checkpoint; with `offload`, it waits in host memory between its forwards; with
+    `replay_routes` its routers replay the samples' routes (the reference of an MoE policy)."""
 
-    def __init__(self, args, hf_config, checkpoint: str, offload: bool):
+    def __init__(self, args, hf_config, checkpoint: str, offload: bool, replay_routes: bool = False):
         from megarl.models.convert import load_hf_weights
         from megarl.models.megatron_gpt import DTYPES, build_gpt_model, model_config_overrides
 
@@ -632,6 +653,10 @@ class FrozenModel(SampledLogprobs):
         self.model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
                                      **model_config_overrides(args))
         load_hf_weights(self.model, checkpoint, hf_config)
+        if replay_routes:
+            from megarl import routing_replay
+
+            routing_replay.install_on_model(self.model)
         self.model.requires_grad_(False).eval()
         self.offloader = Offloader(lambda: model_tensors(self.model)) if offload else None
         self.offload()

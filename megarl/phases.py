@@ -149,6 +149,7 @@ def prepare(run: Run, batch: Batch, shortcut: bool = False):
         len(batch), placement.dp, placement.data_parallel_rank(run.context.rank))])
     micro_batches = _micro_batches(run, mine)
     computed = {} if shortcut else _old_logprobs_and_reference(run, micro_batches, batch.width)
+    routing = {} if shortcut else run.actor.routing_metrics()  # the update reports it in the shortcut
     if run.critic is not None:
         computed["old_values"] = run.critic.values(micro_batches, batch.width)
     for name, value in _gather_over_data_parallel(computed).items():
@@ -157,7 +158,7 @@ def prepare(run: Run, batch: Batch, shortcut: bool = False):
         if not all(s.logprobs is not None for s in batch.samples):
             raise RuntimeError("the on-policy shortcut needs the rollout's logprobs of every sample")
         return batch, {"on_policy_shortcut": 1.0}
-    return batch, {**_rollout_correction(args, batch), "on_policy_shortcut": 0.0}
+    return batch, {**_rollout_correction(args, batch), "on_policy_shortcut": 0.0, **routing}
 
 
 def _old_logprobs_and_reference(run: Run, micro_batches, width: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from megarl.model_runner import FrozenModel, MicroBatch, last_stage_outputs, run
 
 class Reference(FrozenModel):
     def __init__(self, args, hf_config):
-        super().__init__(args, hf_config, args.ref_model, offload=True)
+        super().__init__(args, hf_config, args.ref_model, offload=True, replay_routes=args.routing_replay == "on")
 
     def logprobs(self, micro_batches: list[MicroBatch], width: int) -> torch.Tensor:
         """Response-aligned [n, width] logprobs of the sampled tokens under the reference."""

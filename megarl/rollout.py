@@ -85,6 +85,9 @@ class Sample:
     # The conversation after the prompt, as chat messages: {"role": "assistant", "content", "tool_calls"}
     # and {"role": "tool", "name", "content", "error", "seconds"} (what rewards and dumps read); None: one turn.
     turns: list[dict] | None = None
+    # --routing-replay (megarl/routing_replay.py): int16 [p + r - 1, layers, k], the experts each MoE layer of
+    # the engine routed each fed token to (every token but the last response token); None: not recorded.
+    routes: torch.Tensor | None = None
 
 
 class VllmEngine:
@@ -127,6 +130,7 @@ class VllmEngine:
         self.tool_wait_seconds = 0.0  # idle, waiting on tools only, since the generate phase last reported it
         self.last_episode_log: list = []
         self.lora_request = None  # the LoRA adapter every request runs with (--lora-sync adapter), once synced
+        self.routes = None  # routing_replay.EngineRoutes where the samples carry routes (--routing-replay)
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
@@ -173,10 +177,12 @@ class VllmEngine:
             self.tool_wait_seconds += waited
             return samples
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if self.routes is not None:
+            self.routes.start()
         if on_prompt_done is None:
             outputs = self.llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
             return [s for index, prompt, output in zip(prompt_indices, prompts, outputs)
-                    for s in _samples_of(index, prompt, output, *constraint)]
+                    for s in _samples_of(index, prompt, output, *constraint, routes=self.routes)]
         # LLM.generate is enqueue + this loop (vLLM's _run_engine), with each finished request handed on.
         # Outputs carry LLM's own request numbers, consecutive from its counter (_run_engine sorts by them).
         first = self.llm.request_counter.counter
@@ -190,7 +196,7 @@ class VllmEngine:
                     if not 0 <= i < len(prompts) or per_prompt[i] is not None:
                         raise RuntimeError(f"vLLM returned request {output.request_id!r}, not one of the "
                                            f"{len(prompts)} just enqueued from {first}: its request numbering changed")
-                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output, *constraint)
+                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output, *constraint, routes=self.routes)
                     on_prompt_done(i, per_prompt[i])
         return [s for samples in per_prompt for s in samples]
 
@@ -221,16 +227,18 @@ def sampling_params(args, prompt_indices: list[int], step: int, seed_key: tuple,
 
 
 def _samples_of(index: int, prompt: list[int], output, min_tokens: int = 0,
-                held_back_ids: tuple[int, ...] = ()) -> list[Sample]:
-    """A finished vLLM request's completions as Samples (with the sampled tokens' logprobs and the
-    min_tokens constraint they were sampled under)."""
+                held_back_ids: tuple[int, ...] = (), routes=None) -> list[Sample]:
+    """A finished vLLM request's completions as Samples (with the sampled tokens' logprobs, the
+    min_tokens constraint they were sampled under and, with `routes` (routing_replay.EngineRoutes), the
+    experts each token was routed to)."""
     samples = []
     for completion in output.outputs:
         token_ids = list(completion.token_ids)
         logprobs = [step_logprobs[token].logprob for token, step_logprobs in zip(token_ids, completion.logprobs)]
         samples.append(Sample(index, list(prompt), token_ids, completion.text, logprobs,
                               truncated=completion.finish_reason == "length", min_tokens=min_tokens,
-                              held_back_ids=held_back_ids))
+                              held_back_ids=held_back_ids,
+                              routes=None if routes is None else routes.of(prompt, token_ids, completion)))
     return samples
 
 
@@ -285,6 +293,12 @@ class RolloutEngine(EngineMemory, VllmEngine):
             from megarl.models.lora import lora_config
 
             self.adapter = lora_config(args, AutoConfig.from_pretrained(args.model))
+        if args.routing_replay == "on":
+            from transformers import AutoConfig
+
+            from megarl.routing_replay import EngineRoutes
+
+            self.routes = EngineRoutes(self.llm, AutoConfig.from_pretrained(args.rollout_model))
 
     def load_weights(self, weights) -> None:
         """Stream (hf_name, tensor) pairs into the engine (any TP: vLLM shards them itself).
@@ -345,13 +359,19 @@ class RolloutEngine(EngineMemory, VllmEngine):
 
 def rollout_engine_kwargs(args, colocated: bool) -> dict:
     """The rollout engine's memory settings (vLLM's sleep mode only when `colocated`), then
-    --rollout-engine-kwargs over them."""
+    --rollout-engine-kwargs over them, then what --routing-replay needs of the engine (routing_replay.engine_kwargs:
+    without it the samples' routes would be incomplete)."""
     from megarl.models.lora import vllm_lora_kwargs
 
     lora = vllm_lora_kwargs(args.lora_rank) if args.lora_rank and args.lora_sync == "adapter" else {}
+    replay = {}
+    if args.routing_replay == "on":
+        from megarl.routing_replay import engine_kwargs
+
+        replay = engine_kwargs()
     return {**accelerator.vllm_engine_kwargs(args.rollout_kv_cache_gb, args.rollout_gpu_memory_utilization,
                                              sleep_mode=colocated),
-            **lora, **args.rollout_engine_kwargs}
+            **lora, **args.rollout_engine_kwargs, **replay}
 
 
 def _load_in_place(worker, weights) -> None:

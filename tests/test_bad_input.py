@@ -172,6 +172,8 @@ CASES = [
          ["--lora-rank with --sequence-parallel is not supported", "sequence-split"], world=2),
     Case("lora-export-without-rank", lambda d: ["--lora-export", "merged"], ["--lora-export need --lora-rank > 0"]),
     Case("lora-sync-without-rank", lambda d: ["--lora-sync", "adapter"], ["--lora-sync need --lora-rank > 0"]),
+    Case("routing-replay-dense", lambda d: ["--routing-replay", "on"],
+         ["--routing-replay on needs a mixture-of-experts model", "(dense)"]),
     Case("lora-adapter-sync-on-hf-engines", lambda d: ["--lora-rank", "8", "--lora-sync", "adapter",
                                                        "--rollout-backend", "hf"],
          ["--lora-sync adapter does not work with --rollout-backend hf", "use --lora-sync merged"]),

@@ -24,7 +24,7 @@ LAYERS = [
         "megarl.accelerator", "megarl.distributed", "megarl.offload"]),
     ("components", [  # what the roles are built from
         "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards", "megarl.config_formats",
-        "megarl.tools"]),
+        "megarl.tools", "megarl.routing_replay"]),
     ("roles", [  # the objects that hold a model or an engine
         "megarl.model_runner", "megarl.actor", "megarl.loss", "megarl.critic", "megarl.reference",
         "megarl.rollout", "megarl.multiturn", "megarl.hf_rollout", "megarl.teacher", "megarl.weight_sync"]),
