@@ -112,5 +112,6 @@ def tiny_tool_model(tiny_model) -> str:
     calculator episodes mixed with direct answers, ~4 minutes of CPU); built once if absent."""
     if not (TINY_TOOL_MODEL / "megarl_tiny.json").exists():
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--tools", "--base", tiny_model, "--out",
-                        str(TINY_TOOL_MODEL), "--quiet"], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        str(TINY_TOOL_MODEL), "--quiet"], cwd=ROOT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     return str(TINY_TOOL_MODEL)
