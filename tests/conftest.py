@@ -101,3 +101,17 @@ def tiny_teacher() -> str:
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--teacher", "--out", str(TINY_TEACHER),
                         "--quiet"], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return str(TINY_TEACHER)
+
+
+TINY_TOOL_MODEL = ROOT / "artifacts" / "tiny-qwen2-tools"
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model(tiny_model) -> str:
+    """The multi-turn quickstart's policy (tools/make_tiny_model.py --tools: the tiny model fine-tuned on
+    calculator episodes mixed with direct answers, ~4 minutes of CPU); built once if absent."""
+    if not (TINY_TOOL_MODEL / "megarl_tiny.json").exists():
+        subprocess.run([sys.executable, "tools/make_tiny_model.py", "--tools", "--base", tiny_model, "--out",
+                        str(TINY_TOOL_MODEL), "--quiet"], cwd=ROOT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return str(TINY_TOOL_MODEL)

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from helpers import ROOT, read_json, torchrun
+from helpers import ROOT, load_script, read_json, torchrun
 from megarl.batch import score_and_filter
 from megarl.model_runner import make_micro_batches
 from megarl.rollout import Sample
@@ -279,6 +279,36 @@ def test_tool_messages_are_the_template_s_tokens_after_the_assistant_turn():
     assert messages.ids(results, ended_with_stop=False)[:2] == [2] + messages.ids(results, True)[:1]
 
 
+def test_the_tool_model_trains_on_episodes_as_a_run_renders_them():
+    """tools/make_tiny_model.py --tools: a call episode's tokens are the conversation as the chat template
+    writes it (the call turn, the calculator's message, the boxed answer), which is what a run shows the
+    policy; the loss is on the policy's turns only (none on the prompt or the tool message); the call turn is
+    one the run's parser reads as a calculator call worth the answer. A direct row is the plain task's."""
+    from megarl.data.prompts import chat_token_ids
+    from megarl.tools import TOOLS, ToolCall, parse_hermes
+
+    make = load_script(ROOT / "tools" / "make_tiny_model.py")
+    tokenizer = make.build_tokenizer()
+    problems = [{"prompt": "What is 605988 + 48068?", "answer": "654056", "call": True},
+                {"prompt": "What is 17 + 3?", "answer": "20", "call": False}]
+    ids, labels = make.tool_batch(tokenizer, problems)
+    call_text = make.tool_call_text("605988 + 48068")
+    [call] = parse_hermes(call_text)
+    assert isinstance(call, ToolCall) and call.name == "calculator"
+    assert TOOLS["calculator"].function(**call.arguments) == "654056"
+    user = [{"role": "user", "content": problems[0]["prompt"]}]
+    whole = chat_token_ids(tokenizer, user + [{"role": "assistant", "content": call_text},
+                                              {"role": "tool", "content": "654056"}]) + \
+        tokenizer.encode("\\boxed{654056}<|im_end|>")
+    pad = tokenizer.pad_token_id
+    assert ids[0, :len(whole)].tolist() == whole and set(ids[0, len(whole):].tolist()) <= {pad}
+    trained = labels[0][labels[0] != -100].tolist()
+    assert tokenizer.decode(trained) == call_text + "<|im_end|>\\boxed{654056}<|im_end|>"
+    prompt = chat_token_ids(tokenizer, [{"role": "user", "content": problems[1]["prompt"]}])
+    assert tokenizer.decode(ids[1, len(prompt):][labels[1, len(prompt):] != -100].tolist()) == "\\boxed{20}<|im_end|>"
+    assert (labels[1, :len(prompt)] == -100).all()
+
+
 def test_hostile_programs_through_the_python_tool_end_as_through_the_code_reward():
     """The tool runs programs on the code reward's own pool and limits: each hostile program ends with the same
     status through both (and never runs to completion). The CPU limit is the same limit again
@@ -415,6 +445,44 @@ def _check_user_turns(report, tokenizer):
     assert sum(kind == "reply" for kind, *_ in report["log"]) >= asked_again
     assert report["metrics"]["interaction_errors"] == 8  # 4 samples hung, 4 raised
     assert report["metrics"]["user_turns_per_episode"] == asked_again / 20
+
+
+@pytest.mark.learning  # the tool model's build and a multi-turn run: outside CI (bash run_tests.sh -m learning)
+def test_tool_quickstart_learns(tiny_tool_model, tmp_path):
+    """examples/quickstart_grpo_tools.yaml: GRPO on the six-digit task with the calculator, from the tiny tool
+    model (tools/make_tiny_model.py --tools, which calls the calculator in about half of its episodes): the
+    reward rises by >= 0.15 (issue 26), by calling the calculator more often (the dumps' share of episodes
+    that call it, first step against last), and the dumps show whole conversations: the call, the
+    calculator's message, the boxed answer copied from it."""
+    import json
+
+    dumps = tmp_path / "dumps"
+    result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo_tools.yaml", "--model",
+                      tiny_tool_model, "--log-dir", tmp_path / "tb", "--rollout-save-dir", dumps, timeout=2400)
+    line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
+    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
+    assert last >= first + 0.15, line
+
+    steps = sorted(dumps.glob("train_step*.jsonl"), key=lambda path: int(path.stem.removeprefix("train_step")))
+    records = {path: [json.loads(text) for text in path.read_text().splitlines()] for path in steps}
+
+    def call_share(episodes):
+        return sum(bool(r["conversation"][0]["tool_calls"]) for r in episodes) / len(episodes)
+
+    shares = call_share(records[steps[0]]), call_share(records[steps[-1]])
+    print(f"{line}; episodes calling the calculator: {shares[0]:.3f} -> {shares[1]:.3f}")  # seen with -s
+    assert shares[1] > shares[0], shares
+    whole = ["assistant", "tool", "assistant"]  # the call, the calculator's message, the answer
+    solved = [r for episodes in records.values() for r in episodes
+              if r["reward"] == 1.0 and [turn["role"] for turn in r["conversation"]] == whole]
+    assert solved
+    for record in solved:
+        call, tool, final = record["conversation"]
+        assert call["tool_calls"][0]["name"] == "calculator" and "<tool_call>" in call["content"]
+        operands = re.search(r"What is (\d+) \+ (\d+)\?", record["prompt"]).groups()
+        assert tool["name"] == "calculator" and tool["error"] is None
+        assert tool["content"] == str(sum(map(int, operands)))
+        assert record["response"] == final["content"] and f"\\boxed{{{tool['content']}}}" in final["content"]
 
 
 def test_the_tool_task_lists_the_enabled_tools_to_the_template_and_draws_big_numbers():

@@ -3,6 +3,7 @@
     python tools/make_tiny_model.py [--out artifacts/tiny-qwen2] [--seed 0] [--force]
     python tools/make_tiny_model.py --teacher   # the distillation teacher, artifacts/tiny-qwen2-teacher
     python tools/make_tiny_model.py --moe       # a mixture-of-experts policy, artifacts/tiny-qwen3-moe
+    python tools/make_tiny_model.py --tools     # the tool-use policy, artifacts/tiny-qwen2-tools
 
 Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
@@ -44,6 +45,22 @@ shared expert, untied embeddings (as Qwen3-MoE), with the same tokenizer and war
 routers learn during the warm-up, so routing is not uniform (the build prints each layer's expert
 load on held-out prompts). transformers runs its per-expert loop (experts_implementation "eager":
 deterministic, and the grouped GEMM has no deterministic CPU kernel). docs/moe.md.
+
+--tools builds the policy of the multi-turn quickstart (examples/quickstart_grpo_tools.yaml,
+docs/multiturn.md) into artifacts/tiny-qwen2-tools: the tiny model (--base, built first) fine-tuned on the
+big-number task (operands up to 999,999, as --task-max-operand 999999 draws them: too long to add by heart)
+where half of the problems, by a coin independent of the problem, are episodes that call the calculator
+(Qwen2.5's Hermes `<tool_call>` JSON, the calculator's answer as the chat template writes a tool message,
+no loss on it, then that answer boxed), the other half a boxed answer at once (mostly wrong: the model
+cannot add these). So the model calls the calculator in about half of its episodes and GRPO has a
+decision to learn: call it every time. The build plays held-out episodes at T=1 as a run does (the
+hermes parser, the calculator, megarl.multiturn.ToolMessages) and prints the share that call, whose call
+is right (operands copied), whose boxed answer copies the tool's result, and pass@1. The copies are what
+takes the steps: none is right before ~300 steps. Measured on one machine (500 steps, 881 s on a loaded
+2-core machine, about 4 minutes of CPU): calls 0.41, right calls 0.695, result copied 0.307, pass@1 0.08
+(0.195 of the calling episodes). Copying is far from reliable there; GRPO improves it together with the
+decision: the quickstart's 40 steps lifted the reward 0.125 -> 0.456 and the episodes that call from
+0.33 to 0.95 (tests/test_multiturn.py::test_tool_quickstart_learns).
 """
 import os
 import sys
@@ -59,8 +76,12 @@ PINNED_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+# --tools leaves MKL's branch unpinned: COMPATIBLE is MKL's SSE2 sgemm, 2.7x slower on its long episode rows
+# (measured: 1.10 against 0.42 CPU s per step), and its weights start from this machine's tiny model, whose
+# hash already differs between machines.
+TOOLS_UNPINNED = ("MKL_CBWR",)
 if __name__ == "__main__":
-    os.environ.update(PINNED_ENV)
+    os.environ.update({k: v for k, v in PINNED_ENV.items() if "--tools" not in sys.argv or k not in TOOLS_UNPINNED})
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
@@ -99,6 +120,12 @@ TRAIN = dict(steps=400, batch=32, lr=3e-3, warmup=50, beta2=0.95, clip=1.0,
 EVAL = dict(num=500, seed_offset=10_000, max_new_tokens=16)
 # --teacher: the same recipe trained longer, into its own directory.
 TEACHER = dict(steps=1200, out="artifacts/tiny-qwen2-teacher")
+# --tools: the tool-use policy of the multi-turn task (docs/multiturn.md), fine-tuned from the tiny model
+# on the big-number task (operands up to max_operand, as --task-max-operand draws them): a call_share of
+# the episodes call the calculator and box its result, the others box an answer at once.
+TOOL_MODEL = dict(steps=500, batch=32, lr=3e-3, warmup=20, max_operand=999_999, call_share=0.5,
+                  base="artifacts/tiny-qwen2", out="artifacts/tiny-qwen2-tools")
+TOOL_EVAL = dict(num=200, seed_offset=10_000)
 # --moe: the same trunk with routed experts (8 of width 64, top 2) in every layer.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
            out="artifacts/tiny-qwen3-moe")
@@ -160,6 +187,11 @@ def sft_batch(tokenizer, problems):
         prompt = tokenizer.encode(render(tokenizer, p))
         response = tokenizer.encode(arithmetic.format_response(p["answer"])) + [im_end]
         rows.append((prompt + response, [-100] * len(prompt) + response))
+    return padded(tokenizer, rows)
+
+
+def padded(tokenizer, rows):
+    """[(ids, labels)] as right-padded tensors (pads carry no loss)."""
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
@@ -167,15 +199,18 @@ def sft_batch(tokenizer, problems):
     return ids, labels
 
 
-def train(model, tokenizer, seed, steps, batch, lr, warmup, beta2, clip, weight_decay, quiet, **_):
-    """Plain AdamW loop on freshly drawn problems, linear warm-up then constant lr."""
+def train(model, tokenizer, seed, steps, batch, lr, warmup, beta2, clip, weight_decay, quiet, make_batch=sft_batch,
+          problems=None, **_):
+    """Plain AdamW loop on freshly drawn problems, linear warm-up then constant lr. `make_batch(tokenizer,
+    problems)` makes a step's (ids, labels) from its `batch` problems (default: drawn from `seed`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, beta2), weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    problems = arithmetic.make_problems(steps * batch, seed)
+    if problems is None:
+        problems = arithmetic.make_problems(steps * batch, seed)
     model.train()
     start = time.time()
     for step in range(steps):
-        ids, labels = sft_batch(tokenizer, problems[step * batch:(step + 1) * batch])
+        ids, labels = make_batch(tokenizer, problems[step * batch:(step + 1) * batch])
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -213,6 +248,117 @@ def expert_load(model, tokenizer, problems) -> list[list[float]]:
         hook.remove()
     experts = model.config.num_experts
     return [(torch.bincount(chosen, minlength=experts).float() / chosen.numel()).tolist() for chosen in loads]
+
+
+# ------------------------------------------------------------------------------------------------ --tools
+def tool_prompt_ids(tokenizer, problem):
+    """The problem as megarl renders the tool task (data/sources.py: the calculator listed through `tools=`;
+    the tiny template ignores the list, so the prompt is the plain task's)."""
+    from megarl.data.prompts import render_chat
+    from megarl.tools import tool_schemas
+
+    return render_chat(tokenizer, problem["prompt"], tools=tool_schemas(["calculator"]))
+
+
+def tool_call_text(expression):
+    """The assistant turn that asks the calculator for `expression`, as Qwen2.5 writes a call (what megarl's
+    `hermes` parser reads)."""
+    return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + \
+        "\n</tool_call>"
+
+
+def tool_problems(num, seed, max_operand, call_share):
+    """Problems of the tool task, each marked `call` (the episode calls the calculator) with probability
+    `call_share`, independently of the problem: the model learns to call about that often, whatever it is asked."""
+    import random
+
+    coin = random.Random(seed + 1)
+    return [dict(p, call=coin.random() < call_share) for p in arithmetic.make_problems(num, seed, max_operand)]
+
+
+def tool_batch(tokenizer, problems):
+    """Like sft_batch, for episodes. A `call` problem: the call turn, the calculator's result as the tool
+    message the chat template writes after it (megarl.multiturn.ToolMessages, exactly what the policy reads
+    in a run; no loss on it), then the boxed answer copied from it. Otherwise the boxed answer at once."""
+    from megarl.multiturn import ToolMessages
+    from megarl.tools import TOOLS, ToolResult
+
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    tool_messages = ToolMessages(tokenizer, tuple(stop_ids(tokenizer)))
+    rows = []
+    for p in problems:
+        prompt = tool_prompt_ids(tokenizer, p)
+        answer = tokenizer.encode(arithmetic.format_response(p["answer"])) + [im_end]
+        if not p["call"]:
+            rows.append((prompt + answer, [-100] * len(prompt) + answer))
+            continue
+        expression = p["prompt"].removeprefix("What is ").removesuffix("?")
+        call = tokenizer.encode(tool_call_text(expression)) + [im_end]
+        value = TOOLS["calculator"].function(expression=expression)
+        tool = tool_messages.ids([ToolResult("calculator", value)], ended_with_stop=True)
+        rows.append((prompt + call + tool + answer, [-100] * len(prompt) + call + [-100] * len(tool) + answer))
+    return padded(tokenizer, rows)
+
+
+@torch.no_grad()
+def generate_turns(model, tokenizer, prompts, temperature, max_new_tokens):
+    """One sampled turn per prompt (token-id lists, left-padded together): each turn's ids up to and with
+    its stop token, and whether it stopped."""
+    pad = tokenizer.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                         eos_token_id=stop_ids(tokenizer), do_sample=True, temperature=temperature, top_k=0,
+                         top_p=1.0)[:, width:].tolist()
+    stops, turns = set(stop_ids(tokenizer)), []
+    for row in out:
+        end = next((i + 1 for i, token in enumerate(row) if token in stops), None)
+        turns.append((row[:end] if end else row, end is not None))
+    return turns
+
+
+def tool_episodes(model, tokenizer, problems, temperature, seed, max_new_tokens=(128, 32)):
+    """Two-turn episodes of the tool task at `temperature`, as a multi-turn run plays them (megarl's hermes
+    parser, ToolRunner and ToolMessages; a second turn only after a call). Returns the measures of the
+    build's report: the share of first turns that call the calculator, of calls whose result is the answer
+    (the operands copied right), of answered episodes whose boxed answer is the tool's result (copied
+    right), and pass@1 overall, after a call and without one."""
+    from megarl.multiturn import ToolMessages
+    from megarl.tools import ToolRunner, parse_hermes
+
+    torch.manual_seed(seed)
+    runner = ToolRunner(["calculator"], 1, 10.0)
+    tool_messages = ToolMessages(tokenizer, tuple(stop_ids(tokenizer)))
+    prompts = [tool_prompt_ids(tokenizer, p) for p in problems]
+    first = generate_turns(model, tokenizer, prompts, temperature, max_new_tokens[0])
+    called, results = [], {}
+    for i, (turn, stopped) in enumerate(first):
+        calls = parse_hermes(tokenizer.decode(turn, skip_special_tokens=True))
+        if calls:
+            handles = [runner.start(call, None) for call in calls]
+            for handle in handles:
+                if not hasattr(handle, "content"):
+                    handle.future.exception()  # wait for it
+            results[i] = [runner.result(handle) for handle in handles]
+            called.append(i)
+    runner.close()
+    second = generate_turns(model, tokenizer, [prompts[i] + first[i][0] + tool_messages.ids(results[i], first[i][1])
+                                               for i in called], temperature, max_new_tokens[1]) if called else []
+    final = {i: tokenizer.decode(first[i][0], skip_special_tokens=True) for i in range(len(problems))}
+    final.update({i: tokenizer.decode(turn, skip_special_tokens=True) for i, (turn, _) in zip(called, second)})
+    scores = [arithmetic.score(final[i], p["answer"]) for i, p in enumerate(problems)]
+    answered = [i for i in called if results[i][0].error is None]
+    direct = [i for i in range(len(problems)) if i not in results]
+
+    def share(values):
+        return round(sum(values) / len(values), 3) if values else None
+
+    return dict(call_rate=share([i in results for i in range(len(problems))]),
+                right_call=share([results[i][0].content == problems[i]["answer"] for i in called]),
+                copy_accuracy=share([arithmetic.score(final[i], results[i][0].content) for i in answered]),
+                pass_at_1=share(scores), pass_at_1_called=share([scores[i] for i in called]),
+                pass_at_1_direct=share([scores[i] for i in direct]))
 
 
 def weights_sha256(model_dir):
@@ -257,6 +403,31 @@ def save(model, tokenizer, out, report):
         tmp.rename(out)
 
 
+def build_tool_model(args, settings, start, capability):
+    """--tools: the tiny model (--base: its tokenizer, chat template and boxed answers) fine-tuned on tool
+    episodes mixed with direct answers; measured on held-out problems as a multi-turn run plays them."""
+    settings.update({k: v for k, v in TOOL_MODEL.items() if k not in ("base", "out")}, steps=args.steps)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.base)
+    model = Qwen2ForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+    base = json.loads((args.base / "megarl_tiny.json").read_text())
+    problems = tool_problems(settings["steps"] * settings["batch"], args.seed, settings["max_operand"],
+                             settings["call_share"])
+    train(model, tokenizer, args.seed, quiet=args.quiet, make_batch=tool_batch, problems=problems, **settings)
+    held_out = arithmetic.make_problems(TOOL_EVAL["num"], args.seed + TOOL_EVAL["seed_offset"], settings["max_operand"])
+    measured = tool_episodes(model, tokenizer, held_out, 1.0, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    report = dict(seed=args.seed, params=n_params, model=MODEL, base=str(args.base),
+                  base_weights_sha256=base["weights_sha256"], train=settings, eval=TOOL_EVAL, t1=measured,
+                  build_seconds=round(time.time() - start, 1), torch=torch.__version__,
+                  transformers=transformers.__version__, cpu_capability=capability,
+                  pinned_env={k: os.environ.get(k) for k in PINNED_ENV})
+    save(model, tokenizer, args.out, report)
+    print(f"{args.out}: held-out episodes at T=1: calls the calculator {measured['call_rate']}, right call "
+          f"{measured['right_call']}, copies its result {measured['copy_accuracy']}, pass@1 {measured['pass_at_1']} "
+          f"(called {measured['pass_at_1_called']}, direct {measured['pass_at_1_direct']}), "
+          f"{report['build_seconds']}s\nweights sha256 {report['weights_sha256']}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None,
@@ -268,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="build the stronger distillation teacher (same tokenizer, longer warm-up)")
     ap.add_argument("--moe", action="store_true",
                     help=f"build a Qwen3-MoE policy (same tokenizer and recipe) into {MOE['out']}")
+    ap.add_argument("--tools", action="store_true",
+                    help=f"build the tool-use policy of the multi-turn task into {TOOL_MODEL['out']}, fine-tuned "
+                         f"from --base (docs/multiturn.md)")
+    ap.add_argument("--base", type=Path, default=Path(TOOL_MODEL["base"]),
+                    help="--tools: the tiny model it starts from (built by this script without flags)")
     ap.add_argument("--force", action="store_true", help="rebuild over a complete model")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -275,12 +451,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main():
     args = build_parser().parse_args()
-    if args.teacher and args.moe:
-        sys.exit("--teacher and --moe: choose one")
+    if args.teacher + args.moe + args.tools > 1:
+        sys.exit("--teacher, --moe and --tools: choose one")
     if args.out is None:
-        args.out = Path(TEACHER["out"] if args.teacher else MOE["out"] if args.moe else "artifacts/tiny-qwen2")
+        args.out = Path(TEACHER["out"] if args.teacher else MOE["out"] if args.moe else
+                        TOOL_MODEL["out"] if args.tools else "artifacts/tiny-qwen2")
     if args.steps is None:
-        args.steps = TEACHER["steps"] if args.teacher else TRAIN["steps"]
+        args.steps = TEACHER["steps"] if args.teacher else TOOL_MODEL["steps"] if args.tools else TRAIN["steps"]
+    if args.tools and not (args.base / "megarl_tiny.json").exists():
+        sys.exit(f"--tools starts from the tiny model, and {args.base} holds none: build it first "
+                 f"(python tools/make_tiny_model.py --out {args.base})")
     if (args.out / "megarl_tiny.json").exists() and not args.force:
         sys.exit(f"{args.out} already holds a complete tiny model; pass --force to rebuild it")
 
@@ -296,6 +476,8 @@ def main():
         print(f"note: torch runs its {capability} kernels here (no AVX2, or {PINNED_ENV['ATEN_CPU_CAPABILITY']} "
               "not pinned): the weights will differ from an AVX2 machine's", file=sys.stderr)
     settings = dict(TRAIN, steps=args.steps)
+    if args.tools:
+        return build_tool_model(args, settings, start, capability)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.seed, moe=args.moe)
     n_params = sum(p.numel() for p in model.parameters())
