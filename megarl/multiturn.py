@@ -10,7 +10,7 @@ call in flight together:
     worker threads, and the engine goes on stepping the other requests: continuous batching across
     episodes, so a slow tool holds back only its own episode;
   - between engine steps the loop collects the finished calls; an episode whose calls are all back gets
-    its tool messages appended (rendered by the chat template, `ToolMessages`) and its next turn enqueued
+    its tool messages appended (rendered by the chat template, `TurnMessages`) and its next turn enqueued
     as a new request whose prompt is the whole conversation so far (vLLM's prefix cache, where enabled,
     reuses the shared prefix);
   - when nothing is left to generate but tools still run, the loop waits for them (`tool_wait_seconds`:

@@ -54,7 +54,7 @@ where half of the problems, by a coin independent of the problem, are episodes t
 no loss on it, then that answer boxed), the other half a boxed answer at once (mostly wrong: the model
 cannot add these). So the model calls the calculator in about half of its episodes and GRPO has a
 decision to learn: call it every time. The build plays held-out episodes at T=1 as a run does (the
-hermes parser, the calculator, megarl.multiturn.ToolMessages) and prints the share that call, whose call
+hermes parser, the calculator, megarl.multiturn.TurnMessages) and prints the share that call, whose call
 is right (operands copied), whose boxed answer copies the tool's result, and pass@1. The copies are what
 takes the steps: none is right before ~300 steps. Measured on one machine (500 steps, 881 s on a loaded
 2-core machine, about 4 minutes of CPU): calls 0.41, right calls 0.695, result copied 0.307, pass@1 0.08
@@ -278,13 +278,13 @@ def tool_problems(num, seed, max_operand, call_share):
 
 def tool_batch(tokenizer, problems):
     """Like sft_batch, for episodes. A `call` problem: the call turn, the calculator's result as the tool
-    message the chat template writes after it (megarl.multiturn.ToolMessages, exactly what the policy reads
+    message the chat template writes after it (megarl.multiturn.TurnMessages, exactly what the policy reads
     in a run; no loss on it), then the boxed answer copied from it. Otherwise the boxed answer at once."""
-    from megarl.multiturn import ToolMessages
+    from megarl.multiturn import TurnMessages, tool_messages
     from megarl.tools import TOOLS, ToolResult
 
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    tool_messages = ToolMessages(tokenizer, tuple(stop_ids(tokenizer)))
+    turn_messages = TurnMessages(tokenizer, tuple(stop_ids(tokenizer)))
     rows = []
     for p in problems:
         prompt = tool_prompt_ids(tokenizer, p)
@@ -295,7 +295,7 @@ def tool_batch(tokenizer, problems):
         expression = p["prompt"].removeprefix("What is ").removesuffix("?")
         call = tokenizer.encode(tool_call_text(expression)) + [im_end]
         value = TOOLS["calculator"].function(expression=expression)
-        tool = tool_messages.ids([ToolResult("calculator", value)], ended_with_stop=True)
+        tool = turn_messages.ids(tool_messages([ToolResult("calculator", value)]), ended_with_stop=True)
         rows.append((prompt + call + tool + answer, [-100] * len(prompt) + call + [-100] * len(tool) + answer))
     return padded(tokenizer, rows)
 
@@ -320,16 +320,16 @@ def generate_turns(model, tokenizer, prompts, temperature, max_new_tokens):
 
 def tool_episodes(model, tokenizer, problems, temperature, seed, max_new_tokens=(128, 32)):
     """Two-turn episodes of the tool task at `temperature`, as a multi-turn run plays them (megarl's hermes
-    parser, ToolRunner and ToolMessages; a second turn only after a call). Returns the measures of the
+    parser, ToolRunner and TurnMessages; a second turn only after a call). Returns the measures of the
     build's report: the share of first turns that call the calculator, of calls whose result is the answer
     (the operands copied right), of answered episodes whose boxed answer is the tool's result (copied
     right), and pass@1 overall, after a call and without one."""
-    from megarl.multiturn import ToolMessages
+    from megarl.multiturn import TurnMessages, tool_messages
     from megarl.tools import ToolRunner, parse_hermes
 
     torch.manual_seed(seed)
     runner = ToolRunner(["calculator"], 1, 10.0)
-    tool_messages = ToolMessages(tokenizer, tuple(stop_ids(tokenizer)))
+    turn_messages = TurnMessages(tokenizer, tuple(stop_ids(tokenizer)))
     prompts = [tool_prompt_ids(tokenizer, p) for p in problems]
     first = generate_turns(model, tokenizer, prompts, temperature, max_new_tokens[0])
     called, results = [], {}
@@ -343,8 +343,8 @@ def tool_episodes(model, tokenizer, problems, temperature, seed, max_new_tokens=
             results[i] = [runner.result(handle) for handle in handles]
             called.append(i)
     runner.close()
-    second = generate_turns(model, tokenizer, [prompts[i] + first[i][0] + tool_messages.ids(results[i], first[i][1])
-                                               for i in called], temperature, max_new_tokens[1]) if called else []
+    followed = [prompts[i] + first[i][0] + turn_messages.ids(tool_messages(results[i]), first[i][1]) for i in called]
+    second = generate_turns(model, tokenizer, followed, temperature, max_new_tokens[1]) if called else []
     final = {i: tokenizer.decode(first[i][0], skip_special_tokens=True) for i in range(len(problems))}
     final.update({i: tokenizer.decode(turn, skip_special_tokens=True) for i, (turn, _) in zip(called, second)})
     scores = [arithmetic.score(final[i], p["answer"]) for i, p in enumerate(problems)]
