@@ -490,6 +490,11 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=1, help="print a step line every this many steps")
     g.add_argument("--wandb-project", default=None, help="also log to this Weights & Biases project (needs wandb)")
     g.add_argument("--wandb-name", default=None, help="wandb run name")
+    g.add_argument("--profile-step", type=int, default=0, metavar="N",
+                   help="profile step N's update on every rank with torch.profiler: an operator table and a "
+                        "Chrome trace per rank in --profile-dir (megarl/profiling.py); 0: off")
+    g.add_argument("--profile-dir", default=None,
+                   help="where --profile-step writes (default: profile/ under --log-dir)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -762,6 +767,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                  "max_prompt_length"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.profile_step < 0:
+        raise ConfigError(f"--profile-step must be >= 0 (0: off), got {args.profile_step}")
     if args.reward_workers < 0:
         raise ConfigError(f"--reward-workers must be >= 0, got {args.reward_workers}")
     if args.reward_timeout < 0 or args.sandbox_memory_budget_mb < 0:

@@ -27,6 +27,7 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
     the run is, kept up to date for the caller's failure report."""
     from megarl import accelerator, batch as batching, checkpoint, distributed, evaluation, generation, phases
     from megarl.preemption import Preemption
+    from megarl.profiling import profiled_update
     from megarl.run import build_run
 
     context = init_distributed(args)
@@ -59,7 +60,8 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
         batch, prepared = phases.prepare(run, batch, shortcut)
         batch, taught = phases.teach(run, batch)
         batch, advantaged = phases.compute_advantages(run, batch)
-        updated = phases.update(run, batch, step, shortcut)
+        with profiled_update(args, step, context.rank):  # --profile-step: where the update's time goes
+            updated = phases.update(run, batch, step, shortcut)
         synced = phases.sync(run)
         logger.log_step(step, batch, {"generate": generated, "score": scored, "prepare": prepared,
                                       "teacher": taught, "advantages": advantaged, "update": updated,

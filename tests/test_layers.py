@@ -29,7 +29,8 @@ LAYERS = [
         "megarl.model_runner", "megarl.actor", "megarl.loss", "megarl.critic", "megarl.reference",
         "megarl.rollout", "megarl.multiturn", "megarl.hf_rollout", "megarl.teacher", "megarl.weight_sync"]),
     ("run", [  # the parser, the run's roles and state, its preemption and metrics
-        "megarl.arguments", "megarl.run", "megarl.preemption", "megarl.metrics"]),
+        "megarl.arguments", "megarl.run", "megarl.preemption", "megarl.metrics",
+        "megarl.profiling"]),
     ("phases", [  # one step over a Run: its phases, the rollout they orchestrate, evaluation
         "megarl.phases", "megarl.generation", "megarl.evaluation"]),
     ("checkpoints", [  # save and restore what every layer below holds (in-flight samples included)
