@@ -152,6 +152,7 @@ def test_invalid_configurations(tmp_path, yaml_text, flags, world, words):
         assert "config.yaml" in message  # names the file
 
 
+@pytest.mark.slow  # launches a command in a process of its own (python + torch start-up): the slow lane
 def test_train_py_reports_a_bad_config_on_one_line(tmp_path):
     config = _yaml(tmp_path, "colocate_groups: [[train, rollout]]\nmax_new_tokns: 8\n")
     result = subprocess.run([sys.executable, "megarl/train.py", "--config", config], cwd=ROOT,

@@ -318,6 +318,7 @@ def test_the_table_is_large_enough():
 REAL = ["jsonl-broken-line", "tokenizer-vocab-mismatch"]
 
 
+@pytest.mark.slow  # launches a command in a process of its own (python + torch start-up): the slow lane
 def test_the_real_command_line(tmp_path):
     """Two rows through `python megarl/train.py` itself (side by side): exit status 2, stderr exactly one
     line (no warning or traceback from the libraries), nothing written."""

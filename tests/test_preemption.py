@@ -100,6 +100,7 @@ ABORTED_IN_A_PHASE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # launches a command in a process of its own (python + torch start-up): the slow lane
 def test_a_rank_aborted_from_c_code_prints_the_python_stack_naming_the_phase(tiny_model):
     """NCCL's watchdog ends a rank whose collective outlived --distributed-timeout-minutes with SIGABRT, past
     megarl's failure report: train.main's faulthandler prints every thread's Python stack, naming the phase."""

@@ -134,6 +134,7 @@ def test_builder_is_deterministic_in_seed(tool, tmp_path):
     assert not torch.equal(a["score.weight"], c["score.weight"])
 
 
+@pytest.mark.slow  # launches a command in a process of its own (python + torch start-up): the slow lane
 def test_cli_builds_a_loadable_reward_model(tmp_path):
     out = tmp_path / "rm"
     subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--seed", "1"], check=True, cwd=ROOT,

@@ -63,6 +63,7 @@ def _code_run(tiny_model: str, *extra: str) -> list[str]:
             "--train-steps", "1", *extra]
 
 
+@pytest.mark.slow  # launches a command in a process of its own (python + torch start-up): the slow lane
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
 def test_a_run_with_a_code_reward_stops_at_start_when_the_sandbox_cannot_run(tiny_model):
     """Under a user namespace that maps root only, the sandbox cannot drop to its uid (as on a host
