@@ -58,7 +58,9 @@ def interaction(run, plugin):
     from megarl.tools.interactions import INTERACTIONS
 
     plugin.RELEASE.clear()  # the hanging user waits on it: past the 2 s timeout
-    settings = EpisodeSettings(ToolRunner([], 4, timeout=2.0), run.tokenizer, 3, "hermes",
+    # A thread per episode (20): the 4 abandoned hanging replies hold theirs until RELEASE, and no other
+    # episode's reply may queue behind them.
+    settings = EpisodeSettings(ToolRunner([], 20, timeout=2.0), run.tokenizer, 3, "hermes",
                                INTERACTIONS["probe_user"](run.reward))
     texts = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "What is 3 + 9?", "What is 5 + 6?"]
     rows = [{"answer": "42"}, {"answer": "95"}, {"answer": "90", "user": "hang"}, {"answer": "12", "user": "raise"},
