@@ -115,3 +115,21 @@ def tiny_tool_model(tiny_model) -> str:
                         str(TINY_TOOL_MODEL), "--quiet"], cwd=ROOT, check=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     return str(TINY_TOOL_MODEL)
+
+
+@pytest.fixture(scope="module")
+def megatron_rank():
+    """Megatron's parallel state over a world of one gloo rank in this process (TP = PP = DP = 1)."""
+    import torch.distributed as dist
+
+    from megarl import accelerator
+
+    accelerator.apply_megatron_shims()
+    from megatron.core import parallel_state, tensor_parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

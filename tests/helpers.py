@@ -295,3 +295,31 @@ def flat_series(nested) -> dict:
     import torch
 
     return dict(enumerate(torch.as_tensor(nested, dtype=torch.float64).flatten().tolist()))
+
+
+def micro_batches(count=2, rows=2, length=12, prompt=4, seed=0):
+    """Random token rows (megarl.model_runner.MicroBatch), each one sample (prompt, then response) of the tiny vocabulary."""
+    import torch
+
+    from megarl.model_runner import MicroBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for index in range(count):
+        tokens = torch.randint(1, 259, (rows, length), generator=generator)
+        labels = torch.cat([tokens[:, 1:], torch.zeros(rows, 1, dtype=torch.long)], dim=1)
+        loss_mask = torch.zeros(rows, length)
+        loss_mask[:, prompt - 1: length - 1] = 1.0
+        batches.append(MicroBatch(tokens, labels, loss_mask, [(row, 0, prompt, length - prompt) for row in range(rows)],
+                                  {}, torch.arange(length).expand(rows, length).contiguous(),
+                                  list(range(index * rows, (index + 1) * rows))))
+    return batches
+
+
+def nll(batch, logits, companion_outputs):
+    """A transform for TrainableModel.optimizer_step: the summed negative log-likelihood of the responses."""
+    import torch
+
+    logprobs = logits.float().log_softmax(-1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
+    loss = -(logprobs * batch.loss_mask).sum()
+    return loss, batch.loss_mask.sum().to(torch.int), {"sums": {"loss": loss.detach()}}

@@ -13,27 +13,9 @@ import re
 import pytest
 import torch
 
-from helpers import FP32_PATHS_ULPS, assert_fp32_paths_agree, fp32_paths_ulps, torchrun
+from helpers import FP32_PATHS_ULPS, assert_fp32_paths_agree, fp32_paths_ulps, micro_batches, nll, torchrun
 
 TARGETS = {"all-linear": ["all-linear"], "q-and-down": ["q_proj", "down_proj"], "fused-fc1": ["linear_fc1"]}
-
-
-@pytest.fixture(scope="module")
-def megatron_rank():
-    """Megatron's parallel state over a world of one gloo rank in this process (TP = PP = DP = 1)."""
-    import torch.distributed as dist
-
-    from megarl import accelerator
-
-    accelerator.apply_megatron_shims()
-    from megatron.core import parallel_state, tensor_parallel
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def options(model, *extra):
@@ -41,29 +23,6 @@ def options(model, *extra):
 
     return parse_args(["--model", model, "--lora-rank", "8", "--lr", "1e-2", "--micro-batch-size", "2", *extra],
                       world_size=1)
-
-
-def micro_batches(count=2, rows=2, length=12, prompt=4, seed=0):
-    """Random token rows, each one sample (prompt, then response) of the tiny vocabulary."""
-    from megarl.model_runner import MicroBatch
-
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for index in range(count):
-        tokens = torch.randint(1, 259, (rows, length), generator=generator)
-        labels = torch.cat([tokens[:, 1:], torch.zeros(rows, 1, dtype=torch.long)], dim=1)
-        loss_mask = torch.zeros(rows, length)
-        loss_mask[:, prompt - 1: length - 1] = 1.0
-        batches.append(MicroBatch(tokens, labels, loss_mask, [(row, 0, prompt, length - prompt) for row in range(rows)],
-                                  {}, torch.arange(length).expand(rows, length).contiguous(),
-                                  list(range(index * rows, (index + 1) * rows))))
-    return batches
-
-
-def nll(batch, logits, companion_outputs):
-    logprobs = logits.float().log_softmax(-1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
-    loss = -(logprobs * batch.loss_mask).sum()
-    return loss, batch.loss_mask.sum().to(torch.int), {"sums": {"loss": loss.detach()}}
 
 
 @torch.no_grad()
