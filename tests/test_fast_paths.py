@@ -1,5 +1,6 @@
 """The trainer's speed paths on CPU hosts (issue 28) compute what the plain paths compute, within fp32 rounding:
-torch's fused Adam against its per-parameter loop. In-process, one Megatron rank."""
+torch's fused Adam against its per-parameter loop, packed attention by scaled_dot_product_attention against
+Megatron's local attention. In-process, one Megatron rank."""
 
 from __future__ import annotations
 
@@ -39,3 +40,88 @@ def test_cpu_adam_is_torchs_fused_kernel_and_steps_as_its_loop(megatron_rank, ti
     for name, param in fused.model.named_parameters():
         assert not torch.equal(param, before[name]), f"{name} did not move"
         assert_fp32_paths_agree(param.detach(), named[name].detach(), name)
+
+
+def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank):
+    """Megatron's local attention per sequence (the reference) and torch's scaled_dot_product_attention per
+    sequence, on a packed row of unequal sequences with grouped heads: outputs and input gradients."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megarl.models.attention import PackedDotProductAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+    attention = PackedDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                          attention_type="self")
+    lengths = [7, 1, 19, 12]
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(sum(lengths), heads, 16, generator=generator, requires_grad=True) for heads in (4, 2, 2)]
+    upstream = torch.randn(sum(lengths), 1, 64, generator=generator)
+    results = {}
+    for fused in (True, False):
+        attention._fused_attention_applies = lambda attn_mask_type, fused=fused: fused
+        output = attention(*inputs, None, packed_seq_params=packed)
+        output.backward(upstream)
+        results[fused] = [output.detach()] + [tensor.grad.clone() for tensor in inputs]
+        for tensor in inputs:
+            tensor.grad = None
+    assert results[True][0].shape == (sum(lengths), 1, 64)
+    for name, fused, local in zip(("output", "query grad", "key grad", "value grad"), results[True], results[False]):
+        assert_fp32_paths_agree(fused, local, name)
+    # and the real check picks the fused path for this module (causal, vanilla softmax, no dropout)
+    del attention._fused_attention_applies
+    assert attention._fused_attention_applies(None)
+
+
+def forward_and_grads(function, inputs, upstream):
+    """function(*inputs) and the gradients of <output, upstream> with respect to each input."""
+    inputs = [tensor.detach().clone().requires_grad_(True) for tensor in inputs]
+    output = function(*inputs)
+    output.backward(upstream)
+    return [output.detach()] + [tensor.grad for tensor in inputs]
+
+
+def test_rms_norm_equals_torchs_in_value_and_gradients():
+    from megarl.models.elementwise import RMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    for shape in ((37, 2, 48), (37, 4, 16)):  # a layer norm's [s, b, H]; a q/k norm's [s, heads, head_dim]
+        ours, torchs = RMSNorm(shape[-1], eps=1e-6), torch.nn.RMSNorm(shape[-1], eps=1e-6)
+        weight = torch.randn(shape[-1], generator=generator) + 1.0
+        x, upstream = torch.randn(shape, generator=generator) * 3, torch.randn(shape, generator=generator)
+        with torch.no_grad():
+            ours.weight.copy_(weight)
+            torchs.weight.copy_(weight)
+        results = {}
+        for name, norm in (("ours", ours), ("torch", torchs)):
+            norm.weight.grad = None
+            out = forward_and_grads(norm, [x], upstream)
+            results[name] = out + [norm.weight.grad]
+        for what, a, b in zip(("output", "input grad", "weight grad"), results["ours"], results["torch"]):
+            assert_fp32_paths_agree(a, b, f"{what} {shape}")
+    assert ours.state_dict().keys() == torchs.state_dict().keys()
+
+
+def test_rotary_embedding_equals_megatrons_in_value_and_gradients(megatron_rank):
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megarl.models import elementwise
+
+    elementwise.install()
+    ours = rope_utils._apply_rotary_pos_emb_bshd
+    megatrons = ours.megarl_original
+    freqs = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)(37)  # [s, 1, 1, 16]
+    generator = torch.Generator().manual_seed(0)
+    t, upstream = torch.randn(37, 2, 4, 16, generator=generator), torch.randn(37, 2, 4, 16, generator=generator)
+    for kwargs in ({}, {"mscale": 0.7}):
+        for what, a, b in zip(("output", "grad"), forward_and_grads(lambda x: ours(x, freqs, **kwargs), [t], upstream),
+                              forward_and_grads(lambda x: megatrons(x, freqs, **kwargs), [t], upstream)):
+            assert_fp32_paths_agree(a, b, f"rotary {what} {kwargs}")
+    # the interleaved layout is Megatron's own path, unchanged
+    assert torch.equal(ours(t, freqs, rotary_interleaved=True), megatrons(t, freqs, rotary_interleaved=True))

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl import accelerator
+from megarl.models import elementwise
 from megarl.models.families import Family, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -281,7 +282,7 @@ class SequenceParallelRMSNorm:
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
         if config.normalization != "RMSNorm":
             raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}, not RMSNorm")
-        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm = elementwise.RMSNorm(normalized_shape=hidden_size, eps=eps)
         norm.weight.sequence_parallel = config.sequence_parallel
         return norm
 
@@ -299,6 +300,7 @@ def gpt_layer_spec(config):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     from megarl.models.attention import PackedDotProductAttention
 
+    elementwise.install()  # the unfused rotary embedding's fewer-pass version
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
                                                     **moe)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
