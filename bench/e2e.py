@@ -2,16 +2,19 @@
 
     python bench/e2e.py [--steps 5 --warmup 1 --trl-python .venv-trl/bin/python --no-trl]
                         [--megarl colocate "colocate padded" "separate async"]
+    python bench/e2e.py --response-lengths 128 512 2048 [--steps 3 --warmup 1 --no-trl]
 
-The job: a 34M-parameter Qwen2 built here (offline, seeded: hidden 512, 12 layers, the built-in
-tokenizer, random weights) on the built-in arithmetic prompts, 8 prompts x 4 samples per step, up
-to 128 new tokens at temperature 1, fp32, one optimizer step per generation, no KL. megarl runs on
+The job: a 34M-parameter Qwen2 built here (offline, seeded: hidden 512, 12 layers, 4096 positions, the
+built-in tokenizer, random weights; rebuilt when MODEL changes, the same weights from the same seed) on
+the built-in arithmetic prompts, 8 prompts x 4 samples per step, up to 128 new tokens at temperature 1,
+fp32, one optimizer step per generation, no KL. megarl runs on
 2 ranks (torchrun, one thread each) in each of `MEGARL_RUNS`: colocated (examples/quickstart_grpo.yaml
 with the job's overrides) padding-free, colocated padded (micro-batches of 16 right-padded rows), and
 the separate placement (rank 0 trains, rank 1 generates) with --async-generation and token TIS; the
 first run named is the one compared with TRL and the compute floor. TRL runs in one process with both cores (bench/trl_grpo.py), with transformers
 generation and with colocated vLLM, when its environment exists. TRL is not a megarl dependency;
-its environment reuses megarl's packages and adds TRL's:
+its environment reuses megarl's packages and adds TRL's (`.venv-trl` is git-ignored; a worktree may
+link the main checkout's):
 
     python3.11 -m venv .venv-trl && echo "$PWD/.venv/lib/python3.11/site-packages" \\
         > .venv-trl/lib/python3.11/site-packages/megarl_venv.pth && \\
@@ -19,9 +22,31 @@ its environment reuses megarl's packages and adds TRL's:
 
 Printed: per-step seconds (median over the steps after --warmup), generated tokens per second,
 megarl's seconds per phase, the padding share of megarl's trained tokens when it logs it, the
-ratios of the frameworks' step times, and the step's compute floor: 6 x parameters x trained tokens
-at this machine's fp32 matmul rate (measured here, 2 threads) plus bare vLLM's time to generate
-the same samples (measured here, the same engine settings, no trainer). It prints; it asserts nothing.
+ratios of the frameworks' step times, and the step's compute floor: the matmul FLOPs of one forward +
+backward over the trained tokens (`matmul_flops`: 6 x parameters per token, Megatron-LM's and PaLM's
+MFU convention, plus the causal attention's QK^T and AV, 12 x layers x heads x head_dim x s(s+1)/2 per
+sequence of s = prompt + response tokens, from the prompts megarl picks for each step and each step's
+mean response length, so a lower bound where lengths vary) at this machine's fp32 matmul rate (measured
+here, 2 threads), plus bare vLLM's time to generate the same samples (measured here, the same engine
+settings, no trainer); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
+
+The sweep (--response-lengths L ...): for each L the same prompts with every response exactly L new
+tokens (the untrained model would stop at about 65): megarl's colocate run (--padding-free) with
+--min-new-tokens L --max-new-tokens L --max-tokens-per-micro-batch 4096 (SWEEP_TOKENS_PER_MICRO_BATCH:
+32 samples of ~2,100 tokens in rows of 16 would hold ~25 GiB of fp32 activations); TRL's two modes with
+max_completion_length L and generation_kwargs min_new_tokens L (vLLM mode: min_tokens), in k micro-batches
+of 32 / k samples (per_device_train_batch_size, gradient_accumulation_steps = steps_per_generation = k,
+still one generation and one optimizer step per step), k the fewest whose micro-batch, padded to the
+longest sample, holds at most the same 4096 tokens; bare vLLM with min_tokens = max_tokens = L; the
+engines' context 128 + L (megarl's --max-prompt-length + L). Then one table: per L, megarl's and each
+TRL mode's seconds per step, generated tokens per second of the step, step / floor, and megarl's generate
+and update seconds and update / its part of the floor; then the goals, printed: megarl's step <= 1.25x and its update <=
+1.5x its floor part at every L, megarl's step/floor spread over the lengths (max / min - 1) <= 10%,
+megarl ahead of TRL's best mode at every L. The floor is exact here (every response is L long); a
+warning is printed where a framework's responses are not, or where the floor's token count is not the
+one megarl logged. Without --response-lengths the job and its output are as before.
+
+It prints; it asserts nothing.
 """
 
 import argparse
@@ -36,14 +61,20 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# max_position_embeddings holds the longest sweep sample (prompt + 2048 new tokens); RoPE has no
+# weights, so raising it rebuilds the same weights from the same seed.
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=12, num_attention_heads=8,
-             num_key_value_heads=2, max_position_embeddings=512)
+             num_key_value_heads=2, max_position_embeddings=4096)
 JOB = dict(prompts=8, generations=4, max_new_tokens=128)
+# The sweep's micro-batch token budget, megarl's --max-tokens-per-micro-batch and TRL's per-micro-batch
+# samples: 32 samples x ~2,100 tokens in micro-batches of 16 rows would hold ~25 GiB of fp32 activations.
+SWEEP_TOKENS_PER_MICRO_BATCH = 4096
 PHASES = ("generate", "generate_ahead", "score", "prepare", "teacher", "advantages", "update", "sync")
 
 
 def build_model(out: str) -> int:
-    """The job's model (seeded; rebuilt only when missing); its parameter count."""
+    """The job's model (seeded; rebuilt when missing or when its stored config differs from MODEL: the
+    same seed gives the same weights, the config's other fields aside); its parameter count."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -51,7 +82,11 @@ def build_model(out: str) -> int:
     from make_tiny_model import build_tokenizer
 
     marker = os.path.join(out, "bench_e2e.json")
-    if not os.path.exists(marker):
+    stored = None
+    if os.path.exists(marker):
+        with open(marker) as f:
+            stored = json.load(f)
+    if stored is None or {key: stored.get(key) for key in MODEL} != MODEL:
         tokenizer = build_tokenizer()
         torch.manual_seed(0)
         config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=None,
@@ -60,36 +95,108 @@ def build_model(out: str) -> int:
         model = Qwen2ForCausalLM(config)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        with open(marker, "w") as f:
-            json.dump({"parameters": sum(p.numel() for p in model.parameters()), **MODEL}, f)
-    with open(marker) as f:
-        return json.load(f)["parameters"]
+        stored = {"parameters": sum(p.numel() for p in model.parameters()), **MODEL}
+        with open(marker, "w") as f:  # last: an interrupted build is redone
+            json.dump(stored, f)
+    return stored["parameters"]
 
 
-def run_megarl(model: str, steps: int, log_dir: str, flags: list[str]) -> dict:
-    """Per-step TensorBoard scalars of a megarl run on 2 ranks (colocated unless `flags` choose another
-    config): {tag: [value per step]}."""
+def megarl_command(model: str, steps: int, log_dir: str, flags: list[str], length: int | None = None) -> list[str]:
+    """train.py's argv for a megarl run on 2 ranks; `length`: every response exactly that many tokens, in
+    micro-batches of at most SWEEP_TOKENS_PER_MICRO_BATCH tokens (the sweep)."""
+    command = [os.path.join(ROOT, "megarl/train.py"), "--config", "examples/quickstart_grpo.yaml", *flags, "--model",
+               model, "--prompts-per-step", str(JOB["prompts"]), "--num-generations", str(JOB["generations"]),
+               "--max-new-tokens", str(length or JOB["max_new_tokens"]), "--micro-batch-size", "16", "--lr", "1e-6",
+               "--rollout-kv-cache-gb", "2", "--train-steps", str(steps), "--log-dir", log_dir]
+    if length is not None:
+        command += ["--min-new-tokens", str(length), "--max-tokens-per-micro-batch", str(SWEEP_TOKENS_PER_MICRO_BATCH)]
+    return command
+
+
+def run_megarl(command: list[str]) -> dict:
+    """Per-step TensorBoard scalars of a megarl run (`megarl_command`): {tag: [value per step]}."""
     from tests.helpers import scalars  # the test suite's TensorBoard reader
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "megarl/train.py"), "--config", "examples/quickstart_grpo.yaml", *flags, "--model", model,
-               "--prompts-per-step", str(JOB["prompts"]), "--num-generations", str(JOB["generations"]),
-               "--max-new-tokens", str(JOB["max_new_tokens"]), "--micro-batch-size", "16", "--lr", "1e-6",
-               "--rollout-kv-cache-gb", "2", "--train-steps", str(steps), "--log-dir", log_dir]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *command],
+                   cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     tags = [f"{phase}_seconds" for phase in PHASES] + ["step_seconds", "response_length_mean", "tokens_per_second",
                                                        "padding_fraction"]
-    series = scalars(log_dir, tags)
+    series = scalars(command[command.index("--log-dir") + 1], tags)
     return {tag: [values[step] for step in sorted(values)] for tag, values in series.items()}
 
 
-def run_trl(python: str, model: str, mode: str, steps: int, workdir: str) -> dict:
-    out = os.path.join(workdir, f"trl_{mode}.json")
+def megarl_prompt_lengths(command: list[str], steps: int, samples_per_prompt: int) -> list[list[int]]:
+    """Each step's samples' prompt lengths in tokens, from the prompts megarl itself picks for that step
+    (its own argument parsing and prompt source: the seed, the chat template), each prompt repeated for
+    its samples."""
+    import contextlib
+
+    from transformers import AutoTokenizer
+
+    from megarl.arguments import parse_args
+    from megarl.data.sources import prompt_source
+
+    with contextlib.chdir(ROOT):  # the config's relative paths, as torchrun's cwd
+        args = parse_args(command[1:], world_size=2)
+    source = prompt_source(args, AutoTokenizer.from_pretrained(args.model), None)
+    return [[len(prompt.ids) for prompt in source.batch(step) for _ in range(samples_per_prompt)]
+            for step in range(steps)]
+
+
+def matmul_flops(parameters: int, lengths: list[float], layers: int, attention_width: int) -> float:
+    """Matmul FLOPs of one forward + backward over sequences of `lengths` tokens each: the convention of
+    Megatron-LM's and PaLM's MFU accounting (6 x parameters per token: 2 forward, 4 backward), plus the
+    attention's two matmuls (QK^T and AV) that the parameter count leaves out, adapted to the causal mask:
+    query position i meets i + 1 keys, so a sequence of s tokens has s(s+1)/2 query-key pairs, each
+    2 x attention_width FLOPs (a multiply-add per channel of all the query heads, heads x head_dim) per
+    matmul, x 3 for forward + backward:
+
+        6 N sum(s) + 3 x 2 x 2 x layers x attention_width x sum(s(s+1)/2)
+
+    Each sequence attends only to itself (packed or padded alike), so the count is per sequence."""
+    pairs = sum(s * (s + 1) / 2 for s in lengths)
+    return 6 * parameters * sum(lengths) + 3 * 2 * 2 * layers * attention_width * pairs
+
+
+def attention_width() -> int:
+    """The query heads' width, heads x head_dim (Qwen2's head_dim = hidden / heads)."""
+    return MODEL["num_attention_heads"] * (MODEL["hidden_size"] // MODEL["num_attention_heads"])
+
+
+def train_floor(parameters: int, prompt_lengths: list[list[int]], response_lengths: list[float], rate: float) -> dict:
+    """Per step: the trained tokens, the attention's share of the matmul FLOPs and the seconds those FLOPs
+    take at `rate`. `response_lengths` is each step's mean response length: exact when every response has
+    that length (the sweep), a lower bound of the attention term otherwise (the pairs grow with s^2)."""
+    steps = []
+    for prompts, response in zip(prompt_lengths, response_lengths):
+        lengths = [p + response for p in prompts]  # the mean itself: the token count stays exact
+        flops = matmul_flops(parameters, lengths, MODEL["num_hidden_layers"], attention_width())
+        steps.append({"tokens": sum(lengths), "seconds": flops / rate,
+                      "attention": 1 - 6 * parameters * sum(lengths) / flops})
+    return steps
+
+
+def trl_micro_batches(samples: int, longest: int, budget: int = SWEEP_TOKENS_PER_MICRO_BATCH) -> int:
+    """TRL's gradient-accumulation micro-batches per optimizer step under megarl's token budget: the fewest
+    k dividing `samples` whose micro-batches of samples / k rows, each padded to the `longest` sample,
+    hold at most `budget` tokens (a single sample may exceed it, as in megarl)."""
+    return next(k for k in range(1, samples + 1)
+                if samples % k == 0 and ((samples // k) * longest <= budget or k == samples))
+
+
+def run_trl(python: str, model: str, mode: str, steps: int, workdir: str, length: int | None = None,
+            micro_batches: int = 1) -> dict:
+    """TRL's GRPOTrainer on the job (bench/trl_grpo.py); `length`: every response exactly that long."""
+    out = os.path.join(workdir, f"trl_{mode}{'' if length is None else '_' + str(length)}.json")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_LOGGING_LEVEL": "WARNING"}
-    result = subprocess.run([python, os.path.join(ROOT, "bench/trl_grpo.py"), "--model", model, "--mode", mode,
-                             "--steps", str(steps), "--out", out], cwd=ROOT, env=env, capture_output=True, text=True)
+    command = [python, os.path.join(ROOT, "bench/trl_grpo.py"), "--model", model, "--mode", mode, "--steps",
+               str(steps), "--out", out]
+    if length is not None:
+        command += ["--max-new-tokens", str(length), "--min-new-tokens", str(length), "--micro-batches",
+                    str(micro_batches), "--max-model-length", str(sweep_max_model_len(length))]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:  # the exception's own line, not the progress bar's last frame
         lines = (result.stdout + result.stderr).strip().splitlines()
         return {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")}
@@ -97,8 +204,17 @@ def run_trl(python: str, model: str, mode: str, steps: int, workdir: str) -> dic
         return json.load(f)
 
 
-def bare_vllm_seconds(model: str, repeats: int = 3) -> float:
-    """Median seconds of vLLM alone generating one step's samples (a subprocess: its own engine)."""
+def sweep_max_model_len(length: int) -> int:
+    """The engines' context at sweep length `length`: megarl's own (--max-prompt-length, 128 by default,
+    + --max-new-tokens)."""
+    return 128 + length
+
+
+def bare_vllm_seconds(model: str, repeats: int = 3, length: int | None = None) -> float:
+    """Median seconds of vLLM alone generating one step's samples (a subprocess: its own engine); `length`:
+    every response exactly that long."""
+    max_tokens = length or JOB["max_new_tokens"]
+    max_model_len = 512 if length is None else sweep_max_model_len(length)
     code = f"""
 import json, time, sys
 sys.path.insert(0, {ROOT!r})
@@ -106,11 +222,12 @@ from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
 from megarl.data.tasks import arithmetic
 tok = AutoTokenizer.from_pretrained({model!r})
-llm = LLM(model={model!r}, dtype="float32", seed=0, max_model_len=512, enforce_eager=True)
+llm = LLM(model={model!r}, dtype="float32", seed=0, max_model_len={max_model_len}, enforce_eager=True)
 problems = arithmetic.make_problems({JOB['prompts']}, 0)
 prompts = [tok.apply_chat_template([{{"role": "user", "content": p["prompt"]}}], add_generation_prompt=True,
                                    tokenize=False) for p in problems]
-params = SamplingParams(n={JOB['generations']}, temperature=1.0, max_tokens={JOB['max_new_tokens']}, seed=0)
+params = SamplingParams(n={JOB['generations']}, temperature=1.0, max_tokens={max_tokens}, min_tokens={length or 0},
+                        seed=0)
 llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
 times = []
 for _ in range({repeats}):
@@ -162,18 +279,30 @@ def main():
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--megarl", nargs="+", default=list(MEGARL_RUNS), choices=list(MEGARL_RUNS),
                         help="megarl's runs, the first is the one compared with TRL and the floor (default: all)")
+    parser.add_argument("--response-lengths", type=int, nargs="+", default=None, metavar="L",
+                        help="sweep: for each L, every response exactly L new tokens, megarl's colocate run, TRL's "
+                             "modes and bare vLLM; one table (--megarl is not used)")
     args = parser.parse_args()
+    if args.response_lengths and min(args.response_lengths) < 1:
+        parser.error(f"--response-lengths must be >= 1, got {args.response_lengths}")
+    if args.response_lengths and sweep_max_model_len(max(args.response_lengths)) > MODEL["max_position_embeddings"]:
+        parser.error(f"--response-lengths: the model holds {MODEL['max_position_embeddings']} positions, fewer than "
+                     f"--max-prompt-length 128 + {max(args.response_lengths)}")
     parameters = build_model(args.model_dir)
+    if args.response_lengths:
+        sweep(args, parameters)
+        return
     samples = JOB["prompts"] * JOB["generations"]
     print(f"model: Qwen2 {parameters / 1e6:.1f}M parameters ({args.model_dir}); job: {JOB['prompts']} prompts x "
           f"{JOB['generations']} samples, <= {JOB['max_new_tokens']} new tokens, fp32, {args.steps} steps "
           f"(median over steps after {args.warmup})", flush=True)
-    megarl = {}
+    megarl, commands = {}, {}
     with tempfile.TemporaryDirectory() as workdir:
         for index, name in enumerate(args.megarl):
             started = time.perf_counter()
-            megarl[name] = run_megarl(args.model_dir, args.steps, os.path.join(workdir, f"megarl{index}"),
-                                      MEGARL_RUNS[name])
+            commands[name] = megarl_command(args.model_dir, args.steps, os.path.join(workdir, f"megarl{index}"),
+                                            MEGARL_RUNS[name])
+            megarl[name] = run_megarl(commands[name])
             print(f"megarl {name} ({' '.join(MEGARL_RUNS[name]) or 'defaults'}): ran in "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
         trl = {}
@@ -216,15 +345,140 @@ def main():
             f"{phase} {median(run, f'{phase}_seconds'):.2f}" for phase in PHASES if f"{phase}_seconds" in run))
     run = megarl[main_name]
     trained = median_after([tps * s for tps, s in zip(run["tokens_per_second"], run["step_seconds"])], args.warmup)
-    floor = 6 * parameters * trained / rate + bare
-    print(f"compute floor: 6 x {parameters / 1e6:.1f}M x {trained:.0f} trained tokens at {rate / 1e9:.1f} GFLOP/s "
-          f"= {floor - bare:.2f} s + bare vLLM generation {bare:.2f} s = {floor:.2f} s; megarl {main_name} / floor = "
-          f"{step / floor:.2f} (goal <= 1.25)")
+    floors = train_floor(parameters, megarl_prompt_lengths(commands[main_name], len(run["step_seconds"]),
+                                                            JOB["generations"]), run["response_length_mean"], rate)
+    check_tokens(floors, run, samples)
+    training = median_after([f["seconds"] for f in floors], args.warmup)
+    attention = median_after([f["attention"] for f in floors], args.warmup)
+    floor = training + bare
+    print(f"compute floor: matmul FLOPs (6 x {parameters / 1e6:.1f}M x {trained:.0f} trained tokens + the causal "
+          f"attention's QK^T and AV, {attention:.1%} of them, from each step's mean response length: a lower bound) "
+          f"at {rate / 1e9:.1f} GFLOP/s = {training:.2f} s + bare vLLM generation {bare:.2f} s = {floor:.2f} s; "
+          f"megarl {main_name} / floor = {step / floor:.2f} (goal <= 1.25)")
+    update = median(run, "update_seconds")
+    print(f"megarl {main_name} update {update:.2f} s / its part of the floor {training:.2f} s = "
+          f"{update / training:.2f} (goal <= 1.5)")
     if best is not None:
         print(f"TRL's best mode / megarl {main_name} = {best / step:.2f} (goal >= 1.5)")
     if "separate async" in megarl and "colocate" in megarl:
         ratio = median(megarl["separate async"], "step_seconds") / median(megarl["colocate"], "step_seconds")
         print(f"separate async / colocate on the same 2 ranks = {ratio:.2f} (goal < 1)")
+
+
+def check_tokens(floors: list[dict], run: dict, samples: int, length: int | None = None) -> None:
+    """Warns where the floor's token counts are not megarl's (the prompts it reconstructs are not the ones
+    megarl trained on) or, in the sweep, where a response is not `length` tokens long."""
+    logged = [round(tps * s) for tps, s in zip(run["tokens_per_second"], run["step_seconds"])]
+    counted = [f["tokens"] for f in floors]
+    if any(abs(a - b) > 1 for a, b in zip(counted, logged)):  # exact but for the log's float rounding
+        print(f"WARNING: the floor counts {counted} trained tokens per step, megarl logged {logged}")
+    if length is not None and any(abs(mean - length) > 1e-3 for mean in run["response_length_mean"]):
+        print(f"WARNING: megarl's mean response lengths {run['response_length_mean']} are not all {length}")
+
+
+def sweep(args, parameters: int) -> None:
+    """--response-lengths: per length L, megarl's colocate run, TRL's modes and bare vLLM with every response
+    exactly L tokens; then one table and the goals (printed, not asserted)."""
+    samples, lengths, name = JOB["prompts"] * JOB["generations"], args.response_lengths, "colocate"
+    budget = SWEEP_TOKENS_PER_MICRO_BATCH
+    print(f"model: Qwen2 {parameters / 1e6:.1f}M parameters ({args.model_dir}); job: {JOB['prompts']} prompts x "
+          f"{JOB['generations']} samples, every response exactly L new tokens for L in {lengths}, fp32, "
+          f"{args.steps} steps (median over steps after {args.warmup}); micro-batches of <= {budget} tokens: "
+          f"megarl {name} {' '.join(MEGARL_RUNS[name])} --max-tokens-per-micro-batch {budget}, TRL samples / k "
+          f"per micro-batch, k gradient-accumulation steps, one optimizer step per generation", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for length in lengths:
+            started = time.perf_counter()
+            command = megarl_command(args.model_dir, args.steps, os.path.join(workdir, f"megarl{length}"),
+                                     MEGARL_RUNS[name], length)
+            run = run_megarl(command)
+            prompts = megarl_prompt_lengths(command, len(run["step_seconds"]), JOB["generations"])
+            result = {"megarl": run, "prompts": prompts, "trl": {}}
+            print(f"L={length}: megarl {name} ran in {time.perf_counter() - started:.0f} s", flush=True)
+            longest = max(max(step) for step in prompts) + length
+            result["k"] = trl_micro_batches(samples, longest, budget)
+            if not args.no_trl and os.path.exists(args.trl_python):
+                for mode in ("transformers", "vllm"):
+                    started = time.perf_counter()
+                    trl = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir, length, result["k"])
+                    result["trl"][mode] = trl
+                    print(f"L={length}: TRL {mode} (k={result['k']}: micro-batches of {samples // result['k']} "
+                          f"samples, the longest {longest} tokens) ran in {time.perf_counter() - started:.0f} s"
+                          f"{'; failed: ' + trl['error'] if 'error' in trl else ''}", flush=True)
+            result["bare"] = bare_vllm_seconds(args.model_dir, length=length)
+            results[length] = result
+        if args.no_trl or not os.path.exists(args.trl_python):
+            print(f"TRL: skipped ({'--no-trl' if args.no_trl else args.trl_python + ' missing; see the docstring'})")
+        rate = matmul_flops_per_second()
+    print_sweep(results, parameters, rate, args.warmup, name)
+
+
+def print_sweep(results: dict, parameters: int, rate: float, warmup: int, name: str = "colocate") -> dict:
+    """The sweep's table and goals from its measurements: {L: {"megarl": scalars per step, "prompts": each
+    step's prompt lengths, "trl": {mode: result}, "bare": seconds}}; returns the goals' figures."""
+    samples = JOB["prompts"] * JOB["generations"]
+    print(f"\nfloor = matmul FLOPs (6 x {parameters / 1e6:.1f}M parameters x trained tokens + the causal attention's "
+          f"QK^T and AV, 12 x {MODEL['num_hidden_layers']} layers x {attention_width()} x sum of s(s+1)/2 over "
+          f"the samples' prompt + response lengths s) at {rate / 1e9:.1f} GFLOP/s (fp32, 2 threads) + bare vLLM "
+          f"generating the same samples; gen tok/s = generated tokens / step seconds")
+    print(f"{'L':>5}  {'run':18} {'s/step':>8} {'gen tok/s':>10} {'step/floor':>11} {'generate s':>11} "
+          f"{'update s':>9} {'update/floor':>13}")
+    ratios, update_ratios, leads = {}, {}, {}
+    for length, result in results.items():
+        run = result["megarl"]
+        floors = train_floor(parameters, result["prompts"], run["response_length_mean"], rate)
+        check_tokens(floors, run, samples, length)
+        training = median_after([f["seconds"] for f in floors], warmup)
+        floor = training + result["bare"]
+        step = median_after(run["step_seconds"], warmup)
+        update = median_after(run["update_seconds"], warmup)
+        generate = median_after(run["generate_seconds"], warmup)
+        generated = median_after([mean * samples for mean in run["response_length_mean"]], warmup)
+        ratios[length], update_ratios[length] = step / floor, update / training
+        print(f"{length:5}  {'megarl ' + name:18} {step:8.2f} {generated / step:10.0f} {step / floor:11.2f} "
+              f"{generate:11.2f} {update:9.2f} {update / training:13.2f}")
+        best = None
+        for mode, trl in result["trl"].items():
+            if "error" in trl:
+                print(f"{'':5}  {'TRL ' + mode:18} failed: {trl['error'][:90]}")
+                continue
+            trl_step = median_after(trl["step_seconds"], warmup)
+            tokens = median_after(trl["generated_tokens"], warmup) if trl["generated_tokens"] else float("nan")
+            if abs(tokens - length * samples) > 0.5:
+                print(f"WARNING: TRL {mode} generated {trl['generated_tokens']} tokens per step, not "
+                      f"{length * samples}")
+            print(f"{'':5}  {'TRL ' + mode:18} {trl_step:8.2f} {tokens / trl_step:10.0f} {trl_step / floor:11.2f} "
+                  f"{'-':>11} {'-':>9} {'-':>13}")
+            best = trl_step if best is None else min(best, trl_step)
+        if best is not None:
+            leads[length] = best / step
+        attention = median_after([f["attention"] for f in floors], warmup)
+        tokens = median_after([f["tokens"] for f in floors], warmup)
+        print(f"{'':5}  {'floor':18} {floor:8.2f}  = training {training:.2f} s (attention {attention:.1%} of its "
+              f"FLOPs, {tokens:.0f} tokens) + bare vLLM {result['bare']:.2f} s")
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "missed"
+
+    def listed(values: dict) -> str:
+        return ", ".join(f"L={length} {value:.2f}" for length, value in values.items())
+
+    spread = max(ratios.values()) / min(ratios.values()) - 1
+    print("\ngoals (printed, not asserted):")
+    print(f"  megarl step / floor <= 1.25 at every length: {listed(ratios)}: "
+          f"{verdict(max(ratios.values()) <= 1.25)}")
+    print(f"  megarl update / its part of the floor <= 1.5 at every length: {listed(update_ratios)}: "
+          f"{verdict(max(update_ratios.values()) <= 1.5)}")
+    print(f"  megarl's step/floor spread over the lengths, max / min - 1 = {spread:.1%} (goal <= 10%): "
+          f"{verdict(spread <= 0.10)}")
+    if len(leads) == len(results):
+        print(f"  megarl ahead of TRL's best mode at every length (TRL best / megarl > 1): {listed(leads)}: "
+              f"{verdict(min(leads.values()) > 1)}")
+    else:
+        print(f"  megarl ahead of TRL's best mode at every length: not measured at "
+              f"{[length for length in results if length not in leads]} (TRL skipped or failed)")
+    return {"step/floor": ratios, "update/floor": update_ratios, "spread": spread, "TRL best/megarl": leads}
 
 
 if __name__ == "__main__":
