@@ -320,6 +320,22 @@ def fuse_torch_adam(optimizer) -> int:
     return switched
 
 
+class _CpuWeightGradientAccumulation:
+    """Apex's `fused_weight_gradient_mlp_cuda` (the two entry points Megatron's linear layers call under
+    gradient_accumulation_fusion, tensor_parallel/layers.py) on CPU: the weight gradient of a micro-batch
+    added into DDP's main_grad by the GEMM itself (beta = 1), instead of a fresh gradient tensor that DDP's
+    hook then adds in a second pass. 2-D inputs [tokens, in] and grad_output [tokens, out]."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        if total_input.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:  # a 16-bit model's fp32 main_grad: the GEMM in 16 bits, as the unfused path computes it
+            main_grad.add_(grad_output.t().matmul(total_input))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
 def _reporting_cuda_tensor_types(init):
     """`init` of a Megatron optimizer that sorts parameters by `param.type()` against CUDA names only
     ('torch.cuda.FloatTensor', ...; a CPU parameter raises TypeError): while it runs, a CPU float
@@ -492,6 +508,13 @@ def apply_megatron_shims() -> None:
     # Grad clipping asserts param.grad.type() == 'torch.cuda.FloatTensor'.
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    # Gradient-accumulation fusion for the trained models (megatron_gpt.trainer_config_overrides turns it
+    # on for them on CPU): the linear layers' Apex extension, and the check that refuses the option without it.
+    from megatron.core.tensor_parallel import layers as tensor_parallel_layers
+
+    tensor_parallel_layers.fused_weight_gradient_mlp_cuda = _CpuWeightGradientAccumulation
+    tensor_parallel_layers._grad_accum_fusion_available = True
 
     # The distributed optimizer (--use-distributed-optimizer) and the mixed-precision one (bf16/fp16
     # parameters with fp32 main copies) sort parameters by `param.type()` against CUDA type names.

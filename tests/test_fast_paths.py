@@ -125,3 +125,29 @@ def test_rotary_embedding_equals_megatrons_in_value_and_gradients(megatron_rank)
             assert_fp32_paths_agree(a, b, f"rotary {what} {kwargs}")
     # the interleaved layout is Megatron's own path, unchanged
     assert torch.equal(ours(t, freqs, rotary_interleaved=True), megatrons(t, freqs, rotary_interleaved=True))
+
+
+def test_cpu_gradient_accumulation_fusion_sums_micro_batches_as_the_unfused_path(megatron_rank, tiny_model,
+                                                                                 monkeypatch):
+    """The trained model's linear layers add their weight gradients into DDP's main_grad in the GEMM
+    (accelerator._CpuWeightGradientAccumulation); over two micro-batches the main gradients are the
+    unfused path's (a gradient per micro-batch, added by DDP's hook)."""
+    from megarl import actor as actor_module
+    from megarl.model_runner import forward_backward
+
+    fused = actor_of(tiny_model)
+    assert fused.model.config.gradient_accumulation_fusion
+    overrides = actor_module.trainer_config_overrides
+    monkeypatch.setattr(actor_module, "trainer_config_overrides",
+                        lambda args: dict(overrides(args), gradient_accumulation_fusion=False))
+    unfused = actor_of(tiny_model)
+    assert not unfused.model.config.gradient_accumulation_fusion
+    grads = {}
+    for name, actor in (("fused", fused), ("unfused", unfused)):
+        actor.model.train()
+        actor.model.zero_grad_buffer()
+        forward_backward(actor.model, micro_batches(count=2, seed=2), nll, False, 2)
+        grads[name] = {key: param.main_grad.clone() for key, param in actor.model.named_parameters()}
+    assert any(grad.abs().max() > 0 for grad in grads["fused"].values())
+    for key, grad in grads["fused"].items():
+        assert_fp32_paths_agree(grad, grads["unfused"][key], key)

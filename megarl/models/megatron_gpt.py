@@ -262,10 +262,14 @@ def model_config_overrides(args) -> dict:
 
 
 def trainer_config_overrides(args) -> dict:
-    """TransformerConfig fields of a trained model (policy, critic) that come from the training options:
-    `model_config_overrides`, the loss normalisation and activation recomputation
+    """TransformerConfig fields of a trained model (policy, critic) that come from the training options and
+    the host: `model_config_overrides`, gradient-accumulation fusion on CPU, the loss normalisation and activation recomputation
     (--recompute-granularity/-method/-num-layers; frozen models run forward-only and never recompute)."""
-    return dict(model_config_overrides(args), calculate_per_token_loss=True,
+    # On CPU ranks the trained models' linear layers add each weight gradient into DDP's main_grad inside
+    # the GEMM (accelerator._CpuWeightGradientAccumulation): no gradient tensor per weight and micro-batch,
+    # no second pass to add it. Only models under DDP have a main_grad, so frozen and bare models keep it off.
+    accumulation = {} if accelerator.ON_CUDA else dict(gradient_accumulation_fusion=True)
+    return dict(model_config_overrides(args), **accumulation, calculate_per_token_loss=True,
                 recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
                 moe_z_loss_coeff=args.moe_z_loss_coeff or None)
