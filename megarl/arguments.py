@@ -301,6 +301,10 @@ def _add_batch_args(parser):
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each generated batch")
     g.add_argument("--shuffle", action="store_true",
                    help="shuffle the samples before splitting them into mini-batches, per epoch (seeded)")
+    g.add_argument("--balance-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each data-parallel rank its share of a mini-batch by tokens (equal sample counts, "
+                        "near-equal prompt + response tokens; verl's trainer.balance_batch) instead of a "
+                        "contiguous share (default: on)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward on a rank")
     g.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
                    help="form micro-batches by tokens instead of --micro-batch-size: each holds samples whose "

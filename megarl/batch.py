@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl import packing
 from megarl.algorithms import soft_overlong_penalty, truncated_importance_weights, truncation_keep
 
 # The per-token fields of a Batch a micro-batch can carry, in a fixed order.
@@ -168,20 +169,30 @@ def data_parallel_shard(count: int, dp: int, dp_rank: int) -> slice:
 
 
 def mini_batch_indices(count: int, global_batch_size: int, dp: int, dp_rank: int,
-                       shuffle_seed: int | None = None) -> list[torch.Tensor]:
+                       shuffle_seed: int | None = None, lengths: list[int] | None = None) -> list[torch.Tensor]:
     """This data-parallel rank's sample indices of each mini-batch of one epoch.
 
     Mini-batches are consecutive runs of `global_batch_size` samples of the (optionally
-    permuted) order; each data-parallel rank takes its contiguous share of each. With
-    `shuffle_seed` the order is a permutation seeded by it, the same on every rank.
+    permuted) order; each data-parallel rank takes its contiguous share of each, or with the
+    samples' token `lengths` its share of equal size and near-equal tokens
+    (packing.data_parallel_partitions). With `shuffle_seed` the order is a permutation seeded by
+    it, the same on every rank. Which rank trains a sample changes only the order of the loss's
+    sums: the loss and its units are summed over ranks (calculate_per_token_loss).
     """
     if count % global_batch_size:
         raise ValueError(f"{count} samples do not split into mini-batches of {global_batch_size}")
     order = torch.arange(count)
     if shuffle_seed is not None:
         order = torch.randperm(count, generator=torch.Generator().manual_seed(shuffle_seed))
-    return [order[start:][data_parallel_shard(global_batch_size, dp, dp_rank)]
-            for start in range(0, count, global_batch_size)]
+    shares = []
+    for start in range(0, count, global_batch_size):
+        mini_batch = order[start:start + global_batch_size]
+        if lengths is None or dp == 1:
+            shares.append(mini_batch[data_parallel_shard(global_batch_size, dp, dp_rank)])
+        else:
+            groups = packing.data_parallel_partitions([lengths[i] for i in mini_batch.tolist()], dp)
+            shares.append(mini_batch[torch.tensor(groups[dp_rank], dtype=torch.long)])
+    return shares
 
 
 def shuffle_seed(seed: int, step: int, epoch: int) -> int:

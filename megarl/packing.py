@@ -9,6 +9,10 @@ run the same number of micro-batches: each rank counts the groups it needs
 into exactly that many groups (`token_budget_partitions`), balanced by tokens when
 the balanced split fits the budget.
 
+Data-parallel balance (--balance-batch, on by default): each mini-batch's samples go to the
+data-parallel ranks in equal numbers and near-equal tokens (`data_parallel_partitions`) rather than
+in contiguous shares, since the ranks' update ends at the gradient all-reduce, when the slowest is done.
+
 Packing (--padding-free): the samples of a micro-batch are laid end to end in one
 row; each restarts its positions at 0 and attends only to itself (the THD format,
 `offsets` are its cu_seqlens; megarl/models/attention.py on hosts without
@@ -46,11 +50,22 @@ def _fits(group: list[int], lengths: list[int], budget: int) -> bool:
     return len(group) == 1 or sum(lengths[i] for i in group) <= budget
 
 
-def _balanced(indices, lengths: list[int], count: int) -> list[list[int]]:
-    """Longest first, each to the lightest group (LPT): `count` groups of near-equal tokens."""
+def data_parallel_partitions(lengths: list[int], count: int) -> list[list[int]]:
+    """The samples of a mini-batch split over `count` data-parallel ranks: equal numbers of samples, near-equal
+    tokens (verl's balance_batch), so that no rank's update waits on a rank with more tokens. Ascending indices
+    per group; the same answer on every rank (it depends on the lengths only). len(lengths) must divide."""
+    if len(lengths) % count:
+        raise ValueError(f"{len(lengths)} samples do not split evenly over {count} data-parallel ranks")
+    return [sorted(group) for group in _balanced(range(len(lengths)), lengths, count, len(lengths) // count)]
+
+
+def _balanced(indices, lengths: list[int], count: int, capacity: int | None = None) -> list[list[int]]:
+    """Longest first, each to the lightest group (LPT) that holds fewer than `capacity` indices: `count`
+    groups of near-equal tokens. Ties go to the lowest group, so the result is deterministic."""
     groups, loads = [[] for _ in range(count)], [0] * count
     for i in sorted(indices, key=lambda i: -lengths[i]):
-        lightest = loads.index(min(loads))
+        lightest = min((g for g in range(count) if capacity is None or len(groups[g]) < capacity),
+                       key=lambda g: loads[g])
         groups[lightest].append(i)
         loads[lightest] += lengths[i]
     return groups

@@ -316,9 +316,10 @@ def update(run: Run, batch: Batch, step: int, shortcut: bool = False) -> dict:
     update_actor = step >= args.critic_warmup
     kl_coef = run.kl_controller.value if run.kl_controller is not None and args.kl_placement == "loss" else 0.0
     policy_updates, critic_updates, padding = [], [], torch.zeros(2)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples] if args.balance_batch else None
     for epoch in range(args.ppo_epochs):
         seed = batching.shuffle_seed(args.seed, step, epoch) if args.shuffle else None
-        for mine in batching.mini_batch_indices(len(batch), args.global_batch_size, dp, dp_rank, seed):
+        for mine in batching.mini_batch_indices(len(batch), args.global_batch_size, dp, dp_rank, seed, lengths):
             micro_batches = _micro_batches(run, batch.select(mine))
             padding += torch.tensor([[b.padding_tokens(), b.tokens.numel()] for b in micro_batches]).sum(dim=0)
             if run.critic is not None:

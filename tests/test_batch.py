@@ -78,6 +78,25 @@ def test_mini_batches_give_each_rank_its_share_of_each_mini_batch():
         B.mini_batch_indices(8, 3, 1, 0)
 
 
+def test_balanced_mini_batches_give_each_rank_equal_samples_and_near_equal_tokens():
+    # Two mini-batches of 8; the long samples sit together at the front, as a prompt's group would.
+    lengths = [300, 290, 280, 270, 20, 15, 10, 5, 100, 100, 100, 100, 100, 100, 100, 100]
+    for seed in (None, B.shuffle_seed(1234, 0, 0)):
+        shares = [B.mini_batch_indices(16, 8, 2, rank, seed, lengths) for rank in range(2)]
+        contiguous = [B.mini_batch_indices(16, 8, 2, rank, seed) for rank in range(2)]
+        for mini_batch in range(2):
+            mine = [shares[rank][mini_batch].tolist() for rank in range(2)]
+            # the same samples as the contiguous split's mini-batch, 4 per rank, each once
+            assert sorted(mine[0] + mine[1]) == sorted(sum((c[mini_batch].tolist() for c in contiguous), []))
+            assert [len(m) for m in mine] == [4, 4]
+            tokens = [sum(lengths[i] for i in m) for m in mine]
+            assert abs(tokens[0] - tokens[1]) <= max(lengths)
+    # without a shuffle, the first mini-batch: contiguous is 1140 vs 50 tokens; balanced within 30
+    balanced = [sum(lengths[i] for i in B.mini_batch_indices(16, 8, 2, rank, None, lengths)[0]) for rank in range(2)]
+    assert abs(balanced[0] - balanced[1]) <= 30, balanced
+    assert [m.tolist() for m in B.mini_batch_indices(16, 8, 1, 0, None, lengths)] == [list(range(8)), list(range(8, 16))]
+
+
 def test_mismatch_metrics_against_their_formulas():
     old = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
     rollout = torch.tensor([[-1.1, -2.0], [-0.3, 5.0]])

@@ -431,7 +431,7 @@ TABLE: dict[str, Rule] = {
     "trainer.log_val_generations": ignore("--rollout-save-dir dumps every evaluation"),
     "trainer.rollout_data_dir": to("rollout_save_dir", expand_path),
     "trainer.validation_data_dir": to("rollout_save_dir", expand_path),
-    "trainer.balance_batch": ignore("megarl balances token micro-batches itself (--max-tokens-per-micro-batch)"),
+    "trainer.balance_batch": to("balance_batch", bool),
     "trainer.device": ignore("the launcher's device"),
     "trainer.esi_redundant_time": ignore("elastic preemption margin"),
     "trainer.ray_wait_register_center_timeout": ignore("Ray"),
