@@ -151,3 +151,22 @@ def test_cpu_gradient_accumulation_fusion_sums_micro_batches_as_the_unfused_path
     assert any(grad.abs().max() > 0 for grad in grads["fused"].values())
     for key, grad in grads["fused"].items():
         assert_fp32_paths_agree(grad, grads["unfused"][key], key)
+
+
+def test_residual_add_without_dropout_is_megatrons_sum():
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from megarl.models.elementwise import bias_dropout_add
+
+    generator = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(5, 1, 8, generator=generator), torch.randn(5, 1, 8, generator=generator)
+    for training in (True, False):
+        assert torch.equal(bias_dropout_add(training, False)((x, None), residual, 0.0),
+                           get_bias_dropout_add(training, False)((x, None), residual, 0.0))
+    bias = torch.randn(8, generator=generator)  # with a bias (or dropout) it is Megatron's own
+    assert torch.equal(bias_dropout_add(True, False)((x, bias), residual, 0.0),
+                       get_bias_dropout_add(True, False)((x, bias), residual, 0.0))
+    torch.manual_seed(3)
+    dropped = bias_dropout_add(True, False)((x, None), residual, 0.5)
+    torch.manual_seed(3)
+    assert torch.equal(dropped, get_bias_dropout_add(True, False)((x, None), residual, 0.5))

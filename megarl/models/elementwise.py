@@ -1,5 +1,5 @@
-"""The element-wise parts of a decoder layer (RMSNorm, rotary embeddings) as hand-written autograd functions
-that make fewer passes over memory than torch's composites, for hosts without Transformer Engine.
+"""The element-wise parts of a decoder layer (RMSNorm, rotary embeddings, the residual add) done in fewer
+passes over memory than torch's composites, for hosts without Transformer Engine.
 
 On CPU ranks nothing fuses these ops (Megatron's fusions are CUDA kernels or torch.compile'd, megarl turns
 them off there; docs/platform.md): torch's RMSNorm runs pow, mean, add, rsqrt and two multiplications, each
@@ -116,6 +116,24 @@ def rotary_bshd(original):
         return _RotaryFunction.apply(t, cos, sin)
 
     apply.megarl_original = original
+    return apply
+
+
+def bias_dropout_add(training: bool, fused: bool):
+    """Megatron's `get_bias_dropout_add` (a layer spec's residual step, fused_bias_dropout.py) that adds the
+    residual directly when there is no bias and no dropout: torch's dropout at p = 0 in training mode still
+    copies its input forward and its gradient backward (two passes per residual, 24 per forward of a
+    12-layer model). Any other case is Megatron's. The same sum (residual + x) either way."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    megatrons = get_bias_dropout_add(training, fused)
+
+    def apply(x_with_bias, residual, prob):
+        x, bias = x_with_bias
+        if bias is None and prob == 0 and residual.dtype == x.dtype:
+            return residual + x
+        return megatrons(x_with_bias, residual, prob)
+
     return apply
 
 

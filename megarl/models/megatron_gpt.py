@@ -310,6 +310,7 @@ def gpt_layer_spec(config):
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = PackedDotProductAttention  # takes --padding-free rows
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layer.self_attn_bda = layer.mlp_bda = elementwise.bias_dropout_add
     if config.qk_layernorm:  # per head, after the gather: summed over TP by name (finalize_model_grads)
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
