@@ -170,3 +170,23 @@ def test_residual_add_without_dropout_is_megatrons_sum():
     dropped = bias_dropout_add(True, False)((x, None), residual, 0.5)
     torch.manual_seed(3)
     assert torch.equal(dropped, get_bias_dropout_add(True, False)((x, None), residual, 0.5))
+
+
+def test_swiglu_equals_megatrons_gated_unit_and_is_the_dense_mlps_activation(megatron_rank, tiny_model):
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    from megarl.models.elementwise import SwiGLU
+    from megarl.models.megatron_gpt import build_gpt_model
+
+    def megatrons(y):  # transformer/mlp.py's glu with glu_linear_offset 0
+        gate, up = torch.chunk(y, 2, dim=-1)
+        return F.silu(gate) * (up + 0.0)
+
+    generator = torch.Generator().manual_seed(0)
+    y, upstream = torch.randn(9, 2, 24, generator=generator) * 3, torch.randn(9, 2, 12, generator=generator)
+    for what, a, b in zip(("output", "grad"), forward_and_grads(SwiGLU(), [y], upstream),
+                          forward_and_grads(megatrons, [y], upstream)):
+        assert_fp32_paths_agree(a, b, f"swiglu {what}")
+    model = build_gpt_model(AutoConfig.from_pretrained(tiny_model))
+    assert all(isinstance(layer.mlp.activation_func, SwiGLU) for layer in model.decoder.layers)

@@ -1,4 +1,4 @@
-"""The element-wise parts of a decoder layer (RMSNorm, rotary embeddings, the residual add) done in fewer
+"""The element-wise parts of a decoder layer (RMSNorm, SwiGLU, rotary embeddings, the residual add) done in fewer
 passes over memory than torch's composites, for hosts without Transformer Engine.
 
 On CPU ranks nothing fuses these ops (Megatron's fusions are CUDA kernels or torch.compile'd, megarl turns
@@ -69,6 +69,44 @@ class RMSNorm(torch.nn.RMSNorm):
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(_opmath(x).dtype).eps
         return _RMSNormFunction.apply(x, self.weight, eps)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up for the halves [gate, up] of the last dimension (Megatron's gated linear unit: fc1's
+    output, chunked in two). The backward writes both halves' gradients into one tensor, where autograd
+    through `chunk` concatenates them: d gate = silu'(gate) g up, d up = g silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        gate, up = y.chunk(2, dim=-1)
+        activated = torch.nn.functional.silu(gate)
+        ctx.save_for_backward(gate, up, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, activated = ctx.saved_tensors
+        grad_y = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
+        grad_gate, grad_up = grad_y.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, activated, out=grad_up)
+        return grad_y
+
+
+class SwiGLU(torch.nn.Module):
+    """The gated linear unit with SiLU as a module, for MLPSubmodules.activation_func (Megatron's MLP takes its
+    activation from the spec under `use_te_activation_func`; megatron_gpt sets both for the local spec's dense
+    MLP on CPU hosts). Megatron's own glu also adds `glu_linear_offset` (0 for every megarl model) to the up
+    half, one more pass; this module refuses a non-zero offset or a clamp, which it does not implement."""
+
+    def __init__(self, config=None):
+        super().__init__()
+        if config is not None and (getattr(config, "glu_linear_offset", 0.0) or
+                                   getattr(config, "activation_func_clamp_value", None) is not None):
+            raise ValueError("SwiGLU: glu_linear_offset and activation_func_clamp_value are not supported")
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return _SwiGLUFunction.apply(y)
 
 
 class _RotaryFunction(torch.autograd.Function):

@@ -234,6 +234,9 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         # Weights come from a checkpoint right after construction.
         perform_initialization=False,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        # On CPU the dense MLP's activation is the spec's (elementwise.SwiGLU, gpt_layer_spec): Megatron's MLP
+        # reads an activation module from its spec only under this flag, whatever its name says.
+        use_te_activation_func=not accelerator.ON_CUDA and not family.moe,
         # sequence_parallel: off unless overridden (model_config_overrides, from --sequence-parallel).
         **{"sequence_parallel": False, **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
            **moe_config(hf_config, family, ep), **_moe_only(overrides, family)},
@@ -311,6 +314,8 @@ def gpt_layer_spec(config):
     attention.core_attention = PackedDotProductAttention  # takes --padding-free rows
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
     layer.self_attn_bda = layer.mlp_bda = elementwise.bias_dropout_add
+    if config.use_te_activation_func:  # a dense MLP (transformer_config): its SwiGLU from the spec
+        layer.mlp.submodules.activation_func = elementwise.SwiGLU
     if config.qk_layernorm:  # per head, after the gather: summed over TP by name (finalize_model_grads)
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
