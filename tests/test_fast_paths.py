@@ -190,3 +190,6 @@ def test_swiglu_equals_megatrons_gated_unit_and_is_the_dense_mlps_activation(meg
         assert_fp32_paths_agree(a, b, f"swiglu {what}")
     model = build_gpt_model(AutoConfig.from_pretrained(tiny_model))
     assert all(isinstance(layer.mlp.activation_func, SwiGLU) for layer in model.decoder.layers)
+    # and the model still checkpoints: Megatron's MLP asks every child for its sharded state
+    assert {key.split(".mlp.")[1] for key in model.sharded_state_dict() if ".mlp." in key} == \
+        {"linear_fc1.weight", "linear_fc2.weight", "linear_fc1._extra_state", "linear_fc2._extra_state"}

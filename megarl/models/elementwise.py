@@ -108,6 +108,10 @@ class SwiGLU(torch.nn.Module):
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         return _SwiGLUFunction.apply(y)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Nothing to checkpoint (Megatron's MLP asks each child for its sharded state)."""
+        return {}
+
 
 class _RotaryFunction(torch.autograd.Function):
     """out = t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] for the halves t1, t2 of the last
