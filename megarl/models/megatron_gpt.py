@@ -234,13 +234,21 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         # Weights come from a checkpoint right after construction.
         perform_initialization=False,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        # On CPU the dense MLP's activation is the spec's (elementwise.SwiGLU, gpt_layer_spec): Megatron's MLP
-        # reads an activation module from its spec only under this flag, whatever its name says.
-        use_te_activation_func=not accelerator.ON_CUDA and not family.moe,
         # sequence_parallel: off unless overridden (model_config_overrides, from --sequence-parallel).
-        **{"sequence_parallel": False, **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
-           **moe_config(hf_config, family, ep), **_moe_only(overrides, family)},
+        **_with_spec_activation({"sequence_parallel": False,
+                                 **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
+                                 **moe_config(hf_config, family, ep), **_moe_only(overrides, family)}, family),
     )
+
+
+def _with_spec_activation(fields: dict, family: Family) -> dict:
+    """`fields` with use_te_activation_func on where the unfused GLU would run: the local spec (no Transformer
+    Engine), a dense MLP, no bias-activation fusion. There gpt_layer_spec puts megarl's SwiGLU module in the
+    spec: Megatron's MLP reads an activation module from its spec only under this flag, whatever its name
+    says; with the flag on and no module in the spec it would apply a plain SiLU, so it is never on elsewhere."""
+    local_dense_unfused = (not family.moe and not fields.get("bias_activation_fusion")
+                           and not accelerator.transformer_engine_available())
+    return {"use_te_activation_func": local_dense_unfused, **fields}
 
 
 MOE_LOSS_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
