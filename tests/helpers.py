@@ -290,6 +290,15 @@ def assert_runs_agree(a: dict, b: dict, what: str = "", steps=None, rtol: float 
     assert not off, f"{what}: differ by more than {rtol:g} of {scale:.4g} at steps {off}"
 
 
+def assert_steps_move(series: dict, steps=(2, 3)):
+    """A run's compared steps carry a learning signal, so that two runs agreeing on them says something:
+    a gradient at each step, and not the same one. The gradient norm, not the loss: on-policy, GRPO's
+    token-mean surrogate is exactly 0 whenever a step's responses are equally long (a group's advantages
+    sum to 0), which another machine's sampling can produce at any step."""
+    norms = [series["grad_norm"][step] for step in steps]
+    assert min(norms) > 0 and len(set(norms)) == len(norms), series["grad_norm"]
+
+
 def flat_series(nested) -> dict:
     """{i: value} of a (nested) list of numbers, for assert_runs_agree on a per-token output."""
     import torch
