@@ -13,6 +13,7 @@ import time
 import traceback
 
 from megarl.arguments import parse_args
+from megarl import host_memory
 from megarl.errors import ConfigError
 from megarl.checkpoint import CheckpointError
 from megarl.distributed import init_distributed, launch_env
@@ -114,6 +115,7 @@ def _resume(run):
 
 
 def main(argv=None) -> None:
+    host_memory.configure()  # before torch's first host allocation, which fixes its huge-page setting
     # Bad options and bad input files (model, tokenizer, datasets) end here, with one line and nothing
     # written: before any process group, engine, log or checkpoint directory.
     try:

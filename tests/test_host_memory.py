@@ -1,0 +1,76 @@
+"""megarl/host_memory.py in a fresh interpreter (the settings only take before torch's first host allocation):
+huge pages advised for torch's large tensors, glibc's heap serving blocks up to 32 MiB, and a user's own
+settings left as they are."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux memory settings")
+
+# After the entry point's imports (they allocate nothing on the host), what main() does first; then where a
+# 64 MiB tensor lives and whether a 24 MiB block came from a new mapping (glibc's mallinfo2: hblkhd, the
+# bytes in mapped blocks). VmFlags "hg": the region was advised MADV_HUGEPAGE (whether the kernel then gave
+# huge pages depends on its settings and free memory; the advice is what torch was told to give).
+PROBE = r"""
+import ctypes, json
+import megarl.train
+from megarl import host_memory
+applied = host_memory.configure()
+import torch
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+big = torch.empty(64 * 2**20 // 4)
+big.fill_(1.0)
+address, advised = big.data_ptr(), None
+region = None
+for line in open("/proc/self/smaps"):
+    head = line.split()
+    if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+        start, end = (int(part, 16) for part in head[0].split("-"))
+        region = start <= address < end
+    elif line.startswith("VmFlags:") and region:
+        advised = "hg" in line.split()
+mapped_before = libc.mallinfo2().hblkhd
+block = torch.empty(24 * 2**20 // 4)
+print(json.dumps({"applied": applied, "huge_page_advice": advised,
+                  "mapped_block": libc.mallinfo2().hblkhd - mapped_before >= 24 * 2**20}))
+"""
+
+
+def _probe(**env) -> dict:
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                  "GLIBC_TUNABLES")}
+    environment.update(PYTHONPATH=str(ROOT), **env)
+    result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=environment, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_large_tensors_are_advised_huge_pages_and_blocks_come_from_the_heap():
+    probe = _probe()
+    assert probe["applied"] == {"THP_MEM_ALLOC_ENABLE": "1", "mmap_threshold": 32 * 2**20,
+                                "trim_threshold": 2**31 - 1}, probe
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage"):  # a kernel without THP refuses the advice
+        assert probe["huge_page_advice"] is True, probe
+    assert probe["mapped_block"] is False, probe  # glibc's default maps a 24 MiB block of its own
+
+
+def test_the_users_own_settings_are_kept():
+    probe = _probe(THP_MEM_ALLOC_ENABLE="0", MALLOC_TRIM_THRESHOLD_="131072")
+    assert probe["applied"] == {}, probe
+    assert probe["huge_page_advice"] is False, probe
+    assert probe["mapped_block"] is True, probe  # glibc as the user left it
