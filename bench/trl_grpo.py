@@ -8,7 +8,8 @@ built-in arithmetic prompts (megarl.data.tasks.arithmetic, the same seed and cha
 4 samples per step, up to 128 new tokens at temperature 1, fp32, one optimizer step per generation
 (32 samples per step, steps_per_generation 1, num_iterations 1), no KL (beta 0), the same exact-match
 reward. Writes {"step_seconds": [...], "generated_tokens": [...]} from a callback's wall clock (the
-Trainer calls on_step_begin / on_step_end once per optimizer step, gradient accumulation included).
+Trainer calls on_step_begin / on_step_end once per optimizer step, gradient accumulation included), and
+as the steps go `<out>.progress` (bench/e2e.py's --trl-timeout reads it when it stops a run).
 
 bench/e2e.py's --response-lengths sweep adds --min-new-tokens L (every response exactly L tokens with
 --max-new-tokens L: GRPOConfig.generation_kwargs, which TRL 1.16 passes to transformers' GenerationConfig
@@ -60,14 +61,24 @@ def main():
         return [arithmetic.score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
     class Clock(TrainerCallback):
+        """Each optimizer step's seconds; also written to `<out>.progress` as the steps go (the finished steps
+        and when the running one started), for a caller that stops a run at its time limit."""
+
         def __init__(self):
             self.seconds, self.started = [], None
 
         def on_step_begin(self, *_, **__):
             self.started = time.perf_counter()
+            self._progress(running_since=time.time())
 
         def on_step_end(self, *_, **__):
             self.seconds.append(time.perf_counter() - self.started)
+            self._progress(running_since=None)
+
+        def _progress(self, running_since):
+            with open(args.out + ".progress.tmp", "w") as f:
+                json.dump({"step_seconds": self.seconds, "running_since": running_since}, f)
+            os.replace(args.out + ".progress.tmp", args.out + ".progress")
 
     samples = args.prompts * args.generations
     if samples % args.micro_batches:

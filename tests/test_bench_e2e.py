@@ -89,3 +89,29 @@ def test_print_sweep_warns_on_a_response_not_l_long(capsys):
     out = capsys.readouterr().out
     assert "are not all 16" in out and "the floor counts" in out
     assert "not measured at [16]" in out
+
+
+def test_a_trl_run_stopped_at_its_time_limit_counts_as_a_lower_bound(capsys):
+    # Stopped in step 3 (index 2) after 500 s of it: steps 2 and 3 started after the warm-up, at least
+    # 400 and 500 s; the median of what was counted, 450, bounds the run's median from below.
+    stopped = {"step_seconds": [900.0, 400.0], "generated_tokens": [],
+               "cut_short": {"timeout": 1800.0, "running_step_seconds": 500.0}}
+    assert e2e.trl_seconds_per_step(stopped, warmup=1) == (450.0, True)
+    between = {**stopped, "cut_short": {"timeout": 1800.0, "running_step_seconds": None}}
+    assert e2e.trl_seconds_per_step(between, warmup=1) == (400.0, True)
+    only_warmup = {"step_seconds": [], "generated_tokens": [],
+                   "cut_short": {"timeout": 1800.0, "running_step_seconds": 1790.0}}
+    assert e2e.trl_seconds_per_step(only_warmup, warmup=1) == (1790.0, True)  # the warm-up step, lacking others
+    finished = {"step_seconds": [900.0, 400.0, 420.0], "generated_tokens": [64.0] * 3}
+    assert e2e.trl_seconds_per_step(finished, warmup=1) == (410.0, False)
+
+    samples = e2e.JOB["prompts"] * e2e.JOB["generations"]
+    prompts = [32] * samples
+    run = _megarl(100.0, 40.0, 60.0, 16, prompts)
+    e2e.print_sweep({16: {"megarl": run, "prompts": [prompts] * 3, "bare": 1.0,
+                          "trl": {"transformers": stopped}}}, 1_000_000, 1e9, 1)
+    out = capsys.readouterr().out
+    assert "  >450.00 " in out and "stopped at --trl-timeout 1800 s: 2 steps done" in out
+    assert "WARNING" not in out  # a stopped run's token counts are not read
+    lead = out.split("megarl ahead of TRL's best mode")[1]
+    assert "L=16 4.50" in lead and lead.rstrip().endswith("met")
