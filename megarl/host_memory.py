@@ -5,7 +5,7 @@ hands large blocks out as new mappings and gives freed memory back to the kernel
 heap's top), so the next step touches fresh pages again, each a page fault that zeroes 4 KiB. Profiled on
 the bench job (bench/e2e.py, AMD EPYC with AVX-512, one thread per rank), an element-wise pass that
 writes a fresh 26 MB gradient took 63-72 ms instead of 2 ms, and the faults cost 4-6% of every update
-and a quarter of the first one. Two settings, the way a GPU's caching allocator behaves:
+and a fifth of the first one. Two settings, the way a GPU's caching allocator behaves:
 
 - `THP_MEM_ALLOC_ENABLE=1`: torch's own switch (c10/core/impl/alloc_cpu.cpp) that aligns allocations of
   2 MiB and more to 2 MiB and advises transparent huge pages for them (the kernel's `madvise` mode, the
