@@ -320,6 +320,46 @@ def fuse_torch_adam(optimizer) -> int:
     return switched
 
 
+def allocate_adam_states_on_host(optimizer) -> int:
+    """Create the Adam moments of CPU parameter groups now, as torch's Adam(W) would at its first step
+    (zeros, and a zero step counter of the dtype and device that step keeps); returns how many parameters
+    got them. Nothing an update computes changes: the first step finds them and skips its own creation.
+
+    Why: on CPU ranks, states created inside the first step take heap space the second step's activations
+    then find occupied, so that step grows the heap and faults ~100 MB of fresh pages in (bench job,
+    forced 128-token responses: the second update 7.04 s against 5.9-6.2 s for the later ones, 27-29k minor
+    faults against 0; with the states made here 6.34 s, 10k faults). Made at start-up, the memory an
+    update needs is also taken before the first rollout rather than after it. Left lazy on CUDA, where the
+    caching allocator reuses blocks and a colocated vLLM engine sizes its memory after the trainer is built."""
+    created = 0
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if not all(p.device.type == "cpu" for p in group["params"]):
+                continue
+            for param in group["params"]:
+                if inner.state[param]:
+                    continue  # loaded or stepped already
+                inner.state[param] = _initial_adam_state(param, group)
+                created += 1
+    return created
+
+
+def _initial_adam_state(param: torch.Tensor, group: dict) -> dict:
+    """torch.optim.Adam._init_group's state for a parameter it has not seen (torch 2.13; tests/test_fast_paths.py
+    compares it with the state torch makes itself)."""
+    on_param_device = group["capturable"] or group["fused"]
+    step_dtype = torch.float32 if group["fused"] or torch.get_default_dtype() != torch.float64 else torch.float64
+    state = {"step": torch.zeros((), dtype=step_dtype, device=param.device if on_param_device else "cpu"),
+             "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+             "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
 class _CpuWeightGradientAccumulation:
     """Apex's `fused_weight_gradient_mlp_cuda` (the two entry points Megatron's linear layers call under
     gradient_accumulation_fusion, tensor_parallel/layers.py) on CPU: the weight gradient of a micro-batch

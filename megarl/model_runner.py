@@ -498,6 +498,7 @@ def build_trainable(module, args, lr: float, weight_decay: float):
                         use_distributed_optimizer=args.use_distributed_optimizer),
         [model])
     accelerator.fuse_torch_adam(optimizer)
+    accelerator.allocate_adam_states_on_host(optimizer)
     total_updates = max(args.train_steps * args.steps_per_generation * args.ppo_epochs, 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_steps else lr, max_lr=lr,

@@ -4,6 +4,7 @@ Megatron's local attention. In-process, one Megatron rank."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import assert_fp32_paths_agree, micro_batches, nll
@@ -40,6 +41,46 @@ def test_cpu_adam_is_torchs_fused_kernel_and_steps_as_its_loop(megatron_rank, ti
     for name, param in fused.model.named_parameters():
         assert not torch.equal(param, before[name]), f"{name} did not move"
         assert_fp32_paths_agree(param.detach(), named[name].detach(), name)
+
+
+@pytest.mark.parametrize("fused,amsgrad", [(True, False), (False, False), (False, True)])
+def test_adam_states_made_at_start_are_the_ones_torch_makes_at_its_first_step(fused, amsgrad):
+    """accelerator.allocate_adam_states_on_host against torch's own lazy creation: after two steps on the same
+    gradients, the same state (keys, dtypes, devices, values) and the same parameters, bit for bit."""
+    from types import SimpleNamespace
+
+    from megarl import accelerator
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=generator), torch.randn(7, generator=generator)]
+    gradients = [[torch.randn(p.shape, generator=generator) for p in start] for _ in range(2)]
+    runs = {}
+    for eager in (True, False):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused, amsgrad=amsgrad)
+        if eager:
+            assert accelerator.allocate_adam_states_on_host(SimpleNamespace(optimizer=optimizer)) == len(params)
+            assert all(optimizer.state[p]["step"] == 0 for p in params)
+        for step_gradients in gradients:
+            for param, gradient in zip(params, step_gradients):
+                param.grad = gradient.clone()
+            optimizer.step()
+        runs[eager] = (params, [optimizer.state[p] for p in params])
+    for (eager_param, eager_state), (lazy_param, lazy_state) in zip(zip(*runs[True]), zip(*runs[False])):
+        assert torch.equal(eager_param, lazy_param)
+        assert eager_state.keys() == lazy_state.keys()
+        for key in lazy_state:
+            assert (eager_state[key].dtype, eager_state[key].device) == (lazy_state[key].dtype, lazy_state[key].device), key
+            assert torch.equal(eager_state[key], lazy_state[key]), key
+
+
+def test_the_trainer_holds_its_adam_states_before_its_first_step(megatron_rank, tiny_model):
+    actor = actor_of(tiny_model)
+    for part in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for group in part.optimizer.param_groups:
+            for param in group["params"]:
+                state = part.optimizer.state[param]
+                assert state["exp_avg"].shape == param.shape and not state["exp_avg_sq"].any() and state["step"] == 0
 
 
 def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank):
