@@ -267,6 +267,12 @@ RUN_RTOL = 1e-3
 # Metrics that are themselves rounding-level differences of O(1) log-probs (rollout vs trainer, old vs
 # new on the same weights): their own magnitude (~1e-7) is no scale; judged on 1.0.
 ROUNDING_LEVEL_METRICS = {"mismatch", "mismatch_max", "mismatch_kl", "ratio_dev_max", "kl_old_new"}
+# The policy loss is a mean of advantage x ratio terms, the advantages O(0.1-1) (GRPO's normalized, Dr. GRPO's
+# reward differences): on-policy, a step whose responses are all equally long cancels it to 0 up to rounding
+# (a group's advantages sum to 0), and two runs' rounding then differs on a series of magnitude ~1e-9. Such a
+# series is judged on at least CANCELLING_SCALE, a hundredth of its terms (rtol x it = 1e-5, ten times the
+# fp32 rounding of a mean of O(1) terms; a run that computes another loss differs by O(advantage)).
+CANCELLING_METRICS, CANCELLING_SCALE = {"loss"}, 1e-2
 
 
 # Such a metric, or a KL between two policies that are the same weights, is at rounding level when it is
@@ -279,13 +285,16 @@ def assert_runs_agree(a: dict, b: dict, what: str = "", steps=None, rtol: float 
                       scale: float | None = None):
     """Series {step: value} of two runs equal within rtol of the series' magnitude at `steps` (all
     of `a`'s steps unless given), each step present in both. `scale` replaces the magnitude (1.0 for
-    ROUNDING_LEVEL_METRICS, named by `what`)."""
+    ROUNDING_LEVEL_METRICS, named by `what`; at least CANCELLING_SCALE for CANCELLING_METRICS)."""
     steps = sorted(a) if steps is None else list(steps)
     assert steps and all(step in a and step in b for step in steps), (what, steps, a, b)
-    if scale is None and what.split()[-1] in ROUNDING_LEVEL_METRICS:
+    metric = what.split()[-1] if what.split() else ""
+    if scale is None and metric in ROUNDING_LEVEL_METRICS:
         scale = 1.0
     if scale is None:
         scale = max(abs(v) for series in (a, b) for v in series.values())
+        if metric in CANCELLING_METRICS:
+            scale = max(scale, CANCELLING_SCALE)
     off = {step: (a[step], b[step]) for step in steps if not abs(a[step] - b[step]) <= rtol * scale}
     assert not off, f"{what}: differ by more than {rtol:g} of {scale:.4g} at steps {off}"
 
