@@ -28,8 +28,9 @@ MFU convention, plus the causal attention's QK^T and AV, 12 x layers x heads x h
 sequence of s = prompt + response tokens, from the prompts megarl picks for each step and each step's
 mean response length, so a lower bound where lengths vary) at this machine's fp32 matmul rate (measured
 here on 2 threads, before and after the runs; the higher counts, as other load only lowers it), plus bare vLLM's time to generate the same samples (measured here, the same engine
-settings, no trainer; the faster of one engine on both threads and one engine per core on half the
-prompts each, megarl's colocated layout: BARE_LAYOUTS); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
+settings, no trainer; the fastest of one engine on both threads and one engine per core on half the
+prompts each, megarl's colocated layout, each with vLLM's multiprocessing front end and in-process:
+BARE_LAYOUTS); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
 
 The sweep (--response-lengths L ...): for each L the same prompts with every response exactly L new
 tokens (the untrained model would stop at about 65): megarl's colocate run (--padding-free) with
@@ -218,7 +219,7 @@ def run_trl(python: str, model: str, mode: str, steps: int, workdir: str, length
 
 
 def bare_text(layouts: dict) -> str:
-    """The bare-vLLM layouts' seconds, the faster (the floor's) first."""
+    """The bare-vLLM layouts' seconds, the fastest (the floor's) first."""
     return ", ".join(f"{layout} {seconds:.2f} s" for layout, seconds in sorted(layouts.items(), key=lambda x: x[1]))
 
 
@@ -243,34 +244,40 @@ def sweep_max_model_len(length: int) -> int:
 
 
 # The generation floor's layouts: one engine on both cores, and one engine per core on half the prompts
-# each (megarl's colocated layout: an engine per rank, one thread each). The faster is the floor: vLLM's
-# CPU path runs its scheduling and sampling in Python on one thread, so two engines can beat one engine
-# on two threads.
-BARE_LAYOUTS = {"one engine, 2 threads": 1, "two engines, 1 thread each": 2}
+# each (megarl's colocated layout: an engine per rank, one thread each), each with vLLM's multiprocessing
+# front end (its default: the engine core in a child process) and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+# as megarl's external-launcher engines run; measured 2026-11-27: 20-30% faster on 2 cores, the front end's
+# process no longer competing for them). The fastest is the floor: vLLM's CPU path runs its scheduling and
+# sampling in Python on one thread, so two engines can beat one engine on two threads.
+BARE_LAYOUTS = {"one engine, 2 threads": (1, True), "two engines, 1 thread each": (2, True),
+                "one in-process engine, 2 threads": (1, False), "two in-process engines, 1 thread each": (2, False)}
 
 
 def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None = None) -> dict:
     """Bare vLLM generating one step's samples, no trainer: {layout: median seconds} for each of
     BARE_LAYOUTS; `length`: every response exactly that long. `repeats`: 3, or 1 above 512 tokens (minutes
     each)."""
-    return {layout: bare_vllm_layout_seconds(model, engines, repeats, length)
-            for layout, engines in BARE_LAYOUTS.items()}
+    return {layout: bare_vllm_layout_seconds(model, engines, repeats, length, multiprocessing)
+            for layout, (engines, multiprocessing) in BARE_LAYOUTS.items()}
 
 
-def bare_vllm_layout_seconds(model: str, engines: int, repeats: int | None = None, length: int | None = None) -> float:
+def bare_vllm_layout_seconds(model: str, engines: int, repeats: int | None = None, length: int | None = None,
+                             multiprocessing: bool = True) -> float:
     """Median over repeats of the slowest of `engines` vLLM engines (subprocesses, each pinned to its share of
     the first two cores) generating their shares of one step's prompts at once (engine i the prompts i,
-    i + engines, ...; each repeat starts together: a file barrier after every engine has loaded)."""
+    i + engines, ...; each repeat starts together: a file barrier after every engine has loaded);
+    `multiprocessing`: vLLM's engine core in a child process (its default), else in the engine's own."""
     repeats = repeats or (3 if (length or 0) <= 512 else 1)
     max_tokens = length or JOB["max_new_tokens"]
     max_model_len = 512 if length is None else sweep_max_model_len(length)
     code = f"""
 import json, os, time, sys
+index, engines, barrier = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+os.sched_setaffinity(0, [int(cpu) for cpu in sys.argv[4].split(",")])  # every thread it starts inherits it
 sys.path.insert(0, {ROOT!r})
 from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
 from megarl.data.tasks import arithmetic
-index, engines, barrier = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 tok = AutoTokenizer.from_pretrained({model!r})
 llm = LLM(model={model!r}, dtype="float32", seed=0, max_model_len={max_model_len}, enforce_eager=True)
 problems = arithmetic.make_problems({JOB['prompts']}, 0)
@@ -289,19 +296,21 @@ for repeat in range({repeats}):
     times.append(time.perf_counter() - start)
 print("BARE", json.dumps(times))
 """
-    # Each engine's compute threads pinned to its own cores (VLLM_CPU_OMP_THREADS_BIND): vLLM's automatic
-    # binding reserves one core per engine for its front-end process, which on 2 cores leaves one engine one
-    # compute thread, and puts two engines' threads on the same core.
+    # Each engine pinned to its own cores: the process (in-process engines) and, for the multiprocessing
+    # front end's engine core, VLLM_CPU_OMP_THREADS_BIND: vLLM's automatic binding reserves one core per
+    # engine for its front-end process, which on 2 cores leaves one engine one compute thread, and puts two
+    # engines' threads on the same core.
     cores = sorted(os.sched_getaffinity(0))[:2]
     share = len(cores) // engines
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(share), "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+           "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0"}
     with tempfile.TemporaryDirectory() as barrier:
-        processes = [subprocess.Popen([sys.executable, "-c", code, str(index), str(engines), barrier], cwd=ROOT,
-                                      env={**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(
-                                          map(str, cores[index * share:(index + 1) * share]))},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                     for index in range(engines)]
+        processes = []
+        for index in range(engines):
+            own = ",".join(map(str, cores[index * share:(index + 1) * share]))
+            processes.append(subprocess.Popen([sys.executable, "-c", code, str(index), str(engines), barrier, own],
+                                              cwd=ROOT, env={**env, "VLLM_CPU_OMP_THREADS_BIND": own},
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outputs = [process.communicate() for process in processes]
     for process, (stdout, stderr) in zip(processes, outputs):
         if process.returncode != 0:

@@ -190,6 +190,9 @@ def _add_placement_args(parser):
                    help="standalone teacher: vLLM KV cache size per engine in GiB (CPU hosts)")
     g.add_argument("--teacher-gpu-memory-utilization", type=float, default=0.8,
                    help="standalone teacher: fraction of GPU memory vLLM may take (GPU hosts)")
+    g.add_argument("--cpu-affinity", default="auto", choices=["auto", "none"],
+                   help="CPU ranks: auto binds each local rank to its own share of the host's CPUs where the "
+                        "launcher bound none (megarl/cpu_affinity.py); none leaves placement to the OS")
 
 
 def _add_rollout_args(parser):

@@ -13,7 +13,7 @@ import time
 import traceback
 
 from megarl.arguments import parse_args
-from megarl import host_memory
+from megarl import cpu_affinity, host_memory
 from megarl.errors import ConfigError
 from megarl.checkpoint import CheckpointError
 from megarl.distributed import init_distributed, launch_env
@@ -120,6 +120,10 @@ def main(argv=None) -> None:
     # written: before any process group, engine, log or checkpoint directory.
     try:
         args = parse_args(argv, world_size=launch_env().world_size)
+        cpus = cpu_affinity.bind(args.cpu_affinity, launch_env().local_rank)  # before groups' and engines' threads
+        if cpus is not None and launch_env().rank == 0:
+            print(f"megarl: each local rank bound to its own CPUs (rank 0: {cpus}; --cpu-affinity none: "
+                  f"the OS places them)", flush=True)
         if launch_env().rank == 0:  # how another framework's config was read, and what it ignored
             for note in args.config_notes:
                 print(f"megarl: {note}", flush=True)
