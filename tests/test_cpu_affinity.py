@@ -34,6 +34,7 @@ def test_local_world_size_from_torchrun_or_slurm():
     assert local_world_size({}) is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding 2 ranks needs 2 CPUs")
 def test_two_torchrun_ranks_bind_every_thread_to_their_own_cpus():
     cpus = sorted(os.sched_getaffinity(0))
