@@ -246,8 +246,8 @@ def sweep_max_model_len(length: int) -> int:
 # The generation floor's layouts: one engine on both cores, and one engine per core on half the prompts
 # each (megarl's colocated layout: an engine per rank, one thread each), each with vLLM's multiprocessing
 # front end (its default: the engine core in a child process) and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-# as megarl's external-launcher engines run; measured 2026-11-27: 20-30% faster on 2 cores, the front end's
-# process no longer competing for them). The fastest is the floor: vLLM's CPU path runs its scheduling and
+# as megarl's external-launcher engines run; measured 2026-11-27: 2-37% faster on 2 cores, the fastest layout of
+# each kind over five runs, the front end's process no longer competing for them). The fastest is the floor: vLLM's CPU path runs its scheduling and
 # sampling in Python on one thread, so two engines can beat one engine on two threads.
 BARE_LAYOUTS = {"one engine, 2 threads": (1, True), "two engines, 1 thread each": (2, True),
                 "one in-process engine, 2 threads": (1, False), "two in-process engines, 1 thread each": (2, False)}

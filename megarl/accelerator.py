@@ -307,17 +307,23 @@ def fuse_torch_adam(optimizer) -> int:
     noise). On CUDA torch already picks its multi-tensor path by default, so those groups are left alone.
     Set before the first step, so torch creates each parameter's `step` as the fused path keeps it."""
     switched = 0
+    for _, group in _torch_adam_groups(optimizer):
+        params = group["params"]
+        if params and all(p.device.type == "cpu" and p.dtype.is_floating_point for p in params) \
+                and not group.get("differentiable"):
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+    return switched
+
+
+def _torch_adam_groups(optimizer):
+    """(torch Adam(W), parameter group) for each group of the torch Adams inside a Megatron optimizer (or
+    a chain of them); Apex's or Transformer Engine's fused Adam and other optimizers are skipped."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue  # Apex's / Transformer Engine's fused Adam, or another optimizer
-        for group in inner.param_groups:
-            params = group["params"]
-            if params and all(p.device.type == "cpu" and p.dtype.is_floating_point for p in params) \
-                    and not group.get("differentiable"):
-                group["fused"], group["foreach"] = True, False
-                switched += 1
-    return switched
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                yield inner, group
 
 
 def allocate_adam_states_on_host(optimizer) -> int:
@@ -332,16 +338,11 @@ def allocate_adam_states_on_host(optimizer) -> int:
     update needs is also taken before the first rollout rather than after it. Left lazy on CUDA, where the
     caching allocator reuses blocks and a colocated vLLM engine sizes its memory after the trainer is built."""
     created = 0
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+    for inner, group in _torch_adam_groups(optimizer):
+        if not all(p.device.type == "cpu" for p in group["params"]):
             continue
-        for group in inner.param_groups:
-            if not all(p.device.type == "cpu" for p in group["params"]):
-                continue
-            for param in group["params"]:
-                if inner.state[param]:
-                    continue  # loaded or stepped already
+        for param in group["params"]:
+            if not inner.state[param]:  # else loaded or stepped already
                 inner.state[param] = _initial_adam_state(param, group)
                 created += 1
     return created
