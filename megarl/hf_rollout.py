@@ -47,7 +47,7 @@ import torch
 
 from megarl import accelerator
 from megarl.offload import Offloader
-from megarl.rollout import EngineMemory, Sample, request_seeds
+from megarl.rollout import EngineMemory, Sample, request_seeds, response_text
 
 
 class HfRolloutEngine(EngineMemory):
@@ -224,7 +224,7 @@ class _Row:
         self.done = self.stop_token or len(self.ids) >= max_new_tokens
         self.truncated = self.done and not self.stop_token
         if stop:
-            before, self._text = self._text, _decode(tokenizer, self.ids[:-1] if self.stop_token else self.ids)
+            before, self._text = self._text, response_text(tokenizer, self.ids, self.stop_token)
             new = len(self._text) - len(before)
             if len(self.ids) > min_tokens and new:
                 found = [(self._text.find(s, max(len(self._text) - new - len(s) + 1, 0)), s) for s in stop]
@@ -236,11 +236,7 @@ class _Row:
     def text(self, tokenizer) -> str:
         if self.cut is not None:
             return self.cut
-        return _decode(tokenizer, self.ids[:-1] if self.stop_token else self.ids)
-
-
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
+        return response_text(tokenizer, self.ids, self.stop_token)
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

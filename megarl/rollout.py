@@ -28,6 +28,7 @@ vLLM calls are skipped.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -162,8 +163,14 @@ class VllmEngine:
         args = self.args
         temperature = 0.0 if greedy else (args.temperature if temperature is None else temperature)
         n = 1 if temperature == 0.0 else (args.num_generations if n is None else n)
+        # vLLM's own text only where it needs it: a --stop string is matched on it, a tool call is parsed
+        # from each turn's. Otherwise the engine returns ids only and the text is decoded here
+        # (`response_text`): vLLM would otherwise also decode every sampled token's logprob entry, one
+        # token at a time in Python (convert_ids_list_to_tokens), 4-5% of the generate phase on the bench job.
+        detokenize = bool(args.stop) or episodes is not None
         params = sampling_params(args, prompt_indices, step, seed_key, n, temperature, min_tokens,
-                                 self.seeds_per_request)
+                                 self.seeds_per_request, detokenize)
+        text_of = None if detokenize else functools.partial(response_text, self.llm.get_tokenizer())
         constraint = (min_tokens, self.held_back_ids(params[0])) if min_tokens and prompts else (0, ())
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
         if episodes is not None:
@@ -182,7 +189,7 @@ class VllmEngine:
         if on_prompt_done is None:
             outputs = self.llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
             return [s for index, prompt, output in zip(prompt_indices, prompts, outputs)
-                    for s in _samples_of(index, prompt, output, *constraint, routes=self.routes)]
+                    for s in _samples_of(index, prompt, output, *constraint, routes=self.routes, text_of=text_of)]
         # LLM.generate is enqueue + this loop (vLLM's _run_engine), with each finished request handed on.
         # Outputs carry LLM's own request numbers, consecutive from its counter (_run_engine sorts by them).
         first = self.llm.request_counter.counter
@@ -196,7 +203,8 @@ class VllmEngine:
                     if not 0 <= i < len(prompts) or per_prompt[i] is not None:
                         raise RuntimeError(f"vLLM returned request {output.request_id!r}, not one of the "
                                            f"{len(prompts)} just enqueued from {first}: its request numbering changed")
-                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output, *constraint, routes=self.routes)
+                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output, *constraint,
+                                                routes=self.routes, text_of=text_of)
                     on_prompt_done(i, per_prompt[i])
         return [s for samples in per_prompt for s in samples]
 
@@ -214,28 +222,41 @@ class VllmEngine:
 
 
 def sampling_params(args, prompt_indices: list[int], step: int, seed_key: tuple, n: int, temperature: float,
-                    min_tokens: int, seeded: bool) -> list:
+                    min_tokens: int, seeded: bool, detokenize: bool = True) -> list:
     """vLLM's SamplingParams of each prompt of a `VllmEngine.generate` call; `seeded`: each carries its
-    `request_seeds` seed (Model Runner V2), else none (V1: the process RNG)."""
+    `request_seeds` seed (Model Runner V2), else none (V1: the process RNG); `detokenize`: vLLM makes the
+    completions' text (else ids only, and `response_text` decodes them)."""
     from vllm import SamplingParams
 
     seeds = request_seeds(args.seed, step, seed_key, prompt_indices) if seeded else [None] * len(prompt_indices)
     return [SamplingParams(n=n, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
                            max_tokens=args.max_new_tokens, min_tokens=min_tokens, stop=args.stop or None,
-                           logprobs=0, seed=seed)
+                           logprobs=0, seed=seed, detokenize=detokenize)
             for seed in seeds]
 
 
+def response_text(tokenizer, token_ids: list[int], ended_by_stop_token: bool) -> str:
+    """A response's text, the one convention of every rollout backend (and of TRL's and verl's rewards):
+    the tokenizer's decode of its ids with special tokens skipped, the stop token (EOS or a stop token
+    id) that ended it left out, as vLLM leaves it out of its own text. vLLM's incremental text is the same
+    for valid UTF-8; a byte-level model that emits an incomplete byte sequence gets the tokenizer's
+    replacement character here where vLLM's text may differ."""
+    return tokenizer.decode(token_ids[:-1] if ended_by_stop_token else token_ids, skip_special_tokens=True)
+
+
 def _samples_of(index: int, prompt: list[int], output, min_tokens: int = 0,
-                held_back_ids: tuple[int, ...] = (), routes=None) -> list[Sample]:
+                held_back_ids: tuple[int, ...] = (), routes=None, text_of=None) -> list[Sample]:
     """A finished vLLM request's completions as Samples (with the sampled tokens' logprobs, the
     min_tokens constraint they were sampled under and, with `routes` (routing_replay.EngineRoutes), the
-    experts each token was routed to)."""
+    experts each token was routed to). `text_of(token_ids, ended_by_stop_token)` makes the text where the
+    request did not ask vLLM for it (`response_text`)."""
     samples = []
     for completion in output.outputs:
         token_ids = list(completion.token_ids)
         logprobs = [step_logprobs[token].logprob for token, step_logprobs in zip(token_ids, completion.logprobs)]
-        samples.append(Sample(index, list(prompt), token_ids, completion.text, logprobs,
+        # Without --stop strings a "stop" finish is always a stop token: EOS or the generation config's.
+        text = completion.text if text_of is None else text_of(token_ids, completion.finish_reason == "stop")
+        samples.append(Sample(index, list(prompt), token_ids, text, logprobs,
                               truncated=completion.finish_reason == "length", min_tokens=min_tokens,
                               held_back_ids=held_back_ids,
                               routes=None if routes is None else routes.of(prompt, token_ids, completion)))
