@@ -253,17 +253,18 @@ BARE_LAYOUTS = {"one engine, 2 threads": (1, True), "two engines, 1 thread each"
                 "one in-process engine, 2 threads": (1, False), "two in-process engines, 1 thread each": (2, False)}
 
 
-def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None = None) -> dict:
+def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None = None) -> tuple[dict, int]:
     """Bare vLLM generating one step's samples, no trainer: {layout: median seconds} for each of
-    BARE_LAYOUTS; `length`: every response exactly that long. `repeats`: 3, or 1 above 512 tokens (minutes
-    each)."""
-    return {layout: bare_vllm_layout_seconds(model, engines, repeats, length, multiprocessing)
-            for layout, (engines, multiprocessing) in BARE_LAYOUTS.items()}
+    BARE_LAYOUTS, and the tokens those samples hold (every layout samples the same: seed 0 per request);
+    `length`: every response exactly that long. `repeats`: 3, or 1 above 512 tokens (minutes each)."""
+    measured = {layout: bare_vllm_layout_seconds(model, engines, repeats, length, multiprocessing)
+                for layout, (engines, multiprocessing) in BARE_LAYOUTS.items()}
+    return {layout: seconds for layout, (seconds, _) in measured.items()}, min(measured.values())[1]
 
 
 def bare_vllm_layout_seconds(model: str, engines: int, repeats: int | None = None, length: int | None = None,
-                             multiprocessing: bool = True) -> float:
-    """Median over repeats of the slowest of `engines` vLLM engines (subprocesses, each pinned to its share of
+                             multiprocessing: bool = True) -> tuple[float, int]:
+    """(seconds, generated tokens): the median over repeats of the slowest of `engines` vLLM engines (subprocesses, each pinned to its share of
     the first two cores) generating their shares of one step's prompts at once (engine i the prompts i,
     i + engines, ...; each repeat starts together: a file barrier after every engine has loaded);
     `multiprocessing`: vLLM's engine core in a child process (its default), else in the engine's own."""
@@ -292,9 +293,9 @@ for repeat in range({repeats}):
     while len([name for name in os.listdir(barrier) if name.startswith(f"{{repeat}}_")]) < engines:
         time.sleep(0.01)
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     times.append(time.perf_counter() - start)
-print("BARE", json.dumps(times))
+print("BARE", json.dumps({{"times": times, "tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs)}}))
 """
     # Each engine pinned to its own cores: the process (in-process engines) and, for the multiprocessing
     # front end's engine core, VLLM_CPU_OMP_THREADS_BIND: vLLM's automatic binding reserves one core per
@@ -315,9 +316,10 @@ print("BARE", json.dumps(times))
     for process, (stdout, stderr) in zip(processes, outputs):
         if process.returncode != 0:
             raise RuntimeError(f"bare vLLM ({engines} engines) failed: {stderr.strip().splitlines()[-1:]}")
-    times = [json.loads([line for line in stdout.splitlines() if line.startswith("BARE")][0].split(" ", 1)[1])
-             for stdout, _ in outputs]
-    return statistics.median(max(engine[repeat] for engine in times) for repeat in range(repeats))
+    reports = [json.loads([line for line in stdout.splitlines() if line.startswith("BARE")][0].split(" ", 1)[1])
+               for stdout, _ in outputs]
+    return (statistics.median(max(report["times"][repeat] for report in reports) for repeat in range(repeats)),
+            sum(report["tokens"] for report in reports))
 
 
 def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
@@ -399,7 +401,7 @@ def main():
                 trl[mode] = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir)
                 print(f"TRL {mode}: ran in {time.perf_counter() - started:.0f} s"
                       f"{'; failed: ' + trl[mode]['error'] if 'error' in trl[mode] else ''}", flush=True)
-        bare_layouts = bare_vllm_seconds(args.model_dir)
+        bare_layouts, bare_tokens = bare_vllm_seconds(args.model_dir)
         bare = min(bare_layouts.values())
         rate = max(args.rate_before, matmul_flops_per_second())
 
@@ -442,6 +444,12 @@ def main():
           f"at {rate / 1e9:.1f} GFLOP/s = {training:.2f} s + bare vLLM generation {bare:.2f} s "
           f"({bare_text(bare_layouts)}) = {floor:.2f} s; "
           f"megarl {main_name} / floor = {step / floor:.2f} (goal <= 1.25)")
+    # The job's responses stop where the policy stops: megarl's samples change with the step and the policy,
+    # bare vLLM's are its own (seed 0), so the two may hold different work (--response-lengths is exact).
+    generated = median_after([length * samples for length in run["response_length_mean"]], args.warmup)
+    per_token = (median(run, "generate_seconds") / generated) / (bare / bare_tokens)
+    print(f"generated tokens per step: megarl {main_name} {generated:.0f}, bare vLLM {bare_tokens}; per token "
+          f"megarl's generate takes {per_token:.2f}x bare vLLM's")
     update = median(run, "update_seconds")
     print(f"megarl {main_name} update {update:.2f} s / its part of the floor {training:.2f} s = "
           f"{update / training:.2f} (goal <= 1.5)")
@@ -494,7 +502,7 @@ def sweep(args, parameters: int) -> None:
                     print(f"L={length}: TRL {mode} (k={result['k']}: micro-batches of {samples // result['k']} "
                           f"samples, the longest {longest} tokens) ran in {time.perf_counter() - started:.0f} s"
                           f"{'; failed: ' + trl['error'] if 'error' in trl else ''}", flush=True)
-            result["bare_layouts"] = bare_vllm_seconds(args.model_dir, length=length)
+            result["bare_layouts"], _ = bare_vllm_seconds(args.model_dir, length=length)
             result["bare"] = min(result["bare_layouts"].values())
             results[length] = result
         if args.no_trl or not os.path.exists(args.trl_python):
