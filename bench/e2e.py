@@ -264,8 +264,8 @@ def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None
 
 def bare_vllm_layout_seconds(model: str, engines: int, repeats: int | None = None, length: int | None = None,
                              multiprocessing: bool = True) -> tuple[float, int]:
-    """(seconds, generated tokens): the median over repeats of the slowest of `engines` vLLM engines (subprocesses, each pinned to its share of
-    the first two cores) generating their shares of one step's prompts at once (engine i the prompts i,
+    """(seconds, generated tokens): the median over repeats of the slowest of `engines` vLLM engines
+    (subprocesses, each pinned to its share of the first two cores) generating their shares of one step's prompts at once (engine i the prompts i,
     i + engines, ...; each repeat starts together: a file barrier after every engine has loaded);
     `multiprocessing`: vLLM's engine core in a child process (its default), else in the engine's own."""
     repeats = repeats or (3 if (length or 0) <= 512 else 1)

@@ -166,7 +166,8 @@ class VllmEngine:
         # vLLM's own text only where it needs it: a --stop string is matched on it, a tool call is parsed
         # from each turn's. Otherwise the engine returns ids only and the text is decoded here
         # (`response_text`): vLLM would otherwise also decode every sampled token's logprob entry, one
-        # token at a time in Python (convert_ids_list_to_tokens), 4-5% of the generate phase on the bench job.
+        # token at a time in Python (convert_ids_list_to_tokens): 4-5% of bare engines' generation on the bench
+        # job, 1-5% of megarl's generate phase (docs/benchmarks.md).
         detokenize = bool(args.stop) or episodes is not None
         params = sampling_params(args, prompt_indices, step, seed_key, n, temperature, min_tokens,
                                  self.seeds_per_request, detokenize)

@@ -47,8 +47,11 @@ def test_response_text_is_vllms_own_text(tiny_model, tmp_path):
     report = read_json(out)
     completions = report["completions"]
     assert {c["finish"] for c in completions} == {"stop", "length"}  # both endings, so both rules are checked
-    for c in completions:
+    # Valid UTF-8 (no replacement character in the decode): the same text. A byte-level model sampling at
+    # temperature 1 may emit an incomplete byte sequence, where the two differ by design (response_text).
+    valid = [c for c in completions if "\ufffd" not in c["megarl"]]
+    assert len(valid) >= len(completions) // 2 and any(c["vllm"] for c in valid)
+    for c in valid:
         assert c["megarl"] == c["vllm"], c
-    assert any(c["vllm"] for c in completions)
     # ids only: no text from vLLM, the ids and one logprob entry per token still there
     assert report["ids_only"] and all(r["text"] == "" and r["ids"] == r["logprobs"] > 0 for r in report["ids_only"])
