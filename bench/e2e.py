@@ -27,7 +27,8 @@ backward over the trained tokens (`matmul_flops`: 6 x parameters per token, Mega
 MFU convention, plus the causal attention's QK^T and AV, 12 x layers x heads x head_dim x s(s+1)/2 per
 sequence of s = prompt + response tokens, from the prompts megarl picks for each step and each step's
 mean response length, so a lower bound where lengths vary) at this machine's fp32 matmul rate (measured
-here on 2 threads, before and after the runs; the higher counts, as other load only lowers it), plus bare vLLM's time to generate the same samples (measured here, the same engine
+here on 2 threads, the faster of torch's and oneDNN's, before and after the runs; the higher counts, as other load
+only lowers it), plus bare vLLM's time to generate the same samples (measured here, the same engine
 settings, no trainer; the fastest of one engine on both threads and one engine per core on half the
 prompts each, megarl's colocated layout, each with vLLM's multiprocessing front end and in-process:
 BARE_LAYOUTS); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
@@ -323,19 +324,25 @@ print("BARE", json.dumps({{"times": times, "tokens": sum(len(c.token_ids) for o 
 
 
 def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
-    """This host's fp32 matmul rate on 2 threads (the best of `repeats`: the floor is what the machine can do;
-    the bench measures it before and after its runs and keeps the higher, as other load only lowers it)."""
+    """This host's fp32 matmul rate on 2 threads: the faster of torch's own (MKL on x86) and oneDNN's, which
+    megarl's trainer uses where it is faster (megarl/cpu_gemm.py; MKL runs AVX2 code on AMD CPUs, half
+    oneDNN's rate there). The best of `repeats` each: the floor is what the machine can do; the bench
+    measures it before and after its runs and keeps the higher, as other load only lowers it."""
     import torch
+
+    from megarl import cpu_gemm
 
     torch.set_num_threads(2)
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / min(times)
+    gemms = [lambda: a @ b] + ([lambda: cpu_gemm._onednn_gemm(a, b)] if cpu_gemm.onednn_available() else [])
+    best = float("inf")
+    for gemm in gemms:
+        gemm()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            gemm()
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
 
 
 def median_after(values: list, warmup: int) -> float:

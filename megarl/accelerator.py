@@ -39,6 +39,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megarl import cpu_gemm
+
 ON_CUDA = torch.cuda.is_available()
 
 
@@ -369,8 +371,8 @@ class _CpuWeightGradientAccumulation:
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
-        if total_input.dtype == main_grad.dtype:
-            main_grad.addmm_(grad_output.t(), total_input)
+        if total_input.dtype == main_grad.dtype:  # through oneDNN where --cpu-gemm chose it
+            cpu_gemm.accumulate(main_grad, grad_output.t(), total_input)
         else:  # a 16-bit model's fp32 main_grad: the GEMM in 16 bits, as the unfused path computes it
             main_grad.add_(grad_output.t().matmul(total_input))
 

@@ -193,6 +193,10 @@ def _add_placement_args(parser):
     g.add_argument("--cpu-affinity", default="auto", choices=["auto", "none"],
                    help="CPU ranks: auto binds each local rank to its own share of the host's CPUs where the "
                         "launcher bound none (megarl/cpu_affinity.py); none leaves placement to the OS")
+    g.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
+                   help="CPU trainer ranks: the fp32 GEMMs of the linear layers and loss kernels through oneDNN or "
+                        "torch's BLAS (MKL on x86, which runs AVX2 code on AMD CPUs); auto times both at start-up "
+                        "and takes oneDNN when it is a tenth faster or more (megarl/cpu_gemm.py)")
 
 
 def _add_rollout_args(parser):

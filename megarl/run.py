@@ -203,6 +203,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         teacher_engine = TeacherEngine(args, placement.teacher, rank)
     distributed.init_megatron_parallel(context, args.seed)
     if context.is_train:
+        _choose_cpu_gemm(args, context)
         from megarl.actor import Actor
 
         actor = Actor(args, hf_config)
@@ -241,6 +242,19 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         teacher_engine=teacher_engine, kl_controller=kl_controller, timed_rewards=timed_rewards,
         activity=activity or Activity(), episodes=episodes,
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
+
+
+def _choose_cpu_gemm(args, context: distributed.DistContext) -> None:
+    """--cpu-gemm on CPU trainer ranks (every train rank of the default world agrees; megarl/cpu_gemm.py);
+    on GPU the GEMMs are cuBLAS's."""
+    from megarl import accelerator, cpu_gemm
+
+    if accelerator.ON_CUDA:
+        return
+    backend = cpu_gemm.choose(args.cpu_gemm)
+    if context.rank == 0:
+        how = "measured at start-up" if args.cpu_gemm == "auto" else "--cpu-gemm"
+        print(f"megarl: CPU fp32 GEMMs through {'oneDNN' if backend == 'onednn' else 'torch'} ({how})", flush=True)
 
 
 def _build_reward(args, colocated: bool):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl import accelerator
+from megarl import accelerator, cpu_gemm
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class HiddenSource:
         self.constraint = _constraint(held_back, self.start, self.real, temperature)
 
     def chunk(self, rows: slice) -> torch.Tensor:
-        x = self.h[rows] @ self.w.t()
+        x = cpu_gemm.matmul(self.h[rows], self.w.t())
         return x if self.constraint is None else self.constraint.chunk(x, rows, fresh=True)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
@@ -165,14 +165,14 @@ class HiddenSource:
 
     def add_grad(self, rows: slice, buffer: torch.Tensor) -> None:
         if self.want_hidden:  # in the hidden's dtype, as Megatron's input gradient (tensor cores in 16 bits)
-            self.grad_hidden[rows] = buffer.to(self.h.dtype) @ self.w
+            self.grad_hidden[rows] = cpu_gemm.matmul(buffer.to(self.h.dtype), self.w)
         if self.want_weight:
             # From the fp32 logit gradient as the backend wrote it (not rounded to a 16-bit hidden's dtype
             # first), accumulated in fp32; on CUDA in TF32 on tensor cores (accelerator.tf32_matmuls),
             # whose 10-bit mantissa still keeps more of the gradient than bf16's 7 bits Megatron's
             # 16-bit weight-gradient GEMM gets.
             with accelerator.tf32_matmuls(self.h.device.type):
-                self.grad_weight[:self.real].addmm_(buffer.t(), self.h[rows].float())
+                cpu_gemm.accumulate(self.grad_weight[:self.real], buffer.t(), self.h[rows].float())
 
     def grads(self, group) -> tuple:
         if self.want_hidden and _tp_size(group) > 1:  # every shard's logits depend on the hidden

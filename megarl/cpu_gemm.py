@@ -1,0 +1,158 @@
+"""--cpu-gemm: the trainer's fp32 GEMMs on CPU ranks through oneDNN where it is faster than torch's own BLAS.
+
+torch's x86 wheels compute a CPU fp32 matmul with MKL, and MKL picks its code path by the CPU's vendor: on
+AMD processors it runs its AVX2 kernels even where the CPU has AVX-512. oneDNN (torch's mkldnn, the library
+vLLM's CPU backend computes its linear layers with) picks by instruction set. Measured on an AMD EPYC
+development host with AVX-512 (2026-11-28, one thread per core, both cores busy): MKL 97-113 GFLOP/s per
+core on the bench model's GEMM shapes (forward, input and weight gradients), oneDNN 193-249; a 2048^3
+matmul on 2 threads 219 against 489 GFLOP/s. Where MKL runs its AVX-512 kernels (Intel CPUs) the two
+are expected to be alike, so `auto` measures: each trainer rank times one GEMM both ways at start-up, the
+ranks add up their times, and oneDNN is used when it is at least 10% faster (one choice on every rank).
+
+What goes through it when oneDNN is chosen: Megatron's linear layers (forward, input gradient and the
+weight gradient that gradient-accumulation fusion adds into main_grad: accelerator's CPU version of Apex's
+wgrad GEMM) and the fused loss kernels' logits GEMMs (megarl/kernels/fused.py). Only where autograd does
+not record (inside autograd Functions: oneDNN's op has no derivative), fp32 CPU tensors, a 2-D right operand.
+Attention (torch's own kernels), LoRA adapters and MoE experts keep torch's matmul.
+
+oneDNN's results differ from MKL's by fp32 rounding (another order of the sums; tests/test_cpu_gemm.py
+checks them against float64). It builds a kernel per GEMM shape, 3-5 ms on first use (cached,
+ONEDNN_PRIMITIVE_CACHE_CAPACITY shapes): a packed micro-batch of a new token count pays it once per linear
+shape, a few percent of its GEMMs' time on the bench job.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+BACKENDS = ("auto", "onednn", "torch")
+AUTO_MARGIN = 0.9  # auto takes oneDNN when its time is at most this fraction of torch's
+PROBE_SIZE = 1024  # auto's GEMM: PROBE_SIZE^3 (2.1 GFLOP: ~10-20 ms a try on one core)
+
+_state = {"onednn": False}
+
+
+def onednn_available() -> bool:
+    """torch built with oneDNN and its linear op (`mkldnn::_linear_pointwise`, which inductor's CPU backend
+    calls)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def using_onednn() -> bool:
+    return _state["onednn"]
+
+
+def use(backend: str) -> None:
+    """Route the GEMMs named in the module docstring through `backend` ("onednn" or "torch") in this process."""
+    if backend not in ("onednn", "torch"):
+        raise ValueError(f"cpu_gemm.use: 'onednn' or 'torch', got {backend!r}")
+    if backend == "onednn" and not onednn_available():
+        raise RuntimeError("--cpu-gemm onednn: this torch has no oneDNN (torch.backends.mkldnn)")
+    _state["onednn"] = backend == "onednn"
+    if _state["onednn"]:
+        _route_megatron_linear_layers()
+
+
+def choose(requested: str, group=None) -> str:
+    """The backend for `requested` ("auto", "onednn" or "torch"), put in use; `auto` times both on every rank
+    of `group` (torch.distributed's default group when initialised; None in a single process) and agrees."""
+    backend = requested
+    if requested == "auto":
+        backend = "torch"
+        if onednn_available():
+            seconds = torch.tensor([_probe_seconds(_torch_gemm), _probe_seconds(_onednn_gemm)], dtype=torch.float64)
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(seconds, group=group)
+            backend = faster(*seconds.tolist())
+    use(backend)
+    return backend
+
+
+def faster(torch_seconds: float, onednn_seconds: float) -> str:
+    """auto's rule: oneDNN only when clearly faster (a tie keeps torch's, the library every other op uses)."""
+    return "onednn" if onednn_seconds <= AUTO_MARGIN * torch_seconds else "torch"
+
+
+def _torch_gemm(a, b):
+    return a @ b.t()
+
+
+def _onednn_gemm(a, b):
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+def _probe_seconds(gemm, tries: int = 3) -> float:
+    a, b = torch.randn(PROBE_SIZE, PROBE_SIZE), torch.randn(PROBE_SIZE, PROBE_SIZE)
+    gemm(a, b)  # the library's first call (oneDNN builds its kernel)
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        gemm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _routable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (_state["onednn"] and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == torch.float32
+            and b.dtype == torch.float32 and b.dim() == 2 and a.dim() >= 2
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)))
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (a [..., k], b [k, n]): oneDNN's linear with weight b^T where routable, else torch's."""
+    if _routable(a, b):
+        return _onednn_gemm(a, b.t())
+    return torch.matmul(a, b)
+
+
+def accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out += a @ b (2-D): torch's addmm_ (the sum inside the GEMM), or oneDNN's product then one add."""
+    if _routable(a, b) and a.dim() == 2 and out.dtype == torch.float32:
+        return out.add_(_onednn_gemm(a, b.t()))
+    return out.addmm_(a, b)
+
+
+class _MatmulsThroughOneDnn(TorchFunctionMode):
+    """`torch.matmul` and `Tensor.matmul` through `matmul` while active; every other call unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.matmul or func is torch.Tensor.matmul) and len(args) == 2 and not kwargs:
+            return matmul(*args)
+        return func(*args, **(kwargs or {}))
+
+
+def _through_onednn(function_class):
+    """A subclass of Megatron's autograd Function whose forward and backward run Megatron's own under
+    `_MatmulsThroughOneDnn`: its GEMMs are `torch.matmul(input, weight.t())` forward and
+    `grad_output.matmul(weight)` backward (tensor_parallel/layers.py), the rest (communication, main_grad
+    bookkeeping) stays Megatron's."""
+
+    class ThroughOneDnn(function_class):
+        @staticmethod
+        def forward(ctx, *args):
+            with _MatmulsThroughOneDnn():
+                return function_class.forward(ctx, *args)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            with _MatmulsThroughOneDnn():
+                return function_class.backward(ctx, *grads)
+
+    ThroughOneDnn.__name__ = ThroughOneDnn.__qualname__ = function_class.__name__ + "ThroughOneDnn"
+    ThroughOneDnn.megarl_original = function_class
+    return ThroughOneDnn
+
+
+@functools.cache
+def _route_megatron_linear_layers() -> None:
+    """Megatron's linear layers look their Function up by module-level name at each call
+    (linear_with_grad_accumulation_and_async_allreduce, linear_with_frozen_weight)."""
+    from megatron.core.tensor_parallel import layers
+
+    for name in ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight"):
+        setattr(layers, name, _through_onednn(getattr(layers, name)))

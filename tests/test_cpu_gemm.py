@@ -1,0 +1,127 @@
+"""--cpu-gemm (megarl/cpu_gemm.py): the trainer's fp32 GEMMs through oneDNN compute what torch's matmul computes,
+within fp32 rounding, and every GEMM of Megatron's linear layers (forward, input and weight gradients) and
+of the fused loss kernels goes through it when chosen. In-process, one Megatron rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_fp32_paths_agree, micro_batches, nll
+from test_fast_paths import actor_of
+
+from megarl import cpu_gemm
+
+onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def backend():
+    """Sets the backend for a test; torch's again after it (the state is per process)."""
+    yield cpu_gemm.use
+    cpu_gemm.use("torch")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The number of GEMMs oneDNN computed."""
+    calls = {"onednn": 0}
+    original = cpu_gemm._onednn_gemm
+
+    def counting(a, b):
+        calls["onednn"] += 1
+        return original(a, b)
+
+    monkeypatch.setattr(cpu_gemm, "_onednn_gemm", counting)
+    return calls
+
+
+@onednn
+def test_onednn_products_equal_float64_within_fp32_rounding(backend, counted):
+    backend("onednn")
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    weight = randn(96, 64)  # [out, in], Megatron's layout
+    cases = {
+        "forward x @ W^T, 3-D input": (randn(37, 2, 64), weight.t()),
+        "input gradient g @ W": (randn(37, 96), weight),
+        "weight gradient g^T @ x, transposed left operand": (randn(300, 96).t(), randn(300, 64)),
+        "non-contiguous left operand": (randn(64, 37).t(), randn(64, 80)),
+    }
+    for what, (a, b) in cases.items():
+        assert_fp32_paths_agree(cpu_gemm.matmul(a, b), (a.double() @ b.double()).float(), what)
+    out, a, b = randn(96, 64), randn(300, 96).t(), randn(300, 64)
+    expected = (out.double() + a.double() @ b.double()).float()
+    assert_fp32_paths_agree(cpu_gemm.accumulate(out, a, b), expected, "accumulate")
+    assert counted["onednn"] == len(cases) + 1
+
+
+@onednn
+def test_onednn_is_used_only_where_autograd_does_not_record(backend, counted):
+    """oneDNN's linear op has no derivative: a product autograd must differentiate stays torch's."""
+    backend("onednn")
+    a, b = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4)
+    cpu_gemm.matmul(a, b).sum().backward()
+    assert counted["onednn"] == 0 and torch.allclose(a.grad, b.sum(1).expand(8, 16))
+    with torch.no_grad():
+        cpu_gemm.matmul(a, b)
+    cpu_gemm.matmul(a.double(), b.double())  # fp32 only
+    assert counted["onednn"] == 1
+
+
+def test_auto_takes_onednn_only_when_clearly_faster():
+    assert cpu_gemm.faster(1.0, 0.5) == "onednn"
+    assert cpu_gemm.faster(1.0, 0.95) == "torch"
+    assert cpu_gemm.faster(1.0, 1.5) == "torch"
+    assert cpu_gemm.choose("torch") == "torch" and not cpu_gemm.using_onednn()
+    assert cpu_gemm.choose("auto") in ("onednn", "torch")
+    cpu_gemm.use("torch")
+
+
+@onednn
+def test_megatron_linear_layers_and_loss_kernels_through_onednn_match_torchs(megatron_rank, tiny_model, backend,
+                                                                             counted):
+    """One actor, two forward + backward passes over the same micro-batches: torch's GEMMs, then oneDNN's. The
+    losses and every main gradient agree within fp32 rounding, and oneDNN computed each linear layer's three
+    GEMMs (forward, input gradient, weight gradient added into main_grad) and the loss kernel's."""
+    from megarl import kernels
+    from megarl.model_runner import forward_backward
+
+    actor = actor_of(tiny_model)
+    linear_layers = [name for name, param in actor.model.named_parameters()
+                     if name.endswith(".weight") and param.dim() == 2 and "embedding" not in name]
+    if not any("output_layer" in name for name in linear_layers):  # tied: the output layer multiplies by the
+        linear_layers.append("output layer (the embedding's weight)")  # embedding's weight
+    results = {}
+    for name in ("torch", "onednn"):
+        backend(name)
+        counted["onednn"] = 0
+        actor.model.train()
+        actor.model.zero_grad_buffer()
+        losses = forward_backward(actor.model, micro_batches(count=2, seed=3), nll, False, 2)
+        results[name] = ([loss for loss in losses],
+                         {key: param.main_grad.clone() for key, param in actor.model.named_parameters()})
+        calls = counted["onednn"]
+        assert calls == (0 if name == "torch" else 3 * len(linear_layers) * 2), (name, calls, linear_layers)
+    assert any(grad.abs().max() > 0 for grad in results["onednn"][1].values())
+    for key, grad in results["onednn"][1].items():
+        assert_fp32_paths_agree(grad, results["torch"][1][key], key)
+
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 9, 32, generator=generator, requires_grad=True)
+    weight = torch.randn(259, 32, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 259, (2, 9), generator=generator)
+    outputs = {}
+    for name in ("torch", "onednn"):
+        backend(name)
+        counted["onednn"] = 0
+        logprobs, entropy = kernels.logprobs_and_entropy_from_hidden(hidden, weight, labels, 259, 1.0, "chunked")
+        grads = torch.autograd.grad((logprobs.sum() + entropy.sum()), (hidden, weight))
+        outputs[name] = (logprobs, entropy, *grads)
+        # the logits forward and again in the backward (recomputed chunk by chunk), the two gradients
+        assert counted["onednn"] == (0 if name == "torch" else 4)
+    for what, a, b in zip(("logprobs", "entropy", "d hidden", "d weight"), outputs["onednn"], outputs["torch"]):
+        assert_fp32_paths_agree(a.detach(), b.detach(), what)
