@@ -25,13 +25,14 @@ megarl's seconds per phase, the padding share of megarl's trained tokens when it
 ratios of the frameworks' step times, and the step's compute floor: the matmul FLOPs of one forward +
 backward over the trained tokens (`matmul_flops`: 6 x parameters per token, Megatron-LM's and PaLM's
 MFU convention, plus the causal attention's QK^T and AV, 12 x layers x heads x head_dim x s(s+1)/2 per
-sequence of s = prompt + response tokens, from the prompts megarl picks for each step and each step's
-mean response length, so a lower bound where lengths vary) at this machine's fp32 matmul rate (measured
-here on 2 threads, the faster of torch's and oneDNN's, before and after the runs; the higher counts, as other load
-only lowers it), plus bare vLLM's time to generate the same samples (measured here, the same engine
-settings, no trainer; the fastest of one engine on both threads and one engine per core on half the
-prompts each, megarl's colocated layout, each with vLLM's multiprocessing front end and in-process:
-BARE_LAYOUTS); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
+sequence of s = prompt + response tokens, from the lengths of megarl's samples of each step after
+--warmup) at this machine's fp32 matmul rate (measured here on 2 threads, the faster of torch's and oneDNN's,
+before and after the runs; the higher counts, as other load only lowers it), plus bare vLLM's time to
+generate megarl's samples again: the same prompts, each sample a request forced to the length megarl's had
+(megarl's --rollout-save-dir dumps give them), unseeded as megarl's CPU requests are, no logprobs, no text,
+no trainer (the fastest of one engine on both threads and one engine per core on half the prompts each,
+megarl's colocated layout, each with vLLM's multiprocessing front end and in-process: BARE_LAYOUTS; the
+median over the replayed steps); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
 
 The sweep (--response-lengths L ...): for each L the same prompts with every response exactly L new
 tokens (the untrained model would stop at about 65): megarl's colocate run (--padding-free) with
@@ -40,7 +41,8 @@ tokens (the untrained model would stop at about 65): megarl's colocate run (--pa
 max_completion_length L and generation_kwargs min_new_tokens L (vLLM mode: min_tokens), in k micro-batches
 of 32 / k samples (per_device_train_batch_size, gradient_accumulation_steps = steps_per_generation = k,
 still one generation and one optimizer step per step), k the fewest whose micro-batch, padded to the
-longest sample, holds at most the same 4096 tokens; bare vLLM with min_tokens = max_tokens = L; the
+longest sample, holds at most the same 4096 tokens; bare vLLM replaying megarl's last steps (at most 3, 1
+above 512 tokens) with min_tokens = max_tokens = L; the
 engines' context 128 + L (megarl's --max-prompt-length + L). Then one table: per L, megarl's and each
 TRL mode's seconds per step, generated tokens per second of the step, step / floor, and megarl's generate
 and update seconds and update / its part of the floor; then the goals, printed: megarl's step <= 1.25x and its update <=
@@ -110,7 +112,8 @@ def megarl_command(model: str, steps: int, log_dir: str, flags: list[str], lengt
     command = [os.path.join(ROOT, "megarl/train.py"), "--config", "examples/quickstart_grpo.yaml", *flags, "--model",
                model, "--prompts-per-step", str(JOB["prompts"]), "--num-generations", str(JOB["generations"]),
                "--max-new-tokens", str(length or JOB["max_new_tokens"]), "--micro-batch-size", "16", "--lr", "1e-6",
-               "--rollout-kv-cache-gb", "2", "--train-steps", str(steps), "--log-dir", log_dir]
+               "--rollout-kv-cache-gb", "2", "--train-steps", str(steps), "--log-dir", log_dir,
+               "--rollout-save-dir", os.path.join(log_dir, "rollouts")]
     if length is not None:
         command += ["--min-new-tokens", str(length), "--max-tokens-per-micro-batch", str(SWEEP_TOKENS_PER_MICRO_BATCH)]
     return command
@@ -129,10 +132,9 @@ def run_megarl(command: list[str]) -> dict:
     return {tag: [values[step] for step in sorted(values)] for tag, values in series.items()}
 
 
-def megarl_prompt_lengths(command: list[str], steps: int, samples_per_prompt: int) -> list[list[int]]:
-    """Each step's samples' prompt lengths in tokens, from the prompts megarl itself picks for that step
-    (its own argument parsing and prompt source: the seed, the chat template), each prompt repeated for
-    its samples."""
+def megarl_prompts(command: list[str], steps: int) -> list[list[list[int]]]:
+    """Each step's prompts (token ids), from the prompts megarl itself picks for that step (its own argument
+    parsing and prompt source: the seed, the chat template)."""
     import contextlib
 
     from transformers import AutoTokenizer
@@ -143,8 +145,41 @@ def megarl_prompt_lengths(command: list[str], steps: int, samples_per_prompt: in
     with contextlib.chdir(ROOT):  # the config's relative paths, as torchrun's cwd
         args = parse_args(command[1:], world_size=2)
     source = prompt_source(args, AutoTokenizer.from_pretrained(args.model), None)
-    return [[len(prompt.ids) for prompt in source.batch(step) for _ in range(samples_per_prompt)]
-            for step in range(steps)]
+    return [[list(prompt.ids) for prompt in source.batch(step)] for step in range(steps)]
+
+
+def megarl_prompt_lengths(command: list[str], steps: int, samples_per_prompt: int) -> list[list[int]]:
+    """Each step's samples' prompt lengths in tokens (`megarl_prompts`), each prompt repeated for its samples."""
+    return [[len(ids) for ids in prompts for _ in range(samples_per_prompt)] for prompts in megarl_prompts(command, steps)]
+
+
+def replayed_steps(command: list[str], steps: list[int], length: int | None = None) -> list[list[list]]:
+    """Steps (0-based) of a megarl run as [prompt ids, [its samples' response lengths]] per prompt: with
+    `length`, JOB["generations"] samples of that length each (the sweep); else the lengths megarl's samples
+    had, read from its --rollout-save-dir dumps (`rollout_dir`), matched to the prompts by their text."""
+    from transformers import AutoTokenizer
+
+    prompts = megarl_prompts(command, max(steps) + 1)
+    if length is not None:
+        return [[[ids, [length] * JOB["generations"]] for ids in prompts[step]] for step in steps]
+    tokenizer = AutoTokenizer.from_pretrained(command[command.index("--model") + 1])
+    replay = []
+    for step in steps:
+        lengths = {}
+        with open(os.path.join(rollout_dir(command), f"train_step{step + 1}.jsonl")) as f:
+            for record in map(json.loads, f):
+                lengths.setdefault(record["prompt"], []).append(record["response_tokens"])
+        texts = [tokenizer.decode(ids) for ids in prompts[step]]
+        missing = [text for text in texts if text not in lengths]
+        if missing:
+            raise RuntimeError(f"bench: megarl's step {step + 1} dumped no samples of the prompt {missing[0]!r}")
+        replay.append([[ids, lengths.pop(text)] for ids, text in zip(prompts[step], texts)])
+    return replay
+
+
+def rollout_dir(command: list[str]) -> str:
+    """Where a megarl run of `megarl_command` dumps its samples (--rollout-save-dir)."""
+    return command[command.index("--rollout-save-dir") + 1]
 
 
 def matmul_flops(parameters: int, lengths: list[float], layers: int, attention_width: int) -> float:
@@ -167,13 +202,11 @@ def attention_width() -> int:
     return MODEL["num_attention_heads"] * (MODEL["hidden_size"] // MODEL["num_attention_heads"])
 
 
-def train_floor(parameters: int, prompt_lengths: list[list[int]], response_lengths: list[float], rate: float) -> dict:
+def train_floor(parameters: int, sample_lengths: list[list[float]], rate: float) -> dict:
     """Per step: the trained tokens, the attention's share of the matmul FLOPs and the seconds those FLOPs
-    take at `rate`. `response_lengths` is each step's mean response length: exact when every response has
-    that length (the sweep), a lower bound of the attention term otherwise (the pairs grow with s^2)."""
+    take at `rate`. `sample_lengths`: each step's samples' prompt + response lengths."""
     steps = []
-    for prompts, response in zip(prompt_lengths, response_lengths):
-        lengths = [p + response for p in prompts]  # the mean itself: the token count stays exact
+    for lengths in sample_lengths:
         flops = matmul_flops(parameters, lengths, MODEL["num_hidden_layers"], attention_width())
         steps.append({"tokens": sum(lengths), "seconds": flops / rate,
                       "attention": 1 - 6 * parameters * sum(lengths) / flops})
@@ -254,49 +287,52 @@ BARE_LAYOUTS = {"one engine, 2 threads": (1, True), "two engines, 1 thread each"
                 "one in-process engine, 2 threads": (1, False), "two in-process engines, 1 thread each": (2, False)}
 
 
-def bare_vllm_seconds(model: str, repeats: int | None = None, length: int | None = None) -> tuple[dict, int]:
-    """Bare vLLM generating one step's samples, no trainer: {layout: median seconds} for each of
-    BARE_LAYOUTS, and the tokens those samples hold (every layout samples the same: seed 0 per request);
-    `length`: every response exactly that long. `repeats`: 3, or 1 above 512 tokens (minutes each)."""
-    measured = {layout: bare_vllm_layout_seconds(model, engines, repeats, length, multiprocessing)
+def bare_vllm_seconds(model: str, replay: list[list[list]], max_model_len: int = 512) -> tuple[dict, list[int]]:
+    """Bare vLLM generating megarl's own samples again, no trainer: {layout: median seconds over the steps} for
+    each of BARE_LAYOUTS, and each step's generated tokens. `replay`: the steps to generate, each a list of
+    [prompt token ids, [its samples' response lengths]] (`replayed_steps`), every sample forced to its
+    length (min_tokens = max_tokens), so each layout does exactly the work megarl's step did."""
+    measured = {layout: bare_vllm_layout_seconds(model, engines, replay, max_model_len, multiprocessing)
                 for layout, (engines, multiprocessing) in BARE_LAYOUTS.items()}
-    return {layout: seconds for layout, (seconds, _) in measured.items()}, min(measured.values())[1]
+    return {layout: seconds for layout, (seconds, _) in measured.items()}, next(iter(measured.values()))[1]
 
 
-def bare_vllm_layout_seconds(model: str, engines: int, repeats: int | None = None, length: int | None = None,
-                             multiprocessing: bool = True) -> tuple[float, int]:
-    """(seconds, generated tokens): the median over repeats of the slowest of `engines` vLLM engines
-    (subprocesses, each pinned to its share of the first two cores) generating their shares of one step's prompts at once (engine i the prompts i,
-    i + engines, ...; each repeat starts together: a file barrier after every engine has loaded);
+def bare_vllm_layout_seconds(model: str, engines: int, replay: list[list[list]], max_model_len: int = 512,
+                             multiprocessing: bool = True) -> tuple[float, list[int]]:
+    """(seconds, tokens per step): the median over the `replay` steps of the slowest of `engines` vLLM engines
+    (subprocesses, each pinned to its share of the first two cores) generating their shares of a step's
+    prompts at once (engine i the prompts i, i + engines, ...; each step starts together: a file barrier
+    after every engine has loaded). A sample is a request of its own (n = 1, its length forced), unseeded as
+    megarl's CPU requests are (megarl/rollout.py: a seeded request costs a generator call per step).
     `multiprocessing`: vLLM's engine core in a child process (its default), else in the engine's own."""
-    repeats = repeats or (3 if (length or 0) <= 512 else 1)
-    max_tokens = length or JOB["max_new_tokens"]
-    max_model_len = 512 if length is None else sweep_max_model_len(length)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(replay, f)
     code = f"""
 import json, os, time, sys
 index, engines, barrier = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.sched_setaffinity(0, [int(cpu) for cpu in sys.argv[4].split(",")])  # every thread it starts inherits it
-sys.path.insert(0, {ROOT!r})
 from vllm import LLM, SamplingParams
-from transformers import AutoTokenizer
-from megarl.data.tasks import arithmetic
-tok = AutoTokenizer.from_pretrained({model!r})
 llm = LLM(model={model!r}, dtype="float32", seed=0, max_model_len={max_model_len}, enforce_eager=True)
-problems = arithmetic.make_problems({JOB['prompts']}, 0)
-prompts = [tok.apply_chat_template([{{"role": "user", "content": p["prompt"]}}], add_generation_prompt=True,
-                                   tokenize=False) for p in problems][index::engines]
-params = SamplingParams(n={JOB['generations']}, temperature=1.0, max_tokens={max_tokens}, min_tokens={length or 0},
-                        seed=0)
+with open({f.name!r}) as f:
+    steps = json.load(f)
+def requests(step):
+    groups = step[index::engines]
+    return ([{{"prompt_token_ids": ids}} for ids, lengths in groups for _ in lengths],
+            [SamplingParams(n=1, temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True,
+                            detokenize=False) for _, lengths in groups for length in lengths])
+prompts, params = requests(steps[0])
 llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-times = []
-for repeat in range({repeats}):
+times, tokens = [], []
+for repeat, step in enumerate(steps):
+    prompts, params = requests(step)
     open(os.path.join(barrier, f"{{repeat}}_{{index}}"), "w").close()
     while len([name for name in os.listdir(barrier) if name.startswith(f"{{repeat}}_")]) < engines:
         time.sleep(0.01)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     times.append(time.perf_counter() - start)
-print("BARE", json.dumps({{"times": times, "tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs)}}))
+    tokens.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+print("BARE", json.dumps({{"times": times, "tokens": tokens}}))
 """
     # Each engine pinned to its own cores: the process (in-process engines) and, for the multiprocessing
     # front end's engine core, VLLM_CPU_OMP_THREADS_BIND: vLLM's automatic binding reserves one core per
@@ -319,8 +355,9 @@ print("BARE", json.dumps({{"times": times, "tokens": sum(len(c.token_ids) for o 
             raise RuntimeError(f"bare vLLM ({engines} engines) failed: {stderr.strip().splitlines()[-1:]}")
     reports = [json.loads([line for line in stdout.splitlines() if line.startswith("BARE")][0].split(" ", 1)[1])
                for stdout, _ in outputs]
-    return (statistics.median(max(report["times"][repeat] for report in reports) for repeat in range(repeats)),
-            sum(report["tokens"] for report in reports))
+    os.unlink(f.name)
+    return (statistics.median(max(report["times"][step] for report in reports) for step in range(len(replay))),
+            [sum(report["tokens"][step] for report in reports) for step in range(len(replay))])
 
 
 def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
@@ -408,7 +445,10 @@ def main():
                 trl[mode] = run_trl(args.trl_python, args.model_dir, mode, args.steps, workdir)
                 print(f"TRL {mode}: ran in {time.perf_counter() - started:.0f} s"
                       f"{'; failed: ' + trl[mode]['error'] if 'error' in trl[mode] else ''}", flush=True)
-        bare_layouts, bare_tokens = bare_vllm_seconds(args.model_dir)
+        # megarl's samples of the steps its medians take, generated again by bare vLLM at their lengths
+        timed = list(range(args.warmup, len(megarl[args.megarl[0]]["step_seconds"]))) or [0]
+        replay = replayed_steps(commands[args.megarl[0]], timed)
+        bare_layouts, bare_tokens = bare_vllm_seconds(args.model_dir, replay)
         bare = min(bare_layouts.values())
         rate = max(args.rate_before, matmul_flops_per_second())
 
@@ -440,23 +480,23 @@ def main():
             f"{phase} {median(run, f'{phase}_seconds'):.2f}" for phase in PHASES if f"{phase}_seconds" in run))
     run = megarl[main_name]
     trained = median_after([tps * s for tps, s in zip(run["tokens_per_second"], run["step_seconds"])], args.warmup)
-    floors = train_floor(parameters, megarl_prompt_lengths(commands[main_name], len(run["step_seconds"]),
-                                                            JOB["generations"]), run["response_length_mean"], rate)
-    check_tokens(floors, run, samples)
-    training = median_after([f["seconds"] for f in floors], args.warmup)
-    attention = median_after([f["attention"] for f in floors], args.warmup)
+    floors = train_floor(parameters, [[len(ids) + length for ids, lengths in prompts for length in lengths]
+                                      for prompts in replay], rate)
+    check_tokens(floors, run, samples, first_step=timed[0])
+    training = statistics.median(f["seconds"] for f in floors)
+    attention = statistics.median(f["attention"] for f in floors)
     floor = training + bare
     print(f"compute floor: matmul FLOPs (6 x {parameters / 1e6:.1f}M x {trained:.0f} trained tokens + the causal "
-          f"attention's QK^T and AV, {attention:.1%} of them, from each step's mean response length: a lower bound) "
-          f"at {rate / 1e9:.1f} GFLOP/s = {training:.2f} s + bare vLLM generation {bare:.2f} s "
+          f"attention's QK^T and AV, {attention:.1%} of them, from megarl's samples' lengths) at {rate / 1e9:.1f} "
+          f"GFLOP/s = {training:.2f} s + bare vLLM generating megarl's samples again {bare:.2f} s "
           f"({bare_text(bare_layouts)}) = {floor:.2f} s; "
           f"megarl {main_name} / floor = {step / floor:.2f} (goal <= 1.25)")
-    # The job's responses stop where the policy stops: megarl's samples change with the step and the policy,
-    # bare vLLM's are its own (seed 0), so the two may hold different work (--response-lengths is exact).
     generated = median_after([length * samples for length in run["response_length_mean"]], args.warmup)
-    per_token = (median(run, "generate_seconds") / generated) / (bare / bare_tokens)
-    print(f"generated tokens per step: megarl {main_name} {generated:.0f}, bare vLLM {bare_tokens}; per token "
-          f"megarl's generate takes {per_token:.2f}x bare vLLM's")
+    if any(abs(tokens - sum(l for _, lengths in prompts for l in lengths)) > 0 for tokens, prompts in
+           zip(bare_tokens, replay)):
+        print(f"WARNING: bare vLLM generated {bare_tokens} tokens per step, not megarl's samples' lengths")
+    print(f"generated tokens per step: megarl {main_name} {generated:.0f}, bare vLLM (the same samples) "
+          f"{statistics.median(bare_tokens):.0f}")
     update = median(run, "update_seconds")
     print(f"megarl {main_name} update {update:.2f} s / its part of the floor {training:.2f} s = "
           f"{update / training:.2f} (goal <= 1.5)")
@@ -467,10 +507,11 @@ def main():
         print(f"separate async / colocate on the same 2 ranks = {ratio:.2f} (goal < 1)")
 
 
-def check_tokens(floors: list[dict], run: dict, samples: int, length: int | None = None) -> None:
-    """Warns where the floor's token counts are not megarl's (the prompts it reconstructs are not the ones
-    megarl trained on) or, in the sweep, where a response is not `length` tokens long."""
-    logged = [round(tps * s) for tps, s in zip(run["tokens_per_second"], run["step_seconds"])]
+def check_tokens(floors: list[dict], run: dict, samples: int, length: int | None = None, first_step: int = 0) -> None:
+    """Warns where the floor's token counts (of megarl's steps from `first_step` on) are not megarl's (the
+    prompts it reconstructs are not the ones megarl trained on) or, in the sweep, where a response is not
+    `length` tokens long."""
+    logged = [round(tps * s) for tps, s in zip(run["tokens_per_second"], run["step_seconds"])][first_step:]
     counted = [f["tokens"] for f in floors]
     if any(abs(a - b) > 1 for a, b in zip(counted, logged)):  # exact but for the log's float rounding
         print(f"WARNING: the floor counts {counted} trained tokens per step, megarl logged {logged}")
@@ -509,7 +550,10 @@ def sweep(args, parameters: int) -> None:
                     print(f"L={length}: TRL {mode} (k={result['k']}: micro-batches of {samples // result['k']} "
                           f"samples, the longest {longest} tokens) ran in {time.perf_counter() - started:.0f} s"
                           f"{'; failed: ' + trl['error'] if 'error' in trl else ''}", flush=True)
-            result["bare_layouts"], _ = bare_vllm_seconds(args.model_dir, length=length)
+            # at most 3 steps replayed (1 above 512 tokens: minutes each), from the last
+            timed = list(range(args.warmup, len(run["step_seconds"])))[-(3 if length <= 512 else 1):] or [0]
+            result["bare_layouts"], _ = bare_vllm_seconds(args.model_dir, replayed_steps(command, timed, length),
+                                                          sweep_max_model_len(length))
             result["bare"] = min(result["bare_layouts"].values())
             results[length] = result
         if args.no_trl or not os.path.exists(args.trl_python):
@@ -531,7 +575,8 @@ def print_sweep(results: dict, parameters: int, rate: float, warmup: int, name: 
     ratios, update_ratios, leads = {}, {}, {}
     for length, result in results.items():
         run = result["megarl"]
-        floors = train_floor(parameters, result["prompts"], run["response_length_mean"], rate)
+        floors = train_floor(parameters, [[p + mean for p in prompts] for prompts, mean in
+                                          zip(result["prompts"], run["response_length_mean"])], rate)
         check_tokens(floors, run, samples, length)
         training = median_after([f["seconds"] for f in floors], warmup)
         floor = training + result["bare"]

@@ -28,8 +28,8 @@ def test_attention_share_of_the_bench_model_at_2048_tokens():
     assert attention / (6 * 33_971_200 * s) == pytest.approx(0.3768, abs=1e-4)
 
 
-def test_train_floor_per_step_from_prompt_and_response_lengths():
-    steps = e2e.train_floor(1000, [[2, 3], [4]], [1.0, 0.0], rate=10.0)
+def test_train_floor_per_step_from_the_samples_lengths():
+    steps = e2e.train_floor(1000, [[3, 4], [4]], rate=10.0)
     layers, width = e2e.MODEL["num_hidden_layers"], e2e.attention_width()
     assert [step["tokens"] for step in steps] == [3 + 4, 4]
     first = 6 * 1000 * 7 + 12 * layers * width * (3 * 4 // 2 + 4 * 5 // 2)

@@ -41,6 +41,9 @@ def test_train_on_files_with_evaluation_and_dumps(tiny_model, tmp_path):
     assert {"step", "prompt", "response", "reward", "reason", "id", "gt_answer"} <= set(records[0])
     assert all(r["reason"] in ("correct", "wrong answer", "no box", "unclosed box", "unparsable") for r in records)
     assert all(r["step"] == 1 and "What is" in r["prompt"] for r in records)
+    # the token counts megarl trained: a truncated response is exactly --max-new-tokens long
+    assert all(r["prompt_tokens"] > 0 and 0 < r["response_tokens"] <= 12 for r in records), records
+    assert all(r["response_tokens"] == 12 for r in records if r["truncated"]), records
     evaluated = [json.loads(line) for line in (tmp_path / "dumps" / "eval_sums_step0.jsonl").read_text().splitlines()]
     assert [r["id"] for r in evaluated] == [f"p{i}" for i in range(12)]  # greedy: one per prompt, file order
     # The dumped evaluation is the one whose pass@1 was logged: TensorBoard holds the logged value

@@ -1,7 +1,8 @@
 """Rollout and evaluation dumps: one JSONL file per step and set, written by rank 0.
 
 Each line: step, prompt (decoded, with the chat template), response, reward,
-reason, truncated, and the row's id / gt_answer / data_source when it has them; a multi-turn
+reason, truncated, prompt_tokens and response_tokens (the token counts: what was trained, where the
+decoded text need not re-encode to the same ids), and the row's id / gt_answer / data_source when it has them; a multi-turn
 episode (--tools) also its `conversation` after the prompt (megarl/multiturn.py: the assistant turns
 with their tool calls and the tool messages), its `response` being the last assistant turn.
 A file is written aside and renamed, so a crash never leaves half a file.
@@ -22,7 +23,8 @@ def write_samples(directory: str, filename: str, samples, tokenizer, step: int) 
     with open(partial, "w") as f:
         for sample in samples:
             record = {"step": step, "prompt": tokenizer.decode(sample.prompt_ids), "response": sample.response_text,
-                      "reward": sample.reward, "reason": sample.reason, "truncated": sample.truncated}
+                      "reward": sample.reward, "reason": sample.reason, "truncated": sample.truncated,
+                      "prompt_tokens": len(sample.prompt_ids), "response_tokens": len(sample.response_ids)}
             record.update({key: sample.metadata[key] for key in ROW_FIELDS if sample.metadata.get(key) is not None})
             if sample.turns is not None:  # a multi-turn episode: "response" is its last turn, this the whole of it
                 record["conversation"] = sample.turns
