@@ -1,13 +1,14 @@
 """--cpu-gemm (megarl/cpu_gemm.py): the trainer's fp32 GEMMs through oneDNN compute what torch's matmul computes,
 within fp32 rounding, and every GEMM of Megatron's linear layers (forward, input and weight gradients) and
-of the fused loss kernels goes through it when chosen. In-process, one Megatron rank."""
+of the fused loss kernels goes through it when chosen: in-process on one Megatron rank, and two training
+runs under torchrun (2 gloo ranks) that agree step by step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import assert_fp32_paths_agree, micro_batches, nll
+from helpers import assert_fp32_paths_agree, assert_runs_agree, assert_steps_move, micro_batches, nll, scalars, torchrun
 from test_fast_paths import actor_of
 
 from megarl import cpu_gemm
@@ -125,3 +126,26 @@ def test_megatron_linear_layers_and_loss_kernels_through_onednn_match_torchs(meg
         assert counted["onednn"] == (0 if name == "torch" else 4)
     for what, a, b in zip(("logprobs", "entropy", "d hidden", "d weight"), outputs["onednn"], outputs["torch"]):
         assert_fp32_paths_agree(a.detach(), b.detach(), what)
+
+
+@onednn
+@pytest.mark.slow
+def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path):
+    """Three steps with --cpu-gemm torch vs onednn: the same per-step loss, gradient norm and entropy within
+    tests/helpers.py's rule for two training runs, and rank 0 says which library the GEMMs went through."""
+    series, tags = {}, ["loss", "grad_norm", "entropy"]
+    for backend in ("torch", "onednn"):
+        result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
+                          "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12",
+                          "--micro-batch-size", "8", "--lr", "1e-3", "--train-steps", "3", "--cpu-gemm", backend,
+                          "--log-dir", tmp_path / backend,
+                          # the trainer's GEMMs are compared, not the engine: the HF backend spares vLLM's start
+                          "--rollout-backend", "hf", timeout=900)
+        said = [line for line in result.stdout.splitlines() if "CPU fp32 GEMMs through" in line]
+        assert said == [f"megarl: CPU fp32 GEMMs through {'oneDNN' if backend == 'onednn' else 'torch'} "
+                        f"(--cpu-gemm)"], result.stdout[-2000:]
+        series[backend] = scalars(tmp_path / backend, tags)
+    assert_steps_move(series["onednn"], steps=(1, 2))
+    for tag in tags:
+        assert sorted(series["torch"][tag]) == sorted(series["onednn"][tag]) == [0, 1, 2], (tag, series)
+        assert_runs_agree(series["onednn"][tag], series["torch"][tag], tag)
