@@ -780,6 +780,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.profile_step < 0:
         raise ConfigError(f"--profile-step must be >= 0 (0: off), got {args.profile_step}")
+    from megarl import cpu_gemm
+
+    if args.cpu_gemm == "onednn" and not cpu_gemm.onednn_available():
+        raise ConfigError("--cpu-gemm onednn: this torch has no oneDNN (torch.backends.mkldnn); use auto or torch")
     if args.reward_workers < 0:
         raise ConfigError(f"--reward-workers must be >= 0, got {args.reward_workers}")
     if args.reward_timeout < 0 or args.sandbox_memory_budget_mb < 0:

@@ -82,6 +82,16 @@ def test_auto_takes_onednn_only_when_clearly_faster():
     cpu_gemm.use("torch")
 
 
+def test_onednn_asked_of_a_torch_without_it_is_a_one_line_error(monkeypatch, tiny_model):
+    from megarl.arguments import parse_args
+    from megarl.errors import ConfigError
+
+    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: False)
+    with pytest.raises(ConfigError, match="--cpu-gemm onednn: this torch has no oneDNN"):
+        parse_args(["--model", tiny_model, "--cpu-gemm", "onednn"], world_size=1)
+    assert parse_args(["--model", tiny_model, "--cpu-gemm", "auto"], world_size=1).cpu_gemm == "auto"
+
+
 @onednn
 def test_megatron_linear_layers_and_loss_kernels_through_onednn_match_torchs(megatron_rank, tiny_model, backend,
                                                                              counted):
