@@ -360,26 +360,41 @@ print("BARE", json.dumps({{"times": times, "tokens": tokens}}))
             [sum(report["tokens"][step] for report in reports) for step in range(len(replay))])
 
 
-def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
-    """This host's fp32 matmul rate on 2 threads: the faster of torch's own (MKL on x86) and oneDNN's, which
-    megarl's trainer uses where it is faster (megarl/cpu_gemm.py; MKL runs AVX2 code on AMD CPUs, half
-    oneDNN's rate there). The best of `repeats` each: the floor is what the machine can do; the bench
-    measures it before and after its runs and keeps the higher, as other load only lowers it."""
+def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> dict:
+    """This host's fp32 matmul rate on 2 threads, {library: FLOP/s}: torch's own (MKL on x86) and oneDNN's,
+    which megarl's trainer uses where it is faster (megarl/cpu_gemm.py; MKL runs AVX2 code on AMD CPUs, half
+    oneDNN's rate there). The best of `repeats` each: the floor is what the machine can do, the faster
+    library's rate; the bench measures before and after its runs and keeps the higher, as other load only
+    lowers it."""
     import torch
 
     from megarl import cpu_gemm
 
     torch.set_num_threads(2)
     a, b = torch.randn(size, size), torch.randn(size, size)
-    gemms = [lambda: a @ b] + ([lambda: cpu_gemm._onednn_gemm(a, b)] if cpu_gemm.onednn_available() else [])
-    best = float("inf")
-    for gemm in gemms:
+    gemms = {"torch": lambda: a @ b}
+    if cpu_gemm.onednn_available():
+        gemms["oneDNN"] = lambda: cpu_gemm._onednn_gemm(a, b)
+    rates = {}
+    for library, gemm in gemms.items():
         gemm()
+        best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
             gemm()
             best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+        rates[library] = 2 * size**3 / best
+    return rates
+
+
+def machine_rate(args) -> float:
+    """The floor's matmul rate: the faster library, the higher of the measurements before and after the runs;
+    printed with each library's."""
+    after = matmul_flops_per_second()
+    rates = {library: max(rate, after[library]) for library, rate in args.rates_before.items()}
+    print("fp32 matmul on 2 threads: " + ", ".join(f"{library} {rate / 1e9:.1f} GFLOP/s" for library, rate in
+                                                   rates.items()) + " (the floor takes the faster)")
+    return max(rates.values())
 
 
 def median_after(values: list, warmup: int) -> float:
@@ -419,7 +434,7 @@ def main():
         parser.error(f"--response-lengths: the model holds {MODEL['max_position_embeddings']} positions, fewer than "
                      f"--max-prompt-length 128 + {max(args.response_lengths)}")
     parameters = build_model(args.model_dir)
-    args.rate_before = matmul_flops_per_second()  # with the one after the runs: the higher is the machine's
+    args.rates_before = matmul_flops_per_second()  # with the one after the runs: the higher is the machine's
     if args.response_lengths:
         sweep(args, parameters)
         return
@@ -450,7 +465,7 @@ def main():
         replay = replayed_steps(commands[args.megarl[0]], timed)
         bare_layouts, bare_tokens = bare_vllm_seconds(args.model_dir, replay)
         bare = min(bare_layouts.values())
-        rate = max(args.rate_before, matmul_flops_per_second())
+        rate = machine_rate(args)
 
     def median(run, tag):
         return median_after(run[tag], args.warmup)
@@ -558,7 +573,7 @@ def sweep(args, parameters: int) -> None:
             results[length] = result
         if args.no_trl or not os.path.exists(args.trl_python):
             print(f"TRL: skipped ({'--no-trl' if args.no_trl else args.trl_python + ' missing; see the docstring'})")
-        rate = max(args.rate_before, matmul_flops_per_second())
+        rate = machine_rate(args)
     print_sweep(results, parameters, rate, args.warmup, name)
 
 
