@@ -55,6 +55,7 @@ It prints; it asserts nothing.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -135,8 +136,6 @@ def run_megarl(command: list[str]) -> dict:
 def megarl_prompts(command: list[str], steps: int) -> list[list[list[int]]]:
     """Each step's prompts (token ids), from the prompts megarl itself picks for that step (its own argument
     parsing and prompt source: the seed, the chat template)."""
-    import contextlib
-
     from transformers import AutoTokenizer
 
     from megarl.arguments import parse_args
@@ -342,7 +341,8 @@ print("BARE", json.dumps({{"times": times, "tokens": tokens}}))
     share = len(cores) // engines
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(share), "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0"}
-    with tempfile.TemporaryDirectory() as barrier:
+    with tempfile.TemporaryDirectory() as barrier, contextlib.ExitStack() as cleanup:
+        cleanup.callback(os.unlink, f.name)  # the replay file, whatever happens
         processes = []
         for index in range(engines):
             own = ",".join(map(str, cores[index * share:(index + 1) * share]))
@@ -355,7 +355,6 @@ print("BARE", json.dumps({{"times": times, "tokens": tokens}}))
             raise RuntimeError(f"bare vLLM ({engines} engines) failed: {stderr.strip().splitlines()[-1:]}")
     reports = [json.loads([line for line in stdout.splitlines() if line.startswith("BARE")][0].split(" ", 1)[1])
                for stdout, _ in outputs]
-    os.unlink(f.name)
     return (statistics.median(max(report["times"][step] for report in reports) for step in range(len(replay))),
             [sum(report["tokens"][step] for report in reports) for step in range(len(replay))])
 

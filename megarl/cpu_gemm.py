@@ -3,9 +3,9 @@
 torch's x86 wheels compute a CPU fp32 matmul with MKL, and MKL picks its code path by the CPU's vendor: on
 AMD processors it runs its AVX2 kernels even where the CPU has AVX-512. oneDNN (torch's mkldnn, the library
 vLLM's CPU backend computes its linear layers with) picks by instruction set. Measured on an AMD EPYC
-development host with AVX-512 (2026-11-28, one thread per core, both cores busy): MKL 97-113 GFLOP/s per
-core on the bench model's GEMM shapes (forward, input and weight gradients), oneDNN 193-249; a 2048^3
-matmul on 2 threads 219 against 489 GFLOP/s. Where MKL runs its AVX-512 kernels (Intel CPUs) the two
+development host with AVX-512 (2026-11-28, one thread): MKL 98-113 GFLOP/s per core on the bench model's
+linear-layer GEMM shapes (forward, input and weight gradients), oneDNN 205-244 the way this module calls
+it; a 2048^3 matmul on 2 threads 219 against 489 GFLOP/s. Where MKL runs its AVX-512 kernels (Intel CPUs) the two
 are expected to be alike, so `auto` measures: each trainer rank times one GEMM both ways at start-up, the
 ranks add up their times, and oneDNN is used when it is at least 10% faster (one choice on every rank).
 
@@ -16,9 +16,10 @@ not record (inside autograd Functions: oneDNN's op has no derivative), fp32 CPU 
 Attention (torch's own kernels), LoRA adapters and MoE experts keep torch's matmul.
 
 oneDNN's results differ from MKL's by fp32 rounding (another order of the sums; tests/test_cpu_gemm.py
-checks them against float64). It builds a kernel per GEMM shape, 3-5 ms on first use (cached,
-ONEDNN_PRIMITIVE_CACHE_CAPACITY shapes): a packed micro-batch of a new token count pays it once per linear
-shape, a few percent of its GEMMs' time on the bench job.
+checks them against float64). It builds a kernel per GEMM shape and caches it
+(ONEDNN_PRIMITIVE_CACHE_CAPACITY shapes); the first call of a new token count measured 3-5 ms longer than
+the next (kernel creation and a freshly mapped output, not measured apart). A transposed left operand (the
+weight gradient's) is copied contiguous first.
 """
 
 from __future__ import annotations

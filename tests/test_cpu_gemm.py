@@ -64,9 +64,11 @@ def test_onednn_products_equal_float64_within_fp32_rounding(backend, counted):
 def test_onednn_is_used_only_where_autograd_does_not_record(backend, counted):
     """oneDNN's linear op has no derivative: a product autograd must differentiate stays torch's."""
     backend("onednn")
-    a, b = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4)
-    cpu_gemm.matmul(a, b).sum().backward()
-    assert counted["onednn"] == 0 and torch.allclose(a.grad, b.sum(1).expand(8, 16))
+    generator = torch.Generator().manual_seed(1)
+    a, b = torch.randn(8, 16, generator=generator, requires_grad=True), torch.randn(16, 4, generator=generator)
+    cpu_gemm.matmul(a, b).sum().backward()  # d/da of sum(a @ b): every row is b's row sums
+    assert counted["onednn"] == 0
+    assert_fp32_paths_agree(a.grad, b.sum(1).expand(8, 16), "torch's gradient")
     with torch.no_grad():
         cpu_gemm.matmul(a, b)
     cpu_gemm.matmul(a.double(), b.double())  # fp32 only
