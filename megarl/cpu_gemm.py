@@ -12,8 +12,10 @@ ranks add up their times, and oneDNN is used when it is at least 10% faster (one
 What goes through it when oneDNN is chosen: Megatron's linear layers (forward, input gradient and the
 weight gradient that gradient-accumulation fusion adds into main_grad: accelerator's CPU version of Apex's
 wgrad GEMM) and the fused loss kernels' logits GEMMs (megarl/kernels/fused.py). Only where autograd does
-not record (inside autograd Functions: oneDNN's op has no derivative), fp32 CPU tensors, a 2-D right operand.
-Attention (torch's own kernels), LoRA adapters and MoE experts keep torch's matmul.
+not record (inside autograd Functions: oneDNN's op has no derivative), fp32 CPU tensors, a 2-D right operand
+that is dense or a dense matrix transposed. Also the short sequences' attention GEMMs of packed rows
+(megarl/models/attention.py); the other attention (torch's own kernels), LoRA adapters and MoE experts keep
+torch's matmul.
 
 oneDNN's results differ from MKL's by fp32 rounding (another order of the sums; tests/test_cpu_gemm.py
 checks them against float64). It builds a kernel per GEMM shape and caches it
@@ -101,6 +103,9 @@ def _routable(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (_state["onednn"] and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == torch.float32
             and b.dtype == torch.float32 and b.dim() == 2 and a.dim() >= 2
+            # b or b^T dense: oneDNN runs its reference kernel (~50x slower, measured) on a weight whose rows
+            # are strided apart (a column block of a wider matrix)
+            and (b.is_contiguous() or b.t().is_contiguous())
             and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)))
 
 

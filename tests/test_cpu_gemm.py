@@ -75,6 +75,21 @@ def test_onednn_is_used_only_where_autograd_does_not_record(backend, counted):
     assert counted["onednn"] == 1
 
 
+@onednn
+def test_a_weight_with_strided_rows_keeps_torchs_matmul(backend, counted):
+    """oneDNN takes a dense or transposed-dense right operand; a column block of a wider matrix (rows strided
+    apart) would run its reference kernel, so it stays torch's."""
+    backend("onednn")
+    generator = torch.Generator().manual_seed(2)
+    a, wide = torch.randn(40, 64, generator=generator), torch.randn(80, 2, 64, generator=generator)
+    block = wide[:, 1].t()  # [64, 80]: b^T is a column block of the [80, 128] matrix, rows 128 apart
+    assert_fp32_paths_agree(cpu_gemm.matmul(a, block), (a.double() @ block.double()).float(), "strided")
+    assert counted["onednn"] == 0
+    cpu_gemm.matmul(a, block.contiguous())
+    cpu_gemm.matmul(a, wide[:, 1].contiguous().t())
+    assert counted["onednn"] == 2
+
+
 def test_auto_takes_onednn_only_when_clearly_faster():
     assert cpu_gemm.faster(1.0, 0.5) == "onednn"
     assert cpu_gemm.faster(1.0, 0.95) == "torch"

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import assert_fp32_paths_agree, micro_batches, nll
+
+from megarl import cpu_gemm
 
 
 def actor_of(model: str):
@@ -83,9 +86,13 @@ def test_the_trainer_holds_its_adam_states_before_its_first_step(megatron_rank, 
                 assert state["exp_avg"].shape == param.shape and not state["exp_avg_sq"].any() and state["step"] == 0
 
 
-def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank):
+@pytest.mark.parametrize("gemm", ["torch", pytest.param("onednn", marks=pytest.mark.skipif(
+    not cpu_gemm.onednn_available(), reason="torch built without oneDNN"))])
+def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank, monkeypatch, gemm):
     """Megatron's local attention per sequence (the reference) and torch's scaled_dot_product_attention per
-    sequence, on a packed row of unequal sequences with grouped heads: outputs and input gradients."""
+    sequence, on a packed row of unequal sequences with grouped heads: outputs and input gradients. With
+    oneDNN's GEMMs the sequence inside SHORT_ATTENTION_TOKENS goes through _ShortCausalAttention (counted)."""
+    from megarl.models import attention as attention_module
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
@@ -96,7 +103,13 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
                                attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
     attention = PackedDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                           attention_type="self")
-    lengths = [7, 1, 19, 12]
+    lengths = [7, 1, 104, 12]
+    short_calls = []
+    original = attention_module._ShortCausalAttention.apply
+    monkeypatch.setattr(attention_module._ShortCausalAttention, "apply",
+                        lambda *args: short_calls.append(args[0].shape[0]) or original(*args))
+    monkeypatch.setattr(cpu_gemm, "_state", {"onednn": False})  # the process's own state again after the test
+    cpu_gemm.use(gemm)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
@@ -112,11 +125,39 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
         for tensor in inputs:
             tensor.grad = None
     assert results[True][0].shape == (sum(lengths), 1, 64)
+    assert short_calls == ([104] if gemm == "onednn" else [])
     for name, fused, local in zip(("output", "query grad", "key grad", "value grad"), results[True], results[False]):
         assert_fp32_paths_agree(fused, local, name)
     # and the real check picks the fused path for this module (causal, vanilla softmax, no dropout)
     del attention._fused_attention_applies
     assert attention._fused_attention_applies(None)
+
+
+@pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("heads, groups", [(8, 2), (4, 4), (4, 1)])
+def test_short_sequence_attention_equals_the_flash_kernel_in_value_and_gradients(heads, groups):
+    """megarl's causal attention for short sequences (GEMMs through oneDNN, the softmax kept) against torch's
+    scaled_dot_product_attention, at lengths inside and at the edges of the window it is used for."""
+    from megarl.models.attention import SHORT_ATTENTION_TOKENS, _ShortCausalAttention
+
+    generator = torch.Generator().manual_seed(heads + groups)
+    cpu_gemm.use("onednn")
+    try:
+        for length in (SHORT_ATTENTION_TOKENS[0], 173, SHORT_ATTENTION_TOKENS[-1]):
+            inputs = [torch.randn(length, h, 32, generator=generator) for h in (heads, groups, groups)]
+            upstream = torch.randn(length, heads, 32, generator=generator)
+
+            def flash(q, k, v):
+                return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                      v.transpose(0, 1)[None], is_causal=True, scale=0.3,
+                                                      enable_gqa=groups < heads)[0].transpose(0, 1)
+
+            reference = forward_and_grads(flash, inputs, upstream)
+            short = forward_and_grads(lambda q, k, v: _ShortCausalAttention.apply(q, k, v, 0.3), inputs, upstream)
+            for what, a, b in zip(("output", "query grad", "key grad", "value grad"), short, reference):
+                assert_fp32_paths_agree(a, b, f"{what}, {length} tokens, {heads} heads in {groups} groups")
+    finally:
+        cpu_gemm.use("torch")
 
 
 def forward_and_grads(function, inputs, upstream):

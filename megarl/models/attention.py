@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megarl import context_parallel
+from megarl import context_parallel, cpu_gemm
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -72,20 +72,26 @@ class PackedDotProductAttention(DotProductAttention):
                 and not (self.training and self.attention_dropout.p > 0))
 
     def _fused_per_sequence(self, query, key, value, lengths):
-        """Each sequence's causal attention in one torch scaled_dot_product_attention call (on CPU its flash
+        """Each sequence's causal attention in one call: torch's scaled_dot_product_attention (on CPU its flash
         kernel: no [s, s] scores, masks or softmax tensors kept for the backward; queries' head groups share
-        their key/value heads, as Megatron's repeat_interleave does). Measured on the bench job's rows (16
-        sequences of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per layer
-        against 95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
+        their key/value heads, as Megatron's repeat_interleave does), or, for a short sequence on a CPU rank
+        whose GEMMs go through oneDNN, `_ShortCausalAttention`. Measured on the bench job's rows (16 sequences
+        of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per layer against
+        95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
         groups = query.shape[1] // key.shape[1]
-        # 4-D [1, heads, s_i, dim]: torch picks its CPU flash kernel for 4-D inputs only (3-D falls back to the
-        # math path, which keeps the scores)
-        outputs = [F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                  v.transpose(0, 1)[None], is_causal=True, scale=self.softmax_scale,
-                                                  enable_gqa=groups > 1)[0]
-                   for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths))]
-        # [heads, s_i, dim] each -> [t, 1, heads * dim], the local attention's output layout
-        return torch.cat(outputs, dim=1).transpose(0, 1).reshape(query.shape[0], 1, -1)
+        outputs = []  # [s_i, heads, dim] each
+        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
+            if _short_path_applies(q):
+                outputs.append(_ShortCausalAttention.apply(q, k, v, self.softmax_scale))
+                continue
+            # 4-D [1, heads, s_i, dim]: torch picks its CPU flash kernel for 4-D inputs only (3-D falls back
+            # to the math path, which keeps the scores)
+            outputs.append(F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                          v.transpose(0, 1)[None], is_causal=True,
+                                                          scale=self.softmax_scale, enable_gqa=groups > 1)[0]
+                           .transpose(0, 1))
+        # -> [t, 1, heads * dim], the local attention's output layout
+        return torch.cat(outputs).reshape(query.shape[0], 1, -1)
 
     def _context_parallel(self, query, key, value, bounds, cp, attn_mask_type):
         """This rank's two chunks of each slot (`bounds`: the whole slots) against the whole slot's keys."""
@@ -104,6 +110,74 @@ class PackedDotProductAttention(DotProductAttention):
                                            value[start:start + slot, None], masked[None, None], attn_mask_type))
             local_start += slot // cp
         return torch.cat(outputs)
+
+
+# The sequence lengths `_ShortCausalAttention` takes; the others go to torch's flash kernel. Forward and
+# backward of one sequence, 8 query heads of 64 in 2 groups, one thread, the AVX-512 AMD host (2026-11-28):
+# flash / this 0.66 / 0.74 ms at 80 tokens, 0.83 / 0.83 at 96, 1.43 / 1.10 at 128, 1.87 / 1.27 at 142,
+# 5.08 / 3.43 at 256, 22.3 / 17.7 at 547, 35.5 / 42.7 at 768 (below ~100 tokens the flash kernel's fixed
+# cost is smaller than this path's per-GEMM calls; above ~650 its blocking wins, and the kept softmax grows
+# as s^2).
+SHORT_ATTENTION_TOKENS = range(100, 641)
+
+
+def _short_path_applies(query: torch.Tensor) -> bool:
+    return (query.shape[0] in SHORT_ATTENTION_TOKENS and query.device.type == "cpu"
+            and query.dtype == torch.float32 and cpu_gemm.using_onednn())
+
+
+class _ShortCausalAttention(torch.autograd.Function):
+    """One sequence's causal attention as GEMMs through megarl/cpu_gemm.py (oneDNN) and a softmax, for the
+    short sequences of packed rows on CPU ranks. torch's CPU flash kernel multiplies its blocks with MKL's
+    sgemm, which runs its AVX2 code on AMD CPUs, and pays a fixed cost per call that dominates at a hundred
+    tokens; here each query group's scores are one GEMM [s * heads_per_group, dim] x [dim, s] and the
+    softmax is kept for the backward ([heads, s, s] per sequence: 0.6 MB at s = 142, 8 heads; 4.7 MB at
+    384). The formulas are the flash kernel's: P = softmax(scale Q K^T + causal mask), O = P V;
+    dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = scale dS K, dK = scale dS^T Q.
+
+    query [s, heads, dim], key and value [s, groups, dim] (Megatron's THD pieces); output [s, heads, dim]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale):
+        length, heads, dim = query.shape
+        groups = key.shape[1]
+        per_group = heads // groups
+        # rows (position, head) of each group's queries, contiguous: [groups, s * per_group, dim]
+        queries = query.reshape(length, groups, per_group, dim).transpose(0, 1).reshape(groups, -1, dim)
+        future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu_(1)
+        # each group's keys and values contiguous: oneDNN takes a plain or transposed matrix, and runs its
+        # reference kernel (~100x slower) on a row stride wider than the row
+        keys, values = key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous()  # [groups, s, dim]
+        output = query.new_empty(length, groups, per_group, dim)
+        probabilities = []
+        for group in range(groups):
+            scores = cpu_gemm.matmul(queries[group], keys[group].t()).mul_(scale)
+            scores.view(length, per_group, length).masked_fill_(future[:, None, :], float("-inf"))
+            weights = torch.softmax(scores, dim=-1)
+            output[:, group] = cpu_gemm.matmul(weights, values[group]).view(length, per_group, dim)
+            probabilities.append(weights)
+        ctx.scale = scale
+        ctx.save_for_backward(queries, keys, values, output, *probabilities)
+        return output.view(length, heads, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        queries, keys, values, output, *probabilities = ctx.saved_tensors
+        length, groups, per_group, dim = output.shape
+        grad_output = grad_output.reshape(length, groups, per_group, dim)
+        grad_query = torch.empty_like(output)
+        grad_key, grad_value = keys.new_empty(length, groups, dim), values.new_empty(length, groups, dim)
+        for group, weights in enumerate(probabilities):
+            grad_rows = grad_output[:, group].reshape(-1, dim)  # [s * per_group, dim]
+            output_rows = output[:, group].reshape(-1, dim)
+            # dV^T = dO^T P and dK^T = Q^T dS: the transposed left operands are [dim, rows] (small) where
+            # dV = P^T dO would copy the [rows, s] probabilities transposed
+            grad_value[:, group] = cpu_gemm.matmul(grad_rows.t().contiguous(), weights).t()
+            grad_scores = cpu_gemm.matmul(grad_rows, values[group].t())
+            grad_scores.sub_(torch.linalg.vecdot(grad_rows, output_rows).unsqueeze(-1)).mul_(weights).mul_(ctx.scale)
+            grad_query[:, group] = cpu_gemm.matmul(grad_scores, keys[group]).view(length, per_group, dim)
+            grad_key[:, group] = cpu_gemm.matmul(queries[group].t().contiguous(), grad_scores).t()
+        return grad_query.view(length, groups * per_group, dim), grad_key, grad_value, None
 
 
 def _bounds(cu_seqlens, cu_seqlens_padded) -> list[int]:
