@@ -91,7 +91,8 @@ def test_the_trainer_holds_its_adam_states_before_its_first_step(megatron_rank, 
 def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank, monkeypatch, gemm):
     """Megatron's local attention per sequence (the reference) and torch's scaled_dot_product_attention per
     sequence, on a packed row of unequal sequences with grouped heads: outputs and input gradients. With
-    oneDNN's GEMMs the sequence inside SHORT_ATTENTION_TOKENS goes through _ShortCausalAttention (counted)."""
+    oneDNN's GEMMs the 104-token sequence goes through _ShortCausalAttention, the 300-token one through
+    _BlockedCausalAttention (counted)."""
     from megarl.models import attention as attention_module
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import TransformerConfig
@@ -103,11 +104,11 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
                                attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
     attention = PackedDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                           attention_type="self")
-    lengths = [7, 1, 104, 12]
-    short_calls = []
-    original = attention_module._ShortCausalAttention.apply
-    monkeypatch.setattr(attention_module._ShortCausalAttention, "apply",
-                        lambda *args: short_calls.append(args[0].shape[0]) or original(*args))
+    lengths = [7, 1, 104, 12, 300]
+    calls = []
+    for function in (attention_module._ShortCausalAttention, attention_module._BlockedCausalAttention):
+        monkeypatch.setattr(function, "apply", lambda *args, function=function, original=function.apply:
+                            calls.append((function.__name__, args[0].shape[0])) or original(*args))
     monkeypatch.setattr(cpu_gemm, "_state", {"onednn": False})  # the process's own state again after the test
     cpu_gemm.use(gemm)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -125,7 +126,7 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
         for tensor in inputs:
             tensor.grad = None
     assert results[True][0].shape == (sum(lengths), 1, 64)
-    assert short_calls == ([104] if gemm == "onednn" else [])
+    assert calls == ([("_ShortCausalAttention", 104), ("_BlockedCausalAttention", 300)] if gemm == "onednn" else [])
     for name, fused, local in zip(("output", "query grad", "key grad", "value grad"), results[True], results[False]):
         assert_fp32_paths_agree(fused, local, name)
     # and the real check picks the fused path for this module (causal, vanilla softmax, no dropout)
@@ -133,17 +134,34 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
     assert attention._fused_attention_applies(None)
 
 
-@pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("heads, groups", [(8, 2), (4, 4), (4, 1)])
-def test_short_sequence_attention_equals_the_flash_kernel_in_value_and_gradients(heads, groups):
-    """megarl's causal attention for short sequences (GEMMs through oneDNN, the softmax kept) against torch's
-    scaled_dot_product_attention, at lengths inside and at the edges of the window it is used for."""
+def _short_cases():
     from megarl.models.attention import SHORT_ATTENTION_TOKENS, _ShortCausalAttention
 
+    return [(length, lambda q, k, v: _ShortCausalAttention.apply(q, k, v, 0.3))
+            for length in (SHORT_ATTENTION_TOKENS[0], 173, SHORT_ATTENTION_TOKENS[-1])]
+
+
+def _blocked_cases():
+    from megarl.models.attention import ATTENTION_BLOCK, BLOCKED_ATTENTION_FROM, _BlockedCausalAttention
+
+    # the first length it takes and one whose last block is partial at its block size; many small blocks
+    # with a partial last one; one block longer than the sequence
+    return [(length, lambda q, k, v, block=block: _BlockedCausalAttention.apply(q, k, v, 0.3, block))
+            for length, block in ((BLOCKED_ATTENTION_FROM, ATTENTION_BLOCK), (300, ATTENTION_BLOCK), (50, 16),
+                                  (20, ATTENTION_BLOCK))]
+
+
+@pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("heads, groups", [(8, 2), (4, 4), (4, 1)])
+@pytest.mark.parametrize("cases", [_short_cases, _blocked_cases], ids=["short", "blocked"])
+def test_onednn_attention_equals_the_flash_kernel_in_value_and_gradients(heads, groups, cases):
+    """megarl's causal attention through oneDNN GEMMs, for short sequences (the softmax kept) and long ones
+    (blocks of query rows, the softmax recomputed from its log-sum-exp), against torch's
+    scaled_dot_product_attention, at lengths inside and at the edges of the window each is used for."""
     generator = torch.Generator().manual_seed(heads + groups)
     cpu_gemm.use("onednn")
     try:
-        for length in (SHORT_ATTENTION_TOKENS[0], 173, SHORT_ATTENTION_TOKENS[-1]):
+        for length, attention in cases():
             inputs = [torch.randn(length, h, 32, generator=generator) for h in (heads, groups, groups)]
             upstream = torch.randn(length, heads, 32, generator=generator)
 
@@ -153,8 +171,8 @@ def test_short_sequence_attention_equals_the_flash_kernel_in_value_and_gradients
                                                       enable_gqa=groups < heads)[0].transpose(0, 1)
 
             reference = forward_and_grads(flash, inputs, upstream)
-            short = forward_and_grads(lambda q, k, v: _ShortCausalAttention.apply(q, k, v, 0.3), inputs, upstream)
-            for what, a, b in zip(("output", "query grad", "key grad", "value grad"), short, reference):
+            ours = forward_and_grads(attention, inputs, upstream)
+            for what, a, b in zip(("output", "query grad", "key grad", "value grad"), ours, reference):
                 assert_fp32_paths_agree(a, b, f"{what}, {length} tokens, {heads} heads in {groups} groups")
     finally:
         cpu_gemm.use("torch")

@@ -74,14 +74,18 @@ class PackedDotProductAttention(DotProductAttention):
     def _fused_per_sequence(self, query, key, value, lengths):
         """Each sequence's causal attention in one call: torch's scaled_dot_product_attention (on CPU its flash
         kernel: no [s, s] scores, masks or softmax tensors kept for the backward; queries' head groups share
-        their key/value heads, as Megatron's repeat_interleave does), or, for a short sequence on a CPU rank
-        whose GEMMs go through oneDNN, `_ShortCausalAttention`. Measured on the bench job's rows (16 sequences
+        their key/value heads, as Megatron's repeat_interleave does), or, on a CPU rank whose GEMMs go
+        through oneDNN, `_ShortCausalAttention` for a short sequence and `_BlockedCausalAttention` for a long
+        one. Measured on the bench job's rows (16 sequences
         of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per layer against
         95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
         groups = query.shape[1] // key.shape[1]
         outputs = []  # [s_i, heads, dim] each
         for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
-            if _short_path_applies(q):
+            if _onednn_attention_applies(q) and q.shape[0] >= BLOCKED_ATTENTION_FROM:
+                outputs.append(_BlockedCausalAttention.apply(q, k, v, self.softmax_scale, ATTENTION_BLOCK))
+                continue
+            if _onednn_attention_applies(q) and q.shape[0] in SHORT_ATTENTION_TOKENS:
                 outputs.append(_ShortCausalAttention.apply(q, k, v, self.softmax_scale))
                 continue
             # 4-D [1, heads, s_i, dim]: torch picks its CPU flash kernel for 4-D inputs only (3-D falls back
@@ -112,18 +116,22 @@ class PackedDotProductAttention(DotProductAttention):
         return torch.cat(outputs)
 
 
-# The sequence lengths `_ShortCausalAttention` takes; the others go to torch's flash kernel. Forward and
-# backward of one sequence, 8 query heads of 64 in 2 groups, one thread, the AVX-512 AMD host (2026-11-28):
-# flash / this 0.66 / 0.74 ms at 80 tokens, 0.83 / 0.83 at 96, 1.43 / 1.10 at 128, 1.87 / 1.27 at 142,
-# 5.08 / 3.43 at 256, 22.3 / 17.7 at 547, 35.5 / 42.7 at 768 (below ~100 tokens the flash kernel's fixed
-# cost is smaller than this path's per-GEMM calls; above ~650 its blocking wins, and the kept softmax grows
-# as s^2).
-SHORT_ATTENTION_TOKENS = range(100, 641)
+# Which sequences of a packed row take which path where --cpu-gemm chose oneDNN (CPU, fp32): forward and
+# backward of one sequence, 8 query heads of 64 in 2 groups, one thread, the AVX-512 AMD host (2026-11-28),
+# torch's flash kernel / `_ShortCausalAttention` / `_BlockedCausalAttention` in blocks of 128 positions, ms:
+#     80: 0.66 / 0.74 / -      100: 0.96 / 0.87 / 1.41    142: 1.88 / 1.28 / 2.39    256: 5.27 / 3.84 / 4.70
+#    320: 8.07 / 6.85 / 6.09   448: 15.5 / 13.2 / 10.1    768: 35.1 / 34.3 / 22.2   1024: 60.1 / 69.2 / 35.9
+#   2048: 201 / - / 124
+# Below ~100 tokens the flash kernel's fixed cost is the smallest; up to ~290 the short path's few whole-
+# sequence GEMMs beat the blocks' many (it also computes the masked half of the scores); above, the blocks
+# (the causal half only, a working set of one block) win, with no upper bound: their memory is per block.
+SHORT_ATTENTION_TOKENS = range(100, 288)
+BLOCKED_ATTENTION_FROM = 288
+ATTENTION_BLOCK = 128  # query positions per block (64 measured within 2% of it from 320 to 2048 tokens)
 
 
-def _short_path_applies(query: torch.Tensor) -> bool:
-    return (query.shape[0] in SHORT_ATTENTION_TOKENS and query.device.type == "cpu"
-            and query.dtype == torch.float32 and cpu_gemm.using_onednn())
+def _onednn_attention_applies(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and query.dtype == torch.float32 and cpu_gemm.using_onednn()
 
 
 class _ShortCausalAttention(torch.autograd.Function):
@@ -179,6 +187,81 @@ class _ShortCausalAttention(torch.autograd.Function):
             grad_query[:, group] = cpu_gemm.matmul(grad_scores, keys[group]).view(length, per_group, dim)
             grad_key[:, group] = cpu_gemm.matmul(queries[group].t().contiguous(), grad_scores).t()
         return grad_query.view(length, groups * per_group, dim), grad_key, grad_value, None
+
+
+class _BlockedCausalAttention(torch.autograd.Function):
+    """One long sequence's causal attention as blocks of query rows through megarl/cpu_gemm.py (oneDNN), the
+    flash algorithm's memory: per block of `block` positions only the keys up to the block's end (the causal
+    half of the work), the block's scores [block * heads_per_group, end] the only transient of size s, and
+    per query row the softmax's log-sum-exp kept for the backward, which recomputes each block's
+    probabilities from it. Formulas as in `_ShortCausalAttention` (P = exp(scale Q K^T - lse) under the
+    causal mask). query [s, heads, dim], key and value [s, groups, dim]; output [s, heads, dim]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale, block):
+        length, heads, dim = query.shape
+        groups = key.shape[1]
+        per_group = heads // groups
+        queries = query.reshape(length, groups, per_group, dim).transpose(0, 1).reshape(groups, -1, dim)
+        keys, values = key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous()  # [groups, s, dim]
+        future = torch.ones(block, block, dtype=torch.bool, device=query.device).triu_(1)
+        output = query.new_empty(groups, length * per_group, dim)
+        log_sum_exp = query.new_empty(groups, length * per_group, 1)
+        for group in range(groups):
+            for start in range(0, length, block):
+                end = min(start + block, length)
+                rows = slice(start * per_group, end * per_group)
+                scores = _block_scores(queries[group, rows], keys[group, :end], scale, future, start, end, per_group)
+                row_max = scores.amax(-1, keepdim=True)
+                weights = scores.sub_(row_max).exp_()
+                total = weights.sum(-1, keepdim=True)
+                weights.div_(total)
+                log_sum_exp[group, rows] = total.log_().add_(row_max)
+                output[group, rows] = cpu_gemm.matmul(weights, values[group, :end])
+        ctx.scale, ctx.block = scale, block
+        ctx.save_for_backward(queries, keys, values, output, log_sum_exp)
+        # [groups, s * per_group, dim] -> [s, heads, dim]
+        return output.view(groups, length, per_group, dim).transpose(0, 1).reshape(length, heads, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        queries, keys, values, output, log_sum_exp = ctx.saved_tensors
+        groups, rows_total, dim = output.shape
+        length = keys.shape[1]
+        per_group = rows_total // length
+        scale, block = ctx.scale, ctx.block
+        grad_rows_all = grad_output.reshape(length, groups, per_group, dim).transpose(0, 1).reshape(groups, -1, dim)
+        # D = rowsum(dO * O), the softmax backward's per-row term
+        row_terms = torch.linalg.vecdot(grad_rows_all, output).unsqueeze(-1)
+        future = torch.ones(block, block, dtype=torch.bool, device=keys.device).triu_(1)
+        grad_queries = torch.empty_like(queries)
+        # dK^T and dV^T [groups, dim, s]: each block adds into the columns of its keys
+        grad_keys_t = keys.new_zeros(groups, dim, length)
+        grad_values_t = values.new_zeros(groups, dim, length)
+        for group in range(groups):
+            for start in range(0, length, block):
+                end = min(start + block, length)
+                rows = slice(start * per_group, end * per_group)
+                query_rows, grad_rows = queries[group, rows], grad_rows_all[group, rows]
+                weights = _block_scores(query_rows, keys[group, :end], scale, future, start, end, per_group)
+                weights.sub_(log_sum_exp[group, rows]).exp_()
+                grad_values_t[group, :, :end].add_(cpu_gemm.matmul(grad_rows.t().contiguous(), weights))
+                grad_scores = cpu_gemm.matmul(grad_rows, values[group, :end].t())
+                grad_scores.sub_(row_terms[group, rows]).mul_(weights).mul_(scale)
+                grad_queries[group, rows] = cpu_gemm.matmul(grad_scores, keys[group, :end])
+                grad_keys_t[group, :, :end].add_(cpu_gemm.matmul(query_rows.t().contiguous(), grad_scores))
+        heads = groups * per_group
+        grad_query = grad_queries.view(groups, length, per_group, dim).transpose(0, 1).reshape(length, heads, dim)
+        return grad_query, grad_keys_t.permute(2, 0, 1), grad_values_t.permute(2, 0, 1), None, None
+
+
+def _block_scores(query_rows, keys, scale, future, start, end, per_group):
+    """scale Q K^T of a block of query rows (positions start..end, heads_per_group rows each) against the keys
+    up to `end`, the future keys of the block's own positions at -inf: [(end - start) * per_group, end]."""
+    scores = cpu_gemm.matmul(query_rows, keys.t()).mul_(scale)
+    size = end - start
+    scores.view(size, per_group, end)[:, :, start:].masked_fill_(future[:size, None, :size], float("-inf"))
+    return scores
 
 
 def _bounds(cu_seqlens, cu_seqlens_padded) -> list[int]:
