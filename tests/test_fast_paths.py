@@ -91,7 +91,7 @@ def test_the_trainer_holds_its_adam_states_before_its_first_step(megatron_rank, 
 def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank, monkeypatch, gemm):
     """Megatron's local attention per sequence (the reference) and torch's scaled_dot_product_attention per
     sequence, on a packed row of unequal sequences with grouped heads: outputs and input gradients. With
-    oneDNN's GEMMs the 104-token sequence goes through _ShortCausalAttention, the 300-token one through
+    oneDNN's GEMMs the 104-token sequence goes through _ShortCausalAttention, the 520-token one through
     _BlockedCausalAttention (counted)."""
     from megarl.models import attention as attention_module
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -104,7 +104,7 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
                                attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
     attention = PackedDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                           attention_type="self")
-    lengths = [7, 1, 104, 12, 300]
+    lengths = [7, 1, 104, 12, 520]
     calls = []
     for function in (attention_module._ShortCausalAttention, attention_module._BlockedCausalAttention):
         monkeypatch.setattr(function, "apply", lambda *args, function=function, original=function.apply:
@@ -126,7 +126,7 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
         for tensor in inputs:
             tensor.grad = None
     assert results[True][0].shape == (sum(lengths), 1, 64)
-    assert calls == ([("_ShortCausalAttention", 104), ("_BlockedCausalAttention", 300)] if gemm == "onednn" else [])
+    assert calls == ([("_ShortCausalAttention", 104), ("_BlockedCausalAttention", 520)] if gemm == "onednn" else [])
     for name, fused, local in zip(("output", "query grad", "key grad", "value grad"), results[True], results[False]):
         assert_fp32_paths_agree(fused, local, name)
     # and the real check picks the fused path for this module (causal, vanilla softmax, no dropout)

@@ -117,17 +117,20 @@ class PackedDotProductAttention(DotProductAttention):
 
 
 # Which sequences of a packed row take which path where --cpu-gemm chose oneDNN (CPU, fp32): forward and
-# backward of one sequence, 8 query heads of 64 in 2 groups, one thread, the AVX-512 AMD host (2026-11-28),
-# torch's flash kernel / `_ShortCausalAttention` / `_BlockedCausalAttention` in blocks of 128 positions, ms:
-#     80: 0.66 / 0.74 / -      100: 0.96 / 0.87 / 1.41    142: 1.88 / 1.28 / 2.39    256: 5.27 / 3.84 / 4.70
-#    320: 8.07 / 6.85 / 6.09   448: 15.5 / 13.2 / 10.1    768: 35.1 / 34.3 / 22.2   1024: 60.1 / 69.2 / 35.9
-#   2048: 201 / - / 124
-# Below ~100 tokens the flash kernel's fixed cost is the smallest; up to ~290 the short path's few whole-
-# sequence GEMMs beat the blocks' many (it also computes the masked half of the scores); above, the blocks
-# (the causal half only, a working set of one block) win, with no upper bound: their memory is per block.
-SHORT_ATTENTION_TOKENS = range(100, 288)
-BLOCKED_ATTENTION_FROM = 288
-ATTENTION_BLOCK = 128  # query positions per block (64 measured within 2% of it from 320 to 2048 tokens)
+# backward of one sequence, 8 query heads of 64 in 2 groups, one thread, the AVX-512 AMD host, with the
+# trainer's host-memory settings (megarl/host_memory.py: without them every kept softmax faulted its pages
+# in afresh and read 1.5-2x slower), torch's flash kernel / `_ShortCausalAttention` /
+# `_BlockedCausalAttention` in blocks of 128 positions, ms (2026-11-28):
+#    100: 1.06 / 0.88 / 1.39    142: 1.88 / 1.25 / 2.33    256: 5.15 / 2.98 / 4.48    384: 11.5 / 6.71 / 7.67
+#    512: 20.6 / 11.9 / 11.4    640: 26.3 / 16.4 / 16.6    768: 35.1 / 24.8 / 22.3   1024: 59.5 / 47.0 / 35.8
+#   1536: 118 / - / 71.1       2048: 194 / - / 120
+# Below ~100 tokens the flash kernel's fixed cost is the smallest; up to ~500 the short path's whole-
+# sequence GEMMs beat the blocks' many; from 512 to 640 the two are level and the blocks keep no s^2
+# softmax; above, the blocks (the causal half of the keys only, a working set of one block) win, with no
+# upper bound: their memory is per block.
+SHORT_ATTENTION_TOKENS = range(100, 512)
+BLOCKED_ATTENTION_FROM = 512
+ATTENTION_BLOCK = 128  # query positions per block (64 measured within 4% of it from 512 to 1536 tokens)
 
 
 def _onednn_attention_applies(query: torch.Tensor) -> bool:
