@@ -160,9 +160,9 @@ def test_megatron_linear_layers_and_loss_kernels_through_onednn_match_torchs(meg
 def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path):
     """Two steps with --cpu-gemm torch vs onednn: the same per-step loss, gradient norm and entropy within
     tests/helpers.py's rule for two training runs, and rank 0 says which library the GEMMs went through.
-    Two, not three: with responses of 100-300 tokens Adam's amplification of the first step's rounding (helpers.py) moved a
-    third step's gradient norm by 2.4e-3 of it with either attention path for long sequences (1e-3 the rule),
-    the second step's by 4e-5.
+    Two, not three: with responses of 100-300 tokens Adam's amplification of the first step's rounding
+    (helpers.py) moved a third step's gradient norm by 2.4e-3 of it with either attention path for long
+    sequences (1e-3 the rule), the second step's by 4e-5.
     Packed rows of responses of 100-600 tokens (at least 100 forced; the tiny model's sequences then came to
     134-635 tokens in both steps): with oneDNN they take the short and the blocked attention paths
     (megarl/models/attention.py), with torch the flash kernel."""
