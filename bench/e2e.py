@@ -9,7 +9,7 @@ built-in tokenizer, random weights; rebuilt when MODEL changes, the same weights
 the built-in arithmetic prompts, 8 prompts x 4 samples per step, up to 128 new tokens at temperature 1,
 fp32, one optimizer step per generation, no KL. megarl runs on
 2 ranks (torchrun, one thread each) in each of `MEGARL_RUNS`: colocated (examples/quickstart_grpo.yaml
-with the job's overrides) padding-free, colocated padded (micro-batches of 16 right-padded rows), and
+with the job's overrides) padding-free with one rollout engine over both ranks (rollout TP 2), colocated padded (micro-batches of 16 right-padded rows), and
 the separate placement (rank 0 trains, rank 1 generates) with --async-generation and token TIS; the
 first run named is the one compared with TRL and the compute floor. TRL runs in one process with both cores (bench/trl_grpo.py), with transformers
 generation and with colocated vLLM, when its environment exists. TRL is not a megarl dependency;
@@ -31,7 +31,7 @@ before and after the runs; the higher counts, as other load only lowers it), plu
 generate megarl's samples again: the same prompts, each sample a request forced to the length megarl's had
 (megarl's --rollout-save-dir dumps give them), unseeded as megarl's CPU requests are, no logprobs, no text,
 no trainer (the fastest of one engine on both threads and one engine per core on half the prompts each,
-megarl's colocated layout, each with vLLM's multiprocessing front end and in-process: BARE_LAYOUTS; the
+megarl's colocated layout at rollout TP 1, each with vLLM's multiprocessing front end and in-process: BARE_LAYOUTS; the
 median over the replayed steps); and megarl's update over its part of the floor (the matmul FLOPs' seconds).
 
 The sweep (--response-lengths L ...): for each L the same prompts with every response exactly L new
@@ -276,8 +276,9 @@ def sweep_max_model_len(length: int) -> int:
     return 128 + length
 
 
-# The generation floor's layouts: one engine on both cores, and one engine per core on half the prompts
-# each (megarl's colocated layout: an engine per rank, one thread each), each with vLLM's multiprocessing
+# The generation floor's layouts: one engine on both cores (as megarl's colocated run with rollout TP 2
+# spans both ranks), and one engine per core on half the prompts each (megarl's colocated layout at rollout
+# TP 1: an engine per rank, one thread each), each with vLLM's multiprocessing
 # front end (its default: the engine core in a child process) and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 # as megarl's external-launcher engines run; measured 2026-11-27: 2-37% faster on 2 cores, the fastest layout of
 # each kind over five runs, the front end's process no longer competing for them). The fastest is the floor: vLLM's CPU path runs its scheduling and
@@ -402,7 +403,11 @@ def median_after(values: list, warmup: int) -> float:
 
 # megarl's runs: a name and its flags (a later --config replaces the colocated quickstart's layout).
 MEGARL_RUNS = {
-    "colocate": ["--padding-free"],
+    # One rollout engine spanning both ranks (vLLM tensor parallelism over the host's shared-memory
+    # all-reduce): on CPU hosts a decode step then reads each weight once, not once per rank's engine, and
+    # no rank's core idles while the other's samples finish (docs/benchmarks.md: 4-6% less generation
+    # per token than one engine per rank, alternated).
+    "colocate": ["--padding-free", "--rollout-tensor-parallel-size", "2"],
     "colocate padded": [],
     "separate async": ["--config", "examples/quickstart_grpo_separate.yaml", "--padding-free", "--async-generation",
                        "--tis-level", "token"],
