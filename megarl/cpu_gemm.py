@@ -13,9 +13,9 @@ What goes through it when oneDNN is chosen: Megatron's linear layers (forward, i
 weight gradient that gradient-accumulation fusion adds into main_grad: accelerator's CPU version of Apex's
 wgrad GEMM) and the fused loss kernels' logits GEMMs (megarl/kernels/fused.py). Only where autograd does
 not record (inside autograd Functions: oneDNN's op has no derivative), fp32 CPU tensors, a 2-D right operand
-that is dense or a dense matrix transposed. Also the short sequences' attention GEMMs of packed rows
-(megarl/models/attention.py); the other attention (torch's own kernels), LoRA adapters and MoE experts keep
-torch's matmul.
+that is dense or a dense matrix transposed. Also the attention GEMMs of packed rows' sequences of 100
+tokens and more (megarl/models/attention.py); the other attention (torch's own kernels), LoRA adapters and
+MoE experts keep torch's matmul.
 
 oneDNN's results differ from MKL's by fp32 rounding (another order of the sums; tests/test_cpu_gemm.py
 checks them against float64). It builds a kernel per GEMM shape and caches it

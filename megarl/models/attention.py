@@ -9,7 +9,8 @@ local path builds the causal one), so the work is the sum of s_i^2 and every seq
 the computation its own padded row gets. Where it is the same computation (causal, the plain softmax,
 no attention dropout: every model megarl converts) each sequence runs torch's
 scaled_dot_product_attention instead of the local attention's matmuls, mask and softmax (on CPU a flash
-kernel, 1.4x faster on the bench job's rows; issue 28). Megatron's attention layer has already applied RoPE per
+kernel, 1.4x faster on the bench job's rows; issue 28), or, on CPU ranks whose GEMMs go through oneDNN,
+megarl's own GEMM-based causal attention (`_ShortCausalAttention`, `_BlockedCausalAttention`, below). Megatron's attention layer has already applied RoPE per
 sequence (its THD path restarts positions at each cu_seqlens boundary) and squeezed the batch
 dimension, and it reshapes the [T, 1, hidden] result back.
 
