@@ -196,7 +196,9 @@ def _add_placement_args(parser):
     g.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU trainer ranks: the fp32 GEMMs of the linear layers and loss kernels through oneDNN or "
                         "torch's BLAS (MKL on x86, which runs AVX2 code on AMD CPUs); auto times both at start-up "
-                        "and takes oneDNN when it is a tenth faster or more (megarl/cpu_gemm.py)")
+                        "and takes oneDNN when it is a tenth faster or more, and keeps that choice for the machine in "
+                        "$MEGARL_CACHE_DIR/cpu_gemm.json (default ~/.cache/megarl), so later runs compute alike "
+                        "(megarl/cpu_gemm.py)")
 
 
 def _add_rollout_args(parser):

@@ -9,6 +9,16 @@ it; a 2048^3 matmul on 2 threads 219 against 489 GFLOP/s. Where MKL runs its AVX
 are expected to be alike, so `auto` measures: each trainer rank times one GEMM both ways at start-up, the
 ranks add up their times, and oneDNN is used when it is at least 10% faster (one choice on every rank).
 
+auto's choice is kept per machine (`$MEGARL_CACHE_DIR/cpu_gemm.json`, default ~/.cache/megarl), keyed by the
+CPU's model name and flags and the torch version, and later runs take it without measuring, as Triton and
+inductor keep their autotuning results. Why: the two libraries round differently, and where they are close
+(an AVX-512 Zen 4 host: oneDNN 220 vs MKL 186 GFLOP/s on 2 threads, a ratio of 0.85 against the 0.9 margin)
+the measurement went either way from run to run, so two runs of one job on one machine, or a run and its
+resume, differed at fp32 rounding (seen in CI: a resumed run's grad_norm 0.8294287 vs 0.8294280). Every
+rank reads its own file and the ranks agree: only when all of them hold the same choice is it taken,
+otherwise all measure again (a collective every rank joins) and each rank writes the result. Delete the
+file to measure again; `--cpu-gemm onednn|torch` never reads or writes it.
+
 What goes through it when oneDNN is chosen: Megatron's linear layers (forward, input gradient and the
 weight gradient that gradient-accumulation fusion adds into main_grad: accelerator's CPU version of Apex's
 wgrad GEMM) and the fused loss kernels' logits GEMMs (megarl/kernels/fused.py). Only where autograd does
@@ -27,7 +37,12 @@ weight gradient's) is copied contiguous first.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
 import time
+import warnings
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -36,7 +51,9 @@ BACKENDS = ("auto", "onednn", "torch")
 AUTO_MARGIN = 0.9  # auto takes oneDNN when its time is at most this fraction of torch's
 PROBE_SIZE = 1024  # auto's GEMM: PROBE_SIZE^3 (2.1 GFLOP: ~10-20 ms a try on one core)
 
-_state = {"onednn": False}
+CACHE_FILE = "cpu_gemm.json"
+
+_state = {"onednn": False, "decided_by": "--cpu-gemm"}
 
 
 def onednn_available() -> bool:
@@ -61,18 +78,93 @@ def use(backend: str) -> None:
 
 
 def choose(requested: str, group=None) -> str:
-    """The backend for `requested` ("auto", "onednn" or "torch"), put in use; `auto` times both on every rank
-    of `group` (torch.distributed's default group when initialised; None in a single process) and agrees."""
-    backend = requested
+    """The backend for `requested` ("auto", "onednn" or "torch"), put in use; `auto` takes the choice every
+    rank of `group` (torch.distributed's default group when initialised; None in a single process) has kept
+    for this machine, or times both on every rank, agrees and keeps the result (module docstring)."""
+    backend, _state["decided_by"] = requested, "--cpu-gemm"
     if requested == "auto":
-        backend = "torch"
+        backend, _state["decided_by"] = "torch", "no oneDNN in this torch"
         if onednn_available():
-            seconds = torch.tensor([_probe_seconds(_torch_gemm), _probe_seconds(_onednn_gemm)], dtype=torch.float64)
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(seconds, group=group)
-            backend = faster(*seconds.tolist())
+            backend = _kept_choice(group)
+            if backend is not None:
+                _state["decided_by"] = f"measured on this machine before, kept in {cache_path()}"
+            else:
+                backend, _state["decided_by"] = measure(group), "measured at start-up"
+                keep_choice(backend)
     use(backend)
     return backend
+
+
+def measure(group=None) -> str:
+    """auto's measurement: one GEMM timed both ways on every rank of `group`, the times added up, `faster`'s
+    rule. Puts nothing in use."""
+    seconds = torch.tensor([_probe_seconds(_torch_gemm), _probe_seconds(_onednn_gemm)], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(seconds, group=group)
+    return faster(*seconds.tolist())
+
+
+def decided_by() -> str:
+    """How the last `choose` decided, for the run's log line."""
+    return _state["decided_by"]
+
+
+def cache_path() -> Path:
+    root = os.environ.get("MEGARL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "megarl")
+    return Path(root) / CACHE_FILE
+
+
+def machine_key() -> str:
+    """What auto's measurement depends on: the CPU (vendor, family, model and name as /proc/cpuinfo gives
+    them, since a VM may name every generation "AMD EPYC"; a digest of its instruction-set flags, so a VM
+    that hides AVX-512 is another machine) and the torch build, which brings its MKL and oneDNN."""
+    import platform
+
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())  # the first processor's
+    except OSError:  # not Linux
+        pass
+    cpu = " / ".join(fields.get(name, "") for name in ("vendor_id", "cpu family", "model", "model name",
+                                                      "CPU implementer", "CPU part")).strip(" /")
+    flags = fields.get("flags", fields.get("Features", ""))
+    digest = hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
+    return f"{cpu or platform.processor()} | flags {digest} | torch {torch.__version__}"
+
+
+def _read_kept() -> dict:
+    try:
+        kept = json.loads(cache_path().read_text())
+        return kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):  # none yet, or unreadable: measure (and write a good one)
+        return {}
+
+
+def _kept_choice(group) -> str | None:
+    """The choice kept for this machine when every rank of `group` holds the same one, else None."""
+    kept = _read_kept().get(machine_key())
+    votes = torch.tensor([kept == "onednn", kept == "torch", 1], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(votes, group=group)
+    onednn, torch_votes, ranks = votes.tolist()
+    return "onednn" if onednn == ranks else "torch" if torch_votes == ranks else None
+
+
+def keep_choice(backend: str) -> None:
+    """Write `backend` as this machine's choice: every rank writes (a node's own disk may not be shared),
+    through a file of its own renamed over the old one, so a reader never sees half a file."""
+    path = cache_path()
+    kept = {**_read_kept(), machine_key(): backend}
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+        os.replace(partial, path)
+    except OSError as error:
+        warnings.warn(f"--cpu-gemm auto: could not keep the choice in {path} ({error}); the next run measures "
+                      "again and may choose otherwise", stacklevel=2)
 
 
 def faster(torch_seconds: float, onednn_seconds: float) -> str:
@@ -89,7 +181,9 @@ def _onednn_gemm(a, b):
 
 
 def _probe_seconds(gemm, tries: int = 3) -> float:
-    a, b = torch.randn(PROBE_SIZE, PROBE_SIZE), torch.randn(PROBE_SIZE, PROBE_SIZE)
+    # a generator of its own: the run's random state is the same whether auto measured or took a kept choice
+    numbers = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(PROBE_SIZE, PROBE_SIZE, generator=numbers) for _ in range(2))
     gemm(a, b)  # the library's first call (oneDNN builds its kernel)
     best = float("inf")
     for _ in range(tries):

@@ -253,8 +253,8 @@ def _choose_cpu_gemm(args, context: distributed.DistContext) -> None:
         return
     backend = cpu_gemm.choose(args.cpu_gemm)
     if context.rank == 0:
-        how = "measured at start-up" if args.cpu_gemm == "auto" else "--cpu-gemm"
-        print(f"megarl: CPU fp32 GEMMs through {'oneDNN' if backend == 'onednn' else 'torch'} ({how})", flush=True)
+        print(f"megarl: CPU fp32 GEMMs through {'oneDNN' if backend == 'onednn' else 'torch'} "
+              f"({cpu_gemm.decided_by()})", flush=True)
 
 
 def _build_reward(args, colocated: bool):

@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -22,6 +24,23 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=opted_out)
         dropped = set(map(id, opted_out))
         items[:] = [item for item in items if id(item) not in dropped]
+
+
+def pytest_sessionstart(session):
+    """--cpu-gemm auto (every run's default) measured once for the session and kept where every run of it
+    reads it (megarl/cpu_gemm.py): two runs a test compares then compute with the same GEMM library, also on
+    a host where the two are close enough for each run's own measurement to go either way (a Zen 4 EPYC:
+    a killed run and its reference differed at fp32 rounding in CI). Not the user's ~/.cache: a fresh
+    measurement, and nothing of the suite left behind."""
+    from megarl import cpu_gemm
+
+    os.environ["MEGARL_CACHE_DIR"] = tempfile.mkdtemp(prefix="megarl-test-cache-")
+    if cpu_gemm.onednn_available():
+        cpu_gemm.keep_choice(cpu_gemm.measure())
+
+
+def pytest_sessionfinish(session):
+    shutil.rmtree(os.environ.get("MEGARL_CACHE_DIR", ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ runs under torchrun (2 gloo ranks) that agree step by step."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -97,6 +99,49 @@ def test_auto_takes_onednn_only_when_clearly_faster():
     assert cpu_gemm.choose("torch") == "torch" and not cpu_gemm.using_onednn()
     assert cpu_gemm.choose("auto") in ("onednn", "torch")
     cpu_gemm.use("torch")
+
+
+@onednn
+def test_auto_keeps_its_choice_per_machine(monkeypatch, tmp_path):
+    """The first auto measures and keeps the result; the next takes it without measuring (a forged choice
+    proves the file is read); an unreadable file is measured over; an explicit backend touches no file."""
+    monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path))
+    try:
+        measured = cpu_gemm.choose("auto")
+        assert cpu_gemm.decided_by() == "measured at start-up"
+        assert json.loads(cpu_gemm.cache_path().read_text()) == {cpu_gemm.machine_key(): measured}
+        other = {"onednn": "torch", "torch": "onednn"}[measured]
+        cpu_gemm.keep_choice(other)
+        monkeypatch.setattr(cpu_gemm, "measure", lambda group=None: pytest.fail("measured a kept choice"))
+        assert cpu_gemm.choose("auto") == other and cpu_gemm.using_onednn() == (other == "onednn")
+        assert cpu_gemm.decided_by().startswith("measured on this machine before")
+        monkeypatch.undo()
+        monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path))
+        cpu_gemm.cache_path().write_text("{half a fi")
+        again = cpu_gemm.choose("auto")  # measured again: on a host where the two are close, either one
+        assert cpu_gemm.decided_by() == "measured at start-up"
+        assert json.loads(cpu_gemm.cache_path().read_text()) == {cpu_gemm.machine_key(): again}
+        cpu_gemm.cache_path().unlink()
+        assert cpu_gemm.choose(other) == other and not cpu_gemm.cache_path().exists()
+    finally:
+        cpu_gemm.use("torch")
+
+
+@onednn
+def test_ranks_take_a_kept_choice_only_when_all_hold_it(tmp_path):
+    """2 gloo ranks, each with its own cache directory: the same kept choice on both is taken without
+    measuring; a choice only one rank holds is measured over, on both, which agree and both keep it."""
+    torchrun("cpu_gemm_choice_worker.py", tmp_path, "onednn,onednn", "torch,torch", "onednn,none", "torch,onednn")
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for agreed in ("onednn", "torch"):
+        case = f"{agreed},{agreed}"
+        assert [r[case]["backend"] for r in ranks] == [agreed, agreed]
+        assert all(r[case]["decided_by"].startswith("measured on this machine before") for r in ranks)
+    for case in ("onednn,none", "torch,onednn"):
+        backends = {r[case]["backend"] for r in ranks}
+        assert len(backends) == 1, (case, ranks)
+        assert all(r[case]["decided_by"] == "measured at start-up" for r in ranks)
+        assert all(set(r[case]["file"].values()) == backends for r in ranks)
 
 
 def test_onednn_asked_of_a_torch_without_it_is_a_one_line_error(monkeypatch, tiny_model):
