@@ -56,10 +56,13 @@ def test_onednn_products_equal_float64_within_fp32_rounding(backend, counted):
     }
     for what, (a, b) in cases.items():
         assert_fp32_paths_agree(cpu_gemm.matmul(a, b), (a.double() @ b.double()).float(), what)
-    out, a, b = randn(96, 64), randn(300, 96).t(), randn(300, 64)
-    expected = (out.double() + a.double() @ b.double()).float()
-    assert_fp32_paths_agree(cpu_gemm.accumulate(out, a, b), expected, "accumulate")
-    assert counted["onednn"] == len(cases) + 1
+    # the weight gradient added into main_grad: a widening layer's (b^T copied, the product transposed
+    # back) and a narrowing layer's (a copied)
+    for rows, columns in ((96, 64), (32, 200)):
+        out, a, b = randn(rows, columns), randn(300, rows).t(), randn(300, columns)
+        expected = (out.double() + a.double() @ b.double()).float()
+        assert_fp32_paths_agree(cpu_gemm.accumulate(out, a, b), expected, f"accumulate into [{rows}, {columns}]")
+    assert counted["onednn"] == len(cases) + 2
 
 
 @onednn
