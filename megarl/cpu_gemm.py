@@ -31,7 +31,7 @@ oneDNN's results differ from MKL's by fp32 rounding (another order of the sums; 
 checks them against float64). It builds a kernel per GEMM shape and caches it
 (ONEDNN_PRIMITIVE_CACHE_CAPACITY shapes); the first call of a new token count measured 3-5 ms longer than
 the next (kernel creation and a freshly mapped output, not measured apart). A transposed left operand (the
-weight gradient's) is copied contiguous first.
+weight gradient's) is copied contiguous first, or the other operand's transpose where smaller (`accumulate`).
 """
 
 from __future__ import annotations
