@@ -10,11 +10,11 @@ are expected to be alike, so `auto` measures: each trainer rank times one GEMM b
 ranks add up their times, and oneDNN is used when it is at least 10% faster (one choice on every rank).
 
 auto's choice is kept per machine (`$MEGARL_CACHE_DIR/cpu_gemm.json`, default ~/.cache/megarl), keyed by the
-CPU's model name and flags and the torch version, and later runs take it without measuring, as Triton and
+CPU (vendor, family, model, name, flags) and the torch version, and later runs take it without measuring, as Triton and
 inductor keep their autotuning results. Why: the two libraries round differently, and where they are close
 (an AVX-512 Zen 4 host: oneDNN 220 vs MKL 186 GFLOP/s on 2 threads, a ratio of 0.85 against the 0.9 margin)
 the measurement went either way from run to run, so two runs of one job on one machine, or a run and its
-resume, differed at fp32 rounding (seen in CI: a resumed run's grad_norm 0.8294287 vs 0.8294280). Every
+resume, differed at fp32 rounding (seen in CI: a killed run against its reference, grad_norm 0.8294287 vs 0.8294280). Every
 rank reads its own file and the ranks agree: only when all of them hold the same choice is it taken,
 otherwise all measure again (a collective every rank joins) and each rank writes the result. Delete the
 file to measure again; `--cpu-gemm onednn|torch` never reads or writes it.
