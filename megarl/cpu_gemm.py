@@ -17,15 +17,17 @@ the measurement went either way from run to run, so two runs of one job on one m
 resume, differed at fp32 rounding (seen in CI: a killed run against its reference, grad_norm 0.8294287 vs 0.8294280). Every
 rank reads its own file and the ranks agree: only when all of them hold the same choice is it taken,
 otherwise all measure again (a collective every rank joins) and each rank writes the result. Delete the
-file to measure again; `--cpu-gemm onednn|torch` never reads or writes it.
+file to measure again; `--cpu-gemm onednn|torch` never reads or writes the GEMM choice. The same file keeps,
+per attention shape, which attention path each sequence length takes (megarl/models/attention_paths.py:
+`kept` and `keep` serve both).
 
 What goes through it when oneDNN is chosen: Megatron's linear layers (forward, input gradient and the
 weight gradient that gradient-accumulation fusion adds into main_grad: accelerator's CPU version of Apex's
 wgrad GEMM) and the fused loss kernels' logits GEMMs (megarl/kernels/fused.py). Only where autograd does
 not record (inside autograd Functions: oneDNN's op has no derivative), fp32 CPU tensors, a 2-D right operand
-that is dense or a dense matrix transposed. Also the attention GEMMs of packed rows' sequences of 100
-tokens and more (megarl/models/attention.py); the other attention (torch's own kernels), LoRA adapters and
-MoE experts keep torch's matmul.
+that is dense or a dense matrix transposed. Also the attention GEMMs of packed rows' sequences where those
+paths were measured faster than torch's flash kernel (megarl/models/attention_paths.py); the other attention
+(torch's own kernels), LoRA adapters and MoE experts keep torch's matmul.
 
 oneDNN's results differ from MKL's by fp32 rounding (another order of the sums; tests/test_cpu_gemm.py
 checks them against float64). It builds a kernel per GEMM shape and caches it
@@ -143,28 +145,39 @@ def _read_kept() -> dict:
 
 
 def _kept_choice(group) -> str | None:
-    """The choice kept for this machine when every rank of `group` holds the same one, else None."""
-    kept = _read_kept().get(machine_key())
-    votes = torch.tensor([kept == "onednn", kept == "torch", 1], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(votes, group=group)
-    onednn, torch_votes, ranks = votes.tolist()
-    return "onednn" if onednn == ranks else "torch" if torch_votes == ranks else None
+    """The GEMM library kept for this machine when every rank of `group` holds the same one, else None."""
+    backend = kept(machine_key(), group)
+    return backend if backend in ("onednn", "torch") else None
 
 
 def keep_choice(backend: str) -> None:
-    """Write `backend` as this machine's choice: every rank writes (a node's own disk may not be shared),
-    through a file of its own renamed over the old one, so a reader never sees half a file."""
+    keep(machine_key(), backend)
+
+
+def kept(entry: str, group=None):
+    """The value kept under `entry` (a JSON value) when every rank of `group` holds the same one, else None:
+    the ranks compare digests of their own files' values (one collective every rank joins)."""
+    value = _read_kept().get(entry)
+    digest = -1 if value is None else int(hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:15], 16)
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64)  # max of both: the largest and the smallest
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
+    largest, smallest = extremes[0].item(), -extremes[1].item()
+    return value if largest == smallest != -1 else None
+
+
+def keep(entry: str, value) -> None:
+    """Write `value` under `entry` in this machine's file: every rank writes (a node's own disk may not be
+    shared), through a file of its own renamed over the old one, so a reader never sees half a file."""
     path = cache_path()
-    kept = {**_read_kept(), machine_key(): backend}
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+        partial.write_text(json.dumps({**_read_kept(), entry: value}, indent=1, sort_keys=True) + "\n")
         os.replace(partial, path)
     except OSError as error:
-        warnings.warn(f"--cpu-gemm auto: could not keep the choice in {path} ({error}); the next run measures "
-                      "again and may choose otherwise", stacklevel=2)
+        warnings.warn(f"megarl: could not keep {entry!r} in {path} ({error}); the next run measures again "
+                      "and may choose otherwise", stacklevel=2)
 
 
 def faster(torch_seconds: float, onednn_seconds: float) -> str:
@@ -217,7 +230,8 @@ def accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     [out, tokens] view. Where copying b's transpose instead is cheaper, it computes (b^T @ a^T)^T: b^T
     copied, a^T read in place as the weight, and the [in, out] product added transposed (a strided pass
     over the weight's size, not the tokens'). The smaller copy wins for a widening layer: one thread, 2,329
-    tokens, FC1's 512 -> 2816 weight gradient 65 against 105 ms (measured beside a busy core)."""
+    tokens, the Zen 4-class host quiet, FC1's 512 -> 2816 weight gradient 64 against 70-71 ms, QKV's 512 ->
+    768 18.5 against 19.1-19.7 ms; FC2 (1408 -> 512) keeps the old order (32.5 against 37 ms)."""
     if _routable(a, b) and a.dim() == 2 and out.dtype == torch.float32:
         if (not a.is_contiguous() and a.t().is_contiguous() and b.is_contiguous()
                 and b.numel() + out.numel() < a.numel()):

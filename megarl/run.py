@@ -203,7 +203,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         teacher_engine = TeacherEngine(args, placement.teacher, rank)
     distributed.init_megatron_parallel(context, args.seed)
     if context.is_train:
-        _choose_cpu_gemm(args, context)
+        _choose_cpu_gemm(args, context, hf_config)
         from megarl.actor import Actor
 
         actor = Actor(args, hf_config)
@@ -244,9 +244,10 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
 
 
-def _choose_cpu_gemm(args, context: distributed.DistContext) -> None:
-    """--cpu-gemm on CPU trainer ranks (every train rank of the default world agrees; megarl/cpu_gemm.py);
-    on GPU the GEMMs are cuBLAS's."""
+def _choose_cpu_gemm(args, context: distributed.DistContext, hf_config) -> None:
+    """--cpu-gemm on CPU trainer ranks (every train rank of the default world agrees; megarl/cpu_gemm.py) and,
+    where it chose oneDNN, which attention path each sequence length takes for the policy's attention shape
+    per rank (megarl/models/attention_paths.py); on GPU the GEMMs are cuBLAS's."""
     from megarl import accelerator, cpu_gemm
 
     if accelerator.ON_CUDA:
@@ -255,6 +256,15 @@ def _choose_cpu_gemm(args, context: distributed.DistContext) -> None:
     if context.rank == 0:
         print(f"megarl: CPU fp32 GEMMs through {'oneDNN' if backend == 'onednn' else 'torch'} "
               f"({cpu_gemm.decided_by()})", flush=True)
+    if backend == "onednn":
+        from megarl.models import attention_paths
+        from megarl.models.megatron_gpt import head_dim
+
+        tp = args.tensor_model_parallel_size
+        pieces, decided_by = attention_paths.choose(hf_config.num_attention_heads // tp,
+                                                    max(1, hf_config.num_key_value_heads // tp), head_dim(hf_config))
+        if context.rank == 0:
+            print(f"megarl: packed attention on CPU: {attention_paths.describe(pieces)} ({decided_by})", flush=True)
 
 
 def _build_reward(args, colocated: bool):

@@ -91,9 +91,10 @@ def test_the_trainer_holds_its_adam_states_before_its_first_step(megatron_rank, 
 def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank, monkeypatch, gemm):
     """Megatron's local attention per sequence (the reference) and torch's scaled_dot_product_attention per
     sequence, on a packed row of unequal sequences with grouped heads: outputs and input gradients. With
-    oneDNN's GEMMs the 104-token sequence goes through _ShortCausalAttention, the 520-token one through
-    _BlockedCausalAttention (counted)."""
+    oneDNN's GEMMs and the default pieces (attention_paths.DEFAULT_PATHS) the 104-token sequence goes through
+    _ShortCausalAttention, the 520-token one through _BlockedCausalAttention (counted)."""
     from megarl.models import attention as attention_module
+    from megarl.models import attention_paths
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
@@ -110,6 +111,7 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
         monkeypatch.setattr(function, "apply", lambda *args, function=function, original=function.apply:
                             calls.append((function.__name__, args[0].shape[0])) or original(*args))
     monkeypatch.setattr(cpu_gemm, "_state", {"onednn": False})  # the process's own state again after the test
+    monkeypatch.setattr(attention_paths, "_measured", {})  # the default pieces, whatever this machine measured
     cpu_gemm.use(gemm)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
@@ -135,19 +137,20 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
 
 
 def _short_cases():
-    from megarl.models.attention import SHORT_ATTENTION_TOKENS, _ShortCausalAttention
+    from megarl.models.attention import _ShortCausalAttention
+    from megarl.models.attention_paths import SHORT_MAX_TOKENS
 
-    return [(length, lambda q, k, v: _ShortCausalAttention.apply(q, k, v, 0.3))
-            for length in (SHORT_ATTENTION_TOKENS[0], 173, SHORT_ATTENTION_TOKENS[-1])]
+    # lengths from the probes' shortest to the longest the short path may take
+    return [(length, lambda q, k, v: _ShortCausalAttention.apply(q, k, v, 0.3)) for length in (64, 173, SHORT_MAX_TOKENS)]
 
 
 def _blocked_cases():
-    from megarl.models.attention import ATTENTION_BLOCK, BLOCKED_ATTENTION_FROM, _BlockedCausalAttention
+    from megarl.models.attention import ATTENTION_BLOCK, _BlockedCausalAttention
 
-    # the first length it takes and one whose last block is partial at its block size; many small blocks
-    # with a partial last one; one block longer than the sequence
+    # whole blocks and a last block that is partial at its block size; many small blocks with a partial
+    # last one; one block longer than the sequence
     return [(length, lambda q, k, v, block=block: _BlockedCausalAttention.apply(q, k, v, 0.3, block))
-            for length, block in ((BLOCKED_ATTENTION_FROM, ATTENTION_BLOCK), (300, ATTENTION_BLOCK), (50, 16),
+            for length, block in ((512, ATTENTION_BLOCK), (300, ATTENTION_BLOCK), (50, 16),
                                   (20, ATTENTION_BLOCK))]
 
 
@@ -157,7 +160,7 @@ def _blocked_cases():
 def test_onednn_attention_equals_the_flash_kernel_in_value_and_gradients(heads, groups, cases):
     """megarl's causal attention through oneDNN GEMMs, for short sequences (the softmax kept) and long ones
     (blocks of query rows, the softmax recomputed from its log-sum-exp), against torch's
-    scaled_dot_product_attention, at lengths inside and at the edges of the window each is used for."""
+    scaled_dot_product_attention, at lengths across the range each may be used for (attention_paths)."""
     generator = torch.Generator().manual_seed(heads + groups)
     cpu_gemm.use("onednn")
     try:

@@ -29,6 +29,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megarl import context_parallel, cpu_gemm
+from megarl.models import attention_paths
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -76,25 +77,16 @@ class PackedDotProductAttention(DotProductAttention):
         """Each sequence's causal attention in one call: torch's scaled_dot_product_attention (on CPU its flash
         kernel: no [s, s] scores, masks or softmax tensors kept for the backward; queries' head groups share
         their key/value heads, as Megatron's repeat_interleave does), or, on a CPU rank whose GEMMs go
-        through oneDNN, `_ShortCausalAttention` for a short sequence and `_BlockedCausalAttention` for a long
-        one. Measured on the bench job's rows (16 sequences
+        through oneDNN, `_ShortCausalAttention` or `_BlockedCausalAttention` where megarl/models/attention_paths.py
+        measured them faster at the sequence's length. Measured on the bench job's rows (16 sequences
         of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per layer against
         95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
-        groups = query.shape[1] // key.shape[1]
+        heads, groups, dim = query.shape[1], key.shape[1], query.shape[2]
+        onednn = _onednn_attention_applies(query)
         outputs = []  # [s_i, heads, dim] each
         for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
-            if _onednn_attention_applies(q) and q.shape[0] >= BLOCKED_ATTENTION_FROM:
-                outputs.append(_BlockedCausalAttention.apply(q, k, v, self.softmax_scale, ATTENTION_BLOCK))
-                continue
-            if _onednn_attention_applies(q) and q.shape[0] in SHORT_ATTENTION_TOKENS:
-                outputs.append(_ShortCausalAttention.apply(q, k, v, self.softmax_scale))
-                continue
-            # 4-D [1, heads, s_i, dim]: torch picks its CPU flash kernel for 4-D inputs only (3-D falls back
-            # to the math path, which keeps the scores)
-            outputs.append(F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                          v.transpose(0, 1)[None], is_causal=True,
-                                                          scale=self.softmax_scale, enable_gqa=groups > 1)[0]
-                           .transpose(0, 1))
+            path = attention_paths.path_for(q.shape[0], heads, groups, dim) if onednn else "flash"
+            outputs.append(run_path(path, q, k, v, self.softmax_scale))
         # -> [t, 1, heads * dim], the local attention's output layout
         return torch.cat(outputs).reshape(query.shape[0], 1, -1)
 
@@ -117,21 +109,21 @@ class PackedDotProductAttention(DotProductAttention):
         return torch.cat(outputs)
 
 
-# Which sequences of a packed row take which path where --cpu-gemm chose oneDNN (CPU, fp32): forward and
-# backward of one sequence, 8 query heads of 64 in 2 groups, one thread, the AVX-512 AMD host, with the
-# trainer's host-memory settings (megarl/host_memory.py: without them every kept softmax faulted its pages
-# in afresh and read 1.5-2x slower), torch's flash kernel / `_ShortCausalAttention` /
-# `_BlockedCausalAttention` in blocks of 128 positions, ms (2026-11-28):
-#    100: 1.06 / 0.88 / 1.39    142: 1.88 / 1.25 / 2.33    256: 5.15 / 2.98 / 4.48    384: 11.5 / 6.71 / 7.67
-#    512: 20.6 / 11.9 / 11.4    640: 26.3 / 16.4 / 16.6    768: 35.1 / 24.8 / 22.3   1024: 59.5 / 47.0 / 35.8
-#   1536: 118 / - / 71.1       2048: 194 / - / 120
-# Below ~100 tokens the flash kernel's fixed cost is the smallest; up to ~500 the short path's whole-
-# sequence GEMMs beat the blocks' many; from 512 to 640 the two are level and the blocks keep no s^2
-# softmax; above, the blocks (the causal half of the keys only, a working set of one block) win, with no
-# upper bound: their memory is per block.
-SHORT_ATTENTION_TOKENS = range(100, 512)
-BLOCKED_ATTENTION_FROM = 512
 ATTENTION_BLOCK = 128  # query positions per block (64 measured within 4% of it from 512 to 1536 tokens)
+
+
+def run_path(path: str, query, key, value, scale):
+    """One sequence's causal attention on `path` (megarl/models/attention_paths.py: which length takes which):
+    query [s, heads, dim], key and value [s, groups, dim] -> [s, heads, dim]."""
+    if path == "blocked":
+        return _BlockedCausalAttention.apply(query, key, value, scale, ATTENTION_BLOCK)
+    if path == "short":
+        return _ShortCausalAttention.apply(query, key, value, scale)
+    # 4-D [1, heads, s, dim]: torch picks its CPU flash kernel for 4-D inputs only (3-D falls back to the
+    # math path, which keeps the scores); query head groups share their key/value heads (enable_gqa)
+    return F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                          value.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                          enable_gqa=query.shape[1] > key.shape[1])[0].transpose(0, 1)
 
 
 def _onednn_attention_applies(query: torch.Tensor) -> bool:

@@ -1,0 +1,93 @@
+"""Which attention path each sequence length takes on a CPU rank whose GEMMs go through oneDNN
+(megarl/models/attention_paths.py): the pieces built from the probed lengths' choices, the lookup, and the
+measurement kept per machine and attention shape in --cpu-gemm's file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megarl import cpu_gemm
+from megarl.models import attention_paths
+from megarl.models.attention_paths import SHORT_MAX_TOKENS, describe, path_for, pieces_from_choices
+
+LENGTHS = (64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+@pytest.mark.parametrize("choices, pieces", [
+    # a Zen 4-class host: flash up to the geometric mean of 384 and 512, the blocks above
+    (["flash"] * 6 + ["blocked"] * 3, ((443, "flash"), (None, "blocked"))),
+    # a Zen 5-class host: the short path from between 96 and 128 to between 512 and 768
+    (["flash", "flash"] + ["short"] * 5 + ["blocked"] * 2, ((110, "flash"), (627, "short"), (None, "blocked"))),
+    # alternating choices stay as measured
+    (["short", "flash", "short", "flash", "flash", "blocked", "flash", "blocked", "blocked"],
+     ((78, "short"), (110, "flash"), (156, "short"), (313, "flash"), (443, "blocked"), (627, "flash"),
+      (None, "blocked"))),
+])
+def test_each_length_takes_the_nearest_probed_lengths_path(choices, pieces):
+    assert pieces_from_choices(LENGTHS, choices) == pieces
+    measured = {(2, 1, 8): pieces}
+    original, attention_paths._measured = attention_paths._measured, measured
+    try:
+        for length, path in zip(LENGTHS, choices):
+            assert path_for(length, 2, 1, 8) == path, length
+        assert path_for(5000, 2, 1, 8) == choices[-1]
+        assert path_for(1, 2, 1, 8) == choices[0]
+        assert path_for(100, 4, 1, 8) == "short"  # another shape: the defaults
+    finally:
+        attention_paths._measured = original
+
+
+def test_the_short_path_ends_at_its_memory_bound():
+    """Probing stopped at 512 (big heads) with the short path fastest there: it ends at SHORT_MAX_TOKENS."""
+    pieces = pieces_from_choices(LENGTHS[:7], ["flash"] * 3 + ["short"] * 4)
+    assert pieces == ((156, "flash"), (SHORT_MAX_TOKENS, "short"), (None, "blocked"))
+    assert describe(pieces) == f"flash up to 156, short 157-{SHORT_MAX_TOKENS}, blocked above {SHORT_MAX_TOKENS} tokens"
+
+
+def test_one_path_at_every_length():
+    assert pieces_from_choices(LENGTHS, ["flash"] * 9) == ((None, "flash"),)
+    assert describe(((None, "flash"),)) == "flash at every length"
+
+
+def test_the_defaults_apply_where_nothing_was_measured():
+    assert [path_for(n, 3, 3, 5) for n in (1, 99, 100, 511, 512, 10**6)] == [
+        "flash", "flash", "short", "short", "blocked", "blocked"]
+
+
+@pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+def test_the_measurement_is_kept_per_machine_and_shape(monkeypatch, tmp_path):
+    """The first choice measures (the run's random state untouched) and keeps the pieces under this shape;
+    the next takes them without measuring (forged pieces prove the file is read); an invalid kept value is
+    measured over; another shape is measured on its own."""
+    monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(attention_paths, "_measured", {})
+    monkeypatch.setattr(attention_paths, "PROBE_LENGTHS", (64, 128))
+    monkeypatch.setattr(cpu_gemm, "_state", {"onednn": False})
+    cpu_gemm.use("onednn")
+    entry = f"{cpu_gemm.machine_key()} | attention: 2 heads in 1 groups of 8"
+
+    state = torch.get_rng_state()
+    pieces, decided_by = attention_paths.choose(2, 1, 8)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert decided_by == "measured at start-up"
+    assert pieces[-1][0] is None and {path for _, path in pieces} <= set(attention_paths.PATHS)
+    assert json.loads(cpu_gemm.cache_path().read_text())[entry] == [list(piece) for piece in pieces]
+
+    cpu_gemm.keep(entry, [[70, "short"], [None, "blocked"]])
+    monkeypatch.setattr(attention_paths, "measure", lambda *args, **kwargs: pytest.fail("measured kept pieces"))
+    pieces, decided_by = attention_paths.choose(2, 1, 8)
+    assert pieces == ((70, "short"), (None, "blocked")) and decided_by.startswith("measured on this machine before")
+    assert [path_for(n, 2, 1, 8) for n in (10, 70, 71)] == ["short", "short", "blocked"]
+
+    measured = []
+    monkeypatch.setattr(attention_paths, "measure", lambda *args, **kwargs: measured.append(args) or
+                        (((None, "flash"),)))
+    for invalid in ([[None, "warp"]], [[10, "flash"]], "flash", [[None]]):
+        cpu_gemm.keep(entry, invalid)
+        assert attention_paths.choose(2, 1, 8) == (((None, "flash"),), "measured at start-up")
+    assert attention_paths.choose(4, 2, 8)[1] == "measured at start-up"
+    assert len(measured) == 5
+    assert set(json.loads(cpu_gemm.cache_path().read_text())) == {entry, entry.replace("2 heads in 1", "4 heads in 2")}
