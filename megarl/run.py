@@ -246,8 +246,8 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
 
 def _choose_cpu_gemm(args, context: distributed.DistContext, hf_config) -> None:
     """--cpu-gemm on CPU trainer ranks (every train rank of the default world agrees; megarl/cpu_gemm.py) and,
-    where it chose oneDNN, which attention path each sequence length takes for the policy's attention shape
-    per rank (megarl/models/attention_paths.py); on GPU the GEMMs are cuBLAS's."""
+    where it chose oneDNN, which attention path each sequence length takes for each attention shape per rank
+    of the models a train rank builds (megarl/models/attention_paths.py); on GPU the GEMMs are cuBLAS's."""
     from megarl import accelerator, cpu_gemm
 
     if accelerator.ON_CUDA:
@@ -258,13 +258,33 @@ def _choose_cpu_gemm(args, context: distributed.DistContext, hf_config) -> None:
               f"({cpu_gemm.decided_by()})", flush=True)
     if backend == "onednn":
         from megarl.models import attention_paths
-        from megarl.models.megatron_gpt import head_dim
 
-        tp = args.tensor_model_parallel_size
-        pieces, decided_by = attention_paths.choose(hf_config.num_attention_heads // tp,
-                                                    max(1, hf_config.num_key_value_heads // tp), head_dim(hf_config))
-        if context.rank == 0:
-            print(f"megarl: packed attention on CPU: {attention_paths.describe(pieces)} ({decided_by})", flush=True)
+        for model, (heads, groups, dim) in trained_attention_shapes(args, hf_config).items():
+            pieces, decided_by = attention_paths.choose(heads, groups, dim)
+            if context.rank == 0:
+                whose = "" if model == "policy" else f" ({model}: {heads} heads in {groups} groups of {dim})"
+                print(f"megarl: packed attention on CPU{whose}: {attention_paths.describe(pieces)} ({decided_by})",
+                      flush=True)
+
+
+def trained_attention_shapes(args, hf_config) -> dict[str, tuple[int, int, int]]:
+    """{model: (query heads, query groups, head size) per tensor-parallel rank} of each attention shape among
+    the models a train rank runs: the policy's (the critic and the reference share it) and a colocated
+    teacher's where it differs (a teacher of another size would otherwise take the default pieces)."""
+    from megarl.models.megatron_gpt import head_dim
+
+    tp = args.tensor_model_parallel_size
+    configs = {"policy": hf_config}
+    if args.teacher_model:
+        from transformers import AutoConfig
+
+        configs["teacher"] = AutoConfig.from_pretrained(args.teacher_model)
+    shapes = {}
+    for model, config in configs.items():
+        shape = (config.num_attention_heads // tp, max(1, config.num_key_value_heads // tp), head_dim(config))
+        if shape not in shapes.values():
+            shapes[model] = shape
+    return shapes
 
 
 def _build_reward(args, colocated: bool):

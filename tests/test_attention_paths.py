@@ -91,3 +91,50 @@ def test_the_measurement_is_kept_per_machine_and_shape(monkeypatch, tmp_path):
     assert attention_paths.choose(4, 2, 8)[1] == "measured at start-up"
     assert len(measured) == 5
     assert set(json.loads(cpu_gemm.cache_path().read_text())) == {entry, entry.replace("2 heads in 1", "4 heads in 2")}
+
+
+@pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+def test_a_colocated_teacher_of_another_shape_gets_its_own_pieces(monkeypatch, tmp_path, tiny_model, capsys):
+    """Where oneDNN is chosen, a train rank chooses pieces for every attention shape it runs: the policy's
+    and a colocated teacher's of another size (which would otherwise take the defaults), one log line each; a
+    teacher of the policy's shape shares its pieces."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from megarl import accelerator
+    from megarl.arguments import parse_args
+    from megarl.run import _choose_cpu_gemm
+
+    if accelerator.ON_CUDA:
+        pytest.skip("CPU ranks only: on GPU the GEMMs are cuBLAS's")
+    monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(attention_paths, "_measured", {})
+    monkeypatch.setattr(attention_paths, "PROBE_LENGTHS", (64, 128))
+    monkeypatch.setattr(cpu_gemm, "_state", {"onednn": False, "decided_by": "--cpu-gemm"})
+    policy = AutoConfig.from_pretrained(tiny_model)
+    teacher = AutoConfig.from_pretrained(tiny_model)
+    teacher.hidden_size, teacher.num_attention_heads = 2 * policy.hidden_size, 2 * policy.num_attention_heads
+    teacher.save_pretrained(tmp_path / "teacher")
+    rank0 = SimpleNamespace(rank=0)  # all _choose_cpu_gemm reads of the run's DistContext
+    policy_shape = (policy.num_attention_heads, policy.num_key_value_heads,
+                    policy.hidden_size // policy.num_attention_heads)
+    teacher_shape = (2 * policy_shape[0], policy_shape[1], policy_shape[2])
+
+    args = parse_args(["--model", tiny_model, "--teacher-model", str(tmp_path / "teacher"), "--cpu-gemm", "onednn"],
+                      world_size=1)
+    _choose_cpu_gemm(args, rank0, policy)
+    said = [line for line in capsys.readouterr().out.splitlines() if "packed attention" in line]
+    assert len(said) == 2, said
+    assert said[0].startswith("megarl: packed attention on CPU: ") and said[0].endswith("(measured at start-up)")
+    assert said[1].startswith(f"megarl: packed attention on CPU (teacher: {teacher_shape[0]} heads in "
+                              f"{teacher_shape[1]} groups of {teacher_shape[2]}): ")
+    assert set(attention_paths._measured) == {policy_shape, teacher_shape}
+    kept = json.loads(cpu_gemm.cache_path().read_text())
+    assert {entry.split(" | attention: ")[1] for entry in kept if " | attention: " in entry} == {
+        f"{h} heads in {g} groups of {d}" for h, g, d in (policy_shape, teacher_shape)}
+
+    args = parse_args(["--model", tiny_model, "--teacher-model", tiny_model, "--cpu-gemm", "onednn"], world_size=1)
+    _choose_cpu_gemm(args, rank0, policy)
+    said = [line for line in capsys.readouterr().out.splitlines() if "packed attention" in line]
+    assert len(said) == 1 and said[0].endswith(f"(measured on this machine before, kept in {cpu_gemm.cache_path()})")

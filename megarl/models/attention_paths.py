@@ -17,9 +17,10 @@ machine and attention shape (heads, groups, head size per rank) in the same file
 three paths at `PROBE_LENGTHS`, the ranks add their times up, and each length takes the fastest (another
 path than flash only when `MARGIN` faster: the flash kernel keeps no [s, s] tensors). A length between two
 probed ones takes the nearer's path (on a log scale). The short path is never taken above
-`SHORT_MAX_TOKENS` (its kept softmax: heads x s^2 x 4 bytes per sequence and layer). Without a measurement
-(a process that only called `cpu_gemm.use`, or a model of another attention shape than the policy's in the
-same process, such as a larger teacher) the Zen 5-class host's windows apply: `DEFAULT_PATHS`. Measuring
+`SHORT_MAX_TOKENS` (its kept softmax: heads x s^2 x 4 bytes per sequence and layer). A train rank measures
+each shape it runs: the policy's (the critic's and the reference's) and a colocated teacher's
+(megarl/run.py: `trained_attention_shapes`). Without a measurement (a process that only called
+`cpu_gemm.use`) the Zen 5-class host's windows apply: `DEFAULT_PATHS`. Measuring
 takes 0.3-1.6 s once per machine and shape (8 heads of 64: 1.6 s); lengths past the last probe take its path.
 """
 
