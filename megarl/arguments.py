@@ -198,8 +198,9 @@ def _add_placement_args(parser):
                         "torch's BLAS (MKL on x86, which runs AVX2 code on AMD CPUs); auto times both at start-up "
                         "and takes oneDNN when it is a tenth faster or more, and keeps that choice for the machine in "
                         "$MEGARL_CACHE_DIR/cpu_gemm.json (default ~/.cache/megarl), so later runs compute alike "
-                        "(megarl/cpu_gemm.py); with oneDNN, which attention path each packed sequence length takes is "
-                        "measured per machine and kept there too (megarl/models/attention_paths.py)")
+                        "(megarl/cpu_gemm.py); with --padding-free, which attention path each packed sequence length "
+                        "takes with that library is measured per machine and kept there too "
+                        "(megarl/models/attention_paths.py)")
 
 
 def _add_rollout_args(parser):

@@ -246,9 +246,11 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
 
 def _choose_cpu_gemm(args, context: distributed.DistContext, hf_config) -> None:
     """--cpu-gemm on CPU trainer ranks (every train rank of the default world agrees; megarl/cpu_gemm.py) and,
-    where it chose oneDNN, which attention path each sequence length takes for each attention shape per rank
-    of the models a train rank builds (megarl/models/attention_paths.py); on GPU the GEMMs are cuBLAS's."""
+    with the library chosen and packed rows (--padding-free: the paths are their sequences'), which attention
+    path each sequence length takes for each attention shape per rank of the models a train rank builds
+    (megarl/models/attention_paths.py); on GPU the GEMMs are cuBLAS's."""
     from megarl import accelerator, cpu_gemm
+    from megarl.models import attention_paths
 
     if accelerator.ON_CUDA:
         return
@@ -256,15 +258,14 @@ def _choose_cpu_gemm(args, context: distributed.DistContext, hf_config) -> None:
     if context.rank == 0:
         print(f"megarl: CPU fp32 GEMMs through {'oneDNN' if backend == 'onednn' else 'torch'} "
               f"({cpu_gemm.decided_by()})", flush=True)
-    if backend == "onednn":
-        from megarl.models import attention_paths
-
-        for model, (heads, groups, dim) in trained_attention_shapes(args, hf_config).items():
-            pieces, decided_by = attention_paths.choose(heads, groups, dim)
-            if context.rank == 0:
-                whose = "" if model == "policy" else f" ({model}: {heads} heads in {groups} groups of {dim})"
-                print(f"megarl: packed attention on CPU{whose}: {attention_paths.describe(pieces)} ({decided_by})",
-                      flush=True)
+    if not args.padding_free:
+        return
+    for model, (heads, groups, dim) in trained_attention_shapes(args, hf_config).items():
+        pieces, decided_by = attention_paths.choose(heads, groups, dim)
+        if context.rank == 0:
+            whose = "" if model == "policy" else f" ({model}: {heads} heads in {groups} groups of {dim})"
+            print(f"megarl: packed attention on CPU{whose}: {attention_paths.describe(pieces)} ({decided_by})",
+                  flush=True)
 
 
 def trained_attention_shapes(args, hf_config) -> dict[str, tuple[int, int, int]]:

@@ -213,13 +213,14 @@ def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path
     sequences (1e-3 the rule), the second step's by 4e-5.
     Packed rows of responses of 100-600 tokens (at least 100 forced; the tiny model's sequences then came to
     134-635 tokens in both steps): with oneDNN they take the short and the blocked attention paths
-    (megarl/models/attention.py: the default pieces, kept for this machine in a cache of the test's own, so
-    that they are taken whatever this machine would measure), with torch the flash kernel."""
+    (megarl/models/attention.py: oneDNN's default pieces, kept for this machine in a cache of the test's own,
+    so that they are taken whatever this machine would measure), with torch the flash kernel (kept likewise)."""
     from megarl.models import attention_paths
 
     monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_gemm.keep(f"{cpu_gemm.machine_key()} | attention: 4 heads in 2 groups of 32",
-                  [list(piece) for piece in attention_paths.DEFAULT_PATHS])
+    for library in ("onednn", "torch"):
+        cpu_gemm.keep(f"{cpu_gemm.machine_key()} | attention with {library} GEMMs: 4 heads in 2 groups of 32",
+                      [list(piece) for piece in attention_paths.DEFAULT_PATHS[library]])
     series, tags = {}, ["loss", "grad_norm", "entropy"]
     for backend in ("torch", "onednn"):
         result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
@@ -233,9 +234,10 @@ def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path
         assert said == [f"megarl: CPU fp32 GEMMs through {'oneDNN' if backend == 'onednn' else 'torch'} "
                         f"(--cpu-gemm)"], result.stdout[-2000:]
         said = [line for line in result.stdout.splitlines() if "packed attention on CPU" in line]
-        assert said == ([f"megarl: packed attention on CPU: flash up to 99, short 100-511, blocked above 511 tokens "
-                         f"(measured on this machine before, kept in {cpu_gemm.cache_path()})"]
-                        if backend == "onednn" else []), result.stdout[-2000:]
+        pieces = "flash up to 99, short 100-511, blocked above 511 tokens" if backend == "onednn" else \
+            "flash at every length"
+        assert said == [f"megarl: packed attention on CPU: {pieces} "
+                        f"(measured on this machine before, kept in {cpu_gemm.cache_path()})"], result.stdout[-2000:]
         series[backend] = scalars(tmp_path / backend, tags)
     assert_steps_move(series["onednn"], steps=(0, 1))
     for tag in tags:

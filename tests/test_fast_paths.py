@@ -86,13 +86,16 @@ def test_the_trainer_holds_its_adam_states_before_its_first_step(megatron_rank, 
                 assert state["exp_avg"].shape == param.shape and not state["exp_avg_sq"].any() and state["step"] == 0
 
 
-@pytest.mark.parametrize("gemm", ["torch", pytest.param("onednn", marks=pytest.mark.skipif(
-    not cpu_gemm.onednn_available(), reason="torch built without oneDNN"))])
-def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank, monkeypatch, gemm):
-    """Megatron's local attention per sequence (the reference) and torch's scaled_dot_product_attention per
-    sequence, on a packed row of unequal sequences with grouped heads: outputs and input gradients. With
-    oneDNN's GEMMs and the default pieces (attention_paths.DEFAULT_PATHS) the 104-token sequence goes through
-    _ShortCausalAttention, the 520-token one through _BlockedCausalAttention (counted)."""
+@pytest.mark.parametrize("gemm, pieces", [
+    ("torch", None), ("torch", ((99, "flash"), (511, "kept"), (None, "blocked"))),
+    pytest.param("onednn", None, marks=pytest.mark.skipif(not cpu_gemm.onednn_available(),
+                                                          reason="torch built without oneDNN"))])
+def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megatron_rank, monkeypatch, gemm, pieces):
+    """Megatron's local attention per sequence (the reference) and megarl's packed attention per sequence,
+    on a packed row of unequal sequences with grouped heads: outputs and input gradients. With the library's
+    default pieces (attention_paths.DEFAULT_PATHS) torch's GEMMs take the flash kernel throughout and
+    oneDNN's the short path at 104 tokens, the blocks at 520; measured pieces for torch's GEMMs here put 104
+    tokens through the kept blocks and 520 through the recomputed ones (the calls are counted)."""
     from megarl.models import attention as attention_module
     from megarl.models import attention_paths
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -109,9 +112,10 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
     calls = []
     for function in (attention_module._ShortCausalAttention, attention_module._BlockedCausalAttention):
         monkeypatch.setattr(function, "apply", lambda *args, function=function, original=function.apply:
-                            calls.append((function.__name__, args[0].shape[0])) or original(*args))
+                            calls.append((function.__name__, args[0].shape[0], *args[5:])) or original(*args))
     monkeypatch.setattr(cpu_gemm, "_state", {"onednn": False})  # the process's own state again after the test
-    monkeypatch.setattr(attention_paths, "_measured", {})  # the default pieces, whatever this machine measured
+    # the default pieces whatever this machine measured, or the given ones
+    monkeypatch.setattr(attention_paths, "_measured", {} if pieces is None else {(gemm, 4, 2, 16): pieces})
     cpu_gemm.use(gemm)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
@@ -128,7 +132,10 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
         for tensor in inputs:
             tensor.grad = None
     assert results[True][0].shape == (sum(lengths), 1, 64)
-    assert calls == ([("_ShortCausalAttention", 104), ("_BlockedCausalAttention", 520)] if gemm == "onednn" else [])
+    # (the function, the sequence's length, and for the blocks whether they keep their probabilities)
+    assert calls == ([("_ShortCausalAttention", 104), ("_BlockedCausalAttention", 520, False)] if gemm == "onednn"
+                     else [("_BlockedCausalAttention", 104, True), ("_BlockedCausalAttention", 520, False)] if pieces
+                     else [])
     for name, fused, local in zip(("output", "query grad", "key grad", "value grad"), results[True], results[False]):
         assert_fp32_paths_agree(fused, local, name)
     # and the real check picks the fused path for this module (causal, vanilla softmax, no dropout)
@@ -149,38 +156,38 @@ def _short_cases():
 def _blocked_cases():
     from megarl.models.attention import ATTENTION_BLOCK, _BlockedCausalAttention
 
-    # whole blocks and a last block that is partial at its block size; many small blocks with a partial
-    # last one; one block longer than the sequence
-    return [(length, lambda q, k, v, block=block: _BlockedCausalAttention.apply(q, k, v, 0.3, block))
-            for length, block in ((512, ATTENTION_BLOCK), (300, ATTENTION_BLOCK), (50, 16),
-                                  (20, ATTENTION_BLOCK), (2, ATTENTION_BLOCK))]
+    # each library's block size: whole blocks and a last block that is partial; many small blocks with a
+    # partial last one; one block longer than the sequence; each with the probabilities recomputed and kept
+    return [(length, lambda q, k, v, block=block, keep=keep: _BlockedCausalAttention.apply(q, k, v, 0.3, block, keep))
+            for keep in (False, True) for block in sorted(set(ATTENTION_BLOCK.values()))
+            for length in (4 * block, 300, 20, 2)] + [
+        (50, lambda q, k, v, keep=keep: _BlockedCausalAttention.apply(q, k, v, 0.3, 16, keep)) for keep in (False, True)]
 
 
-@pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("gemm", ["torch", pytest.param("onednn", marks=pytest.mark.skipif(
+    not cpu_gemm.onednn_available(), reason="torch built without oneDNN"))])
 @pytest.mark.parametrize("heads, groups", [(8, 2), (4, 4), (4, 1)])
 @pytest.mark.parametrize("cases", [_short_cases, _blocked_cases], ids=["short", "blocked"])
-def test_onednn_attention_equals_the_flash_kernel_in_value_and_gradients(heads, groups, cases):
-    """megarl's causal attention through oneDNN GEMMs, for short sequences (the softmax kept) and long ones
-    (blocks of query rows, the softmax recomputed from its log-sum-exp), against torch's
+def test_megarls_attention_equals_the_flash_kernel_in_value_and_gradients(heads, groups, cases, gemm, monkeypatch):
+    """megarl's causal attention through either GEMM library, for short sequences (the softmax kept) and long
+    ones (blocks of query rows, the probabilities recomputed from the log-sum-exp or kept), against torch's
     scaled_dot_product_attention, at lengths across the range each may be used for (attention_paths)."""
     generator = torch.Generator().manual_seed(heads + groups)
-    cpu_gemm.use("onednn")
-    try:
-        for length, attention in cases():
-            inputs = [torch.randn(length, h, 32, generator=generator) for h in (heads, groups, groups)]
-            upstream = torch.randn(length, heads, 32, generator=generator)
+    monkeypatch.setattr(cpu_gemm, "_state", {"onednn": False})  # the process's own state again after the test
+    cpu_gemm.use(gemm)
+    for length, attention in cases():
+        inputs = [torch.randn(length, h, 32, generator=generator) for h in (heads, groups, groups)]
+        upstream = torch.randn(length, heads, 32, generator=generator)
 
-            def flash(q, k, v):
-                return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                      v.transpose(0, 1)[None], is_causal=True, scale=0.3,
-                                                      enable_gqa=groups < heads)[0].transpose(0, 1)
+        def flash(q, k, v):
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], is_causal=True, scale=0.3,
+                                                  enable_gqa=groups < heads)[0].transpose(0, 1)
 
-            reference = forward_and_grads(flash, inputs, upstream)
-            ours = forward_and_grads(attention, inputs, upstream)
-            for what, a, b in zip(("output", "query grad", "key grad", "value grad"), ours, reference):
-                assert_fp32_paths_agree(a, b, f"{what}, {length} tokens, {heads} heads in {groups} groups")
-    finally:
-        cpu_gemm.use("torch")
+        reference = forward_and_grads(flash, inputs, upstream)
+        ours = forward_and_grads(attention, inputs, upstream)
+        for what, a, b in zip(("output", "query grad", "key grad", "value grad"), ours, reference):
+            assert_fp32_paths_agree(a, b, f"{what}, {length} tokens, {heads} heads in {groups} groups")
 
 
 def forward_and_grads(function, inputs, upstream):

@@ -9,8 +9,9 @@ local path builds the causal one), so the work is the sum of s_i^2 and every seq
 the computation its own padded row gets. Where it is the same computation (causal, the plain softmax,
 no attention dropout: every model megarl converts) each sequence runs torch's
 scaled_dot_product_attention instead of the local attention's matmuls, mask and softmax (on CPU a flash
-kernel, 1.4x faster on the bench job's rows; issue 28), or, on CPU ranks whose GEMMs go through oneDNN,
-megarl's own GEMM-based causal attention (`_ShortCausalAttention`, `_BlockedCausalAttention`, below). Megatron's attention layer has already applied RoPE per
+kernel, 1.4x faster on the bench job's rows; issue 28), or, on CPU ranks at the lengths where it was
+measured faster, megarl's own GEMM-based causal attention (`_ShortCausalAttention`,
+`_BlockedCausalAttention`, below; megarl/models/attention_paths.py). Megatron's attention layer has already applied RoPE per
 sequence (its THD path restarts positions at each cu_seqlens boundary) and squeezed the batch
 dimension, and it reshapes the [T, 1, hidden] result back.
 
@@ -76,16 +77,16 @@ class PackedDotProductAttention(DotProductAttention):
     def _fused_per_sequence(self, query, key, value, lengths):
         """Each sequence's causal attention in one call: torch's scaled_dot_product_attention (on CPU its flash
         kernel: no [s, s] scores, masks or softmax tensors kept for the backward; queries' head groups share
-        their key/value heads, as Megatron's repeat_interleave does), or, on a CPU rank whose GEMMs go
-        through oneDNN, `_ShortCausalAttention` or `_BlockedCausalAttention` where megarl/models/attention_paths.py
-        measured them faster at the sequence's length. Measured on the bench job's rows (16 sequences
+        their key/value heads, as Megatron's repeat_interleave does), or, on a CPU rank (fp32),
+        `_ShortCausalAttention` or `_BlockedCausalAttention` where megarl/models/attention_paths.py measured
+        them faster at the sequence's length with the rank's GEMM library. Measured on the bench job's rows (16 sequences
         of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per layer against
         95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
         heads, groups, dim = query.shape[1], key.shape[1], query.shape[2]
-        onednn = _onednn_attention_applies(query)
+        measured = _cpu_fp32(query)
         outputs = []  # [s_i, heads, dim] each
         for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
-            path = attention_paths.path_for(q.shape[0], heads, groups, dim) if onednn else "flash"
+            path = attention_paths.path_for(q.shape[0], heads, groups, dim) if measured else "flash"
             outputs.append(run_path(path, q, k, v, self.softmax_scale))
         # -> [t, 1, heads * dim], the local attention's output layout
         return torch.cat(outputs).reshape(query.shape[0], 1, -1)
@@ -109,14 +110,19 @@ class PackedDotProductAttention(DotProductAttention):
         return torch.cat(outputs)
 
 
-ATTENTION_BLOCK = 128  # query positions per block (64 measured within 4% of it from 512 to 1536 tokens)
+# query positions per block of the blocked paths, by GEMM library: one thread, 8 heads of 64 in 2 groups,
+# forward + backward with the probabilities kept, the Zen 4-class host: torch's (MKL's) GEMMs at 64 / 128
+# 17.3-17.5 / 18.5-19.9 ms at 512 tokens, 58-62 / 59-63 ms at 1024; oneDNN's 19.4-21.2 / 18.6-20.6 ms and
+# 62 / 58-61 ms (oneDNN builds a kernel per GEMM shape: smaller blocks, more shapes)
+ATTENTION_BLOCK = {"onednn": 128, "torch": 64}
 
 
 def run_path(path: str, query, key, value, scale):
     """One sequence's causal attention on `path` (megarl/models/attention_paths.py: which length takes which):
     query [s, heads, dim], key and value [s, groups, dim] -> [s, heads, dim]."""
-    if path == "blocked":
-        return _BlockedCausalAttention.apply(query, key, value, scale, ATTENTION_BLOCK)
+    if path in ("blocked", "kept"):
+        block = ATTENTION_BLOCK["onednn" if cpu_gemm.using_onednn() else "torch"]
+        return _BlockedCausalAttention.apply(query, key, value, scale, block, path == "kept")
     if path == "short":
         return _ShortCausalAttention.apply(query, key, value, scale)
     # 4-D [1, heads, s, dim]: torch picks its CPU flash kernel for 4-D inputs only (3-D falls back to the
@@ -126,13 +132,13 @@ def run_path(path: str, query, key, value, scale):
                                           enable_gqa=query.shape[1] > key.shape[1])[0].transpose(0, 1)
 
 
-def _onednn_attention_applies(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and query.dtype == torch.float32 and cpu_gemm.using_onednn()
+def _cpu_fp32(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and query.dtype == torch.float32
 
 
 class _ShortCausalAttention(torch.autograd.Function):
-    """One sequence's causal attention as GEMMs through megarl/cpu_gemm.py (oneDNN) and a softmax, for the
-    short sequences of packed rows on CPU ranks. torch's CPU flash kernel multiplies its blocks with MKL's
+    """One sequence's causal attention as GEMMs through megarl/cpu_gemm.py (oneDNN, or torch's BLAS where it
+    is the rank's library) and a softmax, for the short sequences of packed rows on CPU ranks. torch's CPU flash kernel multiplies its blocks with MKL's
     sgemm, which runs its AVX2 code on AMD CPUs, and pays a fixed cost per call that dominates at a hundred
     tokens; here each query group's scores are one GEMM [s * heads_per_group, dim] x [dim, s] and the
     softmax is kept for the backward ([heads, s, s] per sequence: 0.6 MB at s = 142, 8 heads; 4.7 MB at
@@ -186,46 +192,54 @@ class _ShortCausalAttention(torch.autograd.Function):
 
 
 class _BlockedCausalAttention(torch.autograd.Function):
-    """One long sequence's causal attention as blocks of query rows through megarl/cpu_gemm.py (oneDNN), the
-    flash algorithm's memory: per block of `block` positions only the keys up to the block's end (the causal
-    half of the work), the block's scores [block * heads_per_group, end] the only transient of size s, and
-    per query row the softmax's log-sum-exp kept for the backward, which recomputes each block's
-    probabilities from it. Formulas as in `_ShortCausalAttention` (P = exp(scale Q K^T - lse) under the
-    causal mask). query [s, heads, dim], key and value [s, groups, dim]; output [s, heads, dim]."""
+    """One long sequence's causal attention as blocks of query rows through megarl/cpu_gemm.py (oneDNN or
+    torch's BLAS), the flash algorithm's order: per block of `block` positions only the keys up to the
+    block's end (the causal half of the work) and per query row the softmax's log-sum-exp. With `keep` the
+    blocks' probabilities are kept for the backward (heads x ~s^2 / 2 x 4 bytes per sequence: what
+    Megatron keeps without selective recompute), else the backward recomputes them from the log-sum-exp
+    (the flash kernel's memory: one GEMM and an exponential more per block). The scale goes into the
+    queries and the softmax's division into the [rows, dim] output (not the [rows, s] scores): two passes
+    fewer over the scores each way. Formulas as in `_ShortCausalAttention` (P = exp(Q' K^T - lse) under the
+    causal mask, Q' = scale Q; dQ = scale dS K, dK = dS^T Q'). query [s, heads, dim], key and value
+    [s, groups, dim]; output [s, heads, dim]."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scale, block):
+    def forward(ctx, query, key, value, scale, block, keep):
         length, heads, dim = query.shape
         groups = key.shape[1]
         per_group = heads // groups
-        queries = query.reshape(length, groups, per_group, dim).transpose(0, 1).reshape(groups, -1, dim)
+        # rows (position, head) of each group's scaled queries, contiguous: [groups, s * per_group, dim]
+        queries = (query * scale).reshape(length, groups, per_group, dim).transpose(0, 1).reshape(groups, -1, dim)
         keys, values = key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous()  # [groups, s, dim]
         future = torch.ones(block, block, dtype=torch.bool, device=query.device).triu_(1)
         output = query.new_empty(groups, length * per_group, dim)
         log_sum_exp = query.new_empty(groups, length * per_group, 1)
+        keep = keep and any(ctx.needs_input_grad[:3])  # a forward without a backward (logprobs) keeps nothing
+        probabilities = []
         for group in range(groups):
             for start in range(0, length, block):
                 end = min(start + block, length)
                 rows = slice(start * per_group, end * per_group)
-                scores = _block_scores(queries[group, rows], keys[group, :end], scale, future, start, end, per_group)
+                scores = _block_scores(queries[group, rows], keys[group, :end], future, start, end, per_group)
                 row_max = scores.amax(-1, keepdim=True)
-                weights = scores.sub_(row_max).exp_()
+                weights = scores.sub_(row_max).exp_()  # unnormalised
                 total = weights.sum(-1, keepdim=True)
-                weights.div_(total)
+                output[group, rows] = cpu_gemm.matmul(weights, values[group, :end]).div_(total)
+                if keep:
+                    probabilities.append(weights.div_(total))
                 log_sum_exp[group, rows] = total.log_().add_(row_max)
-                output[group, rows] = cpu_gemm.matmul(weights, values[group, :end])
         ctx.scale, ctx.block = scale, block
-        ctx.save_for_backward(queries, keys, values, output, log_sum_exp)
+        ctx.save_for_backward(queries, keys, values, output, log_sum_exp, *probabilities)
         # [groups, s * per_group, dim] -> [s, heads, dim]
         return output.view(groups, length, per_group, dim).transpose(0, 1).reshape(length, heads, dim)
 
     @staticmethod
     def backward(ctx, grad_output):
-        queries, keys, values, output, log_sum_exp = ctx.saved_tensors
+        queries, keys, values, output, log_sum_exp, *probabilities = ctx.saved_tensors
         groups, rows_total, dim = output.shape
         length = keys.shape[1]
         per_group = rows_total // length
-        scale, block = ctx.scale, ctx.block
+        block = ctx.block
         grad_rows_all = grad_output.reshape(length, groups, per_group, dim).transpose(0, 1).reshape(groups, -1, dim)
         # D = rowsum(dO * O), the softmax backward's per-row term
         row_terms = torch.linalg.vecdot(grad_rows_all, output).unsqueeze(-1)
@@ -234,27 +248,32 @@ class _BlockedCausalAttention(torch.autograd.Function):
         # dK^T and dV^T [groups, dim, s]: each block adds into the columns of its keys
         grad_keys_t = keys.new_zeros(groups, dim, length)
         grad_values_t = values.new_zeros(groups, dim, length)
+        kept = iter(probabilities)
         for group in range(groups):
             for start in range(0, length, block):
                 end = min(start + block, length)
                 rows = slice(start * per_group, end * per_group)
                 query_rows, grad_rows = queries[group, rows], grad_rows_all[group, rows]
-                weights = _block_scores(query_rows, keys[group, :end], scale, future, start, end, per_group)
-                weights.sub_(log_sum_exp[group, rows]).exp_()
+                if probabilities:
+                    weights = next(kept)
+                else:
+                    weights = _block_scores(query_rows, keys[group, :end], future, start, end, per_group)
+                    weights.sub_(log_sum_exp[group, rows]).exp_()
                 grad_values_t[group, :, :end].add_(cpu_gemm.matmul(grad_rows.t().contiguous(), weights))
                 grad_scores = cpu_gemm.matmul(grad_rows, values[group, :end].t())
-                grad_scores.sub_(row_terms[group, rows]).mul_(weights).mul_(scale)
+                grad_scores.sub_(row_terms[group, rows]).mul_(weights)
                 grad_queries[group, rows] = cpu_gemm.matmul(grad_scores, keys[group, :end])
                 grad_keys_t[group, :, :end].add_(cpu_gemm.matmul(query_rows.t().contiguous(), grad_scores))
         heads = groups * per_group
-        grad_query = grad_queries.view(groups, length, per_group, dim).transpose(0, 1).reshape(length, heads, dim)
-        return grad_query, grad_keys_t.permute(2, 0, 1), grad_values_t.permute(2, 0, 1), None, None
+        grad_query = grad_queries.mul_(ctx.scale).view(groups, length, per_group, dim).transpose(0, 1)
+        return (grad_query.reshape(length, heads, dim), grad_keys_t.permute(2, 0, 1), grad_values_t.permute(2, 0, 1),
+                None, None, None)
 
 
-def _block_scores(query_rows, keys, scale, future, start, end, per_group):
-    """scale Q K^T of a block of query rows (positions start..end, heads_per_group rows each) against the keys
-    up to `end`, the future keys of the block's own positions at -inf: [(end - start) * per_group, end]."""
-    scores = cpu_gemm.matmul(query_rows, keys.t()).mul_(scale)
+def _block_scores(query_rows, keys, future, start, end, per_group):
+    """Q' K^T of a block of (scaled) query rows (positions start..end, heads_per_group rows each) against the
+    keys up to `end`, the future keys of the block's own positions at -inf: [(end - start) * per_group, end]."""
+    scores = cpu_gemm.matmul(query_rows, keys.t())
     size = end - start
     scores.view(size, per_group, end)[:, :, start:].masked_fill_(future[:size, None, :size], float("-inf"))
     return scores

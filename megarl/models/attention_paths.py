@@ -1,27 +1,36 @@
-"""Which causal-attention path each sequence length of a packed row takes on a CPU rank whose GEMMs go
-through oneDNN (megarl/cpu_gemm.py), measured per machine.
+"""Which causal-attention path each sequence length takes on a CPU rank (fp32), measured per machine and
+GEMM library (megarl/cpu_gemm.py: oneDNN's or torch's, which on x86 is MKL's).
 
-Three paths compute the same attention (megarl/models/attention.py): torch's flash kernel, which multiplies
-its blocks with MKL and pays a fixed cost per call; `_ShortCausalAttention`, whole-sequence GEMMs through
-oneDNN with the softmax kept for the backward; `_BlockedCausalAttention`, blocks of query rows through
-oneDNN. Which is fastest at a length depends on the CPU. Forward + backward of one sequence, 8 query heads
-of 64 in 2 groups, one thread, flash / short / blocked, ms:
+Four paths compute the same attention (megarl/models/attention.py): torch's flash kernel, which multiplies
+its blocks with MKL and pays a fixed cost per call; `_ShortCausalAttention`, whole-sequence GEMMs with the
+softmax kept for the backward; `_BlockedCausalAttention`, blocks of query rows (the causal half of the
+work), either recomputing each block's probabilities in the backward ("blocked", the flash kernel's
+memory) or keeping them ("kept"). The last three multiply through cpu_gemm.matmul: oneDNN where it is
+the rank's library, else torch's. Which is fastest at a length depends on the CPU and the library.
+Forward + backward of one sequence, 8 query heads of 64 in 2 groups, one thread, ms:
 
-- Zen 5-class EPYC (oneDNN 2.2x MKL on GEMMs): 100 tokens 1.06 / 0.88 / 1.39, 256: 5.15 / 2.98 / 4.48,
-  512: 20.6 / 11.9 / 11.4, 1024: 59.5 / 47.0 / 35.8;
-- Zen 4-class EPYC (oneDNN 1.2x MKL): 128 tokens 1.74 / 2.17 / 3.16, 256: 6.41 / 6.52 / 8.24, 512: 25.2 /
-  29.7 / 22.3, 1024: 72.0 / 115.8 / 68.2.
+- Zen 5-class EPYC, oneDNN (2.2x MKL on GEMMs), flash / short / blocked: 100 tokens 1.06 / 0.88 / 1.39,
+  256: 5.15 / 2.98 / 4.48, 512: 20.6 / 11.9 / 11.4, 1024: 59.5 / 47.0 / 35.8;
+- Zen 4-class EPYC, flash / short / blocked / kept: oneDNN (1.2x MKL) at 128 tokens 1.9-2.5 / 2.2 / 3.6 /
+  3.2, 256: 6.4-8.7 / 6.6 / 7.8-8.1 / 6.5, 512: 25.1-25.4 / 30.5 / 22.1-22.9 / 18.6-20.6, 1024: 72-73 / - /
+  70-74 / 58-61; torch's GEMMs at 128: 1.7-1.8 / 2.3 / 2.5-2.8 / 2.0-2.1, 256: 6.3-6.5 / 6.5 / 6.6-6.9 /
+  5.3-5.6, 512: 25.2-25.6 / 30.3 / 19.8-20.3 / 17.3-17.5, 1024: 73-75 / - / 70 / 58-62 (the blocked paths at
+  each library's ATTENTION_BLOCK). The head size of 64 keeps every attention GEMM at about 100 GFLOP/s per
+  core with either library (a square one: 220 with oneDNN), so the recomputation the kept path saves (a
+  GEMM and an exponential per block) is a fifth of the blocked path's time.
 
 So the lengths each path takes are measured, as cpu_gemm's `auto` measures the GEMM library, and kept per
-machine and attention shape (heads, groups, head size per rank) in the same file: every rank times the
-three paths at `PROBE_LENGTHS`, the ranks add their times up, and each length takes the fastest (another
-path than flash only when `MARGIN` faster: the flash kernel keeps no [s, s] tensors). A length between two
-probed ones takes the nearer's path (on a log scale). The short path is never taken above
-`SHORT_MAX_TOKENS` (its kept softmax: heads x s^2 x 4 bytes per sequence and layer). A train rank measures
-each shape it runs: the policy's (the critic's and the reference's) and a colocated teacher's
-(megarl/run.py: `trained_attention_shapes`). Without a measurement (a process that only called
-`cpu_gemm.use`) the Zen 5-class host's windows apply: `DEFAULT_PATHS`. Measuring
-takes 0.3-1.6 s once per machine and shape (8 heads of 64: 1.6 s); lengths past the last probe take its path.
+machine, GEMM library and attention shape (heads, groups, head size per rank) in the same file: every
+rank times the four paths at `PROBE_LENGTHS`, the ranks add their times up, and each length takes the
+fastest (another path than flash only when `MARGIN` faster: the flash kernel keeps no [s, s] tensors). A
+length between two probed ones takes the nearer's path (on a log scale). The paths that keep
+probabilities are never taken above their `LONGEST` (the short path's heads x s^2 x 4 bytes per sequence
+and layer, the kept blocks' about half: at 1024 tokens and 8 heads 18 MB, against ~36 MB of the
+bench model's other activations of that sequence and layer); the blocks that recompute take over there. A train
+rank measures each shape it runs: the policy's (the critic's and the reference's) and a colocated
+teacher's (megarl/run.py: `trained_attention_shapes`). Without a measurement (a process that only called
+`cpu_gemm.use`) the library's `DEFAULT_PATHS` apply. Measuring takes about 0.5-2.5 s once per machine,
+library and shape; lengths past the last probe take its path.
 """
 
 from __future__ import annotations
@@ -31,21 +40,34 @@ import time
 
 import torch
 
-PATHS = ("flash", "short", "blocked")
-# (the longest length, path) pieces in increasing order; None: no upper bound
-DEFAULT_PATHS = ((99, "flash"), (511, "short"), (None, "blocked"))
+PATHS = ("flash", "short", "blocked", "kept")
+# Without a measurement (a process that only called cpu_gemm.use): (the longest length, path) pieces in
+# increasing order per GEMM library, None: no upper bound. With oneDNN the Zen 5-class host's measured
+# windows; with torch's GEMMs the flash kernel, as before paths were measured for that library.
+DEFAULT_PATHS = {"onednn": ((99, "flash"), (511, "short"), (None, "blocked")), "torch": ((None, "flash"),)}
 PROBE_LENGTHS = (64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# The paths that keep [s, s]-sized probabilities for the backward end here (memory per sequence and layer:
+# heads x s^2 x 4 bytes for the short path, about half that for the kept blocks), the blocks beyond
 SHORT_MAX_TOKENS = 640
-MARGIN = 0.95  # short or blocked instead of flash only when at most this fraction of flash's time
+KEPT_MAX_TOKENS = 1024
+LONGEST = {"short": SHORT_MAX_TOKENS, "kept": KEPT_MAX_TOKENS}
+MARGIN = 0.95  # another path than flash only when at most this fraction of flash's time
 PROBE_BUDGET_S = 0.5  # stop probing longer lengths once flash's forward + backward takes this long (big heads)
 
-_measured: dict[tuple[int, int, int], tuple] = {}  # (heads, groups, head size) -> pieces
+_measured: dict[tuple[str, int, int, int], tuple] = {}  # (GEMM library, heads, groups, head size) -> pieces
+
+
+def _library() -> str:
+    from megarl import cpu_gemm
+
+    return "onednn" if cpu_gemm.using_onednn() else "torch"
 
 
 def path_for(length: int, heads: int, groups: int, dim: int) -> str:
-    """The path of a sequence of `length` tokens for this attention shape (the measured pieces, else the
-    defaults)."""
-    for longest, path in _measured.get((heads, groups, dim), DEFAULT_PATHS):
+    """The path of a sequence of `length` tokens for this attention shape and the GEMM library in use (the
+    measured pieces, else the library's defaults)."""
+    library = _library()
+    for longest, path in _measured.get((library, heads, groups, dim), DEFAULT_PATHS[library]):
         if longest is None or length <= longest:
             return path
     raise AssertionError("the last piece has no upper bound")
@@ -53,13 +75,14 @@ def path_for(length: int, heads: int, groups: int, dim: int) -> str:
 
 def pieces_from_choices(lengths, choices) -> tuple:
     """Pieces from each probed length's path: a length takes the path of the nearest probed length on a log
-    scale (the bound between two is their geometric mean); neighbours with one path merge; a short piece
-    ends at SHORT_MAX_TOKENS at most, blocked beyond."""
+    scale (the bound between two is their geometric mean); neighbours with one path merge; a short or kept
+    piece ends at its LONGEST at most, blocked beyond."""
     pieces = []
     for index, (length, path) in enumerate(zip(lengths, choices)):
         longest = math.isqrt(length * lengths[index + 1]) if index + 1 < len(lengths) else None
-        if path == "short" and (longest is None or longest > SHORT_MAX_TOKENS):
-            pieces += [(SHORT_MAX_TOKENS, "short"), (longest, "blocked")]
+        bound = LONGEST.get(path)
+        if bound is not None and (longest is None or longest > bound):
+            pieces += [(bound, path), (longest, "blocked")]
         else:
             pieces.append((longest, path))
     merged = []
@@ -72,17 +95,19 @@ def pieces_from_choices(lengths, choices) -> tuple:
 
 
 def choose(heads: int, groups: int, dim: int, group=None) -> tuple[tuple, str]:
-    """This shape's pieces, put in use, and how they were decided: the pieces every rank of `group` has kept
-    for this machine and shape, or measured on every rank (a collective per probed length), agreed and kept."""
+    """This shape's pieces with the GEMM library in use, put in use, and how they were decided: the pieces
+    every rank of `group` has kept for this machine, library and shape, or measured on every rank (a
+    collective per probed length), agreed and kept."""
     from megarl import cpu_gemm
 
-    entry = f"{cpu_gemm.machine_key()} | attention: {heads} heads in {groups} groups of {dim}"
+    library = _library()
+    entry = f"{cpu_gemm.machine_key()} | attention with {library} GEMMs: {heads} heads in {groups} groups of {dim}"
     pieces = _valid(cpu_gemm.kept(entry, group))
     decided_by = f"measured on this machine before, kept in {cpu_gemm.cache_path()}"
     if pieces is None:
         pieces, decided_by = measure(heads, groups, dim, group), "measured at start-up"
         cpu_gemm.keep(entry, [list(piece) for piece in pieces])
-    _measured[(heads, groups, dim)] = pieces
+    _measured[(library, heads, groups, dim)] = pieces
     return pieces, decided_by
 
 
@@ -99,7 +124,8 @@ def describe(pieces) -> str:
 
 
 def measure(heads: int, groups: int, dim: int, group=None) -> tuple:
-    """Each probed length's fastest path on every rank of `group` (times added up over the ranks)."""
+    """Each probed length's fastest path on every rank of `group` (times added up over the ranks) with the
+    GEMM library in use."""
     lengths, choices = [], []
     for length in PROBE_LENGTHS:
         seconds = torch.tensor([_probe_seconds(path, length, heads, groups, dim) for path in PATHS],
@@ -108,8 +134,8 @@ def measure(heads: int, groups: int, dim: int, group=None) -> tuple:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(seconds, group=group)
             ranks = torch.distributed.get_world_size(group)
-        flash, short, blocked = seconds.tolist()
-        best = min((flash, "flash"), (short / MARGIN, "short"), (blocked / MARGIN, "blocked"))[1]
+        flash, *others = seconds.tolist()
+        best = min([(flash, "flash")] + [(took / MARGIN, path) for took, path in zip(others, PATHS[1:])])[1]
         lengths.append(length)
         choices.append(best)
         if flash / ranks > PROBE_BUDGET_S:  # every rank stops at the same length: the times are the sum
@@ -130,8 +156,8 @@ def _valid(kept) -> tuple | None:
 
 def _probe_seconds(path: str, length: int, heads: int, groups: int, dim: int, tries: int = 3) -> float:
     """Best of `tries` of one sequence's forward and backward on `path` (after one call that builds
-    oneDNN's kernels); inf for the short path above SHORT_MAX_TOKENS."""
-    if path == "short" and length > SHORT_MAX_TOKENS:
+    oneDNN's kernels); inf for a path past its LONGEST."""
+    if length > LONGEST.get(path, length):
         return math.inf
     from megarl.models.attention import run_path
 
