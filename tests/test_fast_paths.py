@@ -190,6 +190,29 @@ def test_megarls_attention_equals_the_flash_kernel_in_value_and_gradients(heads,
             assert_fp32_paths_agree(a, b, f"{what}, {length} tokens, {heads} heads in {groups} groups")
 
 
+def test_the_kept_blocks_recompute_no_scores_in_the_backward(monkeypatch):
+    """The kept path's backward multiplies no block's scores again (the recomputing path's does, once per
+    block); under no_grad (logprobs, where the path keeps nothing) its output is the same."""
+    from megarl.models import attention as attention_module
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(300, 4, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(300, 2, 8, generator=generator, requires_grad=True) for _ in range(2))
+    calls, original = [], attention_module._block_scores
+    monkeypatch.setattr(attention_module, "_block_scores", lambda *args: calls.append(1) or original(*args))
+    blocks = 2 * -(-300 // 32)  # groups x blocks of 32 positions
+    for keep, recomputed in ((False, blocks), (True, 0)):
+        calls.clear()
+        output = attention_module._BlockedCausalAttention.apply(query, key, value, 0.3, 32, keep)
+        assert len(calls) == blocks
+        output.sum().backward()
+        assert len(calls) - blocks == recomputed, keep
+        if keep:
+            with torch.no_grad():
+                assert torch.equal(attention_module._BlockedCausalAttention.apply(query, key, value, 0.3, 32, True),
+                                   output.detach())
+
+
 def forward_and_grads(function, inputs, upstream):
     """function(*inputs) and the gradients of <output, upstream> with respect to each input."""
     inputs = [tensor.detach().clone().requires_grad_(True) for tensor in inputs]
