@@ -161,7 +161,8 @@ def _blocked_cases():
     return [(length, lambda q, k, v, block=block, keep=keep: _BlockedCausalAttention.apply(q, k, v, 0.3, block, keep))
             for keep in (False, True) for block in sorted(set(ATTENTION_BLOCK.values()))
             for length in (4 * block, 300, 20, 2)] + [
-        (50, lambda q, k, v, keep=keep: _BlockedCausalAttention.apply(q, k, v, 0.3, 16, keep)) for keep in (False, True)]
+        (50, lambda q, k, v, keep=keep: _BlockedCausalAttention.apply(q, k, v, 0.3, 16, keep))
+        for keep in (False, True)]
 
 
 @pytest.mark.parametrize("gemm", ["torch", pytest.param("onednn", marks=pytest.mark.skipif(

@@ -11,9 +11,9 @@ no attention dropout: every model megarl converts) each sequence runs torch's
 scaled_dot_product_attention instead of the local attention's matmuls, mask and softmax (on CPU a flash
 kernel, 1.4x faster on the bench job's rows; issue 28), or, on CPU ranks at the lengths where it was
 measured faster, megarl's own GEMM-based causal attention (`_ShortCausalAttention`,
-`_BlockedCausalAttention`, below; megarl/models/attention_paths.py). Megatron's attention layer has already applied RoPE per
-sequence (its THD path restarts positions at each cu_seqlens boundary) and squeezed the batch
-dimension, and it reshapes the [T, 1, hidden] result back.
+`_BlockedCausalAttention`, below; megarl/models/attention_paths.py). Megatron's attention layer has
+already applied RoPE per sequence (its THD path restarts positions at each cu_seqlens boundary) and
+squeezed the batch dimension, and it reshapes the [T, 1, hidden] result back.
 
 With context parallelism (megarl/context_parallel.py) a rank holds two chunks of each sequence's
 slot: the keys and values of the whole slots are gathered over the CP group (the backward sums
@@ -79,9 +79,9 @@ class PackedDotProductAttention(DotProductAttention):
         kernel: no [s, s] scores, masks or softmax tensors kept for the backward; queries' head groups share
         their key/value heads, as Megatron's repeat_interleave does), or, on a CPU rank (fp32),
         `_ShortCausalAttention` or `_BlockedCausalAttention` where megarl/models/attention_paths.py measured
-        them faster at the sequence's length with the rank's GEMM library. Measured on the bench job's rows (16 sequences
-        of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per layer against
-        95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
+        them faster at the sequence's length with the rank's GEMM library. Measured on the bench job's rows
+        (16 sequences of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per
+        layer against 95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
         heads, groups, dim = query.shape[1], key.shape[1], query.shape[2]
         measured = _cpu_fp32(query)
         outputs = []  # [s_i, heads, dim] each
@@ -138,11 +138,11 @@ def _cpu_fp32(query: torch.Tensor) -> bool:
 
 class _ShortCausalAttention(torch.autograd.Function):
     """One sequence's causal attention as GEMMs through megarl/cpu_gemm.py (oneDNN, or torch's BLAS where it
-    is the rank's library) and a softmax, for the short sequences of packed rows on CPU ranks. torch's CPU flash kernel multiplies its blocks with MKL's
-    sgemm, which runs its AVX2 code on AMD CPUs, and pays a fixed cost per call that dominates at a hundred
-    tokens; here each query group's scores are one GEMM [s * heads_per_group, dim] x [dim, s] and the
-    softmax is kept for the backward ([heads, s, s] per sequence: 0.6 MB at s = 142, 8 heads; 4.7 MB at
-    384). The formulas are the flash kernel's: P = softmax(scale Q K^T + causal mask), O = P V;
+    is the rank's library) and a softmax, for the short sequences of packed rows on CPU ranks. torch's CPU
+    flash kernel multiplies its blocks with MKL's sgemm, which runs its AVX2 code on AMD CPUs, and pays a
+    fixed cost per call that dominates at a hundred tokens; here each query group's scores are one GEMM
+    [s * heads_per_group, dim] x [dim, s] and the softmax is kept for the backward ([heads, s, s] per
+    sequence: 0.6 MB at s = 142, 8 heads; 4.7 MB at 384). The formulas are the flash kernel's: P = softmax(scale Q K^T + causal mask), O = P V;
     dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = scale dS K, dK = scale dS^T Q.
 
     query [s, heads, dim], key and value [s, groups, dim] (Megatron's THD pieces); output [s, heads, dim]."""

@@ -30,7 +30,8 @@ bench model's other activations of that sequence and layer); the blocks that rec
 rank measures each shape it runs: the policy's (the critic's and the reference's) and a colocated
 teacher's (megarl/run.py: `trained_attention_shapes`). Without a measurement (a process that only called
 `cpu_gemm.use`) the library's `DEFAULT_PATHS` apply. Measuring takes 0.5-5 s once per machine, library
-and shape (8 heads of 64 on the Zen 4-class host: 2.5 s with oneDNN, 5.0 s with torch's GEMMs); lengths past the last probe take its path.
+and shape (8 heads of 64 on the Zen 4-class host: 2.5 s with oneDNN, 5.0 s with torch's GEMMs); lengths
+past the last probe take its path.
 """
 
 from __future__ import annotations
