@@ -142,8 +142,9 @@ class _ShortCausalAttention(torch.autograd.Function):
     flash kernel multiplies its blocks with MKL's sgemm, which runs its AVX2 code on AMD CPUs, and pays a
     fixed cost per call that dominates at a hundred tokens; here each query group's scores are one GEMM
     [s * heads_per_group, dim] x [dim, s] and the softmax is kept for the backward ([heads, s, s] per
-    sequence: 0.6 MB at s = 142, 8 heads; 4.7 MB at 384). The formulas are the flash kernel's: P = softmax(scale Q K^T + causal mask), O = P V;
-    dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = scale dS K, dK = scale dS^T Q.
+    sequence: 0.6 MB at s = 142, 8 heads; 4.7 MB at 384). The formulas are the flash kernel's:
+    P = softmax(scale Q K^T + causal mask), O = P V; dV = P^T dO, dS = P (dO V^T - rowsum(dO O)),
+    dQ = scale dS K, dK = scale dS^T Q.
 
     query [s, heads, dim], key and value [s, groups, dim] (Megatron's THD pieces); output [s, heads, dim]."""
 
