@@ -111,9 +111,9 @@ class PackedDotProductAttention(DotProductAttention):
 
 
 # query positions per block of the blocked paths, by GEMM library: one thread, 8 heads of 64 in 2 groups,
-# forward + backward with the probabilities kept, the Zen 4-class host: torch's (MKL's) GEMMs at 64 / 128
-# 17.3-17.5 / 18.5-19.9 ms at 512 tokens, 58-62 / 59-63 ms at 1024; oneDNN's 19.4-21.2 / 18.6-20.6 ms and
-# 62 / 58-61 ms (oneDNN builds a kernel per GEMM shape: smaller blocks, more shapes)
+# forward + backward with the probabilities kept, the Zen 4-class host, one run of each block size: torch's
+# (MKL's) GEMMs at 64 / 128 17.3-17.5 / 18.5-19.9 ms at 512 tokens, 58-62 / 59-63 ms at 1024; oneDNN's
+# 19.4-21.2 / 18.6-20.6 ms and 62 / 58-61 ms (oneDNN builds a kernel per GEMM shape: smaller blocks, more)
 ATTENTION_BLOCK = {"onednn": 128, "torch": 64}
 
 
@@ -121,7 +121,7 @@ def run_path(path: str, query, key, value, scale):
     """One sequence's causal attention on `path` (megarl/models/attention_paths.py: which length takes which):
     query [s, heads, dim], key and value [s, groups, dim] -> [s, heads, dim]."""
     if path in ("blocked", "kept"):
-        block = ATTENTION_BLOCK["onednn" if cpu_gemm.using_onednn() else "torch"]
+        block = ATTENTION_BLOCK[attention_paths.gemm_library()]
         return _BlockedCausalAttention.apply(query, key, value, scale, block, path == "kept")
     if path == "short":
         return _ShortCausalAttention.apply(query, key, value, scale)

@@ -11,13 +11,15 @@ Forward + backward of one sequence, 8 query heads of 64 in 2 groups, one thread,
 
 - Zen 5-class EPYC, oneDNN (2.2x MKL on GEMMs), flash / short / blocked: 100 tokens 1.06 / 0.88 / 1.39,
   256: 5.15 / 2.98 / 4.48, 512: 20.6 / 11.9 / 11.4, 1024: 59.5 / 47.0 / 35.8;
-- Zen 4-class EPYC, flash / short / blocked / kept: oneDNN (1.2x MKL) at 128 tokens 1.9-2.5 / 2.2 / 3.6 /
-  3.2, 256: 6.4-8.7 / 6.6 / 7.8-8.1 / 6.5, 512: 25.1-25.4 / 30.5 / 22.1-22.9 / 18.6-20.6, 1024: 72-73 / - /
-  70-74 / 58-61; torch's GEMMs at 128: 1.7-1.8 / 2.3 / 2.5-2.8 / 2.0-2.1, 256: 6.3-6.5 / 6.5 / 6.6-6.9 /
-  5.3-5.6, 512: 25.2-25.6 / 30.3 / 19.8-20.3 / 17.3-17.5, 1024: 73-75 / - / 70 / 58-62 (the blocked paths at
-  each library's ATTENTION_BLOCK). The head size of 64 keeps every attention GEMM at about 100 GFLOP/s per
-  core with either library (a square one: 220 with oneDNN), so the recomputation the kept path saves (a
-  GEMM and an exponential per block) is a fifth of the blocked path's time.
+- Zen 4-class EPYC, flash / short / blocked / kept (every value seen over 2-4 runs): oneDNN (1.2x MKL) at
+  128 tokens 1.7-2.5 / 2.2-2.3 / 3.3-4.7 / 3.2-3.5, 256: 6.3-8.7 / 6.6-6.9 / 7.8-8.1 / 6.5, 512: 25.0-25.4
+  / 30.5-31.2 / 21.7-22.9 / 18.6-20.6, 1024: 72-74 / - / 69-74 / 58-61; torch's GEMMs at 128: 1.7-1.8 / not
+  measured / 2.5-2.8 / 2.0-2.1, 256: 6.0-6.5 / 6.5 / 6.2-6.9 / 5.2-5.6, 512: 24.5-25.6 / 30.3-34.0 /
+  18.8-20.3 / 15.6-17.5, 1024: 72-75 / - / 64-70 / 54-62 (the blocked paths at each library's
+  ATTENTION_BLOCK). The head size of 64 keeps every attention GEMM at about 100 GFLOP/s per core with either
+  library, about a 1024^3 oneDNN GEMM's rate on one core of this host (99-107), so the recomputation the
+  kept path saves (a GEMM, a mask and an exponential per block) is 10-20% of the blocked path's time at
+  512-1024 tokens.
 
 So the lengths each path takes are measured, as cpu_gemm's `auto` measures the GEMM library, and kept per
 machine, GEMM library and attention shape (heads, groups, head size per rank) in the same file: every
@@ -58,7 +60,8 @@ PROBE_BUDGET_S = 0.5  # stop probing longer lengths once flash's forward + backw
 _measured: dict[tuple[str, int, int, int], tuple] = {}  # (GEMM library, heads, groups, head size) -> pieces
 
 
-def _library() -> str:
+def gemm_library() -> str:
+    """The rank's GEMM library as the pieces and attention.ATTENTION_BLOCK name it: "onednn" or "torch"."""
     from megarl import cpu_gemm
 
     return "onednn" if cpu_gemm.using_onednn() else "torch"
@@ -67,7 +70,7 @@ def _library() -> str:
 def path_for(length: int, heads: int, groups: int, dim: int) -> str:
     """The path of a sequence of `length` tokens for this attention shape and the GEMM library in use (the
     measured pieces, else the library's defaults)."""
-    library = _library()
+    library = gemm_library()
     for longest, path in _measured.get((library, heads, groups, dim), DEFAULT_PATHS[library]):
         if longest is None or length <= longest:
             return path
@@ -101,7 +104,7 @@ def choose(heads: int, groups: int, dim: int, group=None) -> tuple[tuple, str]:
     collective per probed length), agreed and kept."""
     from megarl import cpu_gemm
 
-    library = _library()
+    library = gemm_library()
     entry = f"{cpu_gemm.machine_key()} | attention with {library} GEMMs: {heads} heads in {groups} groups of {dim}"
     pieces = _valid(cpu_gemm.kept(entry, group))
     decided_by = f"measured on this machine before, kept in {cpu_gemm.cache_path()}"
