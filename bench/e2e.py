@@ -634,6 +634,10 @@ def print_sweep(results: dict, parameters: int, rate: float, warmup: int, name: 
         print(f"{'':5}  {'floor':18} {floor:8.2f}  = training {training:.2f} s (attention {attention:.1%} of its "
               f"FLOPs, {tokens:.0f} tokens) + bare vLLM {result['bare']:.2f} s"
               f"{' (' + bare_text(result['bare_layouts']) + ')' if 'bare_layouts' in result else ''}")
+        # every step, the warm-up's too: a median of few steps hides how far from steady the first ones were
+        print(f"{'':5}  {'megarl per step':18} " + "; ".join(
+            f"{phase} " + " ".join(f"{seconds:.2f}" for seconds in run[f"{phase}_seconds"])
+            for phase in ("step", "generate", "update")) + f" s (the first {warmup} left out above)")
 
     def verdict(met: bool) -> str:
         return "met" if met else "missed"

@@ -76,6 +76,7 @@ def test_print_sweep_ratios_and_goals(capsys):
     assert goals["TRL best/megarl"] == pytest.approx({16: 1.5, 64: 0.9})
     assert "WARNING" not in out  # the token counts agree and every response is L long
     assert "TRL vllm           failed: AttributeError: no weight_loader" in out
+    assert "megarl per step    step 999.00 " in out  # the warm-up step is shown, though not in the medians
     goal_lines = out.split("goals (printed, not asserted):")[1].strip().splitlines()
     assert [line.rsplit(": ", 1)[1] for line in goal_lines] == ["missed", "met", "missed", "missed"]
 
