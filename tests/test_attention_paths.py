@@ -165,3 +165,21 @@ def test_a_colocated_teacher_of_another_shape_gets_its_own_pieces(monkeypatch, t
     _choose_cpu_gemm(parse_args(["--model", tiny_model, "--cpu-gemm", "torch"], world_size=1), rank0, policy)
     assert not [line for line in capsys.readouterr().out.splitlines() if "packed attention" in line]
     assert attention_paths._measured == {}
+
+
+def test_the_blocks_that_recompute_are_timed_only_past_the_kept_blocks_bound(monkeypatch):
+    """Where the kept blocks apply they do the recomputing blocks' work less a GEMM and an exponential per block:
+    a probe that found the recomputing blocks faster there (a host's drift) is not asked; past the kept blocks'
+    bound they are timed and taken."""
+    timed = []
+
+    def probe(path, length, *shape):
+        timed.append((path, length))
+        if length > attention_paths.LONGEST.get(path, length):
+            return float("inf")
+        return {"blocked": 0.001, "kept": 0.002, "short": 0.003, "flash": 0.004}[path]  # seconds
+
+    monkeypatch.setattr(attention_paths, "_probe_seconds", probe)
+    monkeypatch.setattr(attention_paths, "PROBE_LENGTHS", (128, 2 * KEPT_MAX_TOKENS))
+    assert attention_paths.measure(2, 1, 8) == ((512, "kept"), (None, "blocked"))
+    assert ("blocked", 128) not in timed and ("blocked", 2 * KEPT_MAX_TOKENS) in timed

@@ -23,7 +23,8 @@ Forward + backward of one sequence, 8 query heads of 64 in 2 groups, one thread,
 
 So the lengths each path takes are measured, as cpu_gemm's `auto` measures the GEMM library, and kept per
 machine, GEMM library and attention shape (heads, groups, head size per rank) in the same file: every
-rank times the four paths at `PROBE_LENGTHS`, the ranks add their times up, and each length takes the
+rank times the paths at `PROBE_LENGTHS` (the blocks that recompute only past the kept blocks' bound:
+`_probed`), the ranks add their times up, and each length takes the
 fastest (another path than flash only when `MARGIN` faster: the flash kernel keeps no [s, s] tensors). A
 length between two probed ones takes the nearer's path (on a log scale). The paths that keep
 probabilities are never taken above their `LONGEST` (the short path's heads x s^2 x 4 bytes per sequence
@@ -132,8 +133,8 @@ def measure(heads: int, groups: int, dim: int, group=None) -> tuple:
     GEMM library in use."""
     lengths, choices = [], []
     for length in PROBE_LENGTHS:
-        seconds = torch.tensor([_probe_seconds(path, length, heads, groups, dim) for path in PATHS],
-                               dtype=torch.float64)
+        seconds = torch.tensor([_probe_seconds(path, length, heads, groups, dim) if _probed(path, length) else math.inf
+                                for path in PATHS], dtype=torch.float64)
         ranks = 1
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(seconds, group=group)
@@ -145,6 +146,16 @@ def measure(heads: int, groups: int, dim: int, group=None) -> tuple:
         if flash / ranks > PROBE_BUDGET_S:  # every rank stops at the same length: the times are the sum
             break
     return pieces_from_choices(lengths, choices)
+
+
+def _probed(path: str, length: int) -> bool:
+    """Whether `measure` times `path` at `length`: every path but the blocks that recompute where the kept
+    blocks apply. The kept blocks do their GEMMs and passes less one GEMM and one exponential per block, and
+    were the faster in 23 of 24 comparisons (two hosts, both GEMM libraries, 128-1024 tokens; the one, 26.1
+    against 17.5 ms at 512 tokens, not seen again in the two timings after it: docs/benchmarks.md). A probe
+    of best-of-3 tries on a host whose speed drifts can still pick the slower: on the Intel host one did at
+    512 tokens, and its updates there were 5-11% slower than with the kept blocks, alternated."""
+    return path != "blocked" or length > KEPT_MAX_TOKENS
 
 
 def _valid(kept) -> tuple | None:
