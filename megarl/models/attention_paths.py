@@ -19,7 +19,10 @@ Forward + backward of one sequence, 8 query heads of 64 in 2 groups, one thread,
   ATTENTION_BLOCK). The head size of 64 keeps every attention GEMM at about 100 GFLOP/s per core with either
   library, about a 1024^3 oneDNN GEMM's rate on one core of this host (99-107), so the recomputation the
   kept path saves (a GEMM, a mask and an exponential per block) is 10-20% of the blocked path's time at
-  512-1024 tokens.
+  512-1024 tokens;
+- Intel Xeon family 6 model 207 (MKL runs its AVX-512 code), torch's GEMMs, flash / short / blocked / kept
+  (one run at 128, 256 and 1024 tokens, three at 512; a VM whose speed drifts): 128 tokens 1.8 / 2.1 / 2.7 /
+  2.1, 256: 4.7 / 5.5 / 6.2 / 4.9, 512: 16.8-17.4 / 20.5-30.1 / 15.5-27.3 / 13.3-26.1, 1024: 50 / - / 51 / 44.
 
 So the lengths each path takes are measured, as cpu_gemm's `auto` measures the GEMM library, and kept per
 machine, GEMM library and attention shape (heads, groups, head size per rank) in the same file: every
