@@ -203,6 +203,17 @@ def test_megatron_linear_layers_and_loss_kernels_through_onednn_match_torchs(meg
         assert_fp32_paths_agree(a.detach(), b.detach(), what)
 
 
+# A reward no group of samples scores alike unless its responses are equally long.
+LENGTH_REWARD = '''
+from megarl.rewards import register_reward
+
+
+@register_reward("response_length")
+def response_length(response, row):
+    return len(response) / 1000.0
+'''
+
+
 @onednn
 @pytest.mark.slow
 def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path, monkeypatch):
@@ -214,10 +225,14 @@ def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path
     Packed rows of responses of 100-600 tokens (at least 100 forced; the tiny model's sequences then came to
     134-635 tokens in both steps): with oneDNN they take the short and the blocked attention paths
     (megarl/models/attention.py: oneDNN's default pieces, kept for this machine in a cache of the test's own,
-    so that they are taken whatever this machine would measure), with torch the flash kernel (kept likewise)."""
+    so that they are taken whatever this machine would measure), with torch the flash kernel (kept likewise).
+    The reward is the response's length in characters (a plugin): with the arithmetic reward an Intel host's
+    samples of the first step all scored 0, so that step had no gradient to compare (assert_steps_move)."""
     from megarl.models import attention_paths
 
     monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "cache"))
+    plugin = tmp_path / "length_reward.py"
+    plugin.write_text(LENGTH_REWARD)
     for library in ("onednn", "torch"):
         cpu_gemm.keep(f"{cpu_gemm.machine_key()} | attention with {library} GEMMs: 4 heads in 2 groups of 32",
                       [list(piece) for piece in attention_paths.DEFAULT_PATHS[library]])
@@ -227,6 +242,7 @@ def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path
                           "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "600",
                           "--min-new-tokens", "100", "--padding-free",
                           "--micro-batch-size", "8", "--lr", "1e-3", "--train-steps", "2", "--cpu-gemm", backend,
+                          "--external-plugins", plugin, "--reward", "response_length",
                           "--log-dir", tmp_path / backend,
                           # the trainer's GEMMs are compared, not the engine: the HF backend spares vLLM's start
                           "--rollout-backend", "hf", timeout=900)
