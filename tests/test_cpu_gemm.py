@@ -222,8 +222,9 @@ def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path
     Two, not three: with responses of 100-300 tokens Adam's amplification of the first step's rounding
     (helpers.py) moved a third step's gradient norm by 2.4e-3 of it with either attention path for long
     sequences (1e-3 the rule), the second step's by 4e-5.
-    Packed rows of responses of 100-600 tokens (at least 100 forced; the tiny model's sequences then came to
-    134-635 tokens in both steps): with oneDNN they take the short and the blocked attention paths
+    Packed rows of responses of 100-600 tokens (at least 100 forced; the tiny model's sequences came to
+    134-635 tokens in both steps with the arithmetic reward, before the length reward below): with oneDNN they
+    take the short and the blocked attention paths
     (megarl/models/attention.py: oneDNN's default pieces, kept for this machine in a cache of the test's own,
     so that they are taken whatever this machine would measure), with torch the flash kernel (kept likewise).
     The reward is the response's length in characters (a plugin): with the arithmetic reward an Intel host's
