@@ -195,8 +195,9 @@ def _add_placement_args(parser):
                         "launcher bound none (megarl/cpu_affinity.py); none leaves placement to the OS")
     g.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU trainer ranks: the fp32 GEMMs of the linear layers and loss kernels through oneDNN or "
-                        "torch's BLAS (MKL on x86, which runs AVX2 code on AMD CPUs); auto times both at start-up "
-                        "and takes oneDNN when it is a tenth faster or more, and keeps that choice for the machine in "
+                        "torch's BLAS (MKL on x86, which runs AVX2 code on AMD CPUs); auto times both at start-up, "
+                        "leaves the library the CPU leans to (oneDNN on AMD CPUs with AVX-512, torch's elsewhere) only "
+                        "for one a tenth faster or more, and keeps that choice for the machine in "
                         "$MEGARL_CACHE_DIR/cpu_gemm.json (default ~/.cache/megarl), so later runs compute alike "
                         "(megarl/cpu_gemm.py); with --padding-free, which attention path each packed sequence length "
                         "takes with that library is measured per machine and kept there too "

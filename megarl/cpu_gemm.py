@@ -6,8 +6,13 @@ vLLM's CPU backend computes its linear layers with) picks by instruction set. Me
 development host with AVX-512 (2026-11-28, one thread): MKL 98-113 GFLOP/s per core on the bench model's
 linear-layer GEMM shapes (forward, input and weight gradients), oneDNN 205-244 the way this module calls
 it; a 2048^3 matmul on 2 threads 219 against 489 GFLOP/s. Where MKL runs its AVX-512 kernels (Intel CPUs) the two
-are expected to be alike, so `auto` measures: each trainer rank times one GEMM both ways at start-up, the
-ranks add up their times, and oneDNN is used when it is at least 10% faster (one choice on every rank).
+are expected to be alike, so `auto` measures: each trainer rank times one GEMM both ways at start-up and
+the ranks add up their times (one choice on every rank). A library is taken over the one the CPU leans to
+only when at least 10% faster; the CPU leans to oneDNN where MKL's vendor check leaves AVX-512 unused (AMD
+with AVX-512), to torch's elsewhere. Why a leaning: on a Zen 4 host (AVX-512 on 256-bit units) the 1024^3
+probe read oneDNN at 0.85-0.96x MKL's time, either side of the margin, so auto chose either, while the
+bench job's update ran ~15% faster on oneDNN (docs/benchmarks.md); on an Intel Xeon, oneDNN faster on each
+GEMM shape alone, the job's update ran 24% slower on it.
 
 auto's choice is kept per machine (`$MEGARL_CACHE_DIR/cpu_gemm.json`, default ~/.cache/megarl), keyed by the
 CPU (vendor, family, model, name, flags) and the torch version, and later runs take it without measuring, as Triton and
@@ -100,10 +105,14 @@ def choose(requested: str, group=None) -> str:
 def measure(group=None) -> str:
     """auto's measurement: one GEMM timed both ways on every rank of `group`, the times added up, `faster`'s
     rule. Puts nothing in use."""
-    seconds = torch.tensor([_probe_seconds(_torch_gemm), _probe_seconds(_onednn_gemm)], dtype=torch.float64)
+    # the third entry counts the ranks whose CPU leans to torch's: oneDNN is leaned to only where that is
+    # none, so that every rank applies the same rule to the same sums
+    seconds = torch.tensor([_probe_seconds(_torch_gemm), _probe_seconds(_onednn_gemm),
+                            float(leaning() != "onednn")], dtype=torch.float64)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(seconds, group=group)
-    return faster(*seconds.tolist())
+    torch_seconds, onednn_seconds, other_leaning = seconds.tolist()
+    return faster(torch_seconds, onednn_seconds, "torch" if other_leaning else "onednn")
 
 
 def decided_by() -> str:
@@ -122,18 +131,33 @@ def machine_key() -> str:
     that hides AVX-512 is another machine) and the torch build, which brings its MKL and oneDNN."""
     import platform
 
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            fields.setdefault(name.strip(), value.strip())  # the first processor's
-    except OSError:  # not Linux
-        pass
+    fields = _cpu_fields()
     cpu = " / ".join(fields.get(name, "") for name in ("vendor_id", "cpu family", "model", "model name",
                                                       "CPU implementer", "CPU part")).strip(" /")
     flags = fields.get("flags", fields.get("Features", ""))
     digest = hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
     return f"{cpu or platform.processor()} | flags {digest} | torch {torch.__version__}"
+
+
+def _cpu_fields() -> dict:
+    """/proc/cpuinfo's fields of the first processor ({} where there is none: not Linux)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def leaning(fields: dict | None = None) -> str:
+    """The library a close measurement keeps on this CPU: oneDNN on AMD CPUs with AVX-512, where MKL, which
+    picks its code by the CPU's vendor, runs its AVX2 kernels and oneDNN its AVX-512 ones; torch's elsewhere
+    (on Intel CPUs MKL runs its widest code, and torch's library is the one every other op uses)."""
+    fields = _cpu_fields() if fields is None else fields
+    amd_avx512 = fields.get("vendor_id") == "AuthenticAMD" and "avx512f" in fields.get("flags", "").split()
+    return "onednn" if amd_avx512 else "torch"
 
 
 def _read_kept() -> dict:
@@ -180,8 +204,11 @@ def keep(entry: str, value) -> None:
                       "and may choose otherwise", stacklevel=2)
 
 
-def faster(torch_seconds: float, onednn_seconds: float) -> str:
-    """auto's rule: oneDNN only when clearly faster (a tie keeps torch's, the library every other op uses)."""
+def faster(torch_seconds: float, onednn_seconds: float, lean: str = "torch") -> str:
+    """auto's rule: the library the CPU leans to (`lean`, from `leaning`) unless the other is clearly faster,
+    so that a close measurement, which can go either way from run to run, always lands on the same side."""
+    if lean == "onednn":
+        return "torch" if torch_seconds <= AUTO_MARGIN * onednn_seconds else "onednn"
     return "onednn" if onednn_seconds <= AUTO_MARGIN * torch_seconds else "torch"
 
 

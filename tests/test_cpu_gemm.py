@@ -95,13 +95,27 @@ def test_a_weight_with_strided_rows_keeps_torchs_matmul(backend, counted):
     assert counted["onednn"] == 2
 
 
-def test_auto_takes_onednn_only_when_clearly_faster():
+def test_auto_leaves_the_library_the_cpu_leans_to_only_for_a_clearly_faster_one():
     assert cpu_gemm.faster(1.0, 0.5) == "onednn"
     assert cpu_gemm.faster(1.0, 0.95) == "torch"
     assert cpu_gemm.faster(1.0, 1.5) == "torch"
+    assert cpu_gemm.faster(1.0, 0.95, lean="onednn") == "onednn"
+    assert cpu_gemm.faster(0.95, 1.0, lean="onednn") == "onednn"  # a close call stays on the leaning's side
+    assert cpu_gemm.faster(0.5, 1.0, lean="onednn") == "torch"
     assert cpu_gemm.choose("torch") == "torch" and not cpu_gemm.using_onednn()
     assert cpu_gemm.choose("auto") in ("onednn", "torch")
     cpu_gemm.use("torch")
+
+
+def test_only_amd_cpus_with_avx512_lean_to_onednn():
+    """MKL picks its kernels by the CPU's vendor: AVX2 on any AMD CPU, so oneDNN's AVX-512 code is the
+    expected winner only there (the fields as /proc/cpuinfo gives them; flags abbreviated)."""
+    zen4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu sse2 avx2 avx512f avx512_bf16"}
+    zen3 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu sse2 avx2 fma"}
+    xeon = {"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "fpu sse2 avx2 avx512f amx_tile"}
+    assert cpu_gemm.leaning(zen4) == "onednn"
+    assert [cpu_gemm.leaning(fields) for fields in (zen3, xeon, {})] == ["torch"] * 3
+    assert cpu_gemm.leaning() in ("onednn", "torch")  # this machine's own /proc/cpuinfo, whatever it is
 
 
 @onednn
@@ -133,8 +147,10 @@ def test_auto_keeps_its_choice_per_machine(monkeypatch, tmp_path):
 @onednn
 def test_ranks_take_a_kept_choice_only_when_all_hold_it(tmp_path):
     """2 gloo ranks, each with its own cache directory: the same kept choice on both is taken without
-    measuring; a choice only one rank holds is measured over, on both, which agree and both keep it."""
-    torchrun("cpu_gemm_choice_worker.py", tmp_path, "onednn,onednn", "torch,torch", "onednn,none", "torch,onednn")
+    measuring; a choice only one rank holds is measured over, on both, which agree and both keep it; with
+    times alike, the ranks follow the CPU's leaning only when every rank's CPU has it."""
+    torchrun("cpu_gemm_choice_worker.py", tmp_path, "onednn,onednn", "torch,torch", "onednn,none", "torch,onednn",
+             "lean:onednn,onednn", "lean:onednn,torch")
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for agreed in ("onednn", "torch"):
         case = f"{agreed},{agreed}"
@@ -145,6 +161,10 @@ def test_ranks_take_a_kept_choice_only_when_all_hold_it(tmp_path):
         assert len(backends) == 1, (case, ranks)
         assert all(r[case]["decided_by"] == "measured at start-up" for r in ranks)
         assert all(set(r[case]["file"].values()) == backends for r in ranks)
+    # times alike on both ranks: oneDNN where both CPUs lean to it, torch's where one does not (one rule on
+    # every rank, so the ranks agree even on a cluster of mixed CPUs)
+    assert [r["lean:onednn,onednn"]["backend"] for r in ranks] == ["onednn", "onednn"]
+    assert [r["lean:onednn,torch"]["backend"] for r in ranks] == ["torch", "torch"]
 
 
 def test_onednn_asked_of_a_torch_without_it_is_a_one_line_error(monkeypatch, tiny_model):

@@ -15,12 +15,16 @@ out = Path(sys.argv[1])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 results = {}
-for case in sys.argv[2:]:  # "<rank 0's kept choice>,<rank 1's>", "none" for no file
-    directory = out / case.replace(",", "-") / f"rank{rank}"
+for case in sys.argv[2:]:  # "<rank 0's kept choice>,<rank 1's>", "none" for no file; or "lean:<rank 0's
+    # leaning>,<rank 1's>": no file, both libraries timed alike, so only the CPUs' leanings decide
+    directory = out / case.replace(",", "-").replace(":", "-") / f"rank{rank}"
     directory.mkdir(parents=True)
     os.environ["MEGARL_CACHE_DIR"] = str(directory)
-    kept = case.split(",")[rank]
-    if kept != "none":
+    kept = case.removeprefix("lean:").split(",")[rank]
+    if case.startswith("lean:"):
+        cpu_gemm.leaning = lambda fields=None, kept=kept: kept
+        cpu_gemm._probe_seconds = lambda gemm, tries=3: 0.01
+    elif kept != "none":
         cpu_gemm.keep_choice(kept)
     backend = cpu_gemm.choose("auto")
     results[case] = {"backend": backend, "decided_by": cpu_gemm.decided_by(),
