@@ -222,12 +222,15 @@ class _BlockedCausalAttention(torch.autograd.Function):
                 end = min(start + block, length)
                 rows = slice(start * per_group, end * per_group)
                 scores = _block_scores(queries[group, rows], keys[group, :end], future, start, end, per_group)
+                if keep:  # torch's softmax: one fused kernel where the steps below are five passes
+                    weights = torch.softmax(scores, dim=-1)
+                    output[group, rows] = cpu_gemm.matmul(weights, values[group, :end])
+                    probabilities.append(weights)
+                    continue
                 row_max = scores.amax(-1, keepdim=True)
                 weights = scores.sub_(row_max).exp_()  # unnormalised
                 total = weights.sum(-1, keepdim=True)
                 output[group, rows] = cpu_gemm.matmul(weights, values[group, :end]).div_(total)
-                if keep:
-                    probabilities.append(weights.div_(total))
                 log_sum_exp[group, rows] = total.log_().add_(row_max)
         ctx.scale, ctx.block = scale, block
         ctx.save_for_backward(queries, keys, values, output, log_sum_exp, *probabilities)
