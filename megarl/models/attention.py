@@ -195,12 +195,12 @@ class _ShortCausalAttention(torch.autograd.Function):
 class _BlockedCausalAttention(torch.autograd.Function):
     """One long sequence's causal attention as blocks of query rows through megarl/cpu_gemm.py (oneDNN or
     torch's BLAS), the flash algorithm's order: per block of `block` positions only the keys up to the
-    block's end (the causal half of the work) and per query row the softmax's log-sum-exp. With `keep` the
-    blocks' probabilities are kept for the backward (heads x ~s^2 / 2 x 4 bytes per sequence: what
-    Megatron keeps without selective recompute), else the backward recomputes them from the log-sum-exp
-    (the flash kernel's memory: one GEMM and an exponential more per block). The scale goes into the
-    queries and the softmax's division into the [rows, dim] output (not the [rows, s] scores): two passes
-    fewer over the scores each way. Formulas as in `_ShortCausalAttention` (P = exp(Q' K^T - lse) under the
+    block's end (the causal half of the work). With `keep` the blocks' probabilities (torch's fused
+    softmax) are kept for the backward (heads x ~s^2 / 2 x 4 bytes per sequence: what Megatron keeps
+    without selective recompute), else per query row the softmax's log-sum-exp, from which the backward
+    recomputes them (the flash kernel's memory: one GEMM and an exponential more per block); there the
+    softmax's division goes into the [rows, dim] output, not the [rows, s] scores. The scale goes into the
+    queries (one pass fewer over the scores each way). Formulas as in `_ShortCausalAttention` (P = exp(Q' K^T - lse) under the
     causal mask, Q' = scale Q; dQ = scale dS K, dK = dS^T Q'). query [s, heads, dim], key and value
     [s, groups, dim]; output [s, heads, dim]."""
 
