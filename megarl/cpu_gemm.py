@@ -11,7 +11,7 @@ the ranks add up their times (one choice on every rank). A library is taken over
 only when at least 10% faster; the CPU leans to oneDNN where MKL's vendor check leaves AVX-512 unused (AMD
 with AVX-512), to torch's elsewhere. Why a leaning: on a Zen 4 host (AVX-512 on 256-bit units) the 1024^3
 probe read oneDNN at 0.85-0.96x MKL's time, either side of the margin, so auto chose either, while the
-bench job's update ran ~15% faster on oneDNN (docs/benchmarks.md); on an Intel Xeon, oneDNN faster on each
+bench job's update ran 11-15% faster on oneDNN (docs/benchmarks.md); on an Intel Xeon, oneDNN faster on each
 GEMM shape alone, the job's update ran 24% slower on it.
 
 auto's choice is kept per machine (`$MEGARL_CACHE_DIR/cpu_gemm.json`, default ~/.cache/megarl), keyed by the
