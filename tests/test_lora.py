@@ -230,8 +230,11 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_exactly(distributed, megatr
                               for state in ["exp_avg", "exp_avg_sq"] + (["param"] if distributed else [])}
 
 
-def test_a_lora_checkpoint_resumes_only_its_own_adapters_on_its_own_base(tiny_model, tiny_teacher):
+def test_a_lora_checkpoint_resumes_only_its_own_adapters_on_its_own_base(tiny_model, tmp_path):
     """checkpoint.load's check (state.json's `lora`), one line for each way a resume would go wrong."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
     from megarl.models.lora import base_fingerprint, checkpoint_mismatch, checkpoint_record, lora_config
@@ -249,11 +252,17 @@ def test_a_lora_checkpoint_resumes_only_its_own_adapters_on_its_own_base(tiny_mo
         other = options(tiny_model, *extra)
         why = checkpoint_mismatch(record, other, lora_config(other, hf_config))
         assert (why is None) if not words else (words in why), why
-    # Another model of the same shapes (the teacher: other weights) is not the base.
-    assert base_fingerprint(tiny_teacher) != base_fingerprint(tiny_model)
-    other = options(tiny_teacher)
+    # Another model of the same shapes and names (a copy with one weight's first row changed) is not the base.
+    other_model = tmp_path / "other"
+    shutil.copytree(tiny_model, other_model)
+    weights = load_file(other_model / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name][0] += 1e-3
+    save_file(weights, other_model / "model.safetensors", metadata={"format": "pt"})
+    assert base_fingerprint(str(other_model)) != base_fingerprint(tiny_model)
+    other = options(str(other_model))
     why = checkpoint_mismatch(record, other, lora_config(other, hf_config))
-    assert f"--model {tiny_teacher} is not the base" in why, why
+    assert f"--model {other_model} is not the base" in why, why
 
 
 def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tiny_model, tmp_path):
