@@ -37,7 +37,7 @@ import re
 import torch
 from dataclasses import dataclass, field
 
-from megarl import accelerator
+from megarl import accelerator, startup_gc
 
 log = logging.getLogger("megarl.rollout")
 
@@ -119,6 +119,7 @@ class VllmEngine:
         kwargs.update(engine_kwargs)
         from megarl.vllm_logging import quiet_expected_reload_warnings
         quiet_expected_reload_warnings()
+        startup_gc.freeze_what_lives_for_the_run()  # vLLM's full collections while it loads then skip it
         self.llm = LLM(**kwargs)
         # Model Runner V2 (vLLM's default on CUDA) seeds a request without a seed from numpy's global
         # state (vllm/v1/worker/gpu/sample/states.py, SamplingStates.add_request), which the reseed in

@@ -5,22 +5,27 @@ the step); evaluation (megarl/evaluation.py) before the first step, every
 --eval-interval steps and after the last; checkpoints and preemption after a step.
 """
 
-import faulthandler
-import os
-import sys
-import threading
-import time
-import traceback
+from megarl import startup_gc
 
-from megarl.arguments import parse_args
-from megarl import cpu_affinity, host_memory
-from megarl.errors import ConfigError
-from megarl.checkpoint import CheckpointError
-from megarl.distributed import init_distributed, launch_env
-from megarl.metrics import MetricsLogger
-from megarl.rewards.scoring import check_sandbox
-from megarl.rollout import release_shared_memory
-from megarl.run import Activity, load_inputs
+if __name__ == "__main__":  # a rank (not an import): before the imports below, whose objects it would rescan
+    startup_gc.defer_full_collections()
+
+import faulthandler  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+from megarl.arguments import parse_args  # noqa: E402
+from megarl import cpu_affinity, host_memory  # noqa: E402
+from megarl.errors import ConfigError  # noqa: E402
+from megarl.checkpoint import CheckpointError  # noqa: E402
+from megarl.distributed import init_distributed, launch_env  # noqa: E402
+from megarl.metrics import MetricsLogger  # noqa: E402
+from megarl.rewards.scoring import check_sandbox  # noqa: E402
+from megarl.rollout import release_shared_memory  # noqa: E402
+from megarl.run import Activity, load_inputs  # noqa: E402
 
 
 def train(args, inputs=None, activity: Activity | None = None) -> None:
@@ -40,6 +45,7 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
     preemption = Preemption(context.rank,
                             on_peer_death=lambda dead: _stop_for_dead_peer(context.rank, dead, activity))
     run = build_run(args, context, inputs, activity)
+    startup_gc.resume_full_collections()
     logger = MetricsLogger(args, is_main=run.is_main)
     start, ahead = _resume(run)
     if run.is_main and run.actor is not None:

@@ -20,9 +20,9 @@ LAYERS = [
     ("foundation", [  # pure records and math: nothing of megarl beneath them
         "megarl", "megarl.errors", "megarl.plugins", "megarl.registry", "megarl.algorithms", "megarl.placement", "megarl.batch",
         "megarl.packing", "megarl.context_parallel", "megarl.vllm_logging"]),
-    ("platform", [  # the device, the process groups, host memory
+    ("platform", [  # the device, the process groups, host memory, the collector
         "megarl.accelerator", "megarl.distributed", "megarl.offload", "megarl.host_memory",
-        "megarl.cpu_affinity", "megarl.cpu_gemm"]),
+        "megarl.cpu_affinity", "megarl.cpu_gemm", "megarl.startup_gc"]),
     ("components", [  # what the roles are built from
         "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards", "megarl.config_formats",
         "megarl.tools", "megarl.routing_replay"]),
