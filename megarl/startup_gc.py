@@ -4,7 +4,7 @@ A rank's start-up makes about 700,000 long-lived objects (the imports of torch, 
 Megatron-core, then the engines and models). Python runs a full collection whenever the objects that
 survived two younger collections have grown by a quarter, so it scans that growing heap again and again:
 on the quickstart (2 ranks, the Zen 4-class host) 12 full collections took 3.3-3.5 s of each rank's start,
-nine of them during imports, the rest vLLM's own explicit ones while it loads its model. Nearly all of
+nine before the engine (mostly during imports), three vLLM's own explicit ones while it loads its model. Nearly all of
 those objects live for the whole run, so the scans find almost nothing to free.
 
 So a rank (megarl/train.py run as the main script, not imported) defers the full collections from its
