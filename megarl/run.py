@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megarl import distributed
+from megarl import distributed, startup_gc
 from megarl.algorithms import KL_CONTROLLERS
 from megarl.errors import ConfigError
 
@@ -235,6 +235,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
                                    args.max_turns, args.tool_parser, interaction)
     # Every role built before the first group that spans them (the weight sync's) waits for the others.
     distributed.wait_for_every_rank(context, args.startup_timeout_minutes)
+    startup_gc.resume_full_collections()  # the run is built (a no-op where the start did not defer them)
     return Run(
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
         prompts=inputs.prompts, eval_sets=inputs.eval_sets,

@@ -11,8 +11,9 @@ So a rank (megarl/train.py run as the main script, not imported) defers the full
 first line; the young generations still collect, which is where short-lived cycles die. Before an
 engine is built (megarl/rollout.py) one full collection frees any dead cycle and `gc.freeze()` takes
 what is alive (the imports, arguments, datasets) out of later scans, as vLLM itself does with its
-engine once started. When the run is built `resume_full_collections` collects once more (the models:
-nothing start-up left in a dead cycle keeps host or device memory) and restores the thresholds.
+engine once started. When the run is built (the end of megarl/run.py's `build_run`)
+`resume_full_collections` collects once more (the models: nothing start-up left in a dead cycle keeps host
+or device memory) and restores the thresholds. The test suite's torchrun workers start the same way.
 Measured on the quickstart's 1-step run, alternated three times: full collections 0.61-0.74 s per rank
 instead of 3.26-3.53 s; the run 20.2 / 24.1 / 20.2 s against 23.2 / 23.8 / 24.8 s. The steps are
 unchanged: vLLM's freeze already left their collections only the step's own objects.

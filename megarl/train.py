@@ -45,7 +45,6 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
     preemption = Preemption(context.rank,
                             on_peer_death=lambda dead: _stop_for_dead_peer(context.rank, dead, activity))
     run = build_run(args, context, inputs, activity)
-    startup_gc.resume_full_collections()
     logger = MetricsLogger(args, is_main=run.is_main)
     start, ahead = _resume(run)
     if run.is_main and run.actor is not None:

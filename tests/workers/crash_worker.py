@@ -1,10 +1,14 @@
 """torchrun worker: megarl/train.py with generation (or a standalone teacher's scoring) failing on one
 rank at step 2."""
 
-import os
-import sys
+from megarl import startup_gc
 
-from megarl import rollout, teacher, train
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from megarl import rollout, teacher, train  # noqa: E402
 
 FAIL_RANK = int(os.environ["MEGARL_TEST_FAIL_RANK"])
 LAUNCH_RANK = int(os.environ["RANK"])  # read now: a rollout engine rewrites RANK to its role rank

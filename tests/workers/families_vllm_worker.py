@@ -12,10 +12,14 @@ without the scaling, so the comparison cannot pass with the scaling ignored.
 Rank 0 writes the JSON report.
 """
 
-import argparse
-import json
-import os
-import sys
+from megarl import startup_gc
+
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine (external launcher)
 
@@ -101,6 +105,7 @@ def main():
 
     model = build_gpt_model(hf_config)
     load_hf_weights(model, mine.synced, hf_config)
+    startup_gc.resume_full_collections()  # both models built (build_run's end in a run)
     # A bare GPTModel stands in for the Actor: the sync only asks it for its HF weights.
     actor = SimpleNamespace(hf_weights=lambda bucket_bytes: iter_hf_weights(model, hf_config, bucket_bytes))
     stats = ColocatedSync(context, bucket_bytes=64 * 2**10).sync(actor, engine)

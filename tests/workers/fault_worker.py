@@ -24,14 +24,18 @@ MEGARL_FAULT_FSIZE=BYTES      RLIMIT_FSIZE on every rank (a full disk: writes pa
 MEGARL_FAULT_LOG=PATH         the killed rank appends "<time> <point> <step> <rank>" here just before dying.
 """
 
-import os
-import resource
-import signal
-import sys
-import time
+from megarl import startup_gc
 
-from megarl import actor, checkpoint, evaluation, model_runner, phases, preemption, rollout, train
-from megarl.rewards import scoring
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import os  # noqa: E402
+import resource  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from megarl import actor, checkpoint, evaluation, model_runner, phases, preemption, rollout, train  # noqa: E402
+from megarl.rewards import scoring  # noqa: E402
 
 FAULT_POINTS = ("generate", "reward", "old_logprobs", "advantages", "backward", "optimizer", "metric_allreduce",
                 "sync", "eval", "preempt_check", "save", "save_publish")

@@ -14,19 +14,23 @@ same checkpoint, and every comparison feeds them the same prompts, indices, step
 Rank 0 writes the report (JSON) to argv[1].
 """
 
-import json
-import os
-import sys
+from megarl import startup_gc
 
-import torch
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import distributed, phases
-from megarl.arguments import parse_args
-from megarl.batch import mismatch_metrics
-from megarl.data.prompts import render_chat
-from megarl.hf_rollout import HfRolloutEngine
-from megarl.rollout import release_shared_memory
-from megarl.run import build_run
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from megarl import distributed, phases  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.batch import mismatch_metrics  # noqa: E402
+from megarl.data.prompts import render_chat  # noqa: E402
+from megarl.hf_rollout import HfRolloutEngine  # noqa: E402
+from megarl.rollout import release_shared_memory  # noqa: E402
+from megarl.run import build_run  # noqa: E402
 
 TEXTS = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "What is 3 + 9?", "Compute 19 + 17."]
 

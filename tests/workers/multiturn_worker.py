@@ -20,17 +20,21 @@ assistant turn calls `probe` (the tiny model writes no tool calls of its own), -
 Rank 0 writes the report (JSON) to argv[1].
 """
 
-import json
-import os
-import sys
+from megarl import startup_gc
 
-import torch
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import distributed, phases
-from megarl.arguments import parse_args
-from megarl.batch import mismatch_metrics
-from megarl.data.prompts import render_chat
-from megarl.run import build_run
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from megarl import distributed, phases  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.batch import mismatch_metrics  # noqa: E402
+from megarl.data.prompts import render_chat  # noqa: E402
+from megarl.run import build_run  # noqa: E402
 
 
 def episodes_report(samples):

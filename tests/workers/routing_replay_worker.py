@@ -13,17 +13,21 @@ trainer roles of one run (build_run: vLLM records, Megatron replays).
 Rank 0 writes the report (JSON) to argv[1].
 """
 
-import json
-import os
-import sys
+from megarl import startup_gc
 
-import torch
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import distributed, phases, routing_replay
-from megarl.arguments import parse_args
-from megarl.model_runner import make_micro_batches, run_model
-from megarl.rollout import release_shared_memory
-from megarl.run import build_run
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from megarl import distributed, phases, routing_replay  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.model_runner import make_micro_batches, run_model  # noqa: E402
+from megarl.rollout import release_shared_memory  # noqa: E402
+from megarl.run import build_run  # noqa: E402
 
 BIAS = 100.0  # far above any router logit spread: the biased trainer always picks experts 0 .. k-1
 

@@ -9,17 +9,21 @@
 Rank 0 writes <out>.json; the checkpoint goes to <out>_hf/.
 """
 
-import json
-import os
-import sys
+from megarl import startup_gc
 
-import torch
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import checkpoint, distributed, phases
-from megarl.arguments import parse_args
-from megarl.batch import mismatch_metrics
-from megarl.rollout import release_shared_memory
-from megarl.run import build_run
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from megarl import checkpoint, distributed, phases  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.batch import mismatch_metrics  # noqa: E402
+from megarl.rollout import release_shared_memory  # noqa: E402
+from megarl.run import build_run  # noqa: E402
 
 GREEDY_PROMPTS = ["What is 12 + 30?", "What is 7 + 88?", "What is 45 + 45?", "What is 3 + 9?"]
 

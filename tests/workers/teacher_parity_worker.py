@@ -6,18 +6,22 @@ step-0 samples are scored by both; every other sample carries an OPSD teacher pr
 longer than its student prompt. Rank 0 writes the comparison to <out>.
 """
 
-import json
-import sys
-from pathlib import Path
+from megarl import startup_gc
 
-import torch
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import distributed, phases
-from megarl.arguments import parse_args
-from megarl.model_runner import make_micro_batches
-from megarl.data.prompts import render_chat
-from megarl.rollout import release_shared_memory
-from megarl.run import build_run
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from megarl import distributed, phases  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.model_runner import make_micro_batches  # noqa: E402
+from megarl.data.prompts import render_chat  # noqa: E402
+from megarl.rollout import release_shared_memory  # noqa: E402
+from megarl.run import build_run  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
 from helpers import fp32_paths_ulps  # noqa: E402
