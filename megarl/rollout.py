@@ -37,7 +37,7 @@ import re
 import torch
 from dataclasses import dataclass, field
 
-from megarl import accelerator, startup_gc
+from megarl import accelerator, host_memory, startup_gc
 
 log = logging.getLogger("megarl.rollout")
 
@@ -120,7 +120,8 @@ class VllmEngine:
         from megarl.vllm_logging import quiet_expected_reload_warnings
         quiet_expected_reload_warnings()
         startup_gc.freeze_what_lives_for_the_run()  # vLLM's full collections while it loads then skip it
-        self.llm = LLM(**kwargs)
+        with host_memory.small_pages():  # its KV cache touched whole at once: megarl/host_memory.py
+            self.llm = LLM(**kwargs)
         # Model Runner V2 (vLLM's default on CUDA) seeds a request without a seed from numpy's global
         # state (vllm/v1/worker/gpu/sample/states.py, SamplingStates.add_request), which the reseed in
         # `generate` does not touch: there every request carries its seed (`request_seeds`). V1 (the CPU

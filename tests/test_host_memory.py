@@ -1,6 +1,6 @@
 """megarl/host_memory.py in a fresh interpreter (the settings only take before torch's first host allocation):
-huge pages advised for torch's large tensors, glibc's heap serving blocks up to 32 MiB, and a user's own
-settings left as they are."""
+huge pages advised for torch's large tensors (not while a vLLM engine is built), glibc's heap serving blocks
+up to 32 MiB, and a user's own settings left as they are."""
 
 import json
 import os
@@ -48,7 +48,12 @@ if hasattr(libc, "mallinfo2"):
     mapped_before = libc.mallinfo2().hblkhd
     block = torch.empty(24 * 2**20 // 4)
     mapped_block = libc.mallinfo2().hblkhd - mapped_before >= 24 * 2**20
-print(json.dumps({"applied": applied, "huge_page_advice": advised, "mapped_block": mapped_block}))
+# an engine's build (megarl/rollout.py): the process's THP switch (prctl PR_GET_THP_DISABLE; -1 without it)
+thp_disabled = lambda: ctypes.CDLL(None).prctl(host_memory.PR_GET_THP_DISABLE, 0, 0, 0, 0)
+with host_memory.small_pages():
+    inside = thp_disabled()
+print(json.dumps({"applied": applied, "huge_page_advice": advised, "mapped_block": mapped_block,
+                  "small_pages": [inside, thp_disabled()]}))
 """
 
 
@@ -72,6 +77,16 @@ def test_large_tensors_are_advised_huge_pages_and_blocks_come_from_the_heap():
     if probe["mapped_block"] is None:
         pytest.skip("no mallinfo2 (glibc < 2.33): the heap's blocks cannot be read")
     assert probe["mapped_block"] is False, probe  # glibc's default maps a 24 MiB block of its own
+
+
+def test_an_engine_is_built_in_small_pages_and_huge_pages_return_after():
+    """host_memory.small_pages turns transparent huge pages off for the process while a vLLM engine is built
+    (its KV cache, touched whole at once) and back on after, only where configure() turned them on."""
+    inside, after = _probe()["small_pages"]
+    if after == -1:
+        pytest.skip("a kernel without PR_GET_THP_DISABLE (Linux < 3.15)")
+    assert (inside, after) == (1, 0)
+    assert _probe(THP_MEM_ALLOC_ENABLE="1")["small_pages"] == [0, 0]  # the user's own huge pages stay on
 
 
 def test_the_users_own_settings_are_kept():
