@@ -17,9 +17,10 @@ and a fifth of the first one. Two settings, the way a GPU's caching allocator be
 
 A vLLM engine is built in 4 KiB pages (`small_pages`, megarl/rollout.py): its KV cache is one zero-filled
 allocation touched whole at once, and on a VM whose host backs each huge page on its first touch that took
-2.3-11.8 s per 2 GiB in huge pages against 0.6-0.8 s in small ones (the Zen 4-class VM, 2026-12-02); the
-trainer's own tensors, allocated and freed step after step, keep the huge pages (there the first update
-was 4-6 s faster with them).
+2.3-11.8 s per 2 GiB in huge pages against 0.6-0.8 s in small ones (the Zen 4-class VM, 2026-12-02): a
+quickstart run 26-32 s -> 16 s. The trainer's tensors, allocated and freed step after step, keep the huge
+pages (an AVX-512 host's first step 1.8 s faster with them); on that VM the bench job's first update then
+pays the huge pages' first touch that the KV cache had paid (23-25 against 18 s), later ones unchanged.
 
 Each is left alone when the user set it (`THP_MEM_ALLOC_ENABLE`, or glibc's `MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TRIM_THRESHOLD_` or `GLIBC_TUNABLES`), and the glibc part is skipped without glibc (musl, macOS).
