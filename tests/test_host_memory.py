@@ -85,6 +85,8 @@ def test_an_engine_is_built_in_small_pages_and_huge_pages_return_after():
     inside, after = _probe()["small_pages"]
     if after == -1:
         pytest.skip("a kernel without PR_GET_THP_DISABLE (Linux < 3.15)")
+    if after == 1 and inside == 1:
+        pytest.skip("huge pages already off for this process (inherited): nothing for small_pages to switch")
     assert (inside, after) == (1, 0)
     assert _probe(THP_MEM_ALLOC_ENABLE="1")["small_pages"] == [0, 0]  # the user's own huge pages stay on
 
