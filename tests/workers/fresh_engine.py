@@ -1,8 +1,12 @@
 """A fresh vLLM engine (one process) loaded from an HF checkpoint: greedy outputs as JSON."""
 
-import json
-import os
-import sys
+from megarl import startup_gc
+
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # In-process engine: a separate EngineCore process would outlive os._exit and

@@ -23,12 +23,16 @@ not from one machine's rounding.
 
 from __future__ import annotations
 
-import json
+from megarl import startup_gc
 
-import torch
-import torch.distributed as dist
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import accelerator, kernels
+import json  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megarl import accelerator, kernels  # noqa: E402
 
 FUSED = ["chunked"]
 if accelerator.triton_available():

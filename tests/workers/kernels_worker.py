@@ -9,15 +9,19 @@ is compared (tests/helpers.py); writes {case: {metric: max over ranks}} from ran
 The case functions also run in-process at TP=1 (tests/test_kernels.py).
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
+from megarl import startup_gc
 
-import torch
-import torch.distributed as dist
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import accelerator, kernels
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megarl import accelerator, kernels  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
 from helpers import ulps  # noqa: E402

@@ -1,13 +1,17 @@
 """torchrun worker: build the role layout from megarl arguments and report what each rank got."""
 
-import json
-import sys
+from megarl import startup_gc
 
-import torch
-import torch.distributed as dist
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import distributed
-from megarl.arguments import parse_args
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megarl import distributed  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
 
 
 def main():

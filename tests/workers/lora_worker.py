@@ -12,16 +12,20 @@ and the checkpoint at PP=2 (adapters and Adam's moments, Megatron's layer offset
 resumed from it takes the next step bit for bit as the saved one did, and the one-rank layout loads it
 with every adapter and moment bit for bit as saved."""
 
-import json
-import sys
-import zlib
-from pathlib import Path
+from megarl import startup_gc
 
-import torch
-import torch.distributed as dist
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import fp32_paths_ulps
+from helpers import fp32_paths_ulps  # noqa: E402
 
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2), "one": {}}
 LENGTHS = (12, 8)  # the packed row's sequences: slots of a multiple of 2 x CP as they are

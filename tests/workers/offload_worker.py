@@ -7,19 +7,23 @@ storage was released, whether parameters and optimizer states came back
 bit-identical, and both copies' per-step metrics.
 """
 
-import json
-import os
-import sys
+from megarl import startup_gc
 
-import torch
-import torch.distributed as dist
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import distributed
-from megarl.arguments import parse_args
-from megarl.batch import score_and_filter
-from megarl.model_runner import make_micro_batches
-from megarl.offload import optimizer_tensors
-from megarl.rollout import Sample
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megarl import distributed  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.batch import score_and_filter  # noqa: E402
+from megarl.model_runner import make_micro_batches  # noqa: E402
+from megarl.offload import optimizer_tensors  # noqa: E402
+from megarl.rollout import Sample  # noqa: E402
 
 
 def fixed_batch(vocab_size: int, count: int = 8):

@@ -5,8 +5,12 @@ packed, both; at TP > 1 also right-padded and packed under sequence parallelism,
 layout, the response-aligned logprobs and values before the update, the actor's and critic's train_step
 metrics, the micro-batch counts of every rank and the padding tokens."""
 
-import os
-import sys
+from megarl import startup_gc
+
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import os  # noqa: E402
+import sys  # noqa: E402
 
 
 sys.path.insert(0, os.path.dirname(__file__))

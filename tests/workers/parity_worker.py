@@ -10,25 +10,29 @@ the same fp32 weights; the trainer's vocabulary-parallel functions (logprobs, en
 top-k) against the pure full-vocabulary functions in float64 on Megatron's own logits, so that each
 check measures its own rounding and not the forward's."""
 
-import argparse
-import json
-import sys
-from pathlib import Path
+from megarl import startup_gc
 
-import torch
-import torch.distributed as dist
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
-from megarl import distributed
-from megarl.algorithms import kl_full
-from megarl.arguments import parse_args
-from megarl.critic import attach_value_head
-from megarl.kernels import naive
-from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights
-from megarl.models.families import family_of
-from megarl.models.megatron_gpt import build_gpt_model, rope_parameters
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megarl import distributed  # noqa: E402
+from megarl.algorithms import kl_full  # noqa: E402
+from megarl.arguments import parse_args  # noqa: E402
+from megarl.critic import attach_value_head  # noqa: E402
+from megarl.kernels import naive  # noqa: E402
+from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights  # noqa: E402
+from megarl.models.families import family_of  # noqa: E402
+from megarl.models.megatron_gpt import build_gpt_model, rope_parameters  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
-from helpers import ulps
+from helpers import ulps  # noqa: E402
 
 TEMPERATURE = 0.7
 

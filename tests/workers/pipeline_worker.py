@@ -6,10 +6,14 @@ With --teacher-model (`companions`): the full-vocabulary companions instead, a r
 --kl-estimator full and a colocated teacher for full-vocabulary distillation, every other sample an OPSD
 row (a longer teacher prompt): the exact per-token KL and two actor steps with both."""
 
-import os
-import sys
+from megarl import startup_gc
 
-import torch
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from offload_worker import train_ranks, write_report  # noqa: E402

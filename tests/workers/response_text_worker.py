@@ -4,10 +4,14 @@ argv: model dir, output file. Samples at temperature 1 with room to end on EOS (
 it (3 tokens), vLLM detokenizing; then the same prompts with detokenize=False, as megarl asks for them
 when no --stop string needs vLLM's text."""
 
-import functools
-import json
-import os
-import sys
+from megarl import startup_gc
+
+startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
+
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: an EngineCore process would outlive os._exit
