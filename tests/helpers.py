@@ -105,6 +105,10 @@ LLAMA3_ROPE = {
     "custom": dict(factor=6.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=64),
 }
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+QWEN3_5_FIELDS = dict(max_position_embeddings=512, head_dim=32, num_hidden_layers=4,
+                      layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_conv_kernel_dim=4, rope_extra=dict(partial_rotary_factor=0.25))
 _FAMILIES = {
     # family: (transformers classes, config fields, init std)
     "qwen2": (("Qwen2Config", "Qwen2ForCausalLM"), dict(max_position_embeddings=128), 0.1),
@@ -123,6 +127,12 @@ _FAMILIES = {
     "qwen2_moe": (("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
                   dict(max_position_embeddings=128, moe_intermediate_size=48, shared_expert_intermediate_size=80,
                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False), 0.1),
+    # Qwen3.5: Gated DeltaNet and gated softmax attention in turn (both kinds on each PP=2 stage), partial
+    # RoPE (a quarter of head_dim 32), more value than key heads (each key head serves two), norms as 1 + w.
+    "qwen3_5": (("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), dict(QWEN3_5_FIELDS), 0.1),
+    "qwen3_5_moe": (("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+                    dict(QWEN3_5_FIELDS, moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
+                         num_experts_per_tok=2), 0.1),
 }
 
 
@@ -140,8 +150,11 @@ def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if llama3_rope is not None:
         rope.update(rope_type="llama3", **LLAMA3_ROPE[llama3_rope])
-    config = getattr(transformers, config_class)(**{**_TINY, **fields, **config_fields}, vocab_size=vocab_size,
-                                                 tie_word_embeddings=tied, rope_parameters=rope)
+    fields = {**_TINY, **fields, **config_fields}
+    rope.update(fields.pop("rope_extra", {}))
+    config = getattr(transformers, config_class)(**fields, vocab_size=vocab_size, tie_word_embeddings=tied,
+                                                 rope_parameters=rope)
+    config.architectures = [model_class]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():  # default init leaves biases and norms at 0/1; make every tensor matter

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megarl import context_parallel, cpu_gemm
+from megarl import accelerator, context_parallel, cpu_gemm
 from megarl.models import attention_paths
 
 
@@ -130,6 +131,17 @@ def run_path(path: str, query, key, value, scale):
     return F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
                                           value.transpose(0, 1)[None], is_causal=True, scale=scale,
                                           enable_gqa=query.shape[1] > key.shape[1])[0].transpose(0, 1)
+
+
+class GatedSelfAttention(SelfAttention):
+    """Megatron's SelfAttention (Qwen3.5's full-attention layers: attention_output_gate, out * sigmoid(gate))
+    whose output gate runs eagerly on CPU ranks, where Megatron's torch.compile'd one (megatron.core.jit) would
+    compile with Inductor in every process; on CUDA Megatron's own."""
+
+    def _apply_output_gate(self, x, gate):
+        if accelerator.ON_CUDA:
+            return super()._apply_output_gate(x, gate)
+        return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
 
 
 def _cpu_fp32(query: torch.Tensor) -> bool:

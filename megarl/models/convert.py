@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from megarl.models.families import TE_FUSED_NAMES, Family, Rule, family_of
+from megarl.models.families import TE_FUSED_NAMES, Family, Rule, family_of, hf_name_prefix
 from megarl.models.megatron_gpt import head_dim
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -82,6 +82,48 @@ def split_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
+def merge_gated_qkv(q_and_gate, k, v, hf_config) -> torch.Tensor:
+    """HF's gated q_proj ([q_h; gate_h] per head) with k, v -> Megatron's linear_qkv under
+    attention_output_gate: per query group [its q heads, their gates, k_g, v_g] (attention.py:
+    get_query_key_value_tensors splits it so)."""
+    groups, q_per_group, dim = _qkv_groups(hf_config)
+    tail = q_and_gate.shape[1:]
+    per_head = q_and_gate.reshape(groups, q_per_group, 2, dim, *tail)
+    q, gate = per_head[:, :, 0].reshape(groups, -1, *tail), per_head[:, :, 1].reshape(groups, -1, *tail)
+    return torch.cat([q, gate, k.reshape(groups, dim, *tail), v.reshape(groups, dim, *tail)],
+                     dim=1).reshape(-1, *tail)
+
+
+def split_gated_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `merge_gated_qkv`."""
+    groups, q_per_group, dim = _qkv_groups(hf_config)
+    tail = qkv.shape[1:]
+    q, gate, k, v = qkv.reshape(groups, (2 * q_per_group + 2) * dim, *tail).split(
+        [q_per_group * dim, q_per_group * dim, dim, dim], dim=1)
+    q_and_gate = torch.stack([q.reshape(groups, q_per_group, dim, *tail),
+                              gate.reshape(groups, q_per_group, dim, *tail)], dim=2)
+    return q_and_gate.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _gdn_sections(hf_config) -> list[int]:
+    """Row counts of a Gated DeltaNet's q, k, v (the conv1d's channels; in_proj_qkv's rows)."""
+    key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
+    return [key, key, hf_config.linear_num_value_heads * hf_config.linear_value_head_dim]
+
+
+def _rank_pieces(pieces: list[torch.Tensor], tp_rank: int, tp_size: int) -> torch.Tensor:
+    """cat of each piece's TP chunk on dim 0: Megatron's column-parallel layout of several outputs in one
+    linear (each rank computes its share of each)."""
+    return torch.cat([piece.chunk(tp_size, dim=0)[tp_rank] for piece in pieces], dim=0)
+
+
+def _unrank_pieces(shards: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+    """Inverse of `_rank_pieces` from every TP rank's shard: the whole pieces, of `sizes` rows in all."""
+    tp = len(shards)
+    per_rank = [shard.split([size // tp for size in sizes], dim=0) for shard in shards]
+    return [_cat([pieces[n] for pieces in per_rank]) for n in range(len(sizes))]
+
+
 def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: int, tp_size: int,
                       vocab_rows: int) -> torch.Tensor:
     """This TP rank's shard of the Megatron parameter built from the HF tensors."""
@@ -102,6 +144,10 @@ def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: in
     if rule.layout == "gate_up":
         gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf)
         return torch.cat([gate, up], dim=0)
+    if rule.layout == "gated_qkv":
+        return merge_gated_qkv(*hf, hf_config).chunk(tp_size, dim=0)[tp_rank]
+    if rule.layout in ("gdn_in_proj", "gdn_conv"):
+        return _rank_pieces([*hf[0].split(_gdn_sections(hf_config), dim=0), *hf[1:]], tp_rank, tp_size)
     raise ValueError(f"unknown layout {rule.layout!r}")
 
 
@@ -130,6 +176,14 @@ def to_hf_tensors(rule: Rule, shards: list[torch.Tensor], hf_config) -> list[tor
     if rule.layout == "gate_up":
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
+    if rule.layout == "gated_qkv":
+        return list(split_gated_qkv(_cat(shards, dim=0), hf_config))
+    if rule.layout in ("gdn_in_proj", "gdn_conv"):
+        qkv_sizes = _gdn_sections(hf_config)
+        heads = hf_config.linear_num_value_heads
+        extra = [qkv_sizes[2], heads, heads] if rule.layout == "gdn_in_proj" else []  # z, b, a
+        pieces = _unrank_pieces(shards, qkv_sizes + extra)
+        return [torch.cat(pieces[:3], dim=0), *pieces[3:]]
     raise ValueError(f"unknown layout {rule.layout!r}")
 
 
@@ -201,24 +255,47 @@ def _ep_indices(index: dict, hf_config, ep_rank: int, ep_size: int) -> dict:
     return {**index, "e": ep_rank * (hf_config.num_experts // ep_size) + index["e"]}
 
 
-def _hf_names(rule: Rule, index: dict | None) -> list[str]:
-    return [name.format(**(index or {})) for name in rule.hf]
+def _hf_names(rule: Rule, index: dict | None, prefix: str = "model.") -> list[str]:
+    """The rule's HF tensor names for this layer / expert, under the checkpoint's prefix for the text model
+    (`families.hf_name_prefix`: the tables are written with `model.`; lm_head has no prefix)."""
+    names = [name.format(**(index or {})) for name in rule.hf]
+    return [prefix + name.removeprefix("model.") if name.startswith("model.") else name for name in names]
 
 
 # ------------------------------------------------------------- load/export ---
+
+# What a multimodal checkpoint (Qwen3.5's ...ForConditionalGeneration) holds beside its language model:
+# megarl trains and serves the text model only.
+_NOT_TEXT_PREFIXES = {"model.visual.": "vision-tower", "mtp.": "multi-token-prediction (MTP) head"}
+
+
+def _report_left_out(checkpoint: HFCheckpoint, prefix: str) -> None:
+    """One line on the first rank naming the checkpoint's tensors that are not the text model's, when it has
+    any: they are never read."""
+    if prefix == "model.":
+        return
+    counts = {what: sum(name.startswith(start) for name in checkpoint.weight_map)
+              for start, what in _NOT_TEXT_PREFIXES.items()}
+    left_out = [f"{count} {what} tensors ({start}*)" for (start, what), count
+                in zip(_NOT_TEXT_PREFIXES.items(), counts.values()) if count]
+    if left_out and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"megarl: {checkpoint.path}: left out {' and '.join(left_out)}; megarl trains the language model",
+              flush=True)
 
 def load_hf_weights(model, hf_path: str, hf_config) -> None:
     """Copy an HF checkpoint into this rank's shard of the model, tensor by tensor."""
     from megatron.core import parallel_state
 
     checkpoint = HFCheckpoint(hf_path)
+    prefix = hf_name_prefix(hf_config)
+    _report_left_out(checkpoint, prefix)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank, ep_size = _expert_parallel()
     vocab_rows = unwrap(model).vocab_size
     with torch.no_grad():
         for key, rule, index, param in _local_entries(model, hf_config):
-            names = _hf_names(rule, _ep_indices(index, hf_config, ep_rank, ep_size))
+            names = _hf_names(rule, _ep_indices(index, hf_config, ep_rank, ep_size), prefix)
             hf = [checkpoint.get(name) for name in names]
             shard = to_megatron_shard(rule, hf, hf_config, tp_rank, tp_size, vocab_rows)
             if shard.shape != param.shape:
@@ -241,6 +318,7 @@ def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterat
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    prefix = hf_name_prefix(hf_config)
     ep_rank, ep_size = _expert_parallel()
     ep_group = parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None
     entries = [e for e in _local_entries(model, hf_config) if e[1].export]
@@ -251,12 +329,12 @@ def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterat
             gathered = _gather_experts(bucket, gathered, ep_group, ep_size, ep_rank)
             for (_, rule, index, _), sources in zip(bucket, gathered):
                 for source_ep_rank, shards in sources:
-                    names = _hf_names(rule, _ep_indices(index, hf_config, source_ep_rank, ep_size))
+                    names = _hf_names(rule, _ep_indices(index, hf_config, source_ep_rank, ep_size), prefix)
                     yield from zip(names, to_hf_tensors(rule, shards, hf_config))
 
     names = [name for _, rule, index, _ in entries
              for r in (range(ep_size) if rule.layout in EXPERT_LAYOUTS else (ep_rank,))
-             for name in _hf_names(rule, _ep_indices(index, hf_config, r, ep_size))]
+             for name in _hf_names(rule, _ep_indices(index, hf_config, r, ep_size), prefix)]
     yield from every_stage(names, this_stage)
 
 

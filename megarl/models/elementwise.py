@@ -60,15 +60,36 @@ class _RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-1/2 * weight over the last dimension (`_RMSNormFunction`)."""
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm (same parameters and state dict) whose forward is `_RMSNormFunction`, over the last
     dimension; other shapes fall back to torch's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:
-            return super().forward(x)
+            return torch.nn.functional.rms_norm(x, self.normalized_shape, self.gain(), self.eps)
         eps = self.eps if self.eps is not None else torch.finfo(_opmath(x).dtype).eps
-        return _RMSNormFunction.apply(x, self.weight, eps)
+        return _RMSNormFunction.apply(x, self.gain(), eps)
+
+    def gain(self) -> torch.Tensor | None:
+        return self.weight
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm that scales by (1 + weight) (Megatron's layernorm_zero_centered_gamma; Qwen3.5's norms, whose
+    checkpoints store weights around 0). The sum is formed in fp32, as transformers' Qwen3_5RMSNorm does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def gain(self) -> torch.Tensor:
+        return self.weight.float() + 1.0
 
 
 class _SwiGLUFunction(torch.autograd.Function):

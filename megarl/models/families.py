@@ -13,6 +13,12 @@ built from which HF tensors, and how it is laid out over tensor parallelism:
   expert_gate_up, expert
               one routed expert's cat(gate, up) / down projection, whole on the EP rank that holds
               it (experts are not split over TP: expert_tensor_parallel_size is 1)
+  gated_qkv   Qwen3.5's gated attention: q_proj holds each head's query and output gate ([q_h; gate_h]
+              per head); Megatron's linear_qkv with attention_output_gate interleaves per query group
+              [q heads, their gates, k, v], then split on dim 0
+  gdn_in_proj a Gated DeltaNet's four input projections (HF in_proj_qkv = [q; k; v], in_proj_z, in_proj_b,
+              in_proj_a) as Megatron's one in_proj: each TP rank holds cat(q_r, k_r, v_r, z_r, b_r, a_r)
+  gdn_conv    the depthwise conv1d over [q; k; v] channels: each TP rank holds cat(q_r, k_r, v_r)
 
 `{i}` stands for the global layer index, `{e}` for the global index of a routed expert (MoE
 families: the EP rank that holds experts [r * E/EP, (r + 1) * E/EP) names them by their local index). With the Transformer Engine layer spec
@@ -54,6 +60,15 @@ class Family:
     layer_rules: tuple[Rule, ...]
     moe: bool = False  # routed experts in every layer's MLP (HF: num_experts, num_experts_per_tok, ...)
     shared_expert: bool = False  # plus a dense shared expert scaled by a sigmoid gate (Qwen2-MoE)
+    # Qwen3.5's hybrid layers: Gated DeltaNet linear attention where HF's `layer_types` says
+    # "linear_attention", softmax attention with an output gate where it says "full_attention"; norms that
+    # scale by (1 + weight) (zero-centred gamma); partial rotary embeddings.
+    hybrid_linear_attention: bool = False
+    # Architectures whose language model sits under `model.language_model.` beside a vision tower (and, in
+    # the released checkpoints, an MTP head): the text weights are read and written under that prefix, the
+    # others are left out (`convert.HFCheckpoint`).
+    multimodal_architectures: tuple[str, ...] = ()
+    text_model_types: tuple[str, ...] = ()  # HF model_type of the text config alone (qwen3_5_text)
 
     def rules(self, tied_embeddings: bool) -> tuple[Rule, ...]:
         output = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False) \
@@ -116,6 +131,31 @@ _SHARED_EXPERT_RULES = (  # a dense MLP over TP like the dense families', and it
     Rule(_LAYER + "mlp.shared_experts.gate_weight", (_MLP + "shared_expert_gate.weight",), "replicated"),
 )
 
+# Qwen3.5 (transformers' Qwen3_5TextModel): full-attention layers have a gated q_proj and q/k norms;
+# linear-attention layers a Gated DeltaNet (`linear_attn`): four input projections, a depthwise causal
+# conv1d over q/k/v, per-head decay (A_log, dt_bias), a gated RMSNorm over each value head, out_proj.
+_GDN = "model.layers.{i}.linear_attn."
+_GATED_ATTENTION_RULES = (
+    Rule(_LAYER + "self_attention.linear_qkv.weight",
+         (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"), "gated_qkv"),
+    Rule(_LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",), "row"),
+) + _QK_NORM_RULES
+_GATED_DELTA_NET_RULES = (
+    Rule(_LAYER + "self_attention.in_proj.weight",
+         (_GDN + "in_proj_qkv.weight", _GDN + "in_proj_z.weight", _GDN + "in_proj_b.weight",
+          _GDN + "in_proj_a.weight"), "gdn_in_proj"),
+    Rule(_LAYER + "self_attention.conv1d.weight", (_GDN + "conv1d.weight",), "gdn_conv"),
+    Rule(_LAYER + "self_attention.A_log", (_GDN + "A_log",), "column"),  # one per value head
+    Rule(_LAYER + "self_attention.dt_bias", (_GDN + "dt_bias",), "column"),
+    Rule(_LAYER + "self_attention.out_norm.weight", (_GDN + "norm.weight",), "replicated"),  # over head_v_dim
+    Rule(_LAYER + "self_attention.out_proj.weight", (_GDN + "out_proj.weight",), "row"),
+)
+_HYBRID_LAYER_RULES = (  # each layer has one of the two attentions' parameters; the table holds both
+    Rule(_LAYER + "input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "replicated"),
+    Rule(_LAYER + "pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
+         "replicated"),
+) + _GATED_ATTENTION_RULES + _GATED_DELTA_NET_RULES
+
 QWEN2 = Family(
     name="qwen2",
     hf_architectures=("Qwen2ForCausalLM",),
@@ -174,8 +214,38 @@ QWEN2_MOE = Family(
     shared_expert=True,
 )
 
+QWEN3_5 = Family(
+    name="qwen3_5",
+    hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    qkv_bias=False,
+    qk_layernorm=True,
+    rope_types=("default",),
+    refused_flags=(_ATTENTION_BIAS,),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_HYBRID_LAYER_RULES + _DENSE_MLP_RULES,
+    hybrid_linear_attention=True,
+    multimodal_architectures=("Qwen3_5ForConditionalGeneration",),
+    text_model_types=("qwen3_5_text",),
+)
+
+QWEN3_5_MOE = Family(
+    name="qwen3_5_moe",
+    hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    qkv_bias=False,
+    qk_layernorm=True,
+    rope_types=("default",),
+    refused_flags=(_ATTENTION_BIAS,),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_HYBRID_LAYER_RULES + _MOE_RULES + _SHARED_EXPERT_RULES,
+    moe=True,
+    shared_expert=True,
+    hybrid_linear_attention=True,
+    multimodal_architectures=("Qwen3_5MoeForConditionalGeneration",),
+    text_model_types=("qwen3_5_moe_text",),
+)
+
 FAMILIES = Registry("model family")
-for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE):
+for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE):
     FAMILIES.add(_family.name, _family)
 
 TE_FUSED_NAMES = {
@@ -195,7 +265,7 @@ def family_of(hf_config) -> Family:
         if set(architectures) & set(family.hf_architectures):
             return family
     for family in FAMILIES.values():
-        if getattr(hf_config, "model_type", None) == family.name:
+        if getattr(hf_config, "model_type", None) in (family.name, *family.text_model_types):
             return family
     supported = ", ".join(f"{arch} ({family.name})" for family in FAMILIES.values()
                           for arch in family.hf_architectures)
@@ -203,10 +273,37 @@ def family_of(hf_config) -> Family:
                      f"{getattr(hf_config, 'model_type', None)!r}; supported: {supported}")
 
 
+def load_hf_config(path: str):
+    """The HF config of the checkpoint at `path` as megarl reads every model: for a multimodal checkpoint of a
+    family that megarl trains as text (Qwen3.5's ...ForConditionalGeneration), its language model's config
+    (`text_config`) with the checkpoint's `architectures` (so `family_of` and the weight names still know it
+    is the multimodal layout) and its `tie_word_embeddings`; any other config as transformers reads it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    architectures = tuple(getattr(config, "architectures", None) or ())
+    if not any(set(architectures) & set(family.multimodal_architectures) for family in FAMILIES.values()):
+        return config
+    text = config.get_text_config()
+    text.architectures = list(architectures)
+    if "tie_word_embeddings" in config.to_diff_dict():  # set on the whole model, not only its text part
+        text.tie_word_embeddings = config.tie_word_embeddings
+    return text
+
+
+def hf_name_prefix(hf_config) -> str:
+    """Where the text model's tensors sit in the checkpoint: `model.language_model.` in a multimodal one,
+    `model.` otherwise (the family tables are written with `model.`)."""
+    architectures = set(getattr(hf_config, "architectures", None) or ())
+    multimodal = any(architectures & set(family.multimodal_architectures) for family in FAMILIES.values())
+    return "model.language_model." if multimodal else "model."
+
+
 # What must agree for one checkpoint's weights to load into an engine built for another.
 SHAPE_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
-                "moe_intermediate_size", "shared_expert_intermediate_size")
+                "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types", "linear_num_key_heads",
+                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
 def shape_difference(hf_config, other) -> str | None:

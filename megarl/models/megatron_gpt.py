@@ -76,14 +76,58 @@ def check_supported(hf_config, family: Family) -> None:
     if rope["rope_type"] not in family.rope_types:
         raise ValueError(f"{family.name}: rope_parameters.rope_type={rope['rope_type']!r} is not supported; "
                          f"supported: {list(family.rope_types)}")
-    partial = rope.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
+    partial = rotary_fraction(hf_config)
+    if partial != 1.0 and not family.hybrid_linear_attention:
         raise ValueError(f"{family.name}: partial_rotary_factor={partial} is not supported; it must be 1.0")
+    if not 0 < partial <= 1 or int(head_dim(hf_config) * partial) % 2:
+        raise ValueError(f"{family.name}: partial_rotary_factor={partial} must rotate an even number of each "
+                         f"head's {head_dim(hf_config)} channels")
     if family.moe:
         check_moe_supported(hf_config, family)
-    if "sliding_attention" in (getattr(hf_config, "layer_types", None) or ()):
+    layer_types = list(getattr(hf_config, "layer_types", None) or ())
+    allowed = LAYER_TYPES if family.hybrid_linear_attention else ("full_attention",)
+    unknown = [(i, kind) for i, kind in enumerate(layer_types) if kind not in allowed]
+    if "sliding_attention" in layer_types and not family.hybrid_linear_attention:
         raise ValueError(f"{family.name}: sliding-window attention (use_sliding_window / layer_types) is not "
                          f"supported; every layer must be full_attention")
+    if unknown:
+        raise ValueError(f"{family.name}: layer_types[{unknown[0][0]}]={unknown[0][1]!r} is not supported; each "
+                         f"layer must be one of {list(allowed)}")
+    if family.hybrid_linear_attention and len(layer_types) != hf_config.num_hidden_layers:
+        raise ValueError(f"{family.name}: layer_types has {len(layer_types)} entries for num_hidden_layers="
+                         f"{hf_config.num_hidden_layers}")
+
+
+# Qwen3.5's layer kinds (HF `layer_types`): Gated DeltaNet or gated softmax attention.
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def rotary_fraction(hf_config) -> float:
+    """The share of each head's channels that RoPE rotates (HF partial_rotary_factor, in rope_parameters or at
+    the top of the config; Megatron's rotary_percent)."""
+    rope = rope_parameters(hf_config)
+    return float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+
+
+def linear_attention_pattern(hf_config) -> list[int]:
+    """Megatron's linear_attention_freq as a list: 1 where HF's layer_types says linear_attention."""
+    return [int(kind == "linear_attention") for kind in hf_config.layer_types]
+
+
+def hybrid_config(hf_config, family: Family) -> dict:
+    """TransformerConfig's fields of a Qwen3.5 model ({} for the other families): Gated DeltaNet where
+    layer_types says linear_attention (its head counts and sizes, conv width), softmax attention with an
+    output gate elsewhere, norms scaling by (1 + weight)."""
+    if not family.hybrid_linear_attention:
+        return {}
+    return dict(experimental_attention_variant="gated_delta_net",
+                linear_attention_freq=linear_attention_pattern(hf_config),
+                linear_conv_kernel_dim=hf_config.linear_conv_kernel_dim,
+                linear_key_head_dim=hf_config.linear_key_head_dim,
+                linear_value_head_dim=hf_config.linear_value_head_dim,
+                linear_num_key_heads=hf_config.linear_num_key_heads,
+                linear_num_value_heads=hf_config.linear_num_value_heads,
+                attention_output_gate=True, layernorm_zero_centered_gamma=True)
 
 
 def check_moe_supported(hf_config, family: Family) -> None:
@@ -124,7 +168,8 @@ def moe_config(hf_config, family: Family, ep: int) -> dict:
         return {}
     fields = dict(num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
                   moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_router_score_function="softmax",
-                  moe_router_pre_softmax=not hf_config.norm_topk_prob, moe_router_dtype="fp32",
+                  # Qwen3.5-MoE has no flag: its router always renormalises the top k
+                  moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True), moe_router_dtype="fp32",
                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
                   moe_aux_loss_coeff=0.0, moe_grouped_gemm=accelerator.transformer_engine_available(),
                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
@@ -140,7 +185,8 @@ def rope_arguments(hf_config) -> tuple[dict, dict | None]:
     scaling = llama3_scaling(hf_config)
     megatron_path = scaling is not None and all(scaling[key] == value
                                                 for key, value in MEGATRON_LLAMA3_FIXED.items())
-    kwargs = dict(rotary_base=rope_theta(hf_config), rope_scaling=megatron_path)
+    kwargs = dict(rotary_base=rope_theta(hf_config), rope_scaling=megatron_path,
+                  rotary_percent=rotary_fraction(hf_config))
     if megatron_path:
         kwargs["rope_scaling_factor"] = scaling["factor"]
     return kwargs, (scaling if scaling is not None and not megatron_path else None)
@@ -150,11 +196,20 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def check_parallel_sizes(hf_config, tp: int, pp: int, ep: int = 1) -> None:
+def check_parallel_sizes(hf_config, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % tp or groups % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide num_attention_heads={heads} "
                          f"and num_key_value_heads={groups} of the model")
+    if family_of(hf_config).hybrid_linear_attention:
+        linear = (hf_config.linear_num_key_heads, hf_config.linear_num_value_heads)
+        if linear[0] % tp or linear[1] % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp} must divide linear_num_key_heads={linear[0]} and "
+                             f"linear_num_value_heads={linear[1]} of the model (its Gated DeltaNet heads)")
+        if cp > 1:
+            raise ValueError(f"context_parallel_size={cp}: the {family_of(hf_config).name} family's Gated DeltaNet "
+                             f"layers carry a recurrent state along the sequence, which megarl does not split over "
+                             f"CP ranks (Megatron-core 0.16 has no GDN context parallelism); use CP 1")
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} must divide num_hidden_layers="
                          f"{hf_config.num_hidden_layers} of the model")
@@ -209,7 +264,8 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        # Qwen3.5-MoE's config has no dense width: every layer is an MoE layer
+        ffn_hidden_size=getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
         kv_channels=head_dim(hf_config),
@@ -237,7 +293,8 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         # sequence_parallel: off unless overridden (model_config_overrides, from --sequence-parallel).
         **_with_spec_activation({"sequence_parallel": False,
                                  **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
-                                 **moe_config(hf_config, family, ep), **_moe_only(overrides, family)}, family),
+                                 **moe_config(hf_config, family, ep), **hybrid_config(hf_config, family),
+                                 **_moe_only(overrides, family)}, family),
     )
 
 
@@ -297,7 +354,8 @@ class SequenceParallelRMSNorm:
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
         if config.normalization != "RMSNorm":
             raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}, not RMSNorm")
-        norm = elementwise.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        kind = elementwise.ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else elementwise.RMSNorm
+        norm = kind(normalized_shape=hidden_size, eps=eps)
         norm.weight.sequence_parallel = config.sequence_parallel
         return norm
 
@@ -311,7 +369,10 @@ def gpt_layer_spec(config):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    if accelerator.transformer_engine_available():
+    hybrid = config.experimental_attention_variant == "gated_delta_net"
+    # Qwen3.5 takes the local spec on every host: TE's norms would centre the gated DeltaNet norm's gamma
+    # too (one config flag for every norm), which Qwen3.5 does not (its Qwen3_5RMSNormGated scales by weight).
+    if accelerator.transformer_engine_available() and not hybrid:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     from megarl.models.attention import PackedDotProductAttention
 
@@ -326,8 +387,38 @@ def gpt_layer_spec(config):
         layer.mlp.submodules.activation_func = elementwise.SwiGLU
     if config.qk_layernorm:  # per head, after the gather: summed over TP by name (finalize_model_grads)
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelRMSNorm)
+    layer_specs = [spec] * get_num_layers_to_build(config)
+    if hybrid:
+        layer_specs = _hybrid_layer_specs(config, spec)
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelRMSNorm)
+
+
+def _hybrid_layer_specs(config, spec) -> list:
+    """This pipeline stage's layers of a Qwen3.5 model: `spec` (gated softmax attention) where the config's
+    linear_attention_freq has 0, the same layer with Megatron's GatedDeltaNet (megarl's forward:
+    models/gated_delta_net.py) where it has 1."""
+    import copy
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megarl.models.attention import GatedSelfAttention
+    from megarl.models.gated_delta_net import GatedDeltaNetNorm, PackedGatedDeltaNet
+
+    softmax = copy.deepcopy(spec)
+    softmax.submodules.self_attention.module = GatedSelfAttention
+    linear = copy.deepcopy(spec)
+    linear.submodules.self_attention = ModuleSpec(
+        module=PackedGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=GatedDeltaNetNorm,
+                                           out_proj=RowParallelLinear))
+    offset = get_transformer_layer_offset(config)
+    pattern = config.linear_attention_freq[offset: offset + get_num_layers_to_build(config)]
+    return [linear if is_linear else softmax for is_linear in pattern]
+
 
 
 def whole_sequence(hidden_states: torch.Tensor, config) -> torch.Tensor:
@@ -393,7 +484,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
-    check_parallel_sizes(hf_config, tp, pp, ep)
+    check_parallel_sizes(hf_config, tp, pp, ep, cp)
     config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, ep, **config_overrides)
     # Micro-batches differ in length (and, with a token budget, in rows): pipeline stages exchange each
     # activation's shape first. Set after construction: __post_init__ rejects it for an MoE dispatcher

@@ -28,7 +28,7 @@ from megarl.arguments import parse_args  # noqa: E402
 from megarl.critic import attach_value_head  # noqa: E402
 from megarl.kernels import naive  # noqa: E402
 from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights  # noqa: E402
-from megarl.models.families import family_of  # noqa: E402
+from megarl.models.families import family_of, load_hf_config  # noqa: E402
 from megarl.models.megatron_gpt import build_gpt_model, rope_parameters  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
@@ -198,9 +198,8 @@ def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) 
 
 def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
     from megatron.core import tensor_parallel
-    from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(hf_path)
+    hf_config = load_hf_config(hf_path)
     model = build_gpt_model(hf_config)
     load_hf_weights(model, hf_path, hf_config)
     report = {"model": hf_path, "family": family_of(hf_config).name, "tied": hf_config.tie_word_embeddings}
