@@ -960,10 +960,10 @@ def _validate_recompute(args) -> None:
     if layers is not None and layers < 1:
         raise ConfigError(f"--recompute-num-layers must be >= 1, got {layers}")
     if granularity == "full":
-        from transformers import AutoConfig
+        from megarl.models.families import load_hf_config
 
         try:
-            num_layers = AutoConfig.from_pretrained(args.model).num_hidden_layers
+            num_layers = load_hf_config(args.model).num_hidden_layers
         except (OSError, ValueError, AttributeError):
             return  # the model check at start-up (run.load_inputs) names the problem
         per_stage = num_layers // args.pipeline_model_parallel_size
@@ -1061,13 +1061,13 @@ def _validate_lora(args) -> None:
         raise ConfigError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
     if not 0.0 <= args.lora_dropout < 1.0:
         raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
-    from transformers import AutoConfig
+    from megarl.models.families import load_hf_config
 
     from megarl.models.families import family_of
     from megarl.models.lora import resolve_targets
 
     try:
-        family = family_of(AutoConfig.from_pretrained(args.model))
+        family = family_of(load_hf_config(args.model))
     except (OSError, ValueError, AttributeError):
         family = None  # the model check at start-up (run.load_inputs) names the problem
     if family is not None:
@@ -1121,14 +1121,14 @@ def _policy_family(args):
     """(HF config, megarl family) of --model, or (None, None) where its config cannot be read here or its
     family is unsupported (named at start-up: run.load_inputs, which also refuses anything but a directory:
     so no hub look-up here)."""
-    from transformers import AutoConfig
+    from megarl.models.families import load_hf_config
 
     from megarl.models.families import family_of
 
     if not os.path.isdir(args.model):
         return None, None
     try:
-        hf_config = AutoConfig.from_pretrained(args.model)
+        hf_config = load_hf_config(args.model)
         return hf_config, family_of(hf_config)
     except (OSError, ValueError, AttributeError):
         return None, None
@@ -1233,10 +1233,10 @@ def _validate_distillation(args) -> None:
         return
     if args.teacher_gpus:
         _validate_standalone_teacher(args)
-    from transformers import AutoConfig
+    from megarl.models.families import load_hf_config
 
     try:
-        student, teacher = (AutoConfig.from_pretrained(path) for path in (args.model, teacher_path))
+        student, teacher = (load_hf_config(path) for path in (args.model, teacher_path))
     except (OSError, ValueError) as error:
         raise ConfigError(f"teacher model {teacher_path} / --model {args.model}: cannot read the config "
                           f"({str(error).splitlines()[0]})") from None

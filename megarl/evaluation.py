@@ -71,11 +71,11 @@ def _teacher_can_generate(run: Run) -> bool:
         return True
     if not args.teacher_model:
         return False
-    from transformers import AutoConfig
+    from megarl.models.families import load_hf_config
 
     from megarl.models.families import shape_difference
 
-    differ = shape_difference(AutoConfig.from_pretrained(args.teacher_model), run.hf_config)
+    differ = shape_difference(load_hf_config(args.teacher_model), run.hf_config)
     if differ and run.is_main:
         print(f"megarl: the teacher's pass@1 is not measured: its {differ} differs from the student's, so the "
               f"rollout engines cannot serve it (standalone teacher ranks can)", flush=True)

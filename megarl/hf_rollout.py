@@ -264,12 +264,13 @@ def stop_token_ids(tokenizer, model_path: str) -> set[int]:
     """The ids that end a response, as vLLM resolves them (SamplingParams.update_from_generation_config):
     the tokenizer's EOS and the generation config's eos_token_id(s), from generation_config.json or,
     without one, the model's config (vLLM's try_get_generation_config)."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
+    from megarl.models.families import load_hf_config
 
     try:
         config = GenerationConfig.from_pretrained(model_path)
     except OSError:
-        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path))
+        config = GenerationConfig.from_model_config(load_hf_config(model_path))
     ids = config.eos_token_id
     ids = set() if ids is None else {ids} if isinstance(ids, int) else set(ids)
     if tokenizer.eos_token_id is not None:

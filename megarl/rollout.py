@@ -312,17 +312,17 @@ class RolloutEngine(EngineMemory, VllmEngine):
                          args.max_prompt_length + args.max_new_tokens, rollout_engine_kwargs(args, colocated))
         self.asleep: set[str] = set()  # the SLEEP_TAGS now asleep: vLLM's sleep_mode wakes one part at a time
         if args.lora_rank and args.lora_sync == "adapter":
-            from transformers import AutoConfig
+            from megarl.models.families import load_hf_config
 
             from megarl.models.lora import lora_config
 
-            self.adapter = lora_config(args, AutoConfig.from_pretrained(args.model))
+            self.adapter = lora_config(args, load_hf_config(args.model))
         if args.routing_replay == "on":
-            from transformers import AutoConfig
+            from megarl.models.families import load_hf_config
 
             from megarl.routing_replay import EngineRoutes
 
-            self.routes = EngineRoutes(self.llm, AutoConfig.from_pretrained(args.rollout_model))
+            self.routes = EngineRoutes(self.llm, load_hf_config(args.rollout_model))
 
     def load_weights(self, weights) -> None:
         """Stream (hf_name, tensor) pairs into the engine (any TP: vLLM shards them itself).

@@ -159,26 +159,30 @@ def load_inputs(args) -> Inputs:
 def check_model_dir(flag: str, path: str, megatron: bool = True):
     """An HF checkpoint directory megarl can load: its config (a supported family) and its weights, in
     safetensors where Megatron loads them (vLLM alone also reads .bin and .pt); returns the config."""
-    from transformers import AutoConfig
-
-    from megarl.models.convert import HFCheckpoint
-    from megarl.models.families import family_of
+    from megarl.models.convert import HFCheckpoint, check_checkpoint_tensors
+    from megarl.models.families import family_of, load_hf_config
+    from megarl.models.megatron_gpt import check_supported
 
     if not os.path.isdir(path):
         raise ConfigError(f"{flag} {path}: no such directory")
     try:
-        config = AutoConfig.from_pretrained(path)
-        family_of(config)
+        config = load_hf_config(path)
+        check_supported(config, family_of(config))
         if megatron or not any(name.endswith((".bin", ".pt")) for name in os.listdir(path)):
-            HFCheckpoint(path)
+            # a critic's checkpoint may carry a value head instead of lm_head (critic.attach_value_head)
+            check_checkpoint_tensors(config, HFCheckpoint(path), output_layer=flag != "--critic-model")
     except Exception as error:  # noqa: BLE001 - OSError, ValueError, safetensors' errors: all one line
         raise ConfigError(f"{flag} {path}: {_first_line(error).removeprefix(f'{path}: ')}") from None
     return config
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The error's first line, or its first two where the first only announces the second (transformers'
+    config validation: "Class validation error for validator 'x':" then the cause)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def build_run(args, context: distributed.DistContext, inputs: Inputs | None = None,
@@ -278,9 +282,9 @@ def trained_attention_shapes(args, hf_config) -> dict[str, tuple[int, int, int]]
     tp = args.tensor_model_parallel_size
     configs = {"policy": hf_config}
     if args.teacher_model:
-        from transformers import AutoConfig
+        from megarl.models.families import load_hf_config
 
-        configs["teacher"] = AutoConfig.from_pretrained(args.teacher_model)
+        configs["teacher"] = load_hf_config(args.teacher_model)
     shapes = {}
     for model, config in configs.items():
         shape = (config.num_attention_heads // tp, max(1, config.num_key_value_heads // tp), head_dim(config))

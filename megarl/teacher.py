@@ -30,9 +30,9 @@ from megarl.rollout import VllmEngine
 
 class Teacher(FrozenModel):
     def __init__(self, args):
-        from transformers import AutoConfig
+        from megarl.models.families import load_hf_config
 
-        super().__init__(args, AutoConfig.from_pretrained(args.teacher_model), args.teacher_model,
+        super().__init__(args, load_hf_config(args.teacher_model), args.teacher_model,
                          offload=args.offload_teacher_model)
 
     def score(self, micro_batches: list[MicroBatch], width: int, k: int) -> dict[str, torch.Tensor]:

@@ -63,6 +63,9 @@ RANDOM_MODELS = {
     "random_qwen3_moe_untied": ("qwen3_moe", False, 7, None),
     "random_qwen3_moe_tied": ("qwen3_moe", True, 8, None),
     "random_qwen2_moe_untied": ("qwen2_moe", False, 9, None),
+    "random_qwen3_5_untied": ("qwen3_5", False, 14, None),
+    "random_qwen3_5_tied": ("qwen3_5", True, 15, None),
+    "random_qwen3_5_moe_untied": ("qwen3_5_moe", False, 16, None),
 }
 
 

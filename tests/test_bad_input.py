@@ -65,6 +65,12 @@ def model_dir(path: Path, weights=True, config: dict | str | None = None) -> str
     return str(path)
 
 
+# The tiny model's config as a Qwen3.5 one, layer 0 Gated DeltaNet (no such tensors in the tiny model's weights).
+QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "head_dim": 32,
+           "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+           "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+
+
 def bigger_tokenizer(path: Path) -> str:
     """The tiny model's tokenizer with 20 more tokens than the model's vocab_size (259)."""
     from transformers import AutoTokenizer
@@ -250,6 +256,17 @@ CASES = [
     Case("ref-model-without-weights",
          lambda d: ["--kl-coef", "0.1", "--ref-model", model_dir(d / "ref", weights=False)],
          ["--ref-model", "no model.safetensors"]),
+    # --- Qwen3.5 (the tiny model's config turned into a hybrid one: its tensors are the wrong kind)
+    Case("qwen3_5-unknown-layer-type",
+         lambda d: ["--model", model_dir(d / "m", config=dict(QWEN3_5, layer_types=["linear_attention", "hybrid"]))],
+         ["--model", "layer_types[1]='hybrid'", "linear_attention", "full_attention"]),
+    Case("qwen3_5-missing-linear-attention-tensor", lambda d: ["--model", model_dir(d / "m", config=QWEN3_5)],
+         ["--model", "no tensor 'model.layers.0.linear_attn.in_proj_qkv.weight'", "qwen3_5 model"]),
+    Case("row-with-images", lambda d: train_data(d, row(images=["cat.png"])),
+         ["train.jsonl:1", "field 'images' holds media", "text models"]),
+    Case("message-with-image-part", lambda d: train_data(d, {"messages": [{"role": "user", "content": [
+        {"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is 1 + 1?"}]}], "gt_answer": "2"}),
+         ["train.jsonl:1", "messages[0].content", "part of type 'image'", "text models"]),
     Case("tokenizer-vocab-mismatch", lambda d: ["--tokenizer", bigger_tokenizer(d / "tok")],
          ["--tokenizer", "279 tokens", "vocab_size=259"]),
     Case("tokenizer-dir-empty", lambda d: ["--tokenizer", os.path.dirname(write(d / "tok" / "README", "x"))],

@@ -10,14 +10,18 @@ launch, because start-up dominates and the checks per checkpoint take a second):
   qwen3   random untied, random tied (q/k norms, head_dim 32)    (1,1) (2,1) (1,2)
   llama   random untied (Llama-3 RoPE, our scaling path),        (1,1) (2,1)
           random tied (Llama-3 RoPE, Megatron's own path)
+  qwen3_5 random untied, random tied (Gated DeltaNet and gated   (2,1) (1,2)
+          softmax layers in turn, partial RoPE, 1 + w norms)
 
 Logits, logprobs, entropy, KL and values are compared where PP == 1; the bit-exact
 HF round trip everywhere. PP=2 covers Qwen3, whose q/k norms are the only names the
 new families add; Llama's names are Qwen2's without the biases. Llama runs 1024
 tokens, so that Llama-3 scaling with an original context of 8192 visibly changes
-the logits (it only touches low frequencies). Eight launches in all.
+the logits (it only touches low frequencies). Qwen3.5 runs 150 tokens, so the delta rule's chunks of
+64 hand their state on twice. Ten launches in all.
 
-Mixture of experts (Qwen3-MoE: renormalised top-k; Qwen2-MoE: plain top-k and a gated shared expert),
+Mixture of experts (Qwen3-MoE: renormalised top-k; Qwen2-MoE: plain top-k and a gated shared expert;
+Qwen3.5-MoE: Qwen3.5's hybrid layers with renormalised top-k and a gated shared expert),
 both families' checkpoints in one launch per layout: TP=2 with EP=2 (attention split over TP, four whole
 experts per rank: expert TP 1, tokens exchanged all-to-all between the same two ranks) and PP=2 (export
 only, as above). Two launches.
@@ -32,9 +36,11 @@ FAMILY_CHECKPOINTS = {
     "qwen2": ["tiny_model", "random_qwen2_untied", "random_qwen2_tied"],
     "qwen3": ["random_qwen3_untied", "random_qwen3_tied"],
     "llama": ["random_llama_untied", "random_llama_tied"],
+    "qwen3_5": ["random_qwen3_5_untied", "random_qwen3_5_tied"],
 }
-LAYOUTS = {"qwen2": [(1, 1), (2, 1), (1, 2)], "qwen3": [(1, 1), (2, 1), (1, 2)], "llama": [(1, 1), (2, 1)]}
-SEQ_LEN = {"qwen2": 17, "qwen3": 17, "llama": 1024}
+LAYOUTS = {"qwen2": [(1, 1), (2, 1), (1, 2)], "qwen3": [(1, 1), (2, 1), (1, 2)], "llama": [(1, 1), (2, 1)],
+           "qwen3_5": [(2, 1), (1, 2)]}
+SEQ_LEN = {"qwen2": 17, "qwen3": 17, "llama": 1024, "qwen3_5": 150}
 MATRIX = [(family, tp, pp) for family, layouts in LAYOUTS.items() for tp, pp in layouts]
 
 
@@ -59,7 +65,8 @@ def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
         assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
-MOE_CHECKPOINTS = ["random_qwen3_moe_untied", "random_qwen3_moe_tied", "random_qwen2_moe_untied"]
+MOE_CHECKPOINTS = ["random_qwen3_moe_untied", "random_qwen3_moe_tied", "random_qwen2_moe_untied",
+                   "random_qwen3_5_moe_untied"]
 MOE_LAYOUTS = [(2, 1, 2), (1, 2, 1)]
 
 
@@ -73,12 +80,13 @@ def test_moe_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
     torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep, nproc=2)
     run = read_json(out)
     assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
-    assert [r["family"] for r in run["models"]] == ["qwen3_moe", "qwen3_moe", "qwen2_moe"]
+    assert [r["family"] for r in run["models"]] == ["qwen3_moe", "qwen3_moe", "qwen2_moe", "qwen3_5_moe"]
     for report in run["models"]:
         if pp == 1:
             _assert_parity(report)
-        # 8 experts x 3 tensors x 2 layers beside the attention's: every expert of every EP rank
-        assert sum(".mlp.experts." in name for name in report["exported_names"]) == 48, report
+        # 8 experts x 3 tensors x the layers (2; Qwen3.5's 4) beside the attention's: every expert of every EP rank
+        layers = 4 if report["family"] == "qwen3_5_moe" else 2
+        assert sum(".mlp.experts." in name for name in report["exported_names"]) == 24 * layers, report
         assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
@@ -114,15 +122,19 @@ def _assert_parity(report):
 # ------------------------------------------------------------ config checks --
 
 def _config(family, **fields):
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
-                    "qwen2_moe": Qwen2MoeConfig}[family]
+                    "qwen2_moe": Qwen2MoeConfig, "qwen3_5": Qwen3_5TextConfig,
+                    "qwen3_5_moe": Qwen3_5MoeTextConfig}[family]
+    if family.startswith("qwen3_5"):
+        fields = {"head_dim": 32, "layer_types": ["linear_attention", "full_attention"], **fields}
     return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                         max_position_embeddings=16384, **fields)
 
 
-@pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe", "qwen3_5_moe"])
 def test_family_of_picks_by_architecture_then_model_type(family):
     from megarl.models.families import FAMILIES, family_of
 
@@ -164,7 +176,51 @@ REFUSED = [
     ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1]"),
     ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok=5"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+    ("qwen3_5", dict(layer_types=["linear_attention", "sliding_attention"]), "layer_types[1]='sliding_attention'"),
+    ("qwen3_5", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.3)),
+     "partial_rotary_factor=0.3"),
 ]
+
+
+def test_qwen3_5_partial_rope_and_layer_pattern_reach_megatron():
+    """Qwen3.5's config as Megatron's: a quarter of each head rotated, Gated DeltaNet where layer_types says
+    linear_attention, the attention's output gate and 1 + w norms."""
+    import torch
+
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import check_supported, rope_arguments, transformer_config
+
+    config = _config("qwen3_5", rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
+                     linear_num_key_heads=2, linear_num_value_heads=4)
+    family = family_of(config)
+    check_supported(config, family)
+    assert rope_arguments(config)[0]["rotary_percent"] == 0.25
+    megatron = transformer_config(config, family, 1, 1, 1, torch.float32)
+    assert megatron.linear_attention_freq == [1, 0] and megatron.experimental_attention_variant == "gated_delta_net"
+    assert megatron.attention_output_gate and megatron.layernorm_zero_centered_gamma
+    assert (megatron.linear_num_key_heads, megatron.linear_num_value_heads) == (2, 4)
+
+
+def test_multimodal_checkpoint_config_is_its_language_model(tmp_path):
+    """A Qwen3.5 ...ForConditionalGeneration checkpoint's config is read as its text model's, keeping the
+    architecture (so its tensors are looked up under model.language_model.) and the tied flag."""
+    from transformers import Qwen3_5Config
+
+    from megarl.models.convert import expected_hf_names
+    from megarl.models.families import FAMILIES, family_of, hf_name_prefix, load_hf_config
+
+    text = _config("qwen3_5").to_dict()
+    config = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, num_heads=2,
+                                                                intermediate_size=64, out_hidden_size=64),
+                           tie_word_embeddings=True, architectures=["Qwen3_5ForConditionalGeneration"])
+    config.save_pretrained(tmp_path)
+    loaded = load_hf_config(str(tmp_path))
+    assert loaded.model_type == "qwen3_5_text" and loaded.hidden_size == 64 and loaded.tie_word_embeddings
+    assert family_of(loaded) is FAMILIES["qwen3_5"] and hf_name_prefix(loaded) == "model.language_model."
+    names = expected_hf_names(loaded)
+    assert "model.language_model.layers.0.linear_attn.A_log" in names and "lm_head.weight" not in names
+    assert "model.language_model.layers.1.self_attn.q_proj.weight" in names
+    assert not any("layers.0.self_attn" in name or "layers.1.linear_attn" in name for name in names)
 
 
 @pytest.mark.parametrize("family,fields,field", REFUSED, ids=[r[2] + "-" + r[0] for r in REFUSED])
@@ -198,7 +254,7 @@ def test_llama3_rope_arguments(values, megatron_path):
         assert late == {key: expected[key] for key in late} and set(late) == {
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     plain, late = rope_arguments(_config("llama"))
-    assert plain == {"rotary_base": 10000.0, "rope_scaling": False} and late is None
+    assert plain == {"rotary_base": 10000.0, "rope_scaling": False, "rotary_percent": 1.0} and late is None
 
 
 

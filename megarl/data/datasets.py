@@ -304,6 +304,7 @@ def normalize(raw: dict, where: str, format: str = "auto", prompt_key: str = "pr
         raise DatasetError(f"{where}: cannot tell the layout: no 'messages' or '{prompt_key}' field "
                            f"(fields: {', '.join(sorted(fields)) or 'none'}); pass format= or a preprocessor")
     prompt_field, answer = _LAYOUTS[layout](fields, where, prompt_key)
+    _refuse_media(fields, where)
     messages, reference = _messages(fields.pop(prompt_field, None), prompt_field, where)
     row = Row(id=_id(fields.pop("id", None), where), messages=messages, gt_answer=answer,
               test_cases=_test_cases(fields.pop("test_cases", None), where),
@@ -390,9 +391,28 @@ def _messages(value, name: str, where: str) -> tuple[list[dict], str | None]:
     return messages, reference
 
 
+# Multimodal rows as ms-swift and verl write them: media columns beside the messages, or OpenAI-style content
+# parts. megarl trains and serves the text model (of a multimodal checkpoint: its language model alone).
+MEDIA_FIELDS = ("images", "videos", "audios")
+_NO_MEDIA = "megarl trains text models (of a multimodal checkpoint, its language model alone)"
+
+
+def _refuse_media(fields: dict, where: str) -> None:
+    for key in MEDIA_FIELDS:
+        if fields.get(key):
+            raise DatasetError(f"{where}: field '{key}' holds media; {_NO_MEDIA}: images, videos and audio are "
+                               f"not supported")
+
+
 def _message(value, name: str, where: str) -> dict:
     if not isinstance(value, dict):
         raise DatasetError(f"{where}: field '{name}' must be an object with 'role' and 'content', got {_type(value)}")
+    content = value.get("content")
+    if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") not in (None, "text")
+                                         for part in content):
+        kind = next(part["type"] for part in content if isinstance(part, dict) and part.get("type") not in
+                    (None, "text"))
+        raise DatasetError(f"{where}: field '{name}.content' has a part of type {kind!r}; {_NO_MEDIA}")
     for key in ("role", "content"):
         if not isinstance(value.get(key), str):
             raise DatasetError(f"{where}: field '{name}.{key}' must be a string, got {_type(value.get(key))}")

@@ -262,6 +262,37 @@ def _hf_names(rule: Rule, index: dict | None, prefix: str = "model.") -> list[st
     return [prefix + name.removeprefix("model.") if name.startswith("model.") else name for name in names]
 
 
+def expected_hf_names(hf_config, output_layer: bool = True) -> list[str]:
+    """Every HF tensor name a model of this config is built from (each layer's rules for its kind, every
+    routed expert, lm_head unless tied or not `output_layer`: a critic's trunk), under the checkpoint's prefix,
+    in the tables' order."""
+    family = family_of(hf_config)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    prefix = hf_name_prefix(hf_config)
+    kinds = getattr(hf_config, "layer_types", None) if family.hybrid_linear_attention else None
+    names = [name for rule in family.rules(tied) if rule.export and (output_layer or rule.megatron != "output_layer.weight")
+             for name in _hf_names(rule, None, prefix)]
+    for layer in range(hf_config.num_hidden_layers):
+        for rule in family.layer_rules:
+            if rule.layer_type is not None and kinds is not None and rule.layer_type != kinds[layer]:
+                continue
+            experts = range(hf_config.num_experts) if rule.layout in EXPERT_LAYOUTS else (None,)
+            for expert in experts:
+                index = {"i": layer} if expert is None else {"i": layer, "e": expert}
+                names += _hf_names(rule, index, prefix)
+    return names
+
+
+def check_checkpoint_tensors(hf_config, checkpoint: HFCheckpoint, output_layer: bool = True) -> None:
+    """Raise, in one line, if the checkpoint lacks a tensor the model needs (before any rank builds it)."""
+    present = set(checkpoint.weight_map)
+    missing = [name for name in expected_hf_names(hf_config, output_layer) if name not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{checkpoint.path}: checkpoint has no tensor {missing[0]!r}{more}, which a "
+                         f"{family_of(hf_config).name} model of this config.json needs")
+
+
 # ------------------------------------------------------------- load/export ---
 
 # What a multimodal checkpoint (Qwen3.5's ...ForConditionalGeneration) holds beside its language model:

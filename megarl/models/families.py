@@ -46,6 +46,7 @@ class Rule:
     hf: tuple[str, ...]
     layout: str
     export: bool = True  # False for a tied copy that has no HF tensor of its own
+    layer_type: str | None = None  # hybrid families: the HF layer_types entry whose layers have it (else every layer)
 
 
 @dataclass(frozen=True)
@@ -135,21 +136,22 @@ _SHARED_EXPERT_RULES = (  # a dense MLP over TP like the dense families', and it
 # linear-attention layers a Gated DeltaNet (`linear_attn`): four input projections, a depthwise causal
 # conv1d over q/k/v, per-head decay (A_log, dt_bias), a gated RMSNorm over each value head, out_proj.
 _GDN = "model.layers.{i}.linear_attn."
+_FULL, _LINEAR = "full_attention", "linear_attention"
 _GATED_ATTENTION_RULES = (
     Rule(_LAYER + "self_attention.linear_qkv.weight",
-         (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"), "gated_qkv"),
-    Rule(_LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",), "row"),
-) + _QK_NORM_RULES
-_GATED_DELTA_NET_RULES = (
-    Rule(_LAYER + "self_attention.in_proj.weight",
-         (_GDN + "in_proj_qkv.weight", _GDN + "in_proj_z.weight", _GDN + "in_proj_b.weight",
-          _GDN + "in_proj_a.weight"), "gdn_in_proj"),
-    Rule(_LAYER + "self_attention.conv1d.weight", (_GDN + "conv1d.weight",), "gdn_conv"),
-    Rule(_LAYER + "self_attention.A_log", (_GDN + "A_log",), "column"),  # one per value head
-    Rule(_LAYER + "self_attention.dt_bias", (_GDN + "dt_bias",), "column"),
-    Rule(_LAYER + "self_attention.out_norm.weight", (_GDN + "norm.weight",), "replicated"),  # over head_v_dim
-    Rule(_LAYER + "self_attention.out_proj.weight", (_GDN + "out_proj.weight",), "row"),
-)
+         (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"), "gated_qkv", layer_type=_FULL),
+    Rule(_LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",), "row", layer_type=_FULL),
+) + tuple(Rule(rule.megatron, rule.hf, rule.layout, layer_type=_FULL) for rule in _QK_NORM_RULES)
+_GATED_DELTA_NET_RULES = tuple(Rule(megatron, hf, layout, layer_type=_LINEAR) for megatron, hf, layout in (
+    (_LAYER + "self_attention.in_proj.weight",
+     (_GDN + "in_proj_qkv.weight", _GDN + "in_proj_z.weight", _GDN + "in_proj_b.weight", _GDN + "in_proj_a.weight"),
+     "gdn_in_proj"),
+    (_LAYER + "self_attention.conv1d.weight", (_GDN + "conv1d.weight",), "gdn_conv"),
+    (_LAYER + "self_attention.A_log", (_GDN + "A_log",), "column"),  # one per value head
+    (_LAYER + "self_attention.dt_bias", (_GDN + "dt_bias",), "column"),
+    (_LAYER + "self_attention.out_norm.weight", (_GDN + "norm.weight",), "replicated"),  # over head_v_dim
+    (_LAYER + "self_attention.out_proj.weight", (_GDN + "out_proj.weight",), "row"),
+))
 _HYBRID_LAYER_RULES = (  # each layer has one of the two attentions' parameters; the table holds both
     Rule(_LAYER + "input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "replicated"),
     Rule(_LAYER + "pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),

@@ -25,7 +25,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine (externa
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
+from megarl.models.families import load_hf_config  # noqa: E402
 
 from megarl import distributed  # noqa: E402
 from megarl.arguments import parse_args  # noqa: E402
@@ -68,7 +68,7 @@ def check_engine(engine, path: str, prompts: list[list[int]]) -> dict:
     report["greedy_tokens"] = continued[:, -NEW_TOKENS:].tolist()
     report["greedy_gap_ulps"] = ulps(chosen, every.max(-1).values, every.max(-1).values.abs().max().item())
 
-    if rope_parameters(AutoConfig.from_pretrained(path))["rope_type"] != "default":
+    if rope_parameters(load_hf_config(path))["rope_type"] != "default":
         unscaled, _ = hf_logprobs(path, torch.tensor(prompts), without_rope_scaling=True)
         report["rope_scaling_effect"] = (unscaled - expected).abs().max().item()
     return report
@@ -98,7 +98,7 @@ def main():
     from megarl.models.megatron_gpt import build_gpt_model
     from megarl.weight_sync import ColocatedSync
 
-    hf_config = AutoConfig.from_pretrained(mine.synced)
+    hf_config = load_hf_config(mine.synced)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, hf_config.vocab_size, (2, PROMPT_LEN), generator=generator).tolist()
     report = {"fresh": check_engine(engine, mine.fresh, prompts)}

@@ -81,7 +81,7 @@ def optimizer_moments(actor) -> dict[str, torch.Tensor]:
 
 def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-    from transformers import AutoConfig
+    from megarl.models.families import load_hf_config
 
     from megarl.actor import Actor
     from megarl.arguments import parse_args
@@ -100,7 +100,7 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
                                              context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     tp_rank, tp_group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = load_hf_config(model_dir)
     batch = micro_batch(hf_config.vocab_size)
     weights = torch.randn(*batch.tokens.shape, hf_config.vocab_size, generator=torch.Generator().manual_seed(1))
 

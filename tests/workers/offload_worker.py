@@ -106,12 +106,12 @@ def write_report(path: str, report: dict) -> None:
 def train_ranks(argv: list[str], count: int = 8):
     """(args, context, hf_config, the fixed batch of `count` samples, this rank's data-parallel share of it)
     on train ranks started from the command line `argv`, Megatron's parallel state built."""
-    from transformers import AutoConfig
+    from megarl.models.families import load_hf_config
 
     args = parse_args(argv)
     context = distributed.init_distributed(args)
     distributed.init_megatron_parallel(context, args.seed)
-    hf_config = AutoConfig.from_pretrained(args.model)
+    hf_config = load_hf_config(args.model)
     batch = fixed_batch(hf_config.vocab_size, count)
     share = len(batch) // context.placement.dp
     return args, context, hf_config, batch, torch.arange(share) + context.placement.data_parallel_rank(

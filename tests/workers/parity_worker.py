@@ -172,9 +172,9 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
     scaling matters)."""
     import copy
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(hf_path)
+    config = load_hf_config(hf_path)
     if without_rope_scaling:
         config = copy.deepcopy(config)
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope_parameters(config)["rope_theta"]}
