@@ -94,6 +94,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,  # noqa: E402
+                          Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -129,6 +130,18 @@ TOOL_EVAL = dict(num=200, seed_offset=10_000)
 # --moe: the same trunk with routed experts (8 of width 64, top 2) in every layer.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
            out="artifacts/tiny-qwen3-moe")
+# --family qwen3_5: Qwen3.5's hybrid layers on the same trunk: layer 0 Gated DeltaNet (2 key heads of 32, 4 value
+# heads of 32: each key head serves two, as Qwen3.5's 16 / 32), layer 1 gated softmax attention (head_dim 32, a
+# quarter of it rotated), tied embeddings; with --moe its MLPs are MoE's routed experts plus a gated shared expert.
+QWEN3_5 = dict(head_dim=32, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
+QWEN3_5_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
+QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128)
+# Where each build goes by default: (family, kind) -> directory
+OUTS = {("qwen2", "policy"): "artifacts/tiny-qwen2", ("qwen2", "teacher"): TEACHER["out"],
+        ("qwen2", "moe"): MOE["out"], ("qwen2", "tools"): TOOL_MODEL["out"],
+        ("qwen3_5", "policy"): "artifacts/tiny-qwen3_5", ("qwen3_5", "teacher"): "artifacts/tiny-qwen3_5-teacher",
+        ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe"}
 
 
 def build_tokenizer():
@@ -154,8 +167,20 @@ def stop_ids(tokenizer):
     return [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
 
 
-def build_model(tokenizer, seed, moe: bool = False):
+def build_model(tokenizer, seed, moe: bool = False, family: str = "qwen2"):
     torch.manual_seed(seed)
+    special = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                   dtype="float32")
+    if family == "qwen3_5":
+        trunk = {key: value for key, value in MODEL.items() if not (moe and key == "intermediate_size")}
+        if moe:
+            config = Qwen3_5MoeTextConfig(vocab_size=len(tokenizer), tie_word_embeddings=True,
+                                          rope_parameters=dict(QWEN3_5_ROPE), **special, **QWEN3_5, **QWEN3_5_MOE,
+                                          **trunk)
+            return Qwen3_5MoeForCausalLM._from_config(config, experts_implementation="eager")
+        config = Qwen3_5TextConfig(vocab_size=len(tokenizer), tie_word_embeddings=True,
+                                   rope_parameters=dict(QWEN3_5_ROPE), **special, **QWEN3_5, **trunk)
+        return Qwen3_5ForCausalLM(config)
     if moe:
         config = Qwen3MoeConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, bos_token_id=None,
                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -431,7 +456,11 @@ def build_tool_model(args, settings, start, capability):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None,
-                    help=f"default: artifacts/tiny-qwen2, or {TEACHER['out']} with --teacher")
+                    help=f"default: artifacts/tiny-<family>, -teacher with --teacher ({TEACHER['out']} for qwen2), "
+                         f"-moe with --moe")
+    ap.add_argument("--family", choices=("qwen2", "qwen3_5"), default="qwen2",
+                    help="qwen3_5: Qwen3.5's hybrid Gated DeltaNet / gated-attention layers on the same trunk "
+                         "(the policy, --teacher or --moe; the same tokenizer, recipe and pins)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None,
                     help=f"warm-up steps (default: {TRAIN['steps']}, or {TEACHER['steps']} with --teacher)")
@@ -444,18 +473,57 @@ def build_parser() -> argparse.ArgumentParser:
                          f"from --base (docs/multiturn.md)")
     ap.add_argument("--base", type=Path, default=Path(TOOL_MODEL["base"]),
                     help="--tools: the tiny model it starts from (built by this script without flags)")
+    ap.add_argument("--for-config", type=Path, default=None, metavar="YAML",
+                    help="build every tiny model that this megarl config names and that is not built yet (its "
+                         "model, teacher, reference, critic and rollout paths; run_quickstart.sh calls this)")
     ap.add_argument("--force", action="store_true", help="rebuild over a complete model")
     ap.add_argument("--quiet", action="store_true")
     return ap
 
 
+# The config keys that name a checkpoint (megarl/arguments.py), top level and in the role sections.
+MODEL_KEYS = ("model", "teacher_model", "ref_model", "critic_model", "rollout_model")
+
+
+def models_named(config_path: Path) -> list[Path]:
+    """The checkpoint paths a megarl YAML config names, in the order they appear."""
+    import yaml
+
+    config = yaml.safe_load(config_path.read_text()) or {}
+    sections = [config] + [value for value in config.values() if isinstance(value, dict)]
+    return [Path(section[key]) for section in sections for key in MODEL_KEYS if isinstance(section.get(key), str)]
+
+
+def build_for_config(config_path: Path) -> None:
+    """Build, one subprocess each (so that each gets this file's pins), the tiny models the config names that
+    are missing; the tool model's base first. Paths that are no tiny model of this script are left alone."""
+    import subprocess
+
+    flags = {Path(out): (family, kind) for (family, kind), out in OUTS.items()}
+    wanted = [path for path in models_named(config_path) if path in flags]
+    if flags.get(Path(TOOL_MODEL["out"])) and Path(TOOL_MODEL["out"]) in wanted:
+        wanted.insert(0, Path(TOOL_MODEL["base"]))
+    for path in dict.fromkeys(wanted):
+        if (path / "megarl_tiny.json").exists():
+            continue
+        family, kind = flags[path]
+        extra = [] if kind == "policy" else [f"--{kind}"]
+        print(f"[tiny models] building {path} for {config_path} (a few minutes)", flush=True)
+        subprocess.run([sys.executable, __file__, "--family", family, *extra, "--out", str(path), "--quiet"],
+                       check=True)
+
+
 def main():
     args = build_parser().parse_args()
+    if args.for_config is not None:
+        return build_for_config(args.for_config)
     if args.teacher + args.moe + args.tools > 1:
         sys.exit("--teacher, --moe and --tools: choose one")
+    kind = "teacher" if args.teacher else "moe" if args.moe else "tools" if args.tools else "policy"
+    if (args.family, kind) not in OUTS:
+        sys.exit(f"--family {args.family} builds the policy, --teacher and --moe, not --{kind}")
     if args.out is None:
-        args.out = Path(TEACHER["out"] if args.teacher else MOE["out"] if args.moe else
-                        TOOL_MODEL["out"] if args.tools else "artifacts/tiny-qwen2")
+        args.out = Path(OUTS[args.family, kind])
     if args.steps is None:
         args.steps = TEACHER["steps"] if args.teacher else TOOL_MODEL["steps"] if args.tools else TRAIN["steps"]
     if args.tools and not (args.base / "megarl_tiny.json").exists():
@@ -479,7 +547,7 @@ def main():
     if args.tools:
         return build_tool_model(args, settings, start, capability)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed, moe=args.moe)
+    model = build_model(tokenizer, args.seed, moe=args.moe, family=args.family)
     n_params = sum(p.numel() for p in model.parameters())
     train(model, tokenizer, args.seed, quiet=args.quiet, **settings)
 
@@ -490,7 +558,9 @@ def main():
         load = expert_load(model, tokenizer, held_out[:100])
         print("expert load per layer (share of routed tokens):",
               [[round(share, 3) for share in layer] for layer in load])
-    report = dict(seed=args.seed, params=n_params, model=dict(MODEL, **MOE) if args.moe else MODEL,
+    shape = dict(MODEL, **QWEN3_5, rope=QWEN3_5_ROPE, **(QWEN3_5_MOE if args.moe else {})) \
+        if args.family == "qwen3_5" else dict(MODEL, **MOE) if args.moe else MODEL
+    report = dict(seed=args.seed, family=args.family, params=n_params, model=shape,
                   train=settings, eval=EVAL,
                   max_operand=arithmetic.MAX_OPERAND, pass_at_1_t1=pass1, greedy_accuracy=greedy,
                   build_seconds=round(time.time() - start, 1),
