@@ -62,12 +62,19 @@ class HfRolloutEngine(EngineMemory):
         argument; the offload verbs are only called when colocated (Run.rollout_turn)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from megarl.models.families import hf_name_prefix, load_hf_config
+
         self.args = args
         self.engine_index = engines.engine_index(rank)
         self.num_engines = engines.num_engines
         self.is_leader = engines.is_engine_leader(rank)
         self.device = accelerator.device()
-        self.model = AutoModelForCausalLM.from_pretrained(args.rollout_model, dtype=getattr(torch, args.params_dtype))
+        # a multimodal checkpoint (Qwen3.5's ...ForConditionalGeneration) as its language model: the text
+        # config makes transformers build the family's ...ForCausalLM and read model.language_model.* into it
+        config = load_hf_config(args.rollout_model)
+        self._prefix = hf_name_prefix(config)
+        self.model = AutoModelForCausalLM.from_pretrained(args.rollout_model, config=config,
+                                                          dtype=getattr(torch, args.params_dtype))
         self.model.to(self.device).eval().requires_grad_(False)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
             # Storage of its own for every tensor: loaded on the CPU, a checkpoint's tensors may share the
@@ -184,6 +191,8 @@ class HfRolloutEngine(EngineMemory):
         self.onload(tags=["weights"])
         loaded = set()
         for name, tensor in weights:
+            if name.startswith(self._prefix):  # a multimodal checkpoint's names: the text model's here
+                name = "model." + name.removeprefix(self._prefix)
             if self._tied and name == "lm_head.weight":
                 continue  # the embedding, sent as model.embed_tokens.weight (vLLM's loaders skip it too)
             param = self._params.get(name)

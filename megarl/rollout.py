@@ -37,7 +37,7 @@ import re
 import torch
 from dataclasses import dataclass, field
 
-from megarl import accelerator, host_memory, startup_gc
+from megarl import accelerator, host_memory, startup_gc, vllm_cpu
 
 log = logging.getLogger("megarl.rollout")
 
@@ -99,6 +99,10 @@ class VllmEngine:
         (placement.EngineGroup), on launch rank `rank`, serving `model`."""
         from vllm import LLM
 
+        if not accelerator.ON_CUDA:
+            check_cpu_engine(model, args.params_dtype)
+            vllm_cpu.install()  # what vLLM's CPU build lacks for Qwen3.5 in fp32 (megarl/vllm_cpu.py)
+
         # vLLM's external launcher reads the torch world from the environment:
         # in separate placement that is this role's world, not the launch's.
         os.environ.update(RANK=str(engines.role_rank(rank)), WORLD_SIZE=str(len(engines.ranks)))
@@ -117,6 +121,8 @@ class VllmEngine:
                       tensor_parallel_size=self.tp, dtype=args.params_dtype, seed=seed + self.engine_index,
                       max_model_len=max_model_len, logprobs_mode="processed_logprobs")
         kwargs.update(engine_kwargs)
+        if is_multimodal(model):  # its language model alone: vLLM then builds no vision tower
+            kwargs.setdefault("limit_mm_per_prompt", {"image": 0, "video": 0})
         from megarl.vllm_logging import quiet_expected_reload_warnings
         quiet_expected_reload_warnings()
         startup_gc.freeze_what_lives_for_the_run()  # vLLM's full collections while it loads then skip it
@@ -396,6 +402,26 @@ def rollout_engine_kwargs(args, colocated: bool) -> dict:
     return {**accelerator.vllm_engine_kwargs(args.rollout_kv_cache_gb, args.rollout_gpu_memory_utilization,
                                              sleep_mode=colocated),
             **lora, **args.rollout_engine_kwargs, **replay}
+
+
+def is_multimodal(model: str) -> bool:
+    """Whether the checkpoint is a multimodal one whose language model megarl serves (Qwen3.5's
+    ...ForConditionalGeneration)."""
+    from megarl.models.families import hf_name_prefix, load_hf_config
+
+    return hf_name_prefix(load_hf_config(model)) != "model."
+
+
+def check_cpu_engine(model: str, params_dtype: str) -> None:
+    """Refuse, in one line, a bf16 CPU engine of a Gated DeltaNet model: vLLM's bf16 CPU kernels pack each
+    conv1d weight in place after loading (a [channels, width] copy the kernel reads), which the weight sync's
+    reload does not redo, so every sync after the first would leave the engine computing with stale weights.
+    fp32 (megarl's CPU runs) takes megarl's own core (vllm_cpu) on unpacked weights; GPUs are unaffected."""
+    from megarl.models.families import family_of, load_hf_config
+
+    if params_dtype != "float32" and family_of(load_hf_config(model)).hybrid_linear_attention:
+        raise ValueError(f"{model}: a {params_dtype} vLLM engine of a Gated DeltaNet model (Qwen3.5) on CPU ranks "
+                         f"would serve stale weights after the second weight sync; use --params-dtype float32 on CPU")
 
 
 def _load_in_place(worker, weights) -> None:

@@ -84,18 +84,53 @@ for _name in RANDOM_MODELS:
 
 
 @pytest.fixture(scope="session")
+def multimodal_qwen3_5(tmp_path_factory) -> str:
+    """A random Qwen3.5 in the released checkpoints' layout (...ForConditionalGeneration: vision tower, MTP
+    head, the language model under model.language_model.), tied."""
+    from helpers import make_random_multimodal_qwen3_5
+
+    return make_random_multimodal_qwen3_5(tmp_path_factory.mktemp("multimodal_qwen3_5"), True, 17)
+
+
+@pytest.fixture(scope="session")
 def random_moe_policy(tiny_model, tmp_path_factory) -> str:
     """A random Qwen3-MoE (8 experts of width 64, top 2) with the tiny model's tokenizer and stop tokens:
     a whole RL run's machinery on an MoE policy in seconds (its rewards are those of a random policy; the
     trained tiny MoE, tools/make_tiny_model.py --moe, takes minutes to build)."""
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_moe_policy"),
+                                lambda path, tokens: make_random_model(path, "qwen3_moe", False, 13, moe_intermediate_size=64,
+                                                                       max_position_embeddings=512, **tokens))
+
+
+@pytest.fixture(scope="session")
+def random_qwen3_5_policy(tiny_model, tmp_path_factory) -> str:
+    """A random Qwen3.5 (tests/helpers.py's shape, untied) with the tiny model's tokenizer and stop tokens: RL and
+    distillation runs on Qwen3.5's hybrid layers in seconds (tools/make_tiny_model.py --family qwen3_5 trains one
+    in minutes, for the quickstart and the learning lane)."""
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_qwen3_5_policy"),
+                                lambda path, tokens: make_random_model(path, "qwen3_5", False, 18, **tokens))
+
+
+@pytest.fixture(scope="session")
+def random_qwen3_5_teacher(tiny_model, tmp_path_factory) -> str:
+    """Another random Qwen3.5 with the tiny model's tokenizer, in the released checkpoints' multimodal layout
+    (a teacher as Qwen/Qwen3.5-4B ships: ...ForConditionalGeneration with a vision tower and an MTP head)."""
+    from helpers import make_random_multimodal_qwen3_5
+
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_qwen3_5_teacher"),
+                                lambda path, tokens: make_random_multimodal_qwen3_5(path, True, 19, tokens["vocab_size"]))
+
+
+def _with_tiny_tokenizer(tiny_model: str, path, make) -> str:
+    """`make(path, tokens)` (tokens: vocab_size, eos and pad ids of the tiny tokenizer), then the tiny model's
+    tokenizer and generation config beside it."""
     import shutil
 
     from transformers import AutoTokenizer
 
-    path = tmp_path_factory.mktemp("random_moe_policy")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    make_random_model(path, "qwen3_moe", False, 13, vocab_size=len(tokenizer), moe_intermediate_size=64,
-                      max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    make(path, dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id))
     tokenizer.save_pretrained(path)
     shutil.copy(os.path.join(tiny_model, "generation_config.json"), path)
     return str(path)

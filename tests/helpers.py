@@ -164,6 +164,58 @@ def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: 
     return str(path)
 
 
+def make_random_multimodal_qwen3_5(path, tied: bool = True, seed: int = 0, vocab_size: int = 250) -> str:
+    """A random Qwen3.5 checkpoint as the released ones are laid out: Qwen3_5ForConditionalGeneration, the
+    language model under model.language_model., a (tiny) vision tower under model.visual. and two MTP-head
+    tensors under mtp. (transformers does not model the MTP head; the released checkpoints carry one)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    text_path = make_random_model(Path(path) / "text", "qwen3_5", tied, seed, vocab_size)
+    text = transformers.AutoConfig.from_pretrained(text_path).to_dict()
+    config = transformers.Qwen3_5Config(text_config=text, tie_word_embeddings=tied,
+                                        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                                                           out_hidden_size=text["hidden_size"]))
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(std=0.1)
+        model.model.language_model.load_state_dict(
+            {k.removeprefix("model."): v for k, v in load_file(Path(text_path) / "model.safetensors").items()
+             if k.startswith("model.")})
+        if not tied:
+            model.lm_head.weight.copy_(load_file(Path(text_path) / "model.safetensors")["lm_head.weight"])
+    model.save_pretrained(path)
+    tensors = load_file(Path(path) / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    hidden = text["hidden_size"]
+    tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=generator),
+                    "mtp.norm.weight": torch.zeros(hidden)})
+    save_file(tensors, Path(path) / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+# A reward no group of samples scores alike unless its responses are equally long: a live GRPO signal from any
+# policy, a random one included (--external-plugins <this file> --reward response_length).
+LENGTH_REWARD = '''
+from megarl.rewards import register_reward
+
+
+@register_reward("response_length")
+def response_length(response, row):
+    return len(response) / 1000.0
+'''
+
+
+def length_reward_plugin(directory) -> str:
+    """The LENGTH_REWARD plugin written into `directory`; its path."""
+    path = Path(directory) / "length_reward.py"
+    path.write_text(LENGTH_REWARD)
+    return str(path)
+
+
 def make_random_qwen2(path, tied: bool, seed: int = 0, vocab_size: int = 250) -> str:
     """A small random Qwen2 checkpoint with GQA, QKV bias and an unpadded vocabulary."""
     return make_random_model(path, "qwen2", tied, seed, vocab_size)

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from helpers import assert_fp32_paths_agree, assert_runs_agree, assert_steps_move, micro_batches, nll, scalars, torchrun
+from helpers import (assert_fp32_paths_agree, assert_runs_agree, assert_steps_move, length_reward_plugin, micro_batches,
+                     nll, scalars, torchrun)
 from test_fast_paths import actor_of
 
 from megarl import cpu_gemm
@@ -223,15 +224,6 @@ def test_megatron_linear_layers_and_loss_kernels_through_onednn_match_torchs(meg
         assert_fp32_paths_agree(a.detach(), b.detach(), what)
 
 
-# A reward no group of samples scores alike unless its responses are equally long.
-LENGTH_REWARD = '''
-from megarl.rewards import register_reward
-
-
-@register_reward("response_length")
-def response_length(response, row):
-    return len(response) / 1000.0
-'''
 
 
 @onednn
@@ -252,8 +244,7 @@ def test_a_training_run_through_onednn_matches_torchs_gemms(tiny_model, tmp_path
     from megarl.models import attention_paths
 
     monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "cache"))
-    plugin = tmp_path / "length_reward.py"
-    plugin.write_text(LENGTH_REWARD)
+    plugin = length_reward_plugin(tmp_path)
     for library in ("onednn", "torch"):
         cpu_gemm.keep(f"{cpu_gemm.machine_key()} | attention with {library} GEMMs: 4 heads in 2 groups of 32",
                       [list(piece) for piece in attention_paths.DEFAULT_PATHS[library]])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import FP32_PATHS_ULPS, ROOT, read_json, scalars, torchrun
+from helpers import FP32_PATHS_ULPS, ROOT, assert_steps_move, length_reward_plugin, read_json, scalars, torchrun
 
 from megarl.arguments import parse_args
 from megarl.errors import ConfigError
@@ -82,6 +82,41 @@ def test_a_few_distillation_steps(layout, tiny_model, teacher_model, tmp_path):
         assert len(series["teacher_seconds"]) == 3, series
     else:
         assert "teacher_topk_mass" not in series
+
+
+QWEN3_5_RUNS = {
+    # GRPO (policy loss on a reward whose groups always differ: the response's length) plus top-k GKD from a
+    # colocated Qwen3.5 teacher in the released multimodal layout, rollout on its own rank (ms-swift's second
+    # layout): the weight sync to a separate vLLM engine of Gated DeltaNet layers every step.
+    "grpo-topk-separate": ("examples/gkd/rollout_separate_teacher_colocate.yaml", ["--reward", "response_length"]),
+    # Full-vocabulary GKD (the JSD mixture) at TP 2, everything colocated: the GDN heads and their delta-rule
+    # states split over TP in both the student and the teacher.
+    "gkd-full-vocabulary-tp2": ("examples/gkd/rollout_colocate_teacher_colocate.yaml",
+                                ["--gkd-logits-topk", "0", "--gkd-beta", "0.5", "--tensor-model-parallel-size", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", list(QWEN3_5_RUNS))
+def test_qwen3_5_grpo_and_distillation_steps(run, random_qwen3_5_policy, random_qwen3_5_teacher, tmp_path):
+    """Three steps of a Qwen3.5 student with a Qwen3.5 teacher (the seeds' GKD pair): every step trains (a
+    gradient, a positive divergence to the teacher), and the rollout engine's logprobs of its own samples match
+    the trainer's after every sync (the mismatch at fp32 rounding: a sync or a layout that got one tensor wrong
+    would move it by orders of magnitude)."""
+    config, extra = QWEN3_5_RUNS[run]
+    result = torchrun("../../megarl/train.py", "--config", config, "--model", random_qwen3_5_policy,
+                      "--teacher-model", random_qwen3_5_teacher, "--external-plugins", length_reward_plugin(tmp_path),
+                      *SMALL, *extra, "--log-dir", tmp_path / "tb", timeout=900)
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3, result.stdout[-3000:]
+    assert "left out 21 vision-tower tensors (model.visual.*) and 2 multi-token-prediction (MTP) head tensors" \
+        in result.stdout, result.stdout[-3000:]
+    series = scalars(tmp_path / "tb", ["distill_loss", "teacher_kl", "grad_norm", "mismatch", "reward_std"])
+    assert_steps_move(series, steps=(0, 1, 2))
+    assert min(series["teacher_kl"].values()) > 0 and min(series["distill_loss"].values()) > 0, series
+    assert max(series["mismatch"].values()) < 1e-4, series
+    if "--reward" in extra:  # the policy loss has a signal: the groups' rewards differ
+        assert min(series["reward_std"].values()) > 0, series
 
 
 BAD = [

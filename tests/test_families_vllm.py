@@ -1,5 +1,6 @@
 """The new model families in vLLM's CPU build: a Qwen3 (q/k norms, head_dim != hidden /
-heads) and a Llama with Llama-3 RoPE scaling, each loaded into a colocated rollout
+heads), a Llama with Llama-3 RoPE scaling, a Qwen3-MoE and the Qwen3.5 families (dense, MoE and
+the multimodal checkpoint layout), each loaded into a colocated rollout
 engine (TP=2, external launcher) from an HF checkpoint and then through the weight
 sync from Megatron (TP=2), checked against transformers after each.
 
@@ -9,7 +10,7 @@ Each family runs one torchrun launch; the Llama uses the "custom" Llama-3 values
 
 import pytest
 
-from helpers import FP32_ULPS, make_random_model, read_json, torchrun
+from helpers import FP32_ULPS, make_random_model, make_random_multimodal_qwen3_5, read_json, torchrun
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
@@ -17,6 +18,12 @@ CASES = {  # family: (tied, Llama-3 RoPE)
     "qwen3": (True, None),
     "llama": (False, "custom"),
     "qwen3_moe": (False, None),  # vLLM's fused experts; Megatron at EP=2 (experts gathered for the sync)
+    # Gated DeltaNet layers: vLLM's qwen3_5 model with megarl's fp32 CPU core (megarl/vllm_cpu.py)
+    "qwen3_5": (True, None),
+    "qwen3_5_moe": (False, None),
+    # the released layout (...ForConditionalGeneration): vLLM serves its language model alone, the sync
+    # streams model.language_model.* names, the vision tower and MTP tensors stay out
+    "qwen3_5_multimodal": (True, None),
 }
 
 
@@ -26,8 +33,12 @@ def test_family_in_vllm_fresh_and_synced(family, tmp_path):
     # MoE: experts of width 64, which vLLM's CPU kernel packs without padding (the packed experts keep the
     # loaded shape: the case a shape check would miss)
     fields = dict(moe_intermediate_size=64) if family.endswith("_moe") else {}
-    fresh, synced = (make_random_model(tmp_path / name, family, tied, seed, llama3_rope=rope, **fields)
-                     for name, seed in (("fresh", 11), ("synced", 12)))
+    if family == "qwen3_5_multimodal":
+        fresh, synced = (make_random_multimodal_qwen3_5(tmp_path / name, tied, seed)
+                         for name, seed in (("fresh", 11), ("synced", 12)))
+    else:
+        fresh, synced = (make_random_model(tmp_path / name, family, tied, seed, llama3_rope=rope, **fields)
+                         for name, seed in (("fresh", 11), ("synced", 12)))
     out = tmp_path / "report.json"
     parallel = ["--tp", "1", "--ep", "2"] if family.endswith("_moe") else []
     torchrun("families_vllm_worker.py", "--fresh", fresh, "--synced", synced, "--out", out, *parallel, timeout=900)

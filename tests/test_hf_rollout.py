@@ -94,6 +94,23 @@ def test_reported_logprobs_are_a_plain_forwards_at_the_temperature(engine):
     """The cached, left-padded decoding reports, for every sampled token, the log-softmax at T = 0.7 that one
     unpadded forward of prompt + response gives (positions, masks and the cache line up), and the
     callback gets each prompt's samples once."""
+    _check_reported_logprobs(engine)
+
+
+def test_qwen3_5_decoding_carries_its_recurrent_state(random_qwen3_5_teacher):
+    """The same on Qwen3.5 in the released multimodal layout (read as its language model): the Gated DeltaNet
+    layers' conv and recurrent states in transformers' cache, the prompts' left padding kept out of them; and the
+    weight load takes the checkpoint's model.language_model.* names."""
+    engine = _engine(random_qwen3_5_teacher, "--num-generations", "3", "--temperature", "0.7")
+    assert type(engine.model).__name__ == "Qwen3_5ForCausalLM"
+    _check_reported_logprobs(engine)
+    weights = {name: param.detach() + 0.01 for name, param in engine.model.named_parameters()}
+    engine.load_weights(("model.language_model." + name.removeprefix("model.") if name.startswith("model.") else
+                         name, tensor) for name, tensor in weights.items())
+    assert all(torch.equal(param, weights[name]) for name, param in engine.model.named_parameters())
+
+
+def _check_reported_logprobs(engine):
     prompts, done = _prompts(engine), []
     samples = engine.generate(prompts, [0, 1, 2], step=0, on_prompt_done=lambda i, s: done.append((i, len(s))))
     assert sorted(done) == [(0, 3), (1, 3), (2, 3)]

