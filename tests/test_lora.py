@@ -312,8 +312,56 @@ def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tin
         assert_fp32_paths_agree(weight, peft_merged[name], f"peft's merge vs --lora-export merged: {name}")
 
 
+def test_qwen3_5_adapters_on_both_attentions_load_in_peft(megatron_rank, random_qwen3_5_teacher, tmp_path):
+    """Qwen3.5 (its released multimodal layout) with adapters on every linear: the gated softmax layers'
+    q_proj (query and gate rows of each head, interleaved per query group in Megatron's linear_qkv), the Gated
+    DeltaNet's four fused input projections and out_proj, the MLPs. After training, peft's model with the
+    exported adapter directory gives megarl's logits, its merge the merged export's weights."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from megarl.actor import Actor
+    from megarl.checkpoint import export_policy
+    from megarl.models.families import load_hf_config
+
+    model = random_qwen3_5_teacher
+    hf_config = load_hf_config(model)
+    args = options(model, "--lora-alpha", "12", "--lora-export", "both")
+    actor = Actor(args, hf_config)
+    train(actor)
+    export_policy(actor.model, args, hf_config, str(tmp_path / "out"), None, is_writer=True)
+    tensors = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    prefix = "base_model.model.model.language_model.layers"
+    gdn = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    assert {name.split(".")[-3] for name in tensors if f"{prefix}.0.linear_attn." in name} == set(gdn)
+    assert {name.split(".")[-3] for name in tensors if f"{prefix}.1.self_attn." in name} == \
+        {"q_proj", "k_proj", "v_proj", "o_proj"}
+    # 2 GDN and 2 softmax layers: their attentions' linears, 3 MLP linears each, an A and a B for every one
+    assert len(tensors) == 2 * (2 * len(gdn) + 2 * 4 + 4 * 3)
+
+    batches = micro_batches(seed=9)
+    ours = logits_of(actor.model, batches)[..., :hf_config.vocab_size]
+    # the checkpoint's own class: the adapter names its modules (model.language_model.layers.N...)
+    hf = Qwen3_5ForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "out" / "adapter")).eval()
+    tokens = torch.cat([batch.tokens for batch in batches])
+    with torch.no_grad():
+        theirs = peft_model(input_ids=tokens).logits
+        with peft_model.disable_adapter():
+            without = peft_model(input_ids=tokens).logits
+    assert fp32_paths_ulps(ours, without) > 100 * FP32_PATHS_ULPS  # the adapters matter here
+    assert_fp32_paths_agree(theirs, ours, "peft's Qwen3.5 with the exported adapter vs megarl's")
+    merged = load_file(tmp_path / "out" / "model.safetensors")  # the language model, as a text checkpoint
+    peft_merged = peft_model.merge_and_unload().state_dict()
+    for name, weight in merged.items():
+        assert_fp32_paths_agree(weight, peft_merged[name.replace("model.", "model.language_model.", 1)],
+                                f"peft's merge vs --lora-export merged: {name}")
+
+
 @pytest.mark.slow
-def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(tiny_model, tmp_path):
+@pytest.mark.parametrize("model", ["tiny_model", "random_qwen3_5_policy"])
+def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(model, request, tmp_path):
     """The same adapters sharded over TP=2, split into PP=2 stages and over CP=2 ranks, and on one rank's
     layout (one launch, tests/workers/lora_worker.py; the actor's DDP, schedule and finalize_model_grads with
     the frozen tied embedding): logits and every adapter's gradient (gathered whole, from every stage) agree
@@ -322,26 +370,33 @@ def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(tiny_model, tmp_path):
     A's gradient is the same on both TP ranks (its input's mask drawn alike). The PP=2 checkpoint (Megatron's
     layer offsets) resumes a fresh PP=2 actor's next step bit for bit, and loads at PP=1 with every adapter
     and Adam moment as saved. The weight syncs' two streams (merged weights, PEFT adapters), every stage's on
-    every rank, equal one rank's."""
+    every rank, equal one rank's. Qwen3.5 (no CP: refused for its Gated DeltaNet layers): the TP=2 adapters of
+    the GDN's fused in_proj hold each rank's part of in_proj_qkv's q, k and v rows (its B drawn whole, in HF's
+    row order, then sharded as the layer shards it: LoraAdapter.rank_rows), the gated q_proj's per query group."""
     from helpers import read_json
 
-    torchrun("lora_worker.py", tiny_model, tmp_path / "report.json", timeout=400)
+    qwen3_5 = model == "random_qwen3_5_policy"
+    torchrun("lora_worker.py", request.getfixturevalue(model), tmp_path / "report.json", timeout=400)
     report = read_json(tmp_path / "report.json")
     assert min(report["grad_max"].values()) > 0, report["grad_max"]
-    for layout in ("tp2", "pp2", "cp2"):
+    # every linear of a layer (Qwen3.5: 5 GDN and 3 MLP in layers 0 and 2, 4 attention and 3 MLP in 1 and 3)
+    adapters = 2 * (5 + 3) + 2 * (4 + 3) if qwen3_5 else 2 * 7
+    assert report["streamed"]["peft"] == 2 * adapters, report["streamed"]
+    for layout in ("tp2", "pp2") if qwen3_5 else ("tp2", "pp2", "cp2"):
         assert report[layout]["logits_ulps"] <= FP32_PATHS_ULPS, (layout, report[layout]["logits_ulps"])
-        assert len(report[layout]["grad_ulps"]) == 2 * 2 * 7  # layers x (A, B) x the 7 linears of a layer
+        assert len(report[layout]["grad_ulps"]) == 2 * adapters  # (A, B) of each
         off = {name: value for name, value in report[layout]["grad_ulps"].items() if value > FP32_PATHS_ULPS}
         assert not off, (layout, off)
         # The syncs' and exports' streams: the merged weights (as two fp32 paths: the same sums) and the adapters
         # (bit for bit: the same tensors, gathered), every stage's, on every rank.
         assert report[layout]["merged_ulps"] <= FP32_PATHS_ULPS and report[layout]["peft_bit_exact"], \
             (layout, report[layout]["merged_ulps"], report[layout]["peft_bit_exact"])
-    assert report["streamed"] == {"merged": 2 + 2 * 12, "peft": 2 * 2 * 7}, report["streamed"]
+    if not qwen3_5:
+        assert report["streamed"] == {"merged": 2 + 2 * 12, "peft": 2 * 2 * 7}, report["streamed"]
     tp2, pp2 = report["tp2"], report["pp2"]
     assert tp2["dropout_replicated_A_max"] > 0 and tp2["dropout_replicated_A_rank_difference"] == 0, tp2
     assert pp2["resumed_step_bit_exact"] and pp2["resumed_step_moved"] > 1e-5, pp2  # the step moved the adapters
-    assert report["pp2_checkpoint_loaded"] == {"keys": True, "count": 3 * 2 * 2 * 7, "bit_exact": True}, report
+    assert report["pp2_checkpoint_loaded"] == {"keys": True, "count": 3 * 2 * adapters, "bit_exact": True}, report
 
 
 @pytest.mark.slow

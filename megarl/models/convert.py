@@ -82,16 +82,20 @@ def split_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def merge_gated_qkv(q_and_gate, k, v, hf_config) -> torch.Tensor:
-    """HF's gated q_proj ([q_h; gate_h] per head) with k, v -> Megatron's linear_qkv under
-    attention_output_gate: per query group [its q heads, their gates, k_g, v_g] (attention.py:
-    get_query_key_value_tensors splits it so)."""
-    groups, q_per_group, dim = _qkv_groups(hf_config)
+def interleave_gated_qkv(q_and_gate, k, v, groups: int, head_dim: int, dim: int = 0) -> torch.Tensor:
+    """HF's gated q_proj output ([q_h; gate_h] per head) with k, v of `groups` query groups, each along `dim` ->
+    Megatron's linear_qkv under attention_output_gate: per query group [its q heads, their gates, k_g, v_g]
+    (attention.py: get_query_key_value_tensors splits it so); whole tensors, or one TP rank's groups."""
+    q_and_gate, k, v = (t.movedim(dim, 0) for t in (q_and_gate, k, v))
     tail = q_and_gate.shape[1:]
-    per_head = q_and_gate.reshape(groups, q_per_group, 2, dim, *tail)
+    per_head = q_and_gate.reshape(groups, -1, 2, head_dim, *tail)
     q, gate = per_head[:, :, 0].reshape(groups, -1, *tail), per_head[:, :, 1].reshape(groups, -1, *tail)
-    return torch.cat([q, gate, k.reshape(groups, dim, *tail), v.reshape(groups, dim, *tail)],
-                     dim=1).reshape(-1, *tail)
+    return torch.cat([q, gate, k.reshape(groups, head_dim, *tail), v.reshape(groups, head_dim, *tail)],
+                     dim=1).reshape(-1, *tail).movedim(0, dim)
+
+
+def merge_gated_qkv(q_and_gate, k, v, hf_config) -> torch.Tensor:
+    return interleave_gated_qkv(q_and_gate, k, v, hf_config.num_key_value_heads, head_dim(hf_config))
 
 
 def split_gated_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,7 +109,7 @@ def split_gated_qkv(qkv, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q_and_gate.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def _gdn_sections(hf_config) -> list[int]:
+def gdn_sections(hf_config) -> list[int]:
     """Row counts of a Gated DeltaNet's q, k, v (the conv1d's channels; in_proj_qkv's rows)."""
     key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
     return [key, key, hf_config.linear_num_value_heads * hf_config.linear_value_head_dim]
@@ -117,7 +121,7 @@ def _rank_pieces(pieces: list[torch.Tensor], tp_rank: int, tp_size: int) -> torc
     return torch.cat([piece.chunk(tp_size, dim=0)[tp_rank] for piece in pieces], dim=0)
 
 
-def _unrank_pieces(shards: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+def unrank_pieces(shards: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
     """Inverse of `_rank_pieces` from every TP rank's shard: the whole pieces, of `sizes` rows in all."""
     tp = len(shards)
     per_rank = [shard.split([size // tp for size in sizes], dim=0) for shard in shards]
@@ -147,7 +151,7 @@ def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: in
     if rule.layout == "gated_qkv":
         return merge_gated_qkv(*hf, hf_config).chunk(tp_size, dim=0)[tp_rank]
     if rule.layout in ("gdn_in_proj", "gdn_conv"):
-        return _rank_pieces([*hf[0].split(_gdn_sections(hf_config), dim=0), *hf[1:]], tp_rank, tp_size)
+        return _rank_pieces([*hf[0].split(gdn_sections(hf_config), dim=0), *hf[1:]], tp_rank, tp_size)
     raise ValueError(f"unknown layout {rule.layout!r}")
 
 
@@ -179,10 +183,10 @@ def to_hf_tensors(rule: Rule, shards: list[torch.Tensor], hf_config) -> list[tor
     if rule.layout == "gated_qkv":
         return list(split_gated_qkv(_cat(shards, dim=0), hf_config))
     if rule.layout in ("gdn_in_proj", "gdn_conv"):
-        qkv_sizes = _gdn_sections(hf_config)
+        qkv_sizes = gdn_sections(hf_config)
         heads = hf_config.linear_num_value_heads
         extra = [qkv_sizes[2], heads, heads] if rule.layout == "gdn_in_proj" else []  # z, b, a
-        pieces = _unrank_pieces(shards, qkv_sizes + extra)
+        pieces = unrank_pieces(shards, qkv_sizes + extra)
         return [torch.cat(pieces[:3], dim=0), *pieces[3:]]
     raise ValueError(f"unknown layout {rule.layout!r}")
 

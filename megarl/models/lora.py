@@ -110,13 +110,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.models.convert import interleave_qkv, unwrap
-from megarl.models.families import Family, family_of
+from megarl.models.convert import _rank_pieces, interleave_gated_qkv, interleave_qkv, unrank_pieces, unwrap
+from megarl.models.families import Family, family_of, hf_name_prefix
 
 ALL_LINEAR = "all-linear"
 _LAYER_PREFIX = "decoder.layers.{i}."
 # Family rule layouts of the decoder layers' linear weights, and how TP splits each.
-_LINEAR_LAYOUTS = {"qkv": "column", "gate_up": "column", "column": "column", "row": "row"}
+_LINEAR_LAYOUTS = {"qkv": "column", "gate_up": "column", "column": "column", "row": "row", "gated_qkv": "column",
+                   "gdn_in_proj": "column"}
 
 
 @dataclass(frozen=True)
@@ -131,17 +132,25 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def linear_modules(family: Family) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
-    """{Megatron linear's path in a layer ('self_attention.linear_qkv'): (layout, its HF modules in fused
-    order ('q_proj', 'k_proj', 'v_proj'), their HF paths ('model.layers.{i}.self_attn.q_proj', ...))}, read off
-    the family's conversion rules."""
+@dataclass(frozen=True)
+class Linear:
+    """A Megatron linear of a decoder layer as LoRA sees it."""
+    layout: str  # the family rule's layout of its weight
+    modules: tuple[str, ...]  # its HF modules in fused order ('q_proj', 'k_proj', 'v_proj')
+    hf_paths: tuple[str, ...]  # their HF paths ('model.layers.{i}.self_attn.q_proj', ...)
+    layer_type: str | None  # the HF layer_types entry of the layers that have it (hybrid families), else None
+
+
+def linear_modules(family: Family) -> dict[str, Linear]:
+    """{Megatron linear's path in a layer ('self_attention.linear_qkv'): Linear}, read off the family's
+    conversion rules."""
     linears = {}
     for rule in family.layer_rules:
         if rule.layout in _LINEAR_LAYOUTS and rule.megatron.endswith(".weight") and \
                 rule.megatron.startswith(_LAYER_PREFIX):
             path = rule.megatron.removeprefix(_LAYER_PREFIX).removesuffix(".weight")
-            linears[path] = (rule.layout, tuple(name.rsplit(".", 2)[-2] for name in rule.hf),
-                             tuple(name.removesuffix(".weight") for name in rule.hf))
+            linears[path] = Linear(rule.layout, tuple(name.rsplit(".", 2)[-2] for name in rule.hf),
+                                   tuple(name.removesuffix(".weight") for name in rule.hf), rule.layer_type)
     return linears
 
 
@@ -149,8 +158,8 @@ def resolve_targets(targets: list[str], family: Family) -> tuple[str, ...]:
     """--lora-target-modules -> the HF module names they cover, in the model's order; ValueError naming
     the first name the family does not have."""
     linears = linear_modules(family)
-    every = [module for _, modules, _ in linears.values() for module in modules]
-    by_megatron = {path.rsplit(".", 1)[-1]: modules for path, (_, modules, _) in linears.items()}
+    every = [module for linear in linears.values() for module in linear.modules]
+    by_megatron = {path.rsplit(".", 1)[-1]: linear.modules for path, linear in linears.items()}
     chosen = set()
     for target in targets:
         if target == ALL_LINEAR:
@@ -188,10 +197,21 @@ class LoraAdapter(torch.nn.Module):
         self.hf_paths = {module: path.format(i=layer) for module, path in zip(modules, hf_paths)}  # PEFT's names
         conf = base.config
         self.groups = conf.num_query_groups // tp  # this rank's query groups (qkv)
-        if layout == "qkv":
-            full_out = {modules[0]: conf.num_attention_heads * conf.kv_channels,
-                        modules[1]: conf.num_query_groups * conf.kv_channels,
+        self.head_dim = conf.kv_channels
+        # HF modules whose rows Megatron splits over TP piece by piece (a GDN's in_proj_qkv: each rank holds
+        # cat(q_r, k_r, v_r)): {module: the pieces' whole sizes}; this adapter's B holds its rank's rows in
+        # that order, gathered back into HF's by `convert.unrank_pieces`
+        self.pieces = {}
+        if layout in ("qkv", "gated_qkv"):
+            query = conf.num_attention_heads * conf.kv_channels * (2 if layout == "gated_qkv" else 1)
+            full_out = {modules[0]: query, modules[1]: conf.num_query_groups * conf.kv_channels,
                         modules[2]: conf.num_query_groups * conf.kv_channels}
+        elif layout == "gdn_in_proj":  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+            key = conf.linear_num_key_heads * conf.linear_key_head_dim
+            value = conf.linear_num_value_heads * conf.linear_value_head_dim
+            full_out = dict(zip(modules, (2 * key + value, value, conf.linear_num_value_heads,
+                                          conf.linear_num_value_heads)))
+            self.pieces[modules[0]] = [key, key, value]
         else:
             full_out = {module: base.output_size // len(modules) for module in modules}
         self.local_out = {module: out // tp if self.split == "column" else out for module, out in full_out.items()}
@@ -214,6 +234,18 @@ class LoraAdapter(torch.nn.Module):
             for param in (self.A[module], self.B[module]):
                 param.lora_adapter = True  # convert._local_entries: not a weight of the HF model
 
+    def rank_rows(self, module: str, whole: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+        """This TP rank's rows of `module`'s whole B (HF's row order) as this adapter holds them."""
+        if module in self.pieces:
+            return _rank_pieces(list(whole.split(self.pieces[module])), tp_rank, tp)
+        return whole.chunk(tp, dim=0)[tp_rank]
+
+    def whole_rows(self, module: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of `rank_rows` from every TP rank's rows of `module`'s B."""
+        if module in self.pieces:
+            return torch.cat(unrank_pieces(shards, self.pieces[module]))
+        return torch.cat(shards, dim=0)
+
     def _combine(self, parts: dict[str, torch.Tensor], lead: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """Per-module outputs along the last dim -> the fused linear's local output layout (zeros for the
         modules without an adapter)."""
@@ -221,6 +253,9 @@ class LoraAdapter(torch.nn.Module):
                    for module in self.modules]
         if self.layout == "qkv":
             return interleave_qkv(*tensors, groups=self.groups, dim=-1)
+        if self.layout == "gated_qkv":
+            return interleave_gated_qkv(*tensors, groups=self.groups, head_dim=self.head_dim, dim=-1)
+        # gdn_in_proj: this rank's in_proj rows are cat(its q, k, v rows, z, b, a), each module's in order
         return torch.cat(tensors, dim=-1) if len(tensors) > 1 else tensors[0]
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,11 +334,17 @@ def apply_lora(model, hf_config, config: LoraConfig, seed: int) -> list[LoraAdap
                          "take unsplit sequences: see the module docstring)")
     gpt.requires_grad_(False)
     adapters = []
+    kinds = getattr(hf_config, "layer_types", None) if family_of(hf_config).hybrid_linear_attention else None
+    prefix = hf_name_prefix(hf_config)  # PEFT names the checkpoint's modules (a multimodal one's language model)
     for layer in gpt.decoder.layers:
         index = layer.layer_number - 1  # global, 0-based
-        for path, (layout, modules, hf_paths) in linear_modules(family_of(hf_config)).items():
+        for path, linear in linear_modules(family_of(hf_config)).items():
+            layout, modules = linear.layout, linear.modules
             if not set(modules) & set(config.targets):
                 continue
+            if linear.layer_type is not None and kinds is not None and linear.layer_type != kinds[index]:
+                continue  # the other attention's linear (Qwen3.5: Gated DeltaNet or gated softmax layers)
+            hf_paths = tuple(prefix + hf.removeprefix("model.") for hf in linear.hf_paths)
             parent_path, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             base = getattr(parent, name)
@@ -431,7 +472,7 @@ def iter_peft_weights(model, bucket_bytes: int = 256 * 2**20):
     from megarl.models.convert import _buckets, _gather_tp_shards, every_stage
     from megarl.models.families import Rule
 
-    entries = []
+    entries, owners = [], {}
     for adapter in adapters_of(model):
         for which, params in (("A", adapter.A), ("B", adapter.B)):
             split = (which == "B") == (adapter.split == "column")
@@ -439,13 +480,21 @@ def iter_peft_weights(model, bucket_bytes: int = 256 * 2**20):
                 name = f"base_model.model.{adapter.hf_paths[module]}.lora_{which}.weight"
                 entries.append((name, Rule("", (), "split" if split else "replicated"),
                                 0 if which == "B" else 1, param))
+                if which == "B":
+                    owners[name] = adapter, module
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
 
     def this_stage():
         for bucket in _buckets(entries, bucket_bytes, tp_size):
             for (name, rule, dim, _), shards in zip(bucket, _gather_tp_shards(bucket, tp_group, tp_size)):
-                yield name, torch.cat(shards, dim=dim) if rule.layout == "split" else shards[0]
+                if rule.layout != "split":
+                    yield name, shards[0]
+                elif name in owners:  # a column base's B: its rows, whole in HF's order
+                    adapter, module = owners[name]
+                    yield name, adapter.whole_rows(module, shards)
+                else:
+                    yield name, torch.cat(shards, dim=dim)
 
     yield from every_stage([entry[0] for entry in entries], this_stage)
 

@@ -47,19 +47,26 @@ def micro_batch(vocab: int):
 
 def adapter_params(model) -> dict[str, torch.nn.Parameter]:
     """This stage's adapters by global name (HF module path, A or B)."""
+    return {key: param for key, (_, _, param) in adapter_entries(model).items()}
+
+
+def adapter_entries(model) -> dict[str, tuple]:
+    """{global name: (its LoraAdapter, HF module, parameter)} of this stage's adapters."""
     from megarl.models.lora import adapters_of
 
-    return {f"{adapter.hf_paths[module]}.{kind}": param for adapter in adapters_of(model)
+    return {f"{adapter.hf_paths[module]}.{kind}": (adapter, module, param) for adapter in adapters_of(model)
             for kind, params in (("A", adapter.A), ("B", adapter.B)) for module, param in params.items()}
 
 
-def whole_over_tp(param, tensor, tp: int, group) -> torch.Tensor:
+def whole_over_tp(entry, tensor, tp: int, group) -> torch.Tensor:
+    """The whole of an adapter tensor split over TP, in HF's order (a column base's B: `whole_rows`)."""
+    adapter, module, param = entry
     dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
     if dim is None or tp == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(tp)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return adapter.whole_rows(module, parts) if dim == 0 else torch.cat(parts, dim=dim)
 
 
 def everyone(local: dict) -> dict:
@@ -117,12 +124,12 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     def actor_with_adapters():
         actor = Actor(args, hf_config)
         with torch.no_grad():  # B as trained adapters have it: drawn whole, sharded as the layer's output rows
-            for key, param in adapter_params(actor.model).items():
+            for key, (adapter, module, param) in adapter_entries(actor.model).items():
                 if key.endswith(".B"):
                     split = getattr(param, "tensor_model_parallel", False)  # column base: on its rows
                     whole = torch.randn(param.shape[0] * (tp if split else 1), param.shape[1],
                                         generator=torch.Generator().manual_seed(zlib.crc32(key.encode()))) * 0.1
-                    param.copy_(whole.chunk(tp, dim=0)[tp_rank] if split else whole)
+                    param.copy_(adapter.rank_rows(module, whole, tp_rank, tp) if split else whole)
         return actor
 
     actor = actor_with_adapters()
@@ -133,8 +140,8 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     streams = {kind: {key: tensor.detach().clone() for key, tensor in stream} for kind, stream in streams.items()}
     actor.model.zero_grad_buffer()
     outputs = forward_backward(actor.model, [batch], loss_fn, False, 1)  # DDP's reduction over DP x CP included
-    params = adapter_params(actor.model)
-    grads = everyone({key: whole_over_tp(param, param.main_grad, tp, tp_group) for key, param in params.items()})
+    params, entries = adapter_params(actor.model), adapter_entries(actor.model)
+    grads = everyone({key: whole_over_tp(entries[key], param.main_grad, tp, tp_group) for key, param in params.items()})
     result = {"logits": outputs[0]["logits"], "grads": grads, **streams}
     if tp > 1:  # with dropout, a replicated A must see the same mask (so the same gradient) on every TP rank
         actor.model.zero_grad_buffer()
@@ -186,13 +193,17 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
 
 def main():
     from megarl import accelerator
+    from megarl.models.families import family_of, load_hf_config
 
     model_dir, out = sys.argv[1], sys.argv[2]
     ckpt = Path(out).parent / "lora_pp2_checkpoint"
     dist.init_process_group("gloo")
     accelerator.apply_megatron_shims()
     results = {}
+    hybrid = family_of(load_hf_config(model_dir)).hybrid_linear_attention
     for name in LAYOUTS:
+        if name == "cp2" and hybrid:  # Gated DeltaNet layers take no CP (refused in one line)
+            continue
         results[name] = run(model_dir, name, ckpt, results["pp2"].pop("saved") if name == "one" else None)
     if dist.get_rank() == 0:
         one = results.pop("one")
