@@ -818,6 +818,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.train_gpus, args.rollout_gpus = len(placement.train_ranks), len(placement.rollout_ranks)
     _validate_moe(args)
     _validate_routing_replay(args)
+    _validate_model_layout(args)
     from megarl import accelerator
 
     unsupported = accelerator.check_supported(args)
@@ -1061,9 +1062,7 @@ def _validate_lora(args) -> None:
         raise ConfigError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
     if not 0.0 <= args.lora_dropout < 1.0:
         raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
-    from megarl.models.families import load_hf_config
-
-    from megarl.models.families import family_of
+    from megarl.models.families import family_of, load_hf_config
     from megarl.models.lora import resolve_targets
 
     try:
@@ -1117,13 +1116,27 @@ def _validate_moe(args) -> None:
                           "routed experts are not wired up)")
 
 
+def _validate_model_layout(args) -> None:
+    """The policy's heads, layers and experts split over its TP, PP and EP sizes, and its layers take its CP
+    (a Gated DeltaNet's recurrent state is not split over CP ranks): models/megatron_gpt.check_parallel_sizes,
+    here before any rank builds anything."""
+    from megarl.models.megatron_gpt import check_parallel_sizes
+
+    hf_config, family = _policy_family(args)
+    if family is None:
+        return
+    try:
+        check_parallel_sizes(hf_config, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                             args.expert_model_parallel_size, args.context_parallel_size)
+    except ValueError as error:
+        raise ConfigError(f"--model {args.model}: {error}") from None
+
+
 def _policy_family(args):
     """(HF config, megarl family) of --model, or (None, None) where its config cannot be read here or its
     family is unsupported (named at start-up: run.load_inputs, which also refuses anything but a directory:
     so no hub look-up here)."""
-    from megarl.models.families import load_hf_config
-
-    from megarl.models.families import family_of
+    from megarl.models.families import family_of, load_hf_config
 
     if not os.path.isdir(args.model):
         return None, None

@@ -71,9 +71,7 @@ def _teacher_can_generate(run: Run) -> bool:
         return True
     if not args.teacher_model:
         return False
-    from megarl.models.families import load_hf_config
-
-    from megarl.models.families import shape_difference
+    from megarl.models.families import load_hf_config, shape_difference
 
     differ = shape_difference(load_hf_config(args.teacher_model), run.hf_config)
     if differ and run.is_main:

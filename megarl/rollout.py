@@ -319,13 +319,11 @@ class RolloutEngine(EngineMemory, VllmEngine):
         self.asleep: set[str] = set()  # the SLEEP_TAGS now asleep: vLLM's sleep_mode wakes one part at a time
         if args.lora_rank and args.lora_sync == "adapter":
             from megarl.models.families import load_hf_config
-
             from megarl.models.lora import lora_config
 
             self.adapter = lora_config(args, load_hf_config(args.model))
         if args.routing_replay == "on":
             from megarl.models.families import load_hf_config
-
             from megarl.routing_replay import EngineRoutes
 
             self.routes = EngineRoutes(self.llm, load_hf_config(args.rollout_model))

@@ -71,6 +71,21 @@ QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"
            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
 
 
+def qwen3_5_policy(path: Path) -> str:
+    """A random Qwen3.5 with the tiny model's tokenizer (tests/helpers.py's shape): every tensor it needs."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from helpers import make_random_model
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    make_random_model(path, "qwen3_5", True, 0, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(path)
+    shutil.copy(TINY / "generation_config.json", path)
+    return str(path)
+
+
 def bigger_tokenizer(path: Path) -> str:
     """The tiny model's tokenizer with 20 more tokens than the model's vocab_size (259)."""
     from transformers import AutoTokenizer
@@ -262,6 +277,9 @@ CASES = [
          ["--model", "layer_types[1]='hybrid'", "linear_attention", "full_attention"]),
     Case("qwen3_5-missing-linear-attention-tensor", lambda d: ["--model", model_dir(d / "m", config=QWEN3_5)],
          ["--model", "no tensor 'model.layers.0.linear_attn.in_proj_qkv.weight'", "qwen3_5 model"]),
+    Case("qwen3_5-context-parallel", lambda d: ["--model", qwen3_5_policy(d / "m"), "--context-parallel-size", "2",
+                                                "--padding-free"],
+         ["--model", "context_parallel_size=2", "Gated DeltaNet", "use CP 1"], world=2),
     Case("row-with-images", lambda d: train_data(d, row(images=["cat.png"])),
          ["train.jsonl:1", "field 'images' holds media", "text models"]),
     Case("message-with-image-part", lambda d: train_data(d, {"messages": [{"role": "user", "content": [

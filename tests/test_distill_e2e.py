@@ -200,18 +200,26 @@ def test_opsd_rows_are_scored_after_the_teacher_prompt(tiny_model, teacher_model
     assert kl[True]["distill_loss"][0] != kl[False]["distill_loss"][0], kl
 
 
+TP2_ENGINE = ["--teacher-gpus", "2", "--teacher-tensor-parallel-size", "2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("engines", [
+@pytest.mark.parametrize("engines,models", [
     # two engines, each scoring its shard: -m variants; CI runs the TP=2 engine
-    pytest.param(["--teacher-gpus", "2"], marks=pytest.mark.variants, id="two-engines-tp1"),
-    pytest.param(["--teacher-gpus", "2", "--teacher-tensor-parallel-size", "2"], id="one-engine-tp2")])
-def test_standalone_teacher_topk_equals_the_colocated_teachers(engines, tiny_model, teacher_model, tmp_path):
+    pytest.param(["--teacher-gpus", "2"], ("tiny_model", "teacher_model"), marks=pytest.mark.variants,
+                 id="two-engines-tp1"),
+    pytest.param(TP2_ENGINE, ("tiny_model", "teacher_model"), id="one-engine-tp2"),
+    # a Qwen3.5 student and teacher (the teacher in the released multimodal layout): vLLM's Gated DeltaNet
+    # prefill of every prompt against Megatron's
+    pytest.param(TP2_ENGINE, ("random_qwen3_5_policy", "random_qwen3_5_teacher"), id="qwen3_5-one-engine-tp2")])
+def test_standalone_teacher_topk_equals_the_colocated_teachers(engines, models, request, tmp_path):
     """The vLLM teacher's top-k (prompt_logprobs) and the Megatron teacher's (top-k over vocabulary
     shards) on the same student samples, half of them OPSD rows whose teacher prompt is longer.
     Rank 0 trains and generates, ranks 1-2 are the standalone teacher."""
+    model, teacher = (request.getfixturevalue(name) for name in models)
     out = tmp_path / "report.json"
     torchrun("teacher_parity_worker.py", out, "--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml",
-             "--model", tiny_model, "--standalone-teacher-model", teacher_model, *SMALL, "--gkd-logits-topk", "8",
+             "--model", model, "--standalone-teacher-model", teacher, *SMALL, "--gkd-logits-topk", "8",
              *engines, nproc=3, timeout=900)
     report = read_json(out)
     assert report["opsd_rows"] > 0 and report["opsd_prompt_longer"], report
