@@ -112,6 +112,14 @@ def random_qwen3_5_policy(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def random_qwen3_5_moe_policy(tiny_model, tmp_path_factory) -> str:
+    """A random Qwen3.5-MoE (8 experts of width 64, top 2, a gated shared expert) with the tiny tokenizer."""
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_qwen3_5_moe_policy"),
+                                lambda path, tokens: make_random_model(path, "qwen3_5_moe", False, 20,
+                                                                       moe_intermediate_size=64, **tokens))
+
+
+@pytest.fixture(scope="session")
 def random_qwen3_5_teacher(tiny_model, tmp_path_factory) -> str:
     """Another random Qwen3.5 with the tiny model's tokenizer, in the released checkpoints' multimodal layout
     (a teacher as Qwen/Qwen3.5-4B ships: ...ForConditionalGeneration with a vision tower and an MTP head)."""

@@ -11,7 +11,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, ROUNDING_LEVEL, assert_steps_move, scalars, torchrun
+from helpers import (ROOT, ROUNDING_LEVEL, assert_runs_agree, assert_steps_move, length_reward_plugin, scalars,
+                     torchrun)
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
@@ -97,6 +98,29 @@ def test_resume_and_export_at_another_tensor_parallel_size(tiny_model, tmp_path)
         assert all(torch.equal(tensors[name], reference[name]) for name in reference), exported
     before = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert not all(torch.equal(before[name], reference[name]) for name in reference)  # training changed it
+
+
+def test_qwen3_5_resumes_at_another_tensor_parallel_size(random_qwen3_5_policy, tmp_path):
+    """Qwen3.5 with full recomputation and the distributed optimizer: a TP=2 run's checkpoint after step 2 (the
+    Gated DeltaNet's fused in_proj and conv1d in Megatron's sharded pieces, Adam's moments sharded over DP)
+    resumed at TP=1 takes steps 3 and 4 as an uninterrupted TP=1 run does (the runs' rule of tests/helpers.py:
+    the first two steps differ by the layouts' rounding), on a reward whose groups always differ (the response's
+    length) so that every compared step carries a gradient. A resume that dropped or mis-sharded the optimizer's
+    moments, or a GDN tensor, would move steps 3-4's losses and gradient norms by far more."""
+    common = ["--reward", "response_length", "--external-plugins", length_reward_plugin(tmp_path),
+              "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+              "--use-distributed-optimizer"]
+    _run(random_qwen3_5_policy, tmp_path, "straight", *common, "--train-steps", "4")
+    _run(random_qwen3_5_policy, tmp_path, "tp2", *common, "--train-steps", "2", "--tensor-model-parallel-size", "2",
+         "--save-dir", tmp_path / "ckpt", "--save-interval", "2")
+    resumed = _run(random_qwen3_5_policy, tmp_path, "resumed", *common, "--train-steps", "4", "--save-dir",
+                   tmp_path / "ckpt", "--resume", "auto")
+    assert "after step 2" in resumed.stdout, resumed.stdout[-2000:]
+    straight, after = (scalars(tmp_path / f"tb_{name}", COMPARED) for name in ("straight", "resumed"))
+    assert_steps_move(after, steps=(2, 3))
+    for tag in COMPARED:
+        assert sorted(after[tag]) == [2, 3], (tag, after[tag])
+        assert_runs_agree(after[tag], straight[tag], f"resumed at TP 1 vs straight {tag}", steps=(2, 3))
 
 
 def test_lora_grpo_samples_from_the_merged_weights_resumes_exactly_and_exports(tiny_model, tmp_path):

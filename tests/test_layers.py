@@ -22,7 +22,7 @@ LAYERS = [
         "megarl.packing", "megarl.context_parallel", "megarl.vllm_logging"]),
     ("platform", [  # the device, the process groups, host memory, the collector
         "megarl.accelerator", "megarl.distributed", "megarl.offload", "megarl.host_memory",
-        "megarl.cpu_affinity", "megarl.cpu_gemm", "megarl.startup_gc"]),
+        "megarl.cpu_affinity", "megarl.cpu_gemm", "megarl.startup_gc", "megarl.vllm_cpu"]),
     ("components", [  # what the roles are built from
         "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards", "megarl.config_formats",
         "megarl.tools", "megarl.routing_replay"]),

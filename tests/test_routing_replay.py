@@ -193,7 +193,8 @@ def test_yaml_on_and_off_read_as_the_switch(tmp_path, random_qwen3_moe_untied):
 
 # ------------------------------------------------------------------ vLLM -> Megatron --
 @pytest.mark.slow
-def test_trainer_replays_the_engines_routes_and_a_flipped_router_keeps_the_dense_mismatch(random_moe_policy, tmp_path):
+@pytest.mark.parametrize("model", ["random_moe_policy", "random_qwen3_5_moe_policy"])
+def test_trainer_replays_the_engines_routes_and_a_flipped_router_keeps_the_dense_mismatch(model, request, tmp_path):
     """One rank, colocated: the engine's samples carry their routes, and the policy's and the reference's
     routers use exactly those experts (every layer, padded and packed micro-batches), with a trainer-only
     selection bias in place that would otherwise route every token elsewhere.
@@ -202,9 +203,10 @@ def test_trainer_replays_the_engines_routes_and_a_flipped_router_keeps_the_dense
     one at (nearly) every (token, layer): a position or order error would disagree at most of them
     (random routes agree on both experts 1 time in 28). The bias flips the trainer's own routes; with replay
     the mismatch stays at the unperturbed (dense) level (the same experts, the trainer's own probabilities
-    at them), without replay it does not. Ratios to the unperturbed run, not magnitudes."""
+    at them), without replay it does not. Ratios to the unperturbed run, not magnitudes. Qwen3.5-MoE: the
+    same through its Gated DeltaNet and gated-attention layers (vLLM's qwen3_5 model records the routes)."""
     out = tmp_path / "report.json"
-    torchrun("routing_replay_worker.py", out, "--model", random_moe_policy, "--prompts-per-step", 4,
+    torchrun("routing_replay_worker.py", out, "--model", request.getfixturevalue(model), "--prompts-per-step", 4,
              "--num-generations", 4, "--max-new-tokens", 16, "--micro-batch-size", 16, "--kl-coef", 0.1,
              "--rollout-kv-cache-gb", 0.25, "--train-steps", 1, "--routing-replay", "on", nproc=1, timeout=600)
     report = read_json(out)
