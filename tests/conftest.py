@@ -3,6 +3,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +167,26 @@ def tiny_teacher() -> str:
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--teacher", "--out", str(TINY_TEACHER),
                         "--quiet"], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return str(TINY_TEACHER)
+
+
+def _tiny_build(out: Path, *flags: str) -> str:
+    """tools/make_tiny_model.py's build into `out` with `flags`, once (kept across sessions in artifacts/)."""
+    if not (out / "megarl_tiny.json").exists():
+        subprocess.run([sys.executable, "tools/make_tiny_model.py", *flags, "--out", str(out), "--quiet"], cwd=ROOT,
+                       check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5() -> str:
+    """The tiny Qwen3.5 policy (tools/make_tiny_model.py --family qwen3_5, ~2 minutes on 2 cores)."""
+    return _tiny_build(ROOT / "artifacts" / "tiny-qwen3_5", "--family", "qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_teacher() -> str:
+    """The tiny Qwen3.5 teacher (--family qwen3_5 --teacher, ~4 minutes on 2 cores)."""
+    return _tiny_build(ROOT / "artifacts" / "tiny-qwen3_5-teacher", "--family", "qwen3_5", "--teacher")
 
 
 TINY_TOOL_MODEL = ROOT / "artifacts" / "tiny-qwen2-tools"

@@ -58,6 +58,17 @@ def test_quickstart_learns(tiny_model, tmp_path):
     assert last >= first + 0.10, line
 
 
+@pytest.mark.learning  # the tiny Qwen3.5's build (~2 minutes) and 200 steps: outside CI (-m learning)
+def test_the_quickstart_learns_on_qwen3_5(tiny_qwen3_5, tmp_path):
+    """The quickstart's GRPO, whole (200 steps), on the tiny Qwen3.5 (Gated DeltaNet and gated attention):
+    the reward's mean over the first 5 steps -> the last 5 rises by at least 0.15 (issue 50's bar)."""
+    result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_qwen3_5,
+                      "--log-dir", tmp_path / "tb", timeout=1800)
+    line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
+    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
+    assert last >= first + 0.15, line
+
+
 def test_full_vocabulary_kl_in_the_loss_with_ppo_epochs(tiny_model, tmp_path):
     """Full-vocabulary KL to the reference in the loss, 2 epochs of 2 mini-batches: the KL is logged,
     exactly 0 before the first update and positive once the policy has moved."""
