@@ -114,7 +114,7 @@ _FAMILIES = {
     "qwen2": (("Qwen2Config", "Qwen2ForCausalLM"), dict(max_position_embeddings=128), 0.1),
     # head_dim 32 != hidden / heads = 16: Megatron's kv_channels must follow the config. (The
     # new families also go into vLLM, whose CPU attention has no kernel for head_dim 16.)
-    "qwen3": (("Qwen3Config", "Qwen3ForCausalLM"), dict(max_position_embeddings=128, head_dim=32), 0.1),
+    "qwen3": (("Qwen3Config", "Qwen3ForCausalLM"), dict(max_position_embeddings=512, head_dim=32), 0.1),
     # Larger weights: at std 0.1 attention is so nearly uniform that positions (hence RoPE
     # scaling) barely move the logits; at 0.2 the scaling changes them by > 1e-2.
     "llama": (("LlamaConfig", "LlamaForCausalLM"), dict(max_position_embeddings=16384, head_dim=32), 0.2),

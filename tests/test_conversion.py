@@ -7,7 +7,7 @@ launch, because start-up dominates and the checks per checkpoint take a second):
 
   family  checkpoints (tests/conftest.py)                       (TP, PP) layouts
   qwen2   built-in tiny model, random untied, random tied        (1,1) (2,1) (1,2)
-  qwen3   random untied, random tied (q/k norms, head_dim 32)    (1,1) (2,1) (1,2)
+  qwen3   random untied, random tied (q/k norms, head_dim 32)    (1,1) (2,1) (1,2) (the last two with qwen3_5's)
   llama   random untied (Llama-3 RoPE, our scaling path),        (1,1) (2,1)
           random tied (Llama-3 RoPE, Megatron's own path)
   qwen3_5 random untied, random tied (Gated DeltaNet and gated   (2,1) (1,2)
@@ -20,7 +20,7 @@ HF round trip everywhere. PP=2 covers Qwen3, whose q/k norms are the only names 
 new families add; Llama's names are Qwen2's without the biases. Llama runs 1024
 tokens, so that Llama-3 scaling with an original context of 8192 visibly changes
 the logits (it only touches low frequencies). Qwen3.5 runs 150 tokens, so the delta rule's chunks of
-64 hand their state on twice. Ten launches in all.
+64 hand their state on twice (the Qwen3 checkpoints share its launches and length). Eight launches in all.
 
 Mixture of experts (Qwen3-MoE: renormalised top-k; Qwen2-MoE: plain top-k and a gated shared expert;
 Qwen3.5-MoE: Qwen3.5's hybrid layers with renormalised top-k and a gated shared expert),
@@ -40,26 +40,31 @@ FAMILY_CHECKPOINTS = {
     "llama": ["random_llama_untied", "random_llama_tied"],
     "qwen3_5": ["random_qwen3_5_untied", "random_qwen3_5_tied", "multimodal_qwen3_5"],
 }
-LAYOUTS = {"qwen2": [(1, 1), (2, 1), (1, 2)], "qwen3": [(1, 1), (2, 1), (1, 2)], "llama": [(1, 1), (2, 1)],
-           "qwen3_5": [(2, 1), (1, 2)]}
+# A launch may hold several families' checkpoints (one torchrun start-up for both): "a+b".
+LAYOUTS = {"qwen2": [(1, 1), (2, 1), (1, 2)], "qwen3": [(1, 1)], "qwen3+qwen3_5": [(2, 1), (1, 2)],
+           "llama": [(1, 1), (2, 1)]}
 SEQ_LEN = {"qwen2": 17, "qwen3": 17, "llama": 1024, "qwen3_5": 150}
-MATRIX = [(family, tp, pp) for family, layouts in LAYOUTS.items() for tp, pp in layouts]
+MATRIX = [(families, tp, pp) for families, layouts in LAYOUTS.items() for tp, pp in layouts]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tp,pp", MATRIX, ids=[f"{f}-tp{tp}-pp{pp}" for f, tp, pp in MATRIX])
-def test_logits_parity_and_round_trip(family, tp, pp, request, tmp_path):
-    paths = [request.getfixturevalue(name) for name in FAMILY_CHECKPOINTS[family]]
+@pytest.mark.parametrize("families,tp,pp", MATRIX, ids=[f"{f}-tp{tp}-pp{pp}" for f, tp, pp in MATRIX])
+def test_logits_parity_and_round_trip(families, tp, pp, request, tmp_path):
+    family_of_path = {request.getfixturevalue(name): family for family in families.split("+")
+                      for name in FAMILY_CHECKPOINTS[family]}
+    paths = list(family_of_path)
     out = tmp_path / "report.json"
     # Two ranks always: TP=1, PP=1 then runs as two data-parallel replicas.
     torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp,
-             "--seq-len", SEQ_LEN[family], nproc=2)
+             "--seq-len", max(SEQ_LEN[family] for family in families.split("+")), nproc=2)
     run = read_json(out)
     assert run["tp"] == tp and run["pp"] == pp
     assert [r["model"] for r in run["models"]] == paths
-    assert sorted(r["tied"] for r in run["models"] if "random" in r["model"]) == [False, True]
+    for family in families.split("+"):
+        assert sorted(r["tied"] for r in run["models"] if "random" in r["model"] and
+                      family_of_path[r["model"]] == family) == [False, True], family
     for report in run["models"]:
-        assert report["family"] == family, report
+        assert report["family"] == family_of_path[report["model"]], report
         # the multimodal checkpoint's 21 vision-tower and 2 MTP tensors are neither read nor written
         assert report["left_out"] == (23 if "multimodal" in report["model"] else 0), report
         if pp == 1:
