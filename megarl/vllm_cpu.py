@@ -73,8 +73,11 @@ def install() -> None:
 
 
 def gated_delta_net_core(mixed_qkv, b, a, core_attn_out, layer_name) -> None:
-    """vLLM's GDN core (conv1d over the new tokens after each sequence's conv state, the gated delta rule
-    from its recurrent state) for the batch's sequences, one after another, in fp32; updates both caches."""
+    """vLLM's GDN core (a conv1d over each sequence's new tokens after its conv state, the gated delta rule from
+    its recurrent state) in fp32 for every sequence of the batch at once: the sequences' tokens side by side,
+    zero-padded to the longest ([sequences, longest, channels]), one time step of the recurrence for all of
+    them at a time (a decode step of any batch is one), a padded position changing no state; updates both
+    caches."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.utils.torch_utils import _resolve_layer_name
@@ -94,39 +97,54 @@ def gated_delta_net_core(mixed_qkv, b, a, core_attn_out, layer_name) -> None:
     weight = layer.conv1d.weight
     weight = weight.view(weight.size(0), weight.size(-1)).float()  # [channels, width]; fp32 is never packed
     width = weight.size(1)
-    slots, value_heads = ssm_state.shape[:2]
+    count = metadata.num_decodes + metadata.num_prefills
+    starts = metadata.non_spec_query_start_loc[: count + 1].long()
+    lengths = starts[1:] - starts[:-1]
+    longest = int(lengths.max())
+    slots = metadata.non_spec_state_indices_tensor[:count].long()
+    # whether a sequence has computed tokens before these (None in a batch of decodes only: all of them have)
+    resumes = torch.ones(count, dtype=torch.bool) if metadata.has_initial_state is None else \
+        metadata.has_initial_state[:count].bool().cpu()
+    # each sequence's tokens in a row of its own; past its end the index of an appended row of zeros
+    tokens = mixed_qkv.size(0)
+    positions = starts[:-1, None] + torch.arange(longest)
+    inside = positions < starts[1:, None]
+    index = torch.where(inside, positions, tokens)
+
+    def rows(per_token: torch.Tensor) -> torch.Tensor:
+        padded = torch.cat([per_token.float(), per_token.new_zeros(1, *per_token.shape[1:]).float()])
+        return padded[index]  # [sequences, longest, ...]
+
+    x = rows(mixed_qkv).transpose(1, 2)  # [sequences, channels, longest]
+    previous = conv_state[slots].float() * resumes[:, None, None]
+    window = torch.cat([previous, x], dim=2)
+    y = sum(weight[None, :, j:j + 1] * window[:, :, j:j + longest] for j in range(width))
+    if layer.conv1d.bias is not None:
+        y = y + layer.conv1d.bias.float()[None, :, None]
+    y = F.silu(y) if layer.activation == "silu" else y
+    # the conv state after each sequence: the last width - 1 inputs before its end
+    tail = (lengths[:, None] + torch.arange(width - 1))[:, None, :].expand(-1, window.size(1), -1)
+    conv_state[slots] = window.gather(2, tail).to(conv_state.dtype)
+    flat = y.transpose(1, 2).reshape(count * longest, -1).to(mixed_qkv.dtype)
+    query, key, value = (t[0].float().reshape(count, longest, *t.shape[2:]) for t in layer.rearrange_mixed_qkv(flat))
+    value_heads = ssm_state.shape[1]
+    repeat = value_heads // query.size(2)
+    query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
+    key_dim = key.size(-1)
+    query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6) / key_dim ** 0.5
+    key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    decay = rows(-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())).exp()  # [n, L, heads]
+    beta = rows(b.float().sigmoid())
     # this core alone reads and writes the recurrent state: [key, value] per head, in vLLM's buffer
-    state_cache = ssm_state.view(slots, value_heads, -1)
-    starts = metadata.non_spec_query_start_loc.tolist()
-    slot_of = metadata.non_spec_state_indices_tensor.tolist()
-    decay = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())  # [tokens, value heads]
-    beta = b.float().sigmoid()
-    for i in range(metadata.num_decodes + metadata.num_prefills):
-        start, end, slot = starts[i], starts[i + 1], slot_of[i]
-        resumes = i < metadata.num_decodes or bool(metadata.has_initial_state[i])
-        x = mixed_qkv[start:end].float().t()  # [channels, tokens]
-        previous = conv_state[slot].float() if resumes else x.new_zeros(x.size(0), width - 1)
-        window = torch.cat([previous, x], dim=1)
-        length = end - start
-        y = sum(weight[:, j:j + 1] * window[:, j:j + length] for j in range(width))
-        if layer.conv1d.bias is not None:
-            y = y + layer.conv1d.bias.float()[:, None]
-        y = F.silu(y) if layer.activation == "silu" else y
-        conv_state[slot] = window[:, -(width - 1):].to(conv_state.dtype)
-        query, key, value = (t[0].float() for t in layer.rearrange_mixed_qkv(y.t().to(mixed_qkv.dtype)))
-        repeat = value_heads // query.size(1)
-        query, key = query.repeat_interleave(repeat, dim=1), key.repeat_interleave(repeat, dim=1)
-        key_dim = key.size(-1)
-        query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6) / key_dim ** 0.5
-        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
-        shape = (value_heads, key_dim, value.size(-1))
-        state = state_cache[slot].float().view(shape) if resumes else query.new_zeros(shape)
-        out = query.new_empty(length, value_heads, value.size(-1))
-        for t in range(start, end):
-            n = t - start
-            state = state * decay[t].exp()[:, None, None]
-            delta = (value[n] - torch.einsum("hk,hkv->hv", key[n], state)) * beta[t][:, None]
-            state = state + key[n][:, :, None] * delta[:, None, :]
-            out[n] = torch.einsum("hk,hkv->hv", query[n], state)
-        state_cache[slot] = state.reshape(value_heads, -1).to(state_cache.dtype)
-        core_attn_out[start:end] = out.to(core_attn_out.dtype)
+    shape = (count, value_heads, key_dim, value.size(-1))
+    state_cache = ssm_state.view(ssm_state.size(0), value_heads, -1)
+    state = state_cache[slots].float().view(shape) * resumes[:, None, None, None]
+    out = query.new_zeros(count, longest, value_heads, value.size(-1))
+    for t in range(longest):
+        step = state * decay[:, t, :, None, None]
+        delta = (value[:, t] - torch.einsum("nhk,nhkv->nhv", key[:, t], step)) * beta[:, t, :, None]
+        step = step + key[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("nhk,nhkv->nhv", query[:, t], step)
+        state = torch.where(inside[:, t, None, None, None], step, state)
+    state_cache[slots] = state.reshape(count, value_heads, -1).to(state_cache.dtype)
+    core_attn_out[positions[inside]] = out[inside].to(core_attn_out.dtype)

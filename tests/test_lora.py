@@ -270,7 +270,6 @@ def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tin
     peft's merge of it gives the merged export's weights."""
     import json
 
-    from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -295,10 +294,20 @@ def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tin
     assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (width, 8)
     assert len(tensors) == layers * 5 * 2
 
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    _assert_peft_reproduces(actor, hf_config, hf, tmp_path / "out")
+
+
+def _assert_peft_reproduces(actor, hf_config, hf, out, name_in_peft=lambda name: name):
+    """peft's `hf` with the adapter directory `out`/adapter (--lora-export both) gives the actor's logits (which
+    the adapters move), and peft's merge of it the merged export's weights (`out`/model.safetensors; its names
+    under peft's model by `name_in_peft`)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
     batches = micro_batches(seed=9)
     ours = logits_of(actor.model, batches)[..., :hf_config.vocab_size]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(hf, str(adapter)).eval()
+    peft_model = PeftModel.from_pretrained(hf, str(out / "adapter")).eval()
     tokens = torch.cat([batch.tokens for batch in batches])
     with torch.no_grad():
         theirs = peft_model(input_ids=tokens).logits
@@ -306,10 +315,10 @@ def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tin
             without = peft_model(input_ids=tokens).logits
     assert fp32_paths_ulps(ours, without) > 100 * FP32_PATHS_ULPS  # the adapters matter here
     assert_fp32_paths_agree(theirs, ours, "peft's model with the exported adapter vs megarl's")
-    merged, peft_merged = load_file(tmp_path / "out" / "model.safetensors"), peft_model.merge_and_unload().state_dict()
-    assert set(merged) <= set(peft_merged)  # (peft's has the tied lm_head too)
+    merged, peft_merged = load_file(out / "model.safetensors"), peft_model.merge_and_unload().state_dict()
+    assert {name_in_peft(name) for name in merged} <= set(peft_merged)  # (peft's has the tied lm_head too)
     for name, weight in merged.items():
-        assert_fp32_paths_agree(weight, peft_merged[name], f"peft's merge vs --lora-export merged: {name}")
+        assert_fp32_paths_agree(weight, peft_merged[name_in_peft(name)], f"peft's merge vs --lora-export merged: {name}")
 
 
 def test_qwen3_5_adapters_on_both_attentions_load_in_peft(megatron_rank, random_qwen3_5_teacher, tmp_path):
@@ -317,7 +326,6 @@ def test_qwen3_5_adapters_on_both_attentions_load_in_peft(megatron_rank, random_
     q_proj (query and gate rows of each head, interleaved per query group in Megatron's linear_qkv), the Gated
     DeltaNet's four fused input projections and out_proj, the MLPs. After training, peft's model with the
     exported adapter directory gives megarl's logits, its merge the merged export's weights."""
-    from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -340,23 +348,11 @@ def test_qwen3_5_adapters_on_both_attentions_load_in_peft(megatron_rank, random_
     # 2 GDN and 2 softmax layers: their attentions' linears, 3 MLP linears each, an A and a B for every one
     assert len(tensors) == 2 * (2 * len(gdn) + 2 * 4 + 4 * 3)
 
-    batches = micro_batches(seed=9)
-    ours = logits_of(actor.model, batches)[..., :hf_config.vocab_size]
-    # the checkpoint's own class: the adapter names its modules (model.language_model.layers.N...)
+    # the checkpoint's own class: the adapter names its modules (model.language_model.layers.N...); the merged
+    # export is the language model as a text checkpoint (names under model.)
     hf = Qwen3_5ForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "out" / "adapter")).eval()
-    tokens = torch.cat([batch.tokens for batch in batches])
-    with torch.no_grad():
-        theirs = peft_model(input_ids=tokens).logits
-        with peft_model.disable_adapter():
-            without = peft_model(input_ids=tokens).logits
-    assert fp32_paths_ulps(ours, without) > 100 * FP32_PATHS_ULPS  # the adapters matter here
-    assert_fp32_paths_agree(theirs, ours, "peft's Qwen3.5 with the exported adapter vs megarl's")
-    merged = load_file(tmp_path / "out" / "model.safetensors")  # the language model, as a text checkpoint
-    peft_merged = peft_model.merge_and_unload().state_dict()
-    for name, weight in merged.items():
-        assert_fp32_paths_agree(weight, peft_merged[name.replace("model.", "model.language_model.", 1)],
-                                f"peft's merge vs --lora-export merged: {name}")
+    _assert_peft_reproduces(actor, hf_config, hf, tmp_path / "out",
+                            lambda name: name.replace("model.", "model.language_model.", 1))
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ checks a config against that before building anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megarl.registry import Registry
 
@@ -230,18 +230,13 @@ QWEN3_5 = Family(
     text_model_types=("qwen3_5_text",),
 )
 
-QWEN3_5_MOE = Family(
+QWEN3_5_MOE = replace(  # the same layers, every MLP routed experts with a gated shared expert
+    QWEN3_5,
     name="qwen3_5_moe",
     hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-    qkv_bias=False,
-    qk_layernorm=True,
-    rope_types=("default",),
-    refused_flags=(_ATTENTION_BIAS,),
-    global_rules=_GLOBAL_RULES,
     layer_rules=_HYBRID_LAYER_RULES + _MOE_RULES + _SHARED_EXPERT_RULES,
     moe=True,
     shared_expert=True,
-    hybrid_linear_attention=True,
     multimodal_architectures=("Qwen3_5MoeForConditionalGeneration",),
     text_model_types=("qwen3_5_moe_text",),
 )
