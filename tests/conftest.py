@@ -98,9 +98,11 @@ def random_moe_policy(tiny_model, tmp_path_factory) -> str:
     """A random Qwen3-MoE (8 experts of width 64, top 2) with the tiny model's tokenizer and stop tokens:
     a whole RL run's machinery on an MoE policy in seconds (its rewards are those of a random policy; the
     trained tiny MoE, tools/make_tiny_model.py --moe, takes minutes to build)."""
-    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_moe_policy"),
-                                lambda path, tokens: make_random_model(path, "qwen3_moe", False, 13, moe_intermediate_size=64,
-                                                                       max_position_embeddings=512, **tokens))
+    def make(path, tokens):
+        return make_random_model(path, "qwen3_moe", False, 13, moe_intermediate_size=64,
+                                 max_position_embeddings=512, **tokens)
+
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_moe_policy"), make)
 
 
 @pytest.fixture(scope="session")
@@ -126,8 +128,10 @@ def random_qwen3_5_teacher(tiny_model, tmp_path_factory) -> str:
     (a teacher as Qwen/Qwen3.5-4B ships: ...ForConditionalGeneration with a vision tower and an MTP head)."""
     from helpers import make_random_multimodal_qwen3_5
 
-    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_qwen3_5_teacher"),
-                                lambda path, tokens: make_random_multimodal_qwen3_5(path, True, 19, tokens["vocab_size"]))
+    def make(path, tokens):
+        return make_random_multimodal_qwen3_5(path, True, 19, tokens["vocab_size"])
+
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_qwen3_5_teacher"), make)
 
 
 def _with_tiny_tokenizer(tiny_model: str, path, make) -> str:

@@ -7,10 +7,10 @@ launch, because start-up dominates and the checks per checkpoint take a second):
 
   family  checkpoints (tests/conftest.py)                       (TP, PP) layouts
   qwen2   built-in tiny model, random untied, random tied        (1,1) (2,1) (1,2)
-  qwen3   random untied, random tied (q/k norms, head_dim 32)    (1,1) (2,1) (1,2) (the last two with qwen3_5's)
+  qwen3   random untied, random tied (q/k norms, head_dim 32)    (1,1) (2,1) (1,2) (with qwen3_5's)
   llama   random untied (Llama-3 RoPE, our scaling path),        (1,1) (2,1)
           random tied (Llama-3 RoPE, Megatron's own path)
-  qwen3_5 random untied, random tied (Gated DeltaNet and gated   (2,1) (1,2)
+  qwen3_5 random untied, random tied (Gated DeltaNet and gated   (1,1) (2,1) (1,2)
           softmax layers in turn, partial RoPE, 1 + w norms),
           multimodal (...ForConditionalGeneration: vision tower
           and MTP head left out, text under model.language_model.)
@@ -41,8 +41,7 @@ FAMILY_CHECKPOINTS = {
     "qwen3_5": ["random_qwen3_5_untied", "random_qwen3_5_tied", "multimodal_qwen3_5"],
 }
 # A launch may hold several families' checkpoints (one torchrun start-up for both): "a+b".
-LAYOUTS = {"qwen2": [(1, 1), (2, 1), (1, 2)], "qwen3": [(1, 1)], "qwen3+qwen3_5": [(2, 1), (1, 2)],
-           "llama": [(1, 1), (2, 1)]}
+LAYOUTS = {"qwen2": [(1, 1), (2, 1), (1, 2)], "qwen3+qwen3_5": [(1, 1), (2, 1), (1, 2)], "llama": [(1, 1), (2, 1)]}
 SEQ_LEN = {"qwen2": 17, "qwen3": 17, "llama": 1024, "qwen3_5": 150}
 MATRIX = [(families, tp, pp) for families, layouts in LAYOUTS.items() for tp, pp in layouts]
 
