@@ -274,7 +274,8 @@ def expected_hf_names(hf_config, output_layer: bool = True) -> list[str]:
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     prefix = hf_name_prefix(hf_config)
     kinds = getattr(hf_config, "layer_types", None) if family.hybrid_linear_attention else None
-    rules = [rule for rule in family.rules(tied) if rule.export and (output_layer or rule.megatron != "output_layer.weight")]
+    rules = [rule for rule in family.rules(tied)
+             if rule.export and (output_layer or rule.megatron != "output_layer.weight")]
     names = [name for rule in rules for name in _hf_names(rule, None, prefix)]
     for layer in range(hf_config.num_hidden_layers):
         for rule in family.layer_rules:
