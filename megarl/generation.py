@@ -26,7 +26,7 @@ from megarl.algorithms import dynamic_sampling_keep
 from megarl.data.prompts import reference_response_ids
 from megarl.rewards import SCORER_TIMEOUT
 from megarl.rewards.scoring import OverlappedScoring
-from megarl.rollout import Sample, stable_seed
+from megarl.samples import Sample, stable_seed
 from megarl.run import Run
 
 

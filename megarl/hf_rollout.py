@@ -47,7 +47,8 @@ import torch
 
 from megarl import accelerator
 from megarl.offload import Offloader
-from megarl.rollout import EngineMemory, Sample, request_seeds, response_text
+from megarl.rollout import EngineMemory, response_text
+from megarl.samples import Sample, request_seeds
 
 
 class HfRolloutEngine(EngineMemory):

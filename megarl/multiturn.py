@@ -128,7 +128,7 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
     derive theirs from it; `on_prompt_done(i, samples)` as soon as prompt i's episodes have all ended."""
     from vllm.inputs import TokensPrompt
 
-    from megarl.rollout import Sample, stable_seed
+    from megarl.samples import Sample, stable_seed
 
     llm, parse = engine.llm, TOOL_PARSERS[settings.parser]
     stop_ids = engine.held_back_ids(params[0]) if params else ()

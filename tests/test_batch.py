@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megarl import batch as B
-from megarl.rollout import Sample
+from megarl.samples import Sample
 
 
 def sample(index, response_length, reward, max_new_tokens=4):

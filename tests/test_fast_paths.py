@@ -96,8 +96,8 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
     default pieces (attention_paths.DEFAULT_PATHS) torch's GEMMs take the flash kernel throughout and
     oneDNN's the short path at 104 tokens, the blocks at 520; measured pieces for torch's GEMMs here put 104
     tokens through the kept blocks and 520 through the recomputed ones (the calls are counted)."""
-    from megarl.models import attention as attention_module
     from megarl.models import attention_paths
+    from megarl.models import causal_attention as attention_module
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
@@ -144,7 +144,7 @@ def test_packed_attention_by_scaled_dot_product_equals_the_local_attention(megat
 
 
 def _short_cases():
-    from megarl.models.attention import _ShortCausalAttention
+    from megarl.models.causal_attention import _ShortCausalAttention
     from megarl.models.attention_paths import SHORT_MAX_TOKENS
 
     # any length up to the longest the short path may take (measured pieces may give it the shortest; at 1
@@ -154,7 +154,7 @@ def _short_cases():
 
 
 def _blocked_cases():
-    from megarl.models.attention import ATTENTION_BLOCK, _BlockedCausalAttention
+    from megarl.models.causal_attention import ATTENTION_BLOCK, _BlockedCausalAttention
 
     # each library's block size: whole blocks and a last block that is partial; many small blocks with a
     # partial last one; one block longer than the sequence; each with the probabilities recomputed and kept
@@ -194,7 +194,7 @@ def test_megarls_attention_equals_the_flash_kernel_in_value_and_gradients(heads,
 def test_the_kept_blocks_recompute_no_scores_in_the_backward(monkeypatch):
     """The kept path's backward multiplies no block's scores again (the recomputing path's does, once per
     block); under no_grad (logprobs, where the path keeps nothing) its output is the same."""
-    from megarl.models import attention as attention_module
+    from megarl.models import causal_attention as attention_module
 
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(300, 4, 8, generator=generator, requires_grad=True)

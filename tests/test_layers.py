@@ -1,5 +1,5 @@
 """megarl's modules in layers: no import, at module level or inside a function, runs from a lower
-layer to a higher one. A lower layer is what a higher one is built from; an import running back up
+layer to a higher one, and no chain of imports comes back to where it started (a circle, within a layer too). A lower layer is what a higher one is built from; an import running back up
 drags the higher layer (and everything it imports) into every user of the lower one: a dataset
 reader that imports the argument parser imports the algorithms, rewards and models with it.
 
@@ -19,7 +19,7 @@ from helpers import ROOT
 LAYERS = [
     ("foundation", [  # pure records and math: nothing of megarl beneath them
         "megarl", "megarl.errors", "megarl.plugins", "megarl.registry", "megarl.algorithms", "megarl.placement", "megarl.batch",
-        "megarl.packing", "megarl.context_parallel", "megarl.vllm_logging"]),
+        "megarl.packing", "megarl.context_parallel", "megarl.vllm_logging", "megarl.samples"]),
     ("platform", [  # the device, the process groups, host memory, the collector
         "megarl.accelerator", "megarl.distributed", "megarl.offload", "megarl.host_memory",
         "megarl.cpu_affinity", "megarl.cpu_gemm", "megarl.startup_gc", "megarl.vllm_cpu"]),
@@ -106,6 +106,51 @@ def violations(package_dir: Path, layers) -> list[str]:
                 problems.append(f"{path.relative_to(package_dir.parent)}:{line}: {name} ({names[rank]}) imports "
                                 f"{target} ({names[target_rank]})")
     return problems
+
+
+def circles(package_dir: Path) -> list[str]:
+    """One line per circle of imports among the package's modules ("a -> b -> a"), at any depth (imports inside
+    functions count: a circle made lazy is still two modules that cannot be understood apart), each circle once.
+    A package loading its own submodules (a registry's __init__ importing the built-in entries, which import
+    the registry to register) is not counted: the package is those modules."""
+    modules = module_files(package_dir)
+    graph = {name: sorted({target for _, target in imports_of(name, path, modules) if not target.startswith(name + ".")})
+             for name, path in modules.items()}
+    found, done = set(), set()
+
+    def walk(name: str, trail: list[str]):
+        if name in trail:
+            circle = trail[trail.index(name):]
+            start = circle.index(min(circle))  # one rotation per circle
+            found.add(" -> ".join(circle[start:] + circle[:start] + [min(circle)]))
+            return
+        if name in done:
+            return
+        for target in graph.get(name, ()):
+            walk(target, trail + [name])
+        done.add(name)
+
+    for name in graph:
+        walk(name, [])
+    return sorted(found)
+
+
+def test_no_circle_of_imports():
+    found = circles(ROOT / "megarl")
+    assert not found, "\n".join(found)
+
+
+def test_the_circle_check_finds_a_lazy_circle(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from pkg.a import thing\n")
+    (package / "c.py").write_text("from pkg import a\n")
+    (package / "reg").mkdir()
+    (package / "reg" / "__init__.py").write_text("from pkg.reg import entry\n")  # a registry loading its entries
+    (package / "reg" / "entry.py").write_text("from pkg.reg import thing\n")
+    assert circles(package) == ["pkg.a -> pkg.b -> pkg.a"]
 
 
 def test_no_import_runs_from_a_lower_layer_to_a_higher_one():

@@ -25,7 +25,7 @@ import torch
 from helpers import WORKERS, load_script, read_json, scalars, torchrun
 from megarl.batch import sampler_constraint, score_and_filter
 from megarl.model_runner import make_micro_batches
-from megarl.rollout import Sample
+from megarl.samples import Sample
 
 
 worker = load_script(WORKERS / "held_back_worker.py")

@@ -17,7 +17,7 @@ import torch
 from helpers import ROOT, load_script, read_json, torchrun
 from megarl.batch import score_and_filter
 from megarl.model_runner import make_micro_batches
-from megarl.rollout import Sample
+from megarl.samples import Sample
 
 VOCAB = 32
 PLUGIN = ROOT / "tests" / "plugins" / "probe_tools.py"

@@ -9,7 +9,7 @@ from helpers import assert_fp32_paths_agree, assert_runs_agree, read_json, scala
 from megarl.batch import score_and_filter
 from megarl.model_runner import make_micro_batches, response_aligned
 from megarl.packing import partition_count, token_budget_partitions
-from megarl.rollout import Sample
+from megarl.samples import Sample
 
 
 def check_partition(lengths, budget, count):

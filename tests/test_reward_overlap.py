@@ -10,7 +10,7 @@ from helpers import ROOT, scalars, torchrun
 
 
 def _samples(n: int):
-    from megarl.rollout import Sample
+    from megarl.samples import Sample
 
     return [Sample(i, [1], [2], f"\\boxed{{{i}}}", None, False, metadata={"answer": str(i % 3)}) for i in range(n)]
 

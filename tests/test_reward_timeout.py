@@ -30,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 
 def _samples(responses):
-    from megarl.rollout import Sample
+    from megarl.samples import Sample
 
     return [Sample(i, [1], [2], text, None, False, metadata={"answer": "1"}) for i, text in enumerate(responses)]
 

@@ -47,6 +47,8 @@ import time
 
 import torch
 
+from megarl.models.causal_attention import gemm_library, run_path
+
 PATHS = ("flash", "short", "blocked", "kept")
 # Without a measurement (a process that only called cpu_gemm.use): (the longest length, path) pieces in
 # increasing order per GEMM library, None: no upper bound. With oneDNN the Zen 5-class host's measured
@@ -64,11 +66,6 @@ PROBE_BUDGET_S = 0.5  # stop probing longer lengths once flash's forward + backw
 _measured: dict[tuple[str, int, int, int], tuple] = {}  # (GEMM library, heads, groups, head size) -> pieces
 
 
-def gemm_library() -> str:
-    """The rank's GEMM library as the pieces and attention.ATTENTION_BLOCK name it: "onednn" or "torch"."""
-    from megarl import cpu_gemm
-
-    return "onednn" if cpu_gemm.using_onednn() else "torch"
 
 
 def path_for(length: int, heads: int, groups: int, dim: int) -> str:
@@ -177,8 +174,6 @@ def _probe_seconds(path: str, length: int, heads: int, groups: int, dim: int, tr
     oneDNN's kernels); inf for a path past its LONGEST."""
     if length > LONGEST.get(path, length):
         return math.inf
-    from megarl.models.attention import run_path
-
     # a generator of its own: the run's random state is the same whether it measured or took kept pieces
     numbers = torch.Generator().manual_seed(0)
     query = torch.randn(length, heads, dim, generator=numbers).requires_grad_()

@@ -23,7 +23,7 @@ from megarl.arguments import parse_args  # noqa: E402
 from megarl.batch import score_and_filter  # noqa: E402
 from megarl.model_runner import make_micro_batches  # noqa: E402
 from megarl.offload import optimizer_tensors  # noqa: E402
-from megarl.rollout import Sample  # noqa: E402
+from megarl.samples import Sample  # noqa: E402
 
 
 def fixed_batch(vocab_size: int, count: int = 8):
