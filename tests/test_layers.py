@@ -1,10 +1,6 @@
-"""megarl's modules in layers: no import, at module level or inside a function, runs from a lower
-layer to a higher one, and no chain of imports comes back to where it started (a circle, within a layer too). A lower layer is what a higher one is built from; an import running back up
-drags the higher layer (and everything it imports) into every user of the lower one: a dataset
-reader that imports the argument parser imports the algorithms, rewards and models with it.
-
-Imports inside one layer are free. Every module of megarl/ must be in a layer: a new module is
-placed deliberately, not left out of the check.
+"""megarl's modules in the layers docs/design.md writes down ("## Layers"): no import, at module level or
+inside a function, runs from a lower layer to a higher one, no chain of imports comes back to where it started
+(a circle, within a layer too), and every module of megarl/ is in a layer. Why: the document's section.
 """
 
 from __future__ import annotations
@@ -14,31 +10,28 @@ from pathlib import Path
 
 from helpers import ROOT
 
-# Lowest first. A module's layer is that of the longest entry equal to its name or a package
-# above it ("megarl.rewards" holds megarl.rewards.scoring; "megarl.rewards.score" is placed apart).
-LAYERS = [
-    ("foundation", [  # pure records and math: nothing of megarl beneath them
-        "megarl", "megarl.errors", "megarl.plugins", "megarl.registry", "megarl.algorithms", "megarl.placement", "megarl.batch",
-        "megarl.packing", "megarl.context_parallel", "megarl.vllm_logging", "megarl.samples"]),
-    ("platform", [  # the device, the process groups, host memory, the collector
-        "megarl.accelerator", "megarl.distributed", "megarl.offload", "megarl.host_memory",
-        "megarl.cpu_affinity", "megarl.cpu_gemm", "megarl.startup_gc", "megarl.vllm_cpu"]),
-    ("components", [  # what the roles are built from
-        "megarl.kernels", "megarl.models", "megarl.data", "megarl.rewards", "megarl.config_formats",
-        "megarl.tools", "megarl.routing_replay"]),
-    ("roles", [  # the objects that hold a model or an engine
-        "megarl.model_runner", "megarl.actor", "megarl.loss", "megarl.critic", "megarl.reference",
-        "megarl.rollout", "megarl.multiturn", "megarl.hf_rollout", "megarl.teacher", "megarl.weight_sync"]),
-    ("run", [  # the parser, the run's roles and state, its preemption and metrics
-        "megarl.arguments", "megarl.run", "megarl.preemption", "megarl.metrics",
-        "megarl.profiling"]),
-    ("phases", [  # one step over a Run: its phases, the rollout they orchestrate, evaluation
-        "megarl.phases", "megarl.generation", "megarl.evaluation"]),
-    ("checkpoints", [  # save and restore what every layer below holds (in-flight samples included)
-        "megarl.checkpoint"]),
-    ("entry points", [  # the commands
-        "megarl.train", "megarl.score", "megarl.rewards.score"]),
-]
+# The layers, lowest first, as docs/design.md writes them down (its "## Layers" section, the one place).
+DESIGN = ROOT / "docs" / "design.md"
+
+
+def read_layers(path: Path = DESIGN) -> list[tuple[str, list[str]]]:
+    """[(layer, [module entries])] from the fenced block of the document's "## Layers" section, one
+    `layer: entry entry ...` line per layer (indented lines go on with the one above)."""
+    text = path.read_text()
+    section = text[text.index("\n## Layers\n"):]
+    block = section[section.index("```text\n") + len("```text\n"):]
+    block = block[:block.index("```")]
+    layers = []
+    for line in block.strip().splitlines():
+        if line[:1].isspace():  # an indented line goes on with the layer above
+            layers[-1][1].extend(line.split())
+            continue
+        name, _, entries = line.partition(":")
+        layers.append((name.strip(), entries.split()))
+    return layers
+
+
+LAYERS = read_layers()
 
 
 def module_files(package_dir: Path) -> dict[str, Path]:
@@ -98,7 +91,8 @@ def violations(package_dir: Path, layers) -> list[str]:
     for name, path in modules.items():
         rank = layer_of(name, index, root)
         if rank is None:
-            problems.append(f"{path.relative_to(package_dir.parent)}: {name} is in no layer (add it to LAYERS)")
+            problems.append(f"{path.relative_to(package_dir.parent)}: {name} is in no layer "
+                            "(add it to docs/design.md's Layers)")
             continue
         for line, target in imports_of(name, path, modules):
             target_rank = layer_of(target, index, root)
@@ -173,6 +167,6 @@ def test_the_check_reports_each_upward_import_by_file_and_line(tmp_path):
     assert violations(package, layers) == [
         "pkg/low/other.py:2: pkg.low.other (low) imports pkg.high (high)",
         "pkg/low/util.py:5: pkg.low.util (low) imports pkg.high (high)",
-        "pkg/stray.py: pkg.stray is in no layer (add it to LAYERS)",
+        "pkg/stray.py: pkg.stray is in no layer (add it to docs/design.md's Layers)",
     ]
     assert violations(package, layers + [("gone", ["pkg.gone"])])[0] == "layer entry 'pkg.gone' names no module under pkg/"
