@@ -297,7 +297,11 @@ def compute_advantages(run: Run, batch: Batch):
         token_rewards, mask, args.num_generations, scale_rewards=args.scale_rewards, gamma=args.gamma,
         lam=args.lam, values=values * mask)
     loss_mask = batch.loss_mask
-    metrics["advantage_mean"] = ((batch.advantages * loss_mask).sum() / loss_mask.sum().clamp(min=1)).item()
+    tokens = loss_mask.sum().clamp(min=1)
+    metrics["advantage_mean"] = ((batch.advantages * loss_mask).sum() / tokens).item()
+    # 0 exactly when no sample carries a learning signal (every group's rewards equal, GRPO): what a test
+    # comparing two runs checks first, and a user's sign that a step trained on nothing (verl logs max/min).
+    metrics["advantage_abs_mean"] = ((batch.advantages.abs() * loss_mask).sum() / tokens).item()
     return batch, metrics
 
 

@@ -12,7 +12,7 @@ from helpers import ROOT, make_random_model
 TINY_MODEL = ROOT / "artifacts" / "tiny-qwen2"
 
 
-OPT_IN_LANES = ("soak", "learning", "variants", "migrating")  # pytest.ini: outside CI, run by hand
+OPT_IN_LANES = ("soak", "learning", "variants", "migrating", "mutations")  # pytest.ini: outside CI, run by hand
 
 
 def pytest_collection_modifyitems(config, items):
@@ -147,6 +147,22 @@ def _with_tiny_tokenizer(tiny_model: str, path, make) -> str:
     tokenizer.save_pretrained(path)
     shutil.copy(os.path.join(tiny_model, "generation_config.json"), path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def perturbed_tiny(tiny_model, tmp_path_factory) -> str:
+    """The tiny model with every weight moved by seeded noise (5% of its tensor's spread): a reference and a
+    teacher that differ from the policy from the first step, without training one."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("perturbed") / "tiny"
+    shutil.copytree(tiny_model, out)
+    generator = torch.Generator().manual_seed(5)
+    weights = load_file(out / "model.safetensors")
+    save_file({name: w + 0.05 * w.float().std().nan_to_num() * torch.randn(w.shape, generator=generator).to(w.dtype)
+               for name, w in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
 
 
 TINY_MOE = ROOT / "artifacts" / "tiny-qwen3-moe"

@@ -364,13 +364,51 @@ def assert_runs_agree(a: dict, b: dict, what: str = "", steps=None, rtol: float 
     assert not off, f"{what}: differ by more than {rtol:g} of {scale:.4g} at steps {off}"
 
 
-def assert_steps_move(series: dict, steps=(2, 3)):
-    """A run's compared steps carry a learning signal, so that two runs agreeing on them says something:
-    a gradient at each step, and not the same one. The gradient norm, not the loss: on-policy, GRPO's
-    token-mean surrogate is exactly 0 whenever a step's responses are equally long (a group's advantages
-    sum to 0), which another machine's sampling can produce at any step."""
-    norms = [series["grad_norm"][step] for step in steps]
-    assert min(norms) > 0 and len(set(norms)) == len(norms), series["grad_norm"]
+# A comparison of two runs says something only about steps that carry a learning signal: with every reward of
+# every group equal (GRPO's advantages 0) or no gradient, two runs agree whatever state they loaded. The floors
+# sit far below a live run's values (grad norms 0.01-10, advantages' absolute mean 0.1-1 on these tests' runs)
+# and far above a dead one's (exactly 0, or rounding: ~1e-9).
+GRAD_NORM_FLOOR, ADVANTAGE_FLOOR = 1e-4, 1e-3
+SIGNAL_TAGS = ("grad_norm", "advantage_abs_mean", "reward_std")
+
+
+def assert_signal_alive(run, steps=(2, 3), what: str = "", advantages: bool = True):
+    """The compared steps of a run carry a learning signal, so that two runs agreeing on them says something:
+    a gradient above GRAD_NORM_FLOOR at each step, and not the same one twice (the model or the batch moved);
+    with `advantages` (every policy-gradient run), rewards that differ in some group and advantages above
+    ADVANTAGE_FLOOR at one compared step at least (a step without them still trains on its KL terms).
+    `run`: a TensorBoard log dir or {tag: {step: value}} holding SIGNAL_TAGS. The gradient norm, not the loss:
+    on-policy, GRPO's token-mean surrogate is exactly 0 whenever a step's responses are equally long."""
+    series = scalars(run, SIGNAL_TAGS) if isinstance(run, (str, Path)) else run
+    label = f"{what}: " if what else ""
+    needed = SIGNAL_TAGS if advantages else SIGNAL_TAGS[:1]
+    missing = [(tag, step) for tag in needed for step in steps if step not in series.get(tag, {})]
+    assert not missing, f"{label}no logged value to judge the signal by: {missing}"
+    norms = {step: series["grad_norm"][step] for step in steps}
+    dead = []
+    if min(norms.values()) <= GRAD_NORM_FLOOR:
+        dead.append(f"grad_norm {norms} not above the floor {GRAD_NORM_FLOOR:g} at every step")
+    if len(set(norms.values())) < len(norms):
+        dead.append(f"grad_norm {norms} the same at two steps")
+    if advantages:
+        spread = {step: series["reward_std"][step] for step in steps}
+        size = {step: series["advantage_abs_mean"][step] for step in steps}
+        if not any(spread[step] > 0 and size[step] > ADVANTAGE_FLOOR for step in steps):
+            dead.append(f"no step with rewards that differ and advantages above the floor {ADVANTAGE_FLOOR:g}: "
+                        f"reward_std {spread}, advantage_abs_mean {size}")
+    assert not dead, f"{label}a dead signal, the comparison would say nothing: " + "; ".join(dead)
+
+
+def assert_moved(before, after, what: str = "", rtol: float = RUN_RTOL):
+    """Per-token outputs (e.g. log-probs) before and after training steps differ by more than the runs' rule
+    (assert_runs_agree's rtol of their magnitude): two runs agreeing on `after` then says the steps were taken
+    alike, not only that neither moved the model."""
+    before, after = flat_series(before), flat_series(after)
+    assert before.keys() == after.keys(), what
+    scale = max(abs(v) for series in (before, after) for v in series.values())
+    moved = max(abs(after[i] - before[i]) for i in before)
+    assert moved > rtol * scale, (f"{what}: moved by {moved:.3g}, not more than the comparison's tolerance "
+                                  f"{rtol:g} x {scale:.4g}")
 
 
 def flat_series(nested) -> dict:

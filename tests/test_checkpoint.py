@@ -12,7 +12,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from helpers import (ROOT, ROUNDING_LEVEL, assert_runs_agree, assert_steps_move, length_reward_plugin, scalars,
+from helpers import (ROOT, ROUNDING_LEVEL, assert_runs_agree, assert_signal_alive, length_reward_plugin, scalars,
                      torchrun)
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
@@ -43,7 +43,7 @@ def test_exact_resume_after_sigkill_mid_step(tiny_model, tmp_path):
         # Steps 3 and 4 after the resume are those of the uninterrupted run, bit for bit.
         assert sorted(resumed_log[tag]) == [2, 3], (tag, resumed_log[tag])
         assert [resumed_log[tag][s] for s in (2, 3)] == [straight[tag][s] for s in (2, 3)], tag
-    assert_steps_move(straight)
+    assert_signal_alive(tmp_path / "tb_straight", what="straight")
 
 
 def test_a_checkpoint_cut_short_is_never_resumed_from(tiny_model, tmp_path):
@@ -82,21 +82,28 @@ def test_sigterm_saves_and_exits(tiny_model, tmp_path):
 
 
 def test_resume_and_export_at_another_tensor_parallel_size(tiny_model, tmp_path):
-    _run(tiny_model, tmp_path, "tp1", "--train-steps", "2", "--save-dir", tmp_path / "ckpt",
+    """A TP=1 run of 4 steps saves after step 2 and exports after every step. Resumed from step 2 at TP=2,
+    steps 3 and 4 are the TP=1 run's within the runs' rule (step 4's inputs depend on an Adam update made
+    with the moments as loaded and split over the TP ranks), and step 2's checkpoint exported at TP=2
+    (tools/export_hf.py) is the TP=1 run's export of step 2 bit for bit."""
+    _run(tiny_model, tmp_path, "tp1", "--train-steps", "4", "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
          "--save-hf-dir", tmp_path / "hf_tp1", "--save-hf-interval", "1")
-    assert sorted(p.name for p in tmp_path.glob("hf_tp1_step_*")) == ["hf_tp1_step_1", "hf_tp1_step_2"]
-    # Resumed with TP=2 (no further step), its final export must be the saved policy exactly.
-    resumed = _run(tiny_model, tmp_path, "tp2", "--train-steps", "2", "--save-dir", tmp_path / "ckpt",
-                   "--resume", "auto", "--tensor-model-parallel-size", "2", "--save-hf-dir", tmp_path / "hf_tp2")
+    assert sorted(p.name for p in tmp_path.glob("hf_tp1_step_*")) == [f"hf_tp1_step_{s}" for s in range(1, 5)]
+    resumed = _run(tiny_model, tmp_path, "tp2", "--train-steps", "4", "--resume", tmp_path / "ckpt" / "step_00000002",
+                   "--tensor-model-parallel-size", "2", "--save-dir", tmp_path / "ckpt_tp2")
     assert "after step 2" in resumed.stdout
-    torchrun("../../tools/export_hf.py", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "hf_tool",
-             "--tensor-model-parallel-size", "2", timeout=600)
-    reference = load_file(tmp_path / "hf_tp1" / "model.safetensors")
-    for exported in ("hf_tp2", "hf_tool"):
-        files = sorted((tmp_path / exported).glob("*.safetensors"))
-        tensors = {name: t for f in files for name, t in load_file(f).items()}
-        assert tensors.keys() == reference.keys(), exported
-        assert all(torch.equal(tensors[name], reference[name]) for name in reference), exported
+    straight, after = (scalars(tmp_path / f"tb_{name}", COMPARED) for name in ("tp1", "tp2"))
+    assert_signal_alive(tmp_path / "tb_tp2", what="resumed at TP 2")
+    for tag in COMPARED:
+        assert sorted(after[tag]) == [2, 3], (tag, after[tag])
+        assert_runs_agree(after[tag], straight[tag], f"resumed at TP 2 vs TP 1 {tag}", steps=(2, 3))
+    torchrun("../../tools/export_hf.py", "--checkpoint", tmp_path / "ckpt" / "step_00000002", "--out",
+             tmp_path / "hf_tool", "--tensor-model-parallel-size", "2", timeout=600)
+    reference = load_file(tmp_path / "hf_tp1_step_2" / "model.safetensors")
+    files = sorted((tmp_path / "hf_tool").glob("*.safetensors"))
+    tensors = {name: t for f in files for name, t in load_file(f).items()}
+    assert tensors.keys() == reference.keys()
+    assert all(torch.equal(tensors[name], reference[name]) for name in reference)
     before = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert not all(torch.equal(before[name], reference[name]) for name in reference)  # training changed it
 
@@ -119,7 +126,7 @@ def test_qwen3_5_resumes_at_another_tensor_parallel_size(random_qwen3_5_policy, 
     resumed = _run(random_qwen3_5_policy, tmp_path, "resumed", *common, "--resume", "auto")
     assert "after step 2" in resumed.stdout, resumed.stdout[-2000:]
     straight, after = (scalars(tmp_path / f"tb_{name}", COMPARED) for name in ("tp2", "resumed"))
-    assert_steps_move(after, steps=(2, 3))
+    assert_signal_alive(tmp_path / "tb_resumed", what="resumed at TP 1")
     assert max([*straight["mismatch"].values(), *after["mismatch"].values()]) <= ROUNDING_LEVEL, (straight, after)
     for tag in COMPARED:
         assert sorted(after[tag]) == [2, 3], (tag, after[tag])
@@ -145,7 +152,7 @@ def test_lora_grpo_samples_from_the_merged_weights_resumes_exactly_and_exports(t
     assert sorted(straight["mismatch"]) == [0, 1, 2, 3] and max(straight["mismatch"].values()) <= ROUNDING_LEVEL, \
         straight["mismatch"]
     assert straight["kl_ref"][0] == 0.0 and min(straight["kl_ref"][s] for s in (1, 2, 3)) > 0.0, straight["kl_ref"]
-    assert_steps_move(straight)
+    assert_signal_alive(tmp_path / "tb_straight", what="straight")
     resumed = _run(tiny_model, tmp_path, "resumed", *lora, "--resume", tmp_path / "ckpt" / "step_00000002",
                    "--save-dir", tmp_path / "ckpt_resumed", "--save-hf-dir", tmp_path / "adapter_resumed")
     assert "after step 2" in resumed.stdout

@@ -11,7 +11,9 @@ import torch
 from helpers import (
     ROUNDING_LEVEL,
     assert_fp32_paths_agree,
+    assert_moved,
     assert_runs_agree,
+    assert_signal_alive,
     flat_series,
     read_json,
     scalars,
@@ -107,6 +109,7 @@ def test_two_context_parallel_ranks_give_the_outputs_and_gradients_of_one(layout
     for key in ("logprobs", "values"):
         assert_fp32_paths_agree(two[key], one[key], key)
     assert_runs_agree(flat_series(two["logprobs_after"]), flat_series(one["logprobs_after"]), "logprobs_after")  # 2 steps later
+    assert_moved(one["logprobs"], one["logprobs_after"], "one rank's two steps")
     for role, names in (("actor", ("loss", "grad_norm", "kl_loss", "entropy", "kl_old_new", "clip_fraction")),
                         ("critic", ("value_loss", "critic_grad_norm", "value_mean"))):
         assert len(two[role]) == len(one[role]) > 0, role
@@ -118,7 +121,7 @@ def test_two_context_parallel_ranks_give_the_outputs_and_gradients_of_one(layout
 
 @pytest.mark.slow
 def test_grpo_with_distillation_at_two_context_parallel_ranks_syncs_and_resumes_at_one(tiny_model, tmp_path):
-    common = [*SMALL, "--model", tiny_model, "--teacher-model", tiny_model, "--train-steps", "3"]
+    common = [*SMALL, "--model", tiny_model, "--teacher-model", tiny_model, "--train-steps", "4"]
     trained = torchrun("../../megarl/train.py", *common, "--context-parallel-size", "2",
                        "--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--log-dir", tmp_path / "cp2",
                        timeout=900)
@@ -127,11 +130,14 @@ def test_grpo_with_distillation_at_two_context_parallel_ranks_syncs_and_resumes_
                        "--log-dir", tmp_path / "cp1", timeout=900)
     assert "CP=1 DP=2" in resumed.stdout and "resumed from" in resumed.stdout
     two, one = scalars(tmp_path / "cp2", COMPARED), scalars(tmp_path / "cp1", COMPARED)
-    assert sorted(two["loss"]) == [0, 1, 2]
+    assert sorted(two["loss"]) == [0, 1, 2, 3] and sorted(one["loss"]) == [2, 3], (two["loss"], one["loss"])
     # The trained weights reach the engines: the rollout's logprobs are the trainer's after each sync.
     assert max(two["mismatch"].values()) <= ROUNDING_LEVEL, two["mismatch"]
     # At step 0 the policy is the reference (0 up to rounding); by step 2 it has left it.
     assert abs(two["kl_ref"][0]) <= ROUNDING_LEVEL and two["kl_ref"][2] > 1e-6, two["kl_ref"]
     assert two["teacher_kl"][2] > 1e-6 and two["distill_loss"][2] > 0  # ... and the teacher (the same tiny model)
-    for tag in COMPARED:  # step 3 at CP=1 (DP=2) from the CP=2 checkpoint is the CP=2 run's step 3
-        assert_runs_agree(one[tag], two[tag], tag, steps=[2])
+    assert_signal_alive(tmp_path / "cp1", what="resumed at CP 1")
+    # Steps 3 and 4 at CP=1 (DP=2) from the CP=2 checkpoint are the CP=2 run's (step 4's inputs depend on an
+    # update made with the loaded optimizer state).
+    for tag in COMPARED:
+        assert_runs_agree(one[tag], two[tag], tag, steps=[2, 3])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (FP32_ULPS, WORKERS, assert_fp32_close, assert_runs_agree, load_script, read_json, scalars,
+from helpers import (FP32_ULPS, WORKERS, assert_fp32_close, assert_runs_agree, assert_signal_alive, load_script, read_json, scalars,
                      torchrun)
 
 
@@ -183,18 +183,19 @@ def test_kernels_under_torchrun(tmp_path, tp):
 # Training runs compared step by step: (name, extra flags, the metrics compared beyond loss and grad_norm).
 # The policy loss with an entropy bonus (both kernel outputs carry gradient; hidden-state path); the
 # exact KL to the reference in the loss (logits path: the reference's logits are a companion); top-k
-# distillation in tail mode from a colocated teacher (hidden-state path).
+# distillation in tail mode from a colocated teacher (hidden-state path) that is not the student (the perturbed
+# tiny model: from itself, the divergence and its gradient would be 0 at the first step).
 TRAINING_RUNS = [
     ("entropy", ["--entropy-coef", "0.01"], ["entropy", "reward_mean"]),
     ("full-kl", ["--kl-coef", "0.1", "--kl-estimator", "full", "--kl-placement", "loss"], ["kl_loss", "entropy"]),
-    ("gkd-topk", ["--teacher-model", "{model}", "--gkd-logits-topk", "8", "--gkd-topk-mode", "tail",
+    ("gkd-topk", ["--teacher-model", "{teacher}", "--gkd-logits-topk", "8", "--gkd-topk-mode", "tail",
                   "--gkd-beta", "0.5", "--policy-loss-coef", "0"], ["distill_loss", "teacher_topk_mass"]),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,flags,tags", TRAINING_RUNS, ids=[run[0] for run in TRAINING_RUNS])
-def test_a_training_run_with_chunked_kernels_matches_naive(name, flags, tags, tiny_model, tmp_path):
+def test_a_training_run_with_chunked_kernels_matches_naive(name, flags, tags, tiny_model, perturbed_tiny, tmp_path):
     """Three steps with --kernels naive vs chunked: the same per-step loss, gradient norm and the
     run's own metrics, within tests/helpers.py's rule for two training runs."""
     series, tags = {}, ["loss", "grad_norm", *tags]
@@ -202,12 +203,16 @@ def test_a_training_run_with_chunked_kernels_matches_naive(name, flags, tags, ti
         torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
                  "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12",
                  "--micro-batch-size", "8", "--lr", "1e-3", "--train-steps", "3",
-                 *[flag.format(model=tiny_model) for flag in flags],
+                 *[flag.format(teacher=perturbed_tiny) for flag in flags],
                  "--kernels", impl, "--log-dir", tmp_path / impl,
                  # the trainer's kernels are compared, not the engine: the HF backend spares each of the six
                  # launches vLLM's import and start (a third of a short run on two cores)
                  "--rollout-backend", "hf", timeout=900)
         series[impl] = scalars(tmp_path / impl, tags)
+    # the policy loss is off in the distillation run: its signal is the divergence, not the rewards
+    assert_signal_alive(tmp_path / "naive", steps=(0, 1, 2), what=name, advantages=name != "gkd-topk")
+    if name == "gkd-topk":
+        assert min(series["naive"]["distill_loss"].values()) > 1e-4, series["naive"]
     for tag in tags:
         assert sorted(series["naive"][tag]) == sorted(series["chunked"][tag]) == [0, 1, 2], (tag, series)
         assert_runs_agree(series["chunked"][tag], series["naive"][tag], tag)

@@ -6,8 +6,11 @@ import pytest
 from helpers import (
     ROUNDING_LEVEL,
     assert_fp32_paths_agree,
+    assert_moved,
     assert_runs_agree,
+    assert_signal_alive,
     flat_series,
+    length_reward_plugin,
     read_json,
     scalars,
     torchrun,
@@ -46,6 +49,7 @@ def test_expert_parallel_with_pipeline_stages_equals_one_rank_layout(random_qwen
     # at uniform load, for Switch's E * sum(f_i * p_i)), the z-loss > 0.
     assert all(step["moe_load_balancing_loss"] >= 0.99 and step["moe_z_loss"] > 0 for step in one["actor"])
     assert_runs_agree(flat_series(two["logprobs_after"]), flat_series(one["logprobs_after"]), "logprobs_after")
+    assert_moved(one["logprobs"], one["logprobs_after"], "EP 1's two steps")
     assert two["logprobs_after"] != two["logprobs"]  # the steps changed the policy
 
 
@@ -59,20 +63,25 @@ COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean",
 def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(random_moe_policy, tmp_path):
     """A GRPO run of an MoE policy at EP=2 (colocated): after every sync the rollout's logprobs are the
     trainer's (the experts gathered from their EP ranks reach vLLM's fused experts), the router losses are
-    logged, and its checkpoint resumes at EP=1 into the same step 3."""
-    torchrun("../../megarl/train.py", *SMALL, "--model", random_moe_policy, "--expert-model-parallel-size", "2",
-             "--train-steps", "3", "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
-             "--log-dir", tmp_path / "ep2", timeout=900)
-    resumed = torchrun("../../megarl/train.py", *SMALL, "--model", random_moe_policy, "--train-steps", "3",
+    logged, and its checkpoint after step 2 resumes at EP=1 into the same steps 3 and 4 (step 4's inputs
+    depend on an update made with the experts' optimizer state as loaded). The reward is the response's length,
+    which differs within every group: the random policy scores 0 on arithmetic, leaving only the KL and router
+    losses to train on."""
+    common = [*SMALL, "--model", random_moe_policy, "--train-steps", "4", "--reward", "response_length",
+              "--external-plugins", length_reward_plugin(tmp_path)]
+    torchrun("../../megarl/train.py", *common, "--expert-model-parallel-size", "2",
+             "--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--log-dir", tmp_path / "ep2", timeout=900)
+    resumed = torchrun("../../megarl/train.py", *common,
                        "--resume", tmp_path / "ckpt" / "step_00000002", "--log-dir", tmp_path / "ep1", timeout=900)
     assert "EP=2" not in resumed.stdout and "resumed from" in resumed.stdout
     two, one = scalars(tmp_path / "ep2", COMPARED), scalars(tmp_path / "ep1", COMPARED)
-    assert sorted(two["loss"]) == [0, 1, 2]
+    assert sorted(two["loss"]) == [0, 1, 2, 3] and sorted(one["loss"]) == [2, 3], (two["loss"], one["loss"])
     assert max(two["mismatch"].values()) <= ROUNDING_LEVEL, two["mismatch"]
     assert min(two["moe_load_balancing_loss"].values()) >= 0.99 and min(two["moe_z_loss"].values()) > 0, two
     assert two["kl_ref"][2] > 1e-6, two["kl_ref"]  # the policy has moved: the syncs carried new weights
-    for tag in COMPARED:  # step 3 at EP=1 from the EP=2 checkpoint is the EP=2 run's step 3
-        assert_runs_agree(one[tag], two[tag], tag, steps=[2])
+    assert_signal_alive(tmp_path / "ep1", what="resumed at EP 1")
+    for tag in COMPARED:  # steps 3 and 4 at EP=1 from the EP=2 checkpoint are the EP=2 run's
+        assert_runs_agree(one[tag], two[tag], tag, steps=[2, 3])
 
 
 @pytest.mark.learning  # the model's build (~6 min) and 200 steps: outside CI (bash run_tests.sh -m learning)

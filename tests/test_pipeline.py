@@ -6,7 +6,9 @@ import pytest
 from helpers import (
     ROUNDING_LEVEL,
     assert_fp32_paths_agree,
+    assert_moved,
     assert_runs_agree,
+    assert_signal_alive,
     flat_series,
     read_json,
     scalars,
@@ -17,24 +19,6 @@ WORKER = ["--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--a
 SMALL = ["--config", "examples/quickstart_grpo.yaml", "--prompts-per-step", "4", "--num-generations", "4",
          "--max-new-tokens", "12", "--micro-batch-size", "4", "--lr", "1e-3", "--kl-coef", "0.05"]
 COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean")
-
-
-@pytest.fixture
-def perturbed_tiny(tiny_model, tmp_path):
-    """The tiny model with every weight moved by seeded noise (5% of its tensor's spread): a reference and a
-    teacher that differ from the policy from the first step, without training one."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path / "perturbed"
-    shutil.copytree(tiny_model, out)
-    generator = torch.Generator().manual_seed(5)
-    weights = load_file(out / "model.safetensors")
-    save_file({name: w + 0.05 * w.float().std().nan_to_num() * torch.randn(w.shape, generator=generator).to(w.dtype)
-               for name, w in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    return str(out)
 
 
 @pytest.mark.slow
@@ -60,6 +44,7 @@ def test_full_vocabulary_companions_at_two_stages_and_two_context_parallel_ranks
                               dict(enumerate(s[metric] for s in one["actor"])), f"{name} actor {metric}")
         assert_runs_agree(flat_series(two["logprobs_after"]), flat_series(one["logprobs_after"]),
                           f"{name} logprobs_after")
+    assert_moved(one["logprobs"], one["logprobs_after"], "one rank's two steps")
 
 
 @pytest.mark.slow
@@ -79,22 +64,38 @@ def test_two_stages_give_the_outputs_of_one(tiny_model, tmp_path):
         for name in names:
             assert_runs_agree(dict(enumerate(s[name] for s in two[role])), dict(enumerate(s[name] for s in one[role])),
                               f"{role} {name}")
-    assert two["logprobs_after"] != two["logprobs"]  # the steps changed the policy
+    assert_moved(one["logprobs"], one["logprobs_after"], "one stage's two steps")  # the steps changed the policy
+
+
+# The resumed job's schedules: LR warm-up then cosine decay (to a floor, so that every step trains), and the
+# adaptive KL controller with a short horizon, so that both move at every step and a resume that restarted
+# either (the scheduler's step count, the controller's value) would log other values.
+SCHEDULES = ["--lr-warmup-steps", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4",
+             "--kl-controller", "adaptive", "--kl-target", "0.01", "--kl-horizon", "64"]
 
 
 @pytest.mark.slow
 def test_grpo_at_two_stages_trains_syncs_and_resumes_at_one(tiny_model, tmp_path):
-    torchrun("../../megarl/train.py", *SMALL, "--model", tiny_model, "--pipeline-model-parallel-size", "2",
-             "--train-steps", "3", "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
-             "--log-dir", tmp_path / "pp2", timeout=900)
-    resumed = torchrun("../../megarl/train.py", *SMALL, "--model", tiny_model, "--train-steps", "3",
+    """GRPO at PP=2, saved after step 2, resumed at PP=1: steps 3 and 4 are the PP=2 run's (step 4 is the
+    first whose inputs depend on an update made after the load: Adam's moments and step as loaded, the LR
+    the scheduler gives the loaded step count, the KL coefficient the controller carried), with the LR and
+    the KL coefficient equal bit for bit."""
+    common = [*SMALL, *SCHEDULES, "--model", tiny_model, "--train-steps", "4"]
+    torchrun("../../megarl/train.py", *common, "--pipeline-model-parallel-size", "2",
+             "--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--log-dir", tmp_path / "pp2", timeout=900)
+    resumed = torchrun("../../megarl/train.py", *common,
                        "--resume", tmp_path / "ckpt" / "step_00000002", "--log-dir", tmp_path / "pp1", timeout=900)
     assert "PP=1" in resumed.stdout and "resumed from" in resumed.stdout
-    two, one = scalars(tmp_path / "pp2", COMPARED), scalars(tmp_path / "pp1", COMPARED)
-    assert sorted(two["loss"]) == [0, 1, 2]
+    tags = (*COMPARED, "lr", "kl_coef")
+    two, one = scalars(tmp_path / "pp2", tags), scalars(tmp_path / "pp1", tags)
+    assert sorted(two["loss"]) == [0, 1, 2, 3] and sorted(one["loss"]) == [2, 3], (two["loss"], one["loss"])
     # Every stage's weights reach the engines: the rollout's logprobs are the trainer's after each sync.
     assert max(two["mismatch"].values()) <= ROUNDING_LEVEL, two["mismatch"]
     # At step 0 the policy is the reference (0 up to rounding); by step 2 it has left it.
     assert abs(two["kl_ref"][0]) <= ROUNDING_LEVEL and two["kl_ref"][2] > 1e-6, two["kl_ref"]
-    for tag in COMPARED:  # step 3 at PP=1 from the PP=2 checkpoint is the PP=2 run's step 3
-        assert_runs_agree(one[tag], two[tag], tag, steps=[2])
+    assert_signal_alive(tmp_path / "pp1", what="resumed at PP 1")
+    for tag in ("lr", "kl_coef"):  # scheduled values: the same arithmetic on the loaded state, bit for bit
+        assert len(set(two[tag].values())) == 4, (tag, two[tag])  # each step its own value
+        assert {step: one[tag][step] for step in (2, 3)} == {step: two[tag][step] for step in (2, 3)}, tag
+    for tag in COMPARED:  # steps 3 and 4 at PP=1 from the PP=2 checkpoint are the PP=2 run's
+        assert_runs_agree(one[tag], two[tag], tag, steps=[2, 3])

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from helpers import ROOT, scalars, torchrun
+from helpers import ROOT, SIGNAL_TAGS, assert_signal_alive, scalars, torchrun
 
 
 def _samples(n: int):
@@ -57,8 +57,12 @@ def test_a_run_scores_the_same_with_and_without_overlap(tiny_model, tmp_path):
                  "--external-plugins", ROOT / "tests/plugins/slow_reward.py", "--reward-workers", str(workers),
                  "--log-dir", tmp_path / f"tb{workers}", timeout=900,
                  env={"MEGARL_TEST_REWARD_SLEEP": "0.01", "MEGARL_TEST_REWARD_THREADS": str(threads)})
-        series[workers] = scalars(tmp_path / f"tb{workers}", ["reward_mean", "loss", "response_length_mean"])
+        series[workers] = scalars(tmp_path / f"tb{workers}", ["reward_mean", "loss", "response_length_mean",
+                                                             *SIGNAL_TAGS, "entropy"])
         names = threads.read_text().split()
         assert len(names) == 2 * 16  # every sample of both steps, once
         assert all(name.startswith("megarl-reward") == bool(workers) for name in names), set(names)
     assert series[0] == series[2]
+    # ... and the equal series carry a signal: rewards that differ, a gradient (the loss alone is the same for
+    # any model on-policy: its ratio is exactly 1), so step 2 samples from an update both runs made alike
+    assert_signal_alive(series[0], steps=(0, 1), what="--reward-workers 0")

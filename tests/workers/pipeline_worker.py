@@ -44,7 +44,8 @@ def main():
     report = {"logprobs": [rows[i][0] for i in sorted(rows)], "values": [rows[i][1] for i in sorted(rows)],
               "actor": [actor.train_step(micro_batches, kl_coef=0.1, reference=actor) for _ in range(2)],
               "critic": [critic.train_step(micro_batches) for _ in range(2)],
-              "logprobs_after": actor.logprobs(micro_batches, batch.width)[0].tolist()}
+              # every rank's rows, as "logprobs" (this rank's alone would be another set of rows at another DP)
+              "logprobs_after": _whole(share, actor.logprobs(micro_batches, batch.width)[0], context)}
     write_report(f"{out}.json", report)
 
 
@@ -66,8 +67,8 @@ def companions(out, args, context, hf_config, batch, share):
     micro_batches = make_micro_batches(batch.select(share), args.micro_batch_size, 0, packed=args.padding_free,
                                        sequence_multiple=sequence_multiple(args))
     actor, reference, teacher = Actor(args, hf_config), Reference(args, hf_config), Teacher(args)
-    _, kl = actor.logprobs(micro_batches, batch.width, full_kl_to=reference)
-    report = {"kl": _whole(share, kl, context),
+    logprobs, kl = actor.logprobs(micro_batches, batch.width, full_kl_to=reference)
+    report = {"kl": _whole(share, kl, context), "logprobs": _whole(share, logprobs, context),
               "actor": [actor.train_step(micro_batches, kl_coef=0.1, reference=reference, teacher=teacher)
                         for _ in range(2)]}
     report["logprobs_after"] = _whole(share, actor.logprobs(micro_batches, batch.width)[0], context)
