@@ -90,6 +90,21 @@ def scalars(log_dir, tags) -> dict[str, dict[int, float]]:
     return series
 
 
+def reward_rise(log_dir) -> float:
+    """The rise of a run's reward_mean over its steps, read off a least-squares line through every step (the
+    line's end minus its start): a learning test's statistic. Measured over 3 seeds (tools/learning_bars.py,
+    docs/testing.md) its spread is half that of the 5-step means at both ends (the run's `reward: a -> b` line),
+    and a run that does not learn reads 0 +- noise/sqrt(steps^3 / 12) (0.015 over 80 steps of 128 samples)."""
+    series = scalars(log_dir, ["reward_mean"])["reward_mean"]
+    values = [series[step] for step in sorted(series)]
+    n = len(values)
+    assert n >= 2, series
+    x_mean, y_mean = (n - 1) / 2, sum(values) / n
+    slope = sum((i - x_mean) * (y - y_mean) for i, y in enumerate(values)) / \
+        sum((i - x_mean) ** 2 for i in range(n))
+    return slope * (n - 1)
+
+
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import scalars, torchrun
+from helpers import reward_rise, scalars, torchrun
 
 pytestmark = pytest.mark.slow  # real torchrun ranks with vLLM and Megatron-core
 
@@ -48,14 +48,14 @@ def test_a_crash_in_one_role_ends_every_rank(placement, fail_rank, tiny_model):
 
 
 def test_quickstart_learns(tiny_model, tmp_path):
-    """The quickstart's config, shortened: the reward must rise (its full 200-step run went 0.36-0.39 ->
-    0.62-0.66 on the machines in docs/testing.md)."""
+    """The quickstart's config, shortened to 80 steps: the reward rises. The statistic is the rise of a
+    least-squares line through every step's reward (helpers.reward_rise): over seeds 1234, 1 and 2 it read
+    +0.130, +0.165, +0.172 (spread 0.041; docs/testing.md, "Learning bars"), so the bar of +0.07 keeps a
+    margin of twice the spread, and stands 4.6 standard deviations above a run that does not learn (0 +- 0.015)."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
                       "--train-steps", "80", "--log-dir", tmp_path / "tb", timeout=900)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
-    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    # It passed in CI at 80 steps; +0.10 leaves room for the noise of 5-step means.
-    assert last >= first + 0.10, line
+    assert reward_rise(tmp_path / "tb") >= 0.07, (reward_rise(tmp_path / "tb"), line)
 
 
 @pytest.mark.learning  # the tiny Qwen3.5's build (~2 minutes) and 200 steps: outside CI (-m learning)
