@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import (FP32_PATHS_ULPS, ROOT, ROUNDING_LEVEL, WORKERS, assert_fp32_paths_agree, fp32_paths_ulps,
-                     read_json, scalars, torchrun)
+                     read_json, reward_rise, scalars, torchrun)
 from megarl.arguments import parse_args
 from megarl.errors import ConfigError
 from megarl.placement import Placement
@@ -282,11 +282,11 @@ def test_quickstart_runs_without_vllm(tiny_model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.learning
 def test_quickstart_learns_with_the_hf_backend(tiny_model, tmp_path):
-    """The quickstart (200 steps, about 5 minutes on 2 CPU ranks) on the HF backend with vLLM blocked: the reward
-    rises as on vLLM (docs/testing.md: 0.36-0.39 -> 0.62-0.66). Measured: 0.430 -> 0.645 (5-step means); at 80
-    steps it read 0.430 -> 0.486, vLLM's run 0.389 -> 0.570: the noise of 5-step means, so the full run here."""
+    """The quickstart (200 steps, about 4 minutes on 2 CPU ranks) on the HF backend with vLLM blocked: the reward
+    rises. Its own bar (docs/testing.md, "Learning bars"): the fitted rise (helpers.reward_rise) over seeds 1234,
+    1 and 2 read +0.274, +0.276, +0.289 (spread 0.015; at 80 steps +0.108, +0.099, +0.174: too noisy to judge),
+    so +0.20 keeps a margin of five times the spread."""
     result = torchrun("no_vllm.py", ROOT / "megarl" / "train.py", "--config", "examples/quickstart_grpo.yaml",
                       "--model", tiny_model, *HF, "--log-dir", tmp_path / "tb", timeout=3600)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
-    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    assert last >= first + 0.15, line
+    assert reward_rise(tmp_path / "tb") >= 0.20, (reward_rise(tmp_path / "tb"), line)
