@@ -272,6 +272,16 @@ def assert_margins(ratio, edges, mask, what):
         assert gap > 1e-4, f"{what}: a ratio {float(gap):.1e} from {edge}; pick other inputs"
 
 
+def clipped_surrogate(c, lp):
+    """The PPO-clip surrogate (eps 0.2) of case `c`'s tokens against its old logprobs (ratios asserted away from
+    the clip's edges), and the loss mask: the response mask less the last sample (--filter-truncated)."""
+    ratio = torch.exp(lp - (lp.detach() + c.old_noise))
+    assert_margins(ratio.detach(), [0.8, 1.2], c.mask, "PPO ratio")
+    loss_mask = c.mask.clone()
+    loss_mask[-1] = 0
+    return torch.maximum(-c.advantages * ratio, -c.advantages * ratio.clamp(0.8, 1.2)), loss_mask
+
+
 # ------------------------------------------------------------------------- 1. policy term with TIS ----
 TIS_CASES = [  # (level, mode, aggregation, kernels, --temperature)
     ("token", "truncate", "token_level", "naive", 1.0),
@@ -383,7 +393,6 @@ def test_kl_in_the_loss(world, tiny_model, estimator, kernels):
     coef = 0.3
     value, grad = run_actor_loss(args, micro_batch, c.logits, LossTerms(kl_coef=coef), companions)
 
-    old = lp.detach() + c.old_noise
     ref = lp.detach() + c.ref_noise
     if estimator == "full":
         p = torch.softmax(gather_positions(c, logits64), -1)
@@ -391,11 +400,7 @@ def test_kl_in_the_loss(world, tiny_model, estimator, kernels):
         kl = kl_sum(p, q) * c.mask
     else:
         kl = KL_FORMULAS[estimator](lp, ref) * c.mask
-    loss_mask = c.mask.clone()
-    loss_mask[-1] = 0
-    ratio = torch.exp(lp - old)
-    assert_margins(ratio.detach(), [0.8, 1.2], c.mask, "PPO ratio")
-    pg = torch.maximum(-c.advantages * ratio, -c.advantages * ratio.clamp(0.8, 1.2))
+    pg, loss_mask = clipped_surrogate(c, lp)
     token_loss = pg + coef * kl
     expected = aggregate(token_loss, loss_mask, "sample_level")
     assert_matches(value, grad, expected, logits64, float((token_loss.detach() * loss_mask).abs().max()),
@@ -418,12 +423,7 @@ def test_entropy_bonus_in_the_loss(world, tiny_model, kernels):
     batch = make_batch(c, args, lp)
     value, grad = run_actor_loss(args, one_micro_batch(batch), c.logits, LossTerms())
 
-    old = lp.detach() + c.old_noise
-    loss_mask = c.mask.clone()
-    loss_mask[-1] = 0
-    ratio = torch.exp(lp - old)
-    assert_margins(ratio.detach(), [0.8, 1.2], c.mask, "PPO ratio")
-    pg = torch.maximum(-c.advantages * ratio, -c.advantages * ratio.clamp(0.8, 1.2))
+    pg, loss_mask = clipped_surrogate(c, lp)
     token_loss = 0.5 * pg - 0.25 * entropy
     expected = aggregate(token_loss, loss_mask, "token_level")
     assert_matches(value, grad, expected, logits64, float((token_loss.detach() * loss_mask).abs().max()),
@@ -476,12 +476,7 @@ def test_distillation_term_in_the_loss(world, tiny_model, kind, k, beta, kernels
     else:
         d = divergence(kind, student, teacher.double()[..., :VOCAB], beta, temperature)
     d = d * c.mask
-    old = lp.detach() + c.old_noise
-    loss_mask = c.mask.clone()
-    loss_mask[-1] = 0
-    ratio = torch.exp(lp - old)
-    assert_margins(ratio.detach(), [0.8, 1.2], c.mask, "PPO ratio")
-    pg = torch.maximum(-c.advantages * ratio, -c.advantages * ratio.clamp(0.8, 1.2))
+    pg, loss_mask = clipped_surrogate(c, lp)
     token_loss = 0.4 * pg + 1.7 * d
     expected = aggregate(token_loss, loss_mask, "token_level")
     assert_matches(value, grad, expected, logits64, float((token_loss.detach() * loss_mask).abs().max()),
