@@ -37,6 +37,9 @@ CASES = {
                  ["--config", "examples/quickstart_grpo_separate.yaml", "--async-generation", "--tis-level",
                   "token", "--train-steps", "80"]),
 }
+CASES.update({f"preset-{preset}": ("tests/test_presets.py::test_preset_reward_rises", "megarl/train.py",
+                                   ["--config", f"examples/{preset}.yaml", "--train-steps", "60"])
+              for preset in ("grpo", "dapo", "drgrpo", "ppo")})
 
 
 def ends(log_dir: Path, window: int) -> tuple[float, float]:
