@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import assert_signal_alive, read_json, scalars, torchrun
+from helpers import assert_signal_alive, read_json, reward_rise, scalars, torchrun
 
 SEPARATE = ["--config", "examples/quickstart_grpo_separate.yaml"]
 SMALL = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12", "--micro-batch-size", "16",
@@ -74,9 +74,9 @@ def test_staleness_is_one_step_at_most_and_a_resume_continues_exactly(tiny_model
 @pytest.mark.learning  # a reward that must rise over tens of steps; the staleness/resume test stays in CI
 def test_async_generation_learns(tiny_model, tmp_path):
     """The separate quickstart with --async-generation and token-level TIS, shortened like
-    test_train_e2e.py's quickstart test: the reward must rise by 0.10."""
+    test_train_e2e.py's quickstart test: the reward rises. Fitted rise (helpers.reward_rise) over seeds 1234, 1, 2:
+    +0.130, +0.162, +0.183 (spread 0.053): the bar +0.05 keeps a margin of twice the spread."""
     result = torchrun("../../megarl/train.py", *SEPARATE, "--model", tiny_model, "--async-generation",
                       "--tis-level", "token", "--train-steps", "80", "--log-dir", tmp_path / "tb", timeout=900)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
-    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    assert last >= first + 0.10, line
+    assert reward_rise(tmp_path / "tb") >= 0.05, (reward_rise(tmp_path / "tb"), line)
