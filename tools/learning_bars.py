@@ -40,6 +40,8 @@ CASES = {
 CASES.update({f"preset-{preset}": ("tests/test_presets.py::test_preset_reward_rises", "megarl/train.py",
                                    ["--config", f"examples/{preset}.yaml", "--train-steps", "60"])
               for preset in ("grpo", "dapo", "drgrpo", "ppo")})
+CASES["preset-dapo-120"] = ("tests/test_presets.py::test_preset_reward_rises[dapo]", "megarl/train.py",
+                            ["--config", "examples/dapo.yaml", "--train-steps", "120"])
 
 
 def ends(log_dir: Path, window: int) -> tuple[float, float]:
