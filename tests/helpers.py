@@ -94,7 +94,8 @@ def reward_rise(log_dir) -> float:
     """The rise of a run's reward_mean over its steps, read off a least-squares line through every step (the
     line's end minus its start): a learning test's statistic. Measured over 3 seeds (tools/learning_bars.py,
     docs/testing.md) its spread is half that of the 5-step means at both ends (the run's `reward: a -> b` line),
-    and a run that does not learn reads 0 +- noise/sqrt(steps^3 / 12) (0.015 over 80 steps of 128 samples)."""
+    and a run that does not learn reads 0 +- noise/sqrt(steps^3 / 12) (estimated, not measured: 0.015
+    over 80 steps of 128 samples, at a per-step noise of 0.04)."""
     series = scalars(log_dir, ["reward_mean"])["reward_mean"]
     values = [series[step] for step in sorted(series)]
     n = len(values)

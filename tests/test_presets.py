@@ -5,7 +5,7 @@ preset's bar keeps a margin of twice its spread over seeds 1234, 1 and 2 (tools/
 docs/testing.md, "Learning bars"): grpo +0.154/+0.178/+0.160, drgrpo +0.120/+0.149/+0.141, ppo (GAE with a
 Megatron critic, KL in the reward with the adaptive controller, 2 epochs of 2 shuffled mini-batches)
 +0.278/+0.313/+0.362. dapo +0.068/+0.113/+0.127 (its kept groups are the mixed ones) spreads too wide at 60 steps
-for such a bar: its +0.03 fails a run that does not learn (0 +- 0.02) but keeps a margin of only 1.2x its spread.
+for such a bar: its +0.03 fails a run that does not learn (0 +- 0.02, estimated as in helpers.reward_rise) but keeps a margin of only 1.2x its spread.
 """
 
 import pytest

@@ -51,7 +51,8 @@ def test_quickstart_learns(tiny_model, tmp_path):
     """The quickstart's config, shortened to 80 steps: the reward rises. The statistic is the rise of a
     least-squares line through every step's reward (helpers.reward_rise): over seeds 1234, 1 and 2 it read
     +0.130, +0.165, +0.172 (spread 0.041; docs/testing.md, "Learning bars"), so the bar of +0.07 keeps a
-    margin of twice the spread, and stands 4.6 standard deviations above a run that does not learn (0 +- 0.015)."""
+    margin of twice the spread, and stands about 4.6 standard deviations above a run that does not learn (0 +- 0.015, estimated in
+    helpers.reward_rise)."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_model,
                       "--train-steps", "80", "--log-dir", tmp_path / "tb", timeout=900)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
