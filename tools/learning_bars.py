@@ -4,8 +4,9 @@
 
 Each case is a learning test's run (the test named in CASES). Per seed it prints the reward's mean over the
 first and the last `--window` steps (the run's own `reward: a -> b` line at the default 5) and the tests'
-statistic, the rise of a least-squares line through every step (tests/helpers.py's reward_rise); then that
-rise's mean and spread (max - min over the seeds) and the highest bar whose margin (mean rise - bar) is at
+statistic, the rise of a least-squares line through every step (tests/helpers.py's reward_rise), or for a
+distillation case the share of the student's pass@1 gap to the teacher that the run closes; then that
+statistic's mean and spread (max - min over the seeds) and the highest bar whose margin (mean rise - bar) is at
 least twice the spread: what the test may assert, so that another seed or machine passes it, while a run
 that does not learn (rise ~0) still fails. A bar at or below 0 says the statistic is too noisy to judge
 learning there: lengthen the run.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +44,29 @@ CASES.update({f"preset-{preset}": ("tests/test_presets.py::test_preset_reward_ri
               for preset in ("grpo", "dapo", "drgrpo", "ppo")})
 CASES["preset-dapo-120"] = ("tests/test_presets.py::test_preset_reward_rises[dapo]", "megarl/train.py",
                             ["--config", "examples/dapo.yaml", "--train-steps", "120"])
+QUICKSTARTS = {"colocate": "examples/quickstart_grpo.yaml", "separate": "examples/quickstart_grpo_separate.yaml"}
+CASES.update({f"lora-{placement}-{sync}": (f"tests/test_lora.py::test_lora_quickstart_learns[{placement}-{sync}]",
+                                           "megarl/train.py", ["--config", QUICKSTARTS[placement], "--lora-rank", "8",
+                                                               "--lr", "3e-3", "--lora-sync", sync])
+              for placement in QUICKSTARTS for sync in ("merged", "adapter")})
+CASES.update({
+    "moe": ("tests/test_moe.py::test_moe_quickstart_learns", "megarl/train.py",
+            ["--config", "examples/quickstart_grpo_moe.yaml"]),
+    "tools": ("tests/test_multiturn.py::test_tool_quickstart_learns", "megarl/train.py",
+              ["--config", "examples/quickstart_grpo_tools.yaml"]),
+    "qwen3_5": ("tests/test_train_e2e.py::test_the_quickstart_learns_on_qwen3_5", "megarl/train.py",
+                ["--config", "examples/quickstart_grpo.yaml", "--model", "artifacts/tiny-qwen3_5"]),
+})
+# Distillation: the share of the student's pass@1 gap to the teacher that the run closes (its own `pass@1:` line)
+GAP_CASES = {
+    "gkd": ("tests/test_distill_e2e.py::test_the_distillation_quickstart_closes_half_the_gap_to_the_teacher",
+            "megarl/train.py", ["--config", "examples/quickstart_gkd.yaml"]),
+    "lora-gkd": ("tests/test_lora.py::test_lora_distillation_closes_half_the_gap_to_the_teacher", "megarl/train.py",
+                 ["--config", "examples/quickstart_gkd.yaml", "--lora-rank", "8", "--lr", "2e-3"]),
+    "gkd-qwen3_5": ("tests/test_distill_e2e.py::test_the_qwen3_5_distillation_quickstart_closes_most_of_the_gap",
+                    "megarl/train.py", ["--config", "examples/quickstart_gkd_qwen3_5.yaml"]),
+}
+CASES.update(GAP_CASES)
 
 
 def ends(log_dir: Path, window: int) -> tuple[float, float]:
@@ -54,16 +79,28 @@ def ends(log_dir: Path, window: int) -> tuple[float, float]:
     return sum(values[:window]) / window, sum(values[-window:]) / window
 
 
-def run_case(name: str, seed: int, out: Path) -> Path:
+def gap_closed(stdout: str) -> float:
+    """The share of the student's pass@1 gap to the teacher closed, from the run's last `pass@1:` line."""
+    line = [text for text in stdout.splitlines() if text.startswith("pass@1: ")][-1]
+    before, after, teacher = (float(value) for value in
+                              re.fullmatch(r"pass@1: student ([\d.]+) -> ([\d.]+), teacher ([\d.]+)", line).groups())
+    return (after - before) / (teacher - before)
+
+
+def run_case(name: str, seed: int, out: Path) -> tuple[Path, str]:
+    """The case's run at `seed`: its log directory and its stdout."""
     _, script, args = CASES[name]
     log_dir = out / f"{name}_seed{seed}"
+    if "--config" in args:  # the tiny models the config names, built once (run_quickstart.sh's step)
+        subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--for-config",
+                        args[args.index("--config") + 1]], cwd=ROOT, check=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / script), *args, "--seed", str(seed), "--log-dir", str(log_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{name} seed {seed} failed:\n{(result.stdout + result.stderr)[-4000:]}")
-    return log_dir
+    return log_dir, result.stdout
 
 
 def main(argv=None) -> None:
@@ -78,15 +115,20 @@ def main(argv=None) -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="learning_bars_"))
     for name in args.cases:
         print(f"{name} ({CASES[name][0]}), window {args.window}:", flush=True)
-        rises = []
+        values, statistic = [], "gap closed" if name in GAP_CASES else "fitted rise"
         for seed in args.seeds:
-            log_dir = run_case(name, seed, out)
+            log_dir, stdout = run_case(name, seed, out)
+            if name in GAP_CASES:
+                values.append(gap_closed(stdout))
+                print(f"  seed {seed}: {[t for t in stdout.splitlines() if t.startswith('pass@1: ')][-1]}, gap "
+                      f"closed {values[-1]:+.3f}", flush=True)
+                continue
             first, last = ends(log_dir, args.window)
-            rises.append(reward_rise(log_dir))
+            values.append(reward_rise(log_dir))
             print(f"  seed {seed}: {first:.3f} -> {last:.3f} ({args.window}-step means), fitted rise "
-                  f"{rises[-1]:+.3f}", flush=True)
-        mean, spread = statistics.mean(rises), max(rises) - min(rises)
-        print(f"  fitted rise {mean:+.3f} mean, spread {spread:.3f}: bar <= {mean - 2 * spread:+.3f} "
+                  f"{values[-1]:+.3f}", flush=True)
+        mean, spread = statistics.mean(values), max(values) - min(values)
+        print(f"  {statistic} {mean:+.3f} mean, spread {spread:.3f}: bar <= {mean - 2 * spread:+.3f} "
               f"(margin >= 2 x spread)", flush=True)
 
 

@@ -28,6 +28,8 @@ from megarl import startup_gc
 startup_gc.defer_full_collections()  # as train.py's ranks do: no full collection rescans the imports below
 
 import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -228,7 +230,13 @@ def main():
         with open(out, "w") as f:
             json.dump({"tp": dist.get_world_size(), "fused": FUSED, "cases": merged}, f)
     dist.barrier()
-    dist.destroy_process_group()
+    # as train.py ends: a hard exit once every rank is done. Interpreter teardown with gloo's and
+    # the CPU libraries' threads alive aborted once in CI ("terminate called without an active
+    # exception", SIGABRT) after the work was written
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
