@@ -29,7 +29,7 @@ class Actor(TrainableModel, SampledLogprobs):
     def __init__(self, args, hf_config):
         self.args, self.hf_config = args, hf_config
         module = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
-                                 **trainer_config_overrides(args))
+                                 lora=bool(args.lora_rank), **trainer_config_overrides(args))
         load_hf_weights(module, args.model, hf_config)
         if args.lora_rank:  # the base frozen before DDP and the optimizer see it: they keep nothing for it
             from megarl.models.lora import apply_lora, lora_config

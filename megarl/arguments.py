@@ -1077,16 +1077,6 @@ def _validate_lora(args) -> None:
     if args.ref_model != args.model:
         raise ConfigError(f"--ref-model {args.ref_model} with --lora-rank: the reference of a LoRA run is the "
                           f"policy's base (--model {args.model}) with its adapters off; drop --ref-model")
-    if getattr(args, "sequence_parallel", False):
-        raise ConfigError("--lora-rank with --sequence-parallel is not supported yet (the adapters would take the "
-                          "linears' sequence-split inputs and outputs, for which their TP collectives are not "
-                          "written); LoRA runs with tensor, pipeline, context and data parallelism")
-    from megarl import accelerator
-
-    if accelerator.transformer_engine_available():
-        raise ConfigError("--lora-rank is not supported with Transformer Engine's layers yet (its layer-norm-fused "
-                          "linears hide the normalised input the adapters take); LoRA runs on Megatron's local "
-                          "spec, used where Transformer Engine is not installed")
 
 
 def _validate_moe(args) -> None:

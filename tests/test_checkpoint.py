@@ -134,8 +134,8 @@ def test_qwen3_5_resumes_at_another_tensor_parallel_size(random_qwen3_5_policy, 
 
 
 def test_lora_grpo_samples_from_the_merged_weights_resumes_exactly_and_exports(tiny_model, tmp_path):
-    """--lora-rank 8 on TP=2 trainer ranks (colocated) with a KL term and the distributed optimizer, 4 steps
-    straight, saving after step 2:
+    """--lora-rank 8 on TP=2 trainer ranks (colocated) with sequence parallelism over packed rows, a KL term and
+    the distributed optimizer, 4 steps straight, saving after step 2:
     - after each update's sync the engines sample from the merged weights (the rollout-vs-trainer mismatch at
       rounding level, as in full training; with the merge skipped it reads 5e-2 at this learning rate); the
       KL to the reference (the base, adapters off) is exactly 0 before the first update, positive after;
@@ -144,7 +144,7 @@ def test_lora_grpo_samples_from_the_merged_weights_resumes_exactly_and_exports(t
     - tools/export_hf.py at TP=1 writes that adapter again from the last checkpoint (the base from the recorded
       --model) and the merged weights, which differ from --model in the adapted projections only."""
     lora = ["--train-steps", "4", "--lora-rank", "8", "--kl-coef", "0.05", "--lr", "1e-2",
-            "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--padding-free", "--use-distributed-optimizer"]
     _run(tiny_model, tmp_path, "straight", *lora, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
          "--save-keep", "0", "--save-hf-dir", tmp_path / "adapter_straight")
     tags = COMPARED + ("kl_ref",)

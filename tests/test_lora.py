@@ -126,6 +126,44 @@ def test_only_the_adapters_have_gradients_and_optimizer_state(distributed, megat
     assert torch.equal(logits_of(actor.model, batches), before)
 
 
+def test_a_lora_policy_takes_the_local_spec_where_transformer_engine_is(megatron_rank, tiny_model, monkeypatch):
+    """On a host with Transformer Engine (faked here: CPU CI cannot import it) a LoRA policy is built from
+    Megatron's local spec, whose linears the adapters hook (TE's layer-norm-fused linear hides the normed
+    input), with the local spec's unfused GLU and no grouped expert GEMM; the options parse (no refusal).
+    Every other model on that host still takes TE's spec: without `lora` the build reaches it."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from transformers import AutoConfig
+
+    from megarl import accelerator
+    from megarl.actor import Actor
+    from megarl.models import megatron_gpt
+    from megarl.models.lora import adapters_of
+
+    assert megatron_gpt.transformer_engine_spec(transformer_engine=True)
+    assert not megatron_gpt.transformer_engine_spec(lora=True, transformer_engine=True)
+    assert not megatron_gpt.transformer_engine_spec(hybrid=True, transformer_engine=True)
+    assert not megatron_gpt.transformer_engine_spec(transformer_engine=False)
+
+    class TransformerEngineSpec(Exception):
+        pass
+
+    def te_spec(**_):
+        raise TransformerEngineSpec
+
+    monkeypatch.setattr(accelerator, "transformer_engine_available", lambda on_cuda=None: True)
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_spec)
+    hf_config = AutoConfig.from_pretrained(tiny_model)
+    with pytest.raises(TransformerEngineSpec):
+        megatron_gpt.build_gpt_model(hf_config)
+    actor = Actor(options(tiny_model), hf_config)  # parse_args passed with TE "installed"
+    layer = actor.model.module.decoder.layers[0] if hasattr(actor.model, "module") else actor.model.decoder.layers[0]
+    assert type(layer.self_attention.linear_qkv) is ColumnParallelLinear
+    assert layer.config.use_te_activation_func and not layer.config.moe_grouped_gemm
+    assert len(adapters_of(actor.model)) == 2 * 4  # qkv, proj, fc1, fc2 in each of the 2 layers
+    train(actor, steps=1)
+
+
 def test_the_reference_is_the_policy_base_without_a_second_model(megatron_rank, tiny_model):
     from megatron.core.models.gpt import GPTModel
     from transformers import AutoConfig
@@ -358,7 +396,9 @@ def test_qwen3_5_adapters_on_both_attentions_load_in_peft(megatron_rank, random_
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny_model", "random_qwen3_5_policy"])
 def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(model, request, tmp_path):
-    """The same adapters sharded over TP=2, split into PP=2 stages and over CP=2 ranks, and on one rank's
+    """The same adapters sharded over TP=2 (also with sequence parallelism, the packed row's tokens split
+    over the TP ranks: without the TP sum of the replicated A's and B's token-partial gradients they read
+    ~8e6 ulps), split into PP=2 stages and over CP=2 ranks, and on one rank's
     layout (one launch, tests/workers/lora_worker.py; the actor's DDP, schedule and finalize_model_grads with
     the frozen tied embedding): logits and every adapter's gradient (gathered whole, from every stage) agree
     as two fp32 paths (skipping the TP reduction of the replicated A's gradient reads 1e7 ulps; a stage's
@@ -378,7 +418,7 @@ def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(model, request, tmp_path):
     # every linear of a layer (Qwen3.5: 5 GDN and 3 MLP in layers 0 and 2, 4 attention and 3 MLP in 1 and 3)
     adapters = 2 * (5 + 3) + 2 * (4 + 3) if qwen3_5 else 2 * 7
     assert report["streamed"]["peft"] == 2 * adapters, report["streamed"]
-    for layout in ("tp2", "pp2") if qwen3_5 else ("tp2", "pp2", "cp2"):
+    for layout in ("tp2", "tp2sp", "pp2") if qwen3_5 else ("tp2", "tp2sp", "pp2", "cp2"):
         assert report[layout]["logits_ulps"] <= FP32_PATHS_ULPS, (layout, report[layout]["logits_ulps"])
         assert len(report[layout]["grad_ulps"]) == 2 * adapters  # (A, B) of each
         off = {name: value for name, value in report[layout]["grad_ulps"].items() if value > FP32_PATHS_ULPS}
@@ -393,6 +433,28 @@ def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(model, request, tmp_path):
     assert tp2["dropout_replicated_A_max"] > 0 and tp2["dropout_replicated_A_rank_difference"] == 0, tp2
     assert pp2["resumed_step_bit_exact"] and pp2["resumed_step_moved"] > 1e-5, pp2  # the step moved the adapters
     assert report["pp2_checkpoint_loaded"] == {"keys": True, "count": 3 * 2 * adapters, "bit_exact": True}, report
+
+
+@pytest.mark.slow
+def test_sequence_parallel_adapters_with_pp2_and_cp2_equal_one_rank(tiny_model, tmp_path):
+    """4 ranks (tests/workers/lora_worker.py): TP=2 with sequence parallelism and PP=2, then with CP=2, against
+    the same adapters on one rank's layout: logits and every adapter's gradient as two fp32 paths, the syncs'
+    streams, and the TP=2 x PP=2 checkpoint (adapters and Adam's moments, whole over TP) resumed bit for bit
+    and loaded on one rank as saved."""
+    from helpers import read_json
+
+    torchrun("lora_worker.py", tiny_model, tmp_path / "report.json", "tp2sp_pp2,tp2sp_cp2", nproc=4, timeout=400)
+    report = read_json(tmp_path / "report.json")
+    assert min(report["grad_max"].values()) > 0, report["grad_max"]
+    for layout in ("tp2sp_pp2", "tp2sp_cp2"):
+        assert report[layout]["logits_ulps"] <= FP32_PATHS_ULPS, (layout, report[layout]["logits_ulps"])
+        assert len(report[layout]["grad_ulps"]) == 2 * 2 * 7
+        off = {name: value for name, value in report[layout]["grad_ulps"].items() if value > FP32_PATHS_ULPS}
+        assert not off, (layout, off)
+        assert report[layout]["merged_ulps"] <= FP32_PATHS_ULPS and report[layout]["peft_bit_exact"], report[layout]
+    pipelined = report["tp2sp_pp2"]
+    assert pipelined["resumed_step_bit_exact"] and pipelined["resumed_step_moved"] > 1e-5, pipelined
+    assert report["pp2_checkpoint_loaded"] == {"keys": True, "count": 3 * 2 * 2 * 7, "bit_exact": True}, report
 
 
 @pytest.mark.slow

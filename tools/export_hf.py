@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     from megarl.models.megatron_gpt import DTYPES, build_gpt_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by)
+    model = build_gpt_model(hf_config, DTYPES[args.params_dtype], args.make_vocab_size_divisible_by,
+                            lora=record is not None)
     if record is not None:  # the base, then the adapters on it (their initial values are overwritten below)
         from megarl.models.lora import apply_lora, lora_config
 

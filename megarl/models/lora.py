@@ -94,11 +94,11 @@ the HF model (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` [
 W + scale * B A (the same stream as the merged sync); `both`, the merged checkpoint with the adapter
 directory in its adapter/.
 
-Not served (refused at start by megarl/arguments.py): Transformer Engine's layer-norm-fused
-linears (their input is the un-normalised hidden state), and sequence parallelism: there a column-parallel
-base takes the sequence-split input and gathers it itself, and a row-parallel one reduce-scatters its output
-over the sequence, so the hook would see split inputs and owe split outputs for which the adapters' TP
-collectives (copy/all-reduce of the [tokens, r] product) are not written.
+Sequence parallelism: a column-parallel base takes this rank's tokens and gathers them itself, a row-parallel
+one reduce-scatters its output over the tokens; the adapters' r-wide products follow (LoraAdapter.forward).
+
+Transformer Engine: its layer-norm-fused column linear takes the un-normed hidden state, so a LoRA policy
+takes Megatron's local spec on every host (megatron_gpt.transformer_engine_spec; the cost: docs/platform.md).
 """
 
 from __future__ import annotations
@@ -193,6 +193,12 @@ class LoraAdapter(torch.nn.Module):
         self.layout, self.split = layout, _LINEAR_LAYOUTS[layout]
         self.scale, self.rank, self.dropout = config.scale, config.rank, config.dropout
         self.enabled = True
+        # Sequence parallelism: a column base takes this rank's tokens and gathers them itself, a row base
+        # reduce-scatters its output over the tokens (megatron/core/tensor_parallel/layers.py)
+        # (not an expert's linear: its tokens come from the dispatcher, and it runs without, layers.py's
+        # explicit_expert_comm)
+        self.sequence_parallel = (bool(base.sequence_parallel) and tp > 1
+                                  and not getattr(base, "explicit_expert_comm", False))
         self.modules = modules  # every HF module of the fused linear, in its order
         self.hf_paths = {module: path.format(i=layer) for module, path in zip(modules, hf_paths)}  # PEFT's names
         conf = base.config
@@ -231,6 +237,9 @@ class LoraAdapter(torch.nn.Module):
                                                             dtype=dtype))
             split = self.B[module] if self.split == "column" else self.A[module]
             set_tensor_model_parallel_attributes(split, True, 0 if self.split == "column" else 1, 1)
+            if self.sequence_parallel:  # the replicated one sees this rank's tokens only: its gradient is a
+                # part, summed over TP by finalize_model_grads (as the sequence-parallel norms' weights)
+                (self.A[module] if self.split == "column" else self.B[module]).sequence_parallel = True
             for param in (self.A[module], self.B[module]):
                 param.lora_adapter = True  # convert._local_entries: not a weight of the HF model
 
@@ -260,31 +269,46 @@ class LoraAdapter(torch.nn.Module):
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout on the adapter's input: the same mask on every TP rank where the input is replicated
-        (column: Megatron's data-parallel RNG, seeded alike over TP), one per rank where it is split (row:
-        the model-parallel RNG). Both trackers are replayed by activation recomputation."""
+        (column without sequence parallelism: Megatron's data-parallel RNG, seeded alike over TP), one per
+        rank where it is split (row, on its features; column under sequence parallelism, on its tokens: the
+        model-parallel RNG). Both trackers are replayed by activation recomputation."""
         if not (self.dropout and self.training):
             return x
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_data_parallel_rng_tracker_name
 
         tracker = get_cuda_rng_tracker()
-        with tracker.fork(get_data_parallel_rng_tracker_name()) if self.split == "column" else tracker.fork():
+        replicated = self.split == "column" and not self.sequence_parallel
+        with tracker.fork(get_data_parallel_rng_tracker_name()) if replicated else tracker.fork():
             return torch.nn.functional.dropout(x, self.dropout, training=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """scale * B A x of the base's input `x`, in the base's local output layout."""
+        """scale * B A x of the base's input `x`, in the base's local output layout.
+
+        The TP collectives run on the r-wide product, never on the base's width. Without sequence
+        parallelism: a column base's [tokens, r] product enters its region by a copy (its gradient summed
+        over TP in the backward), a row base's partial products are all-reduced before B. With it the
+        tokens move as the base's do: a column base's product of this rank's tokens is gathered over the
+        sequence (reduce-scattered in the backward), a row base's partial products are reduce-scattered to
+        this rank's tokens (gathered in the backward); the replicated A (column) or B (row) then sees this
+        rank's tokens only, so its gradient is summed over TP at the step (its `sequence_parallel` mark).
+        The same sums as gathering the input before A or reduce-scattering after B, r/width the traffic."""
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                            reduce_from_tensor_model_parallel_region)
+                                                            gather_from_sequence_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region,
+                                                            reduce_scatter_to_sequence_parallel_region)
 
         x = self._dropped(x)
         names = list(self.A)
         a = torch.cat([self.A[name] for name in names]) if len(names) > 1 else self.A[names[0]]
         h = x @ a.t()  # [..., adapters * r]
         if self.split == "row":
-            h = reduce_from_tensor_model_parallel_region(h)
+            h = (reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                 else reduce_from_tensor_model_parallel_region(h))
             return self.scale * (h @ self.B[names[0]].t())
-        h = copy_to_tensor_model_parallel_region(h)
+        h = (gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True) if self.sequence_parallel
+             else copy_to_tensor_model_parallel_region(h))
         parts = {name: part @ self.B[name].t() for name, part in zip(names, h.split(self.rank, dim=-1))}
-        return self.scale * self._combine(parts, tuple(x.shape[:-1]), x)
+        return self.scale * self._combine(parts, tuple(h.shape[:-1]), x)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -329,9 +353,6 @@ def apply_lora(model, hf_config, config: LoraConfig, seed: int) -> list[LoraAdap
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     gpt = unwrap(model)
-    if gpt.config.sequence_parallel:
-        raise ValueError("--lora-rank with sequence parallelism is not supported yet (the adapters' TP collectives "
-                         "take unsplit sequences: see the module docstring)")
     gpt.requires_grad_(False)
     adapters = []
     kinds = getattr(hf_config, "layer_types", None) if family_of(hf_config).hybrid_linear_attention else None
@@ -351,7 +372,7 @@ def apply_lora(model, hf_config, config: LoraConfig, seed: int) -> list[LoraAdap
             expected = RowParallelLinear if _LINEAR_LAYOUTS[layout] == "row" else ColumnParallelLinear
             if type(base) is not expected:  # Transformer Engine's linears (a layer norm fused in) differ
                 raise ValueError(f"--lora-rank: {path} is {type(base).__name__}, not Megatron's "
-                                 f"{expected.__name__}; LoRA needs the local layer spec")
+                                 f"{expected.__name__}; LoRA needs the local layer spec (build_gpt_model(lora=True))")
             if _LINEAR_LAYOUTS[layout] == "row" and not base.input_is_parallel:
                 raise ValueError(f"--lora-rank: {path} takes an unsplit input; the adapter expects a split one")
             adapter = LoraAdapter(base, layout, modules, config, index, seed, hf_paths)

@@ -149,7 +149,7 @@ def check_moe_supported(hf_config, family: Family) -> None:
         raise ValueError(f"{family.name}: shared_expert_intermediate_size must be > 0")
 
 
-def moe_config(hf_config, family: Family, ep: int) -> dict:
+def moe_config(hf_config, family: Family, ep: int, te_spec: bool | None = None) -> dict:
     """TransformerConfig's MoE fields for an MoE family ({} for a dense one), as transformers routes:
 
       * router: logits = x W_gate^T in fp32, softmax over the experts, the top k; with norm_topk_prob the k
@@ -161,8 +161,9 @@ def moe_config(hf_config, family: Family, ep: int) -> dict:
       * the all-to-all token dispatcher (the allgather one refuses variable_seq_lengths, which pipeline stages
         need; megarl/accelerator.py runs the all-to-all one on CPU ranks);
       * experts whole on their EP rank (expert_tensor_parallel_size 1, as Megatron-LM's large MoE recipes), so
-        their conversion is a copy; grouped GEMM where Transformer Engine provides it (TEGroupedMLP), else
-        Megatron's SequentialMLP (one GEMM per expert; CPU ranks).
+        their conversion is a copy; grouped GEMM where the model takes Transformer Engine's spec (`te_spec`,
+        default `transformer_engine_spec`: TEGroupedMLP), else Megatron's SequentialMLP (one GEMM per expert;
+        CPU ranks, and LoRA policies, whose adapters hook each expert's own linears).
     The load-balancing loss and the z-loss are off unless the run asks (`model_config_overrides`)."""
     if not family.moe:
         return {}
@@ -171,7 +172,8 @@ def moe_config(hf_config, family: Family, ep: int) -> dict:
                   # Qwen3.5-MoE has no flag: its router always renormalises the top k
                   moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True), moe_router_dtype="fp32",
                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
-                  moe_aux_loss_coeff=0.0, moe_grouped_gemm=accelerator.transformer_engine_available(),
+                  moe_aux_loss_coeff=0.0,
+                  moe_grouped_gemm=transformer_engine_spec() if te_spec is None else te_spec,
                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     if family.shared_expert:
         fields.update(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
@@ -256,11 +258,14 @@ def fusions(on_cuda: bool, transformer_engine: bool, importable=_importable) -> 
 
 
 def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, params_dtype: torch.dtype,
-                       ep: int = 1, **overrides):
+                       ep: int = 1, te_spec: bool | None = None, **overrides):
     """Megatron's TransformerConfig of this model on this host (`fusions`), with EP `ep` for an MoE family
-    (`moe_config`); `overrides` are further fields, and win over the host's."""
+    (`moe_config`), for the layer spec `te_spec` says (default: `transformer_engine_spec` of the family);
+    `overrides` are further fields, and win over the host's."""
     from megatron.core.transformer import TransformerConfig
 
+    if te_spec is None:
+        te_spec = transformer_engine_spec(family.hybrid_linear_attention)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -293,18 +298,17 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         # sequence_parallel: off unless overridden (model_config_overrides, from --sequence-parallel).
         **_with_spec_activation({"sequence_parallel": False,
                                  **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
-                                 **moe_config(hf_config, family, ep), **hybrid_config(hf_config, family),
-                                 **_moe_only(overrides, family)}, family),
+                                 **moe_config(hf_config, family, ep, te_spec), **hybrid_config(hf_config, family),
+                                 **_moe_only(overrides, family)}, family, te_spec),
     )
 
 
-def _with_spec_activation(fields: dict, family: Family) -> dict:
-    """`fields` with use_te_activation_func on where the unfused GLU would run: the local spec (no Transformer
-    Engine), a dense MLP, no bias-activation fusion. There gpt_layer_spec puts megarl's SwiGLU module in the
+def _with_spec_activation(fields: dict, family: Family, te_spec: bool) -> dict:
+    """`fields` with use_te_activation_func on where the unfused GLU would run: the local spec (`te_spec`
+    off), a dense MLP, no bias-activation fusion. There gpt_layer_spec puts megarl's SwiGLU module in the
     spec: Megatron's MLP reads an activation module from its spec only under this flag, whatever its name
     says; with the flag on and no module in the spec it would apply a plain SiLU, so it is never on elsewhere."""
-    local_dense_unfused = (not family.moe and not fields.get("bias_activation_fusion")
-                           and not accelerator.transformer_engine_available())
+    local_dense_unfused = not family.moe and not fields.get("bias_activation_fusion") and not te_spec
     return {"use_te_activation_func": local_dense_unfused, **fields}
 
 
@@ -360,19 +364,33 @@ class SequenceParallelRMSNorm:
         return norm
 
 
-def gpt_layer_spec(config):
-    """Transformer Engine's spec on GPU hosts that have TE (its norms and fused norm-linear layers take
-    sequence parallelism themselves), the local spec otherwise: each layer's spec with megarl's core
-    attention and norms, in a block spec whose final norm is megarl's too (a layer spec would get
-    Megatron's WrappedTorchNorm there, transformer_block.py: LayerNormImpl)."""
+def transformer_engine_spec(hybrid: bool = False, lora: bool = False, transformer_engine: bool | None = None) -> bool:
+    """Whether a model takes Transformer Engine's layer spec: where TE is installed on a GPU host
+    (`transformer_engine`, default this host's), except
+      * a hybrid family's (Qwen3.5): TE's norms would centre the gated DeltaNet norm's gamma too (one config
+        flag for every norm), which Qwen3.5 does not (its Qwen3_5RMSNormGated scales by weight);
+      * a LoRA policy's (`lora`): the adapters hook Megatron's own column- and row-parallel linears, whose
+        input is the normed hidden state; TE's layer-norm-fused linear takes the un-normed one and returns
+        only its output. The local spec costs TE's fused norm+GEMM, its fused attention kernels (megarl's
+        packed attention runs instead) and its grouped expert GEMM (docs/platform.md, "LoRA on TE hosts").
+    Frozen models (reference, colocated teacher) and the critic keep TE's spec on such a host."""
+    te = accelerator.transformer_engine_available() if transformer_engine is None else transformer_engine
+    return te and not hybrid and not lora
+
+
+def gpt_layer_spec(config, te_spec: bool | None = None):
+    """Transformer Engine's spec where `te_spec` (default `transformer_engine_spec` of the config's family:
+    its norms and fused norm-linear layers take sequence parallelism themselves), the local spec otherwise:
+    each layer's spec with megarl's core attention and norms, in a block spec whose final norm is megarl's
+    too (a layer spec would get Megatron's WrappedTorchNorm there, transformer_block.py: LayerNormImpl)."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     hybrid = config.experimental_attention_variant == "gated_delta_net"
-    # Qwen3.5 takes the local spec on every host: TE's norms would centre the gated DeltaNet norm's gamma
-    # too (one config flag for every norm), which Qwen3.5 does not (its Qwen3_5RMSNormGated scales by weight).
-    if accelerator.transformer_engine_available() and not hybrid:
+    if te_spec is None:
+        te_spec = transformer_engine_spec(hybrid)
+    if te_spec:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     from megarl.models.attention import PackedDotProductAttention
 
@@ -468,8 +486,9 @@ def mark_expert_parameters(model) -> None:
 
 
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
-                    **config_overrides):
-    """GPTModel for this rank's pipeline stage, on the platform's device.
+                    lora: bool = False, **config_overrides):
+    """GPTModel for this rank's pipeline stage, on the platform's device; `lora`: a LoRA policy's, whose
+    layers take the local spec on every host (`transformer_engine_spec`).
 
     Uses Megatron's global parallel state (`init_megatron_parallel` first).
     `config_overrides` are extra TransformerConfig fields.
@@ -485,7 +504,8 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     cp = parallel_state.get_context_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     check_parallel_sizes(hf_config, tp, pp, ep, cp)
-    config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, ep, **config_overrides)
+    te_spec = transformer_engine_spec(family.hybrid_linear_attention, lora)
+    config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, ep, te_spec, **config_overrides)
     # Micro-batches differ in length (and, with a token budget, in rows): pipeline stages exchange each
     # activation's shape first. Set after construction: __post_init__ rejects it for an MoE dispatcher
     # setting that dense models never use.
@@ -493,7 +513,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     rope_kwargs, late_llama3_scaling = rope_arguments(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(config),
+        transformer_layer_spec=gpt_layer_spec(config, te_spec),
         vocab_size=padded_vocab_size(hf_config.vocab_size, divisible_by, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -22,6 +22,7 @@ reads its verdict from the last line that starts with PASS or FAIL:
                 distributed optimizer, --offload-model/--offload-optimizer, packed rows, the HF rollout
                 backend on the same GPU, a one-rank NCCL world: every step's loss and grad norm finite
   train_fp16    (c) the same in fp16 with dynamic loss scaling: every loss finite, at least one step taken
+  train_lora    (c) the bf16 run with rank-8 LoRA adapters and a KL term: every step's loss and grad norm finite
   reward_model  (d) tests/test_reward_model.py on the GPU (the reward model's device is the rank's GPU)
   bench         (b) bench/kernels.py at 8192 tokens: time and memory of naive, chunked and triton
 
@@ -70,7 +71,7 @@ MODULES = [
 ]
 PINNED = {"megatron-core"}
 
-PARTS = ("setup", "kernels", "offload", "train_bf16", "train_fp16", "reward_model", "bench")
+PARTS = ("setup", "kernels", "offload", "train_bf16", "train_fp16", "train_lora", "reward_model", "bench")
 
 # --------------------------------------------------------------- command lines ----
 # The runs' command lines, defined once: the parts run them, the dry run parses them.
@@ -89,6 +90,9 @@ TRAIN_ARGS = {
                                    "--padding-free"],
     # 2^16, not Megatron's 2^32: a few steps must include taken ones (each overflow halves the scale and skips).
     "train_fp16": _TRAIN_COMMON + ["--fp16", "--initial-loss-scale", "65536"],
+    # LoRA's adapters on CUDA (the local spec a LoRA policy takes on every host), their merged sync to the HF
+    # engine, the KL to the base with the adapters off
+    "train_lora": _TRAIN_COMMON + ["--bf16", "--lora-rank", "8", "--lr", "2e-3", "--kl-coef", "0.05", "--padding-free"],
 }
 
 # A first run on one node of 8 GPUs (not part of the lane: docs/testing.md prints them, `lane.py

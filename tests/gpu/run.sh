@@ -4,8 +4,8 @@
 #   bash tests/gpu/run.sh LOGDIR             # one CUDA GPU: every part, logs in LOGDIR, a table; exit 1 on a failure
 #   bash tests/gpu/run.sh LOGDIR --dry-run   # no GPU needed: imports, carried wheels, paths, command lines
 #
-# Without a CUDA device (and without --dry-run) it prints one line and exits 0. LOGDIR gets one log per part and
-# summary.txt (8 files at most: what the device tool brings back from $OUT); the runs' own output (TensorBoard
+# Without a CUDA device (and without --dry-run) it prints one line and exits 0. LOGDIR gets parts.log (every part's
+# log, one after another) and summary.txt (the device tool brings back 8 files at most from $OUT); the runs' own output (TensorBoard
 # events, installed packages) goes to GPU_LANE_WORK (default: a fresh folder under /tmp). The parts share a time
 # budget, GPU_LANE_BUDGET seconds (default 480: the lane's 8 minutes, inside the device tool's 10 per command); a part
 # that finds too little of it left is reported as not run. GPU_LANE_PARTS (names, space-separated): run only
@@ -49,9 +49,10 @@ mkdir -p "$work/site"
 export PYTHONPATH="$PYTHONPATH:$work/site"  # the carried packages setup installs
 budget=${GPU_LANE_BUDGET:-480}
 # part:limit in seconds, in the order they run (setup first: the others need its packages)
-parts="setup:120 kernels:180 offload:120 train_bf16:150 train_fp16:150 reward_model:90 bench:120"
+parts="setup:120 kernels:180 offload:120 train_bf16:150 train_fp16:150 train_lora:120 reward_model:90 bench:120"
 start=$SECONDS failed=0 table="" setup_ok=1
 echo "gpu lane: logs in $logdir, work in $work, budget ${budget}s"
+: >"$logdir/parts.log"
 for entry in $parts; do
   name=${entry%%:*} limit=${entry##*:}
   # GPU_LANE_PARTS="kernels bench": only those (and setup), e.g. to rerun what failed in the device time left.
@@ -62,21 +63,23 @@ for entry in $parts; do
   [ "$limit" -le "$left" ] || limit=$left
   began=$SECONDS
   if [ "$setup_ok" = 0 ]; then
-    result="FAIL" detail="not run: setup failed (setup.log)"
+    result="FAIL" detail="not run: setup failed (parts.log)"
   elif [ "$limit" -lt 20 ]; then
     result="FAIL" detail="not run: the lane's ${budget}s budget is spent"
   else
-    timeout -k 10 "$limit" "$PYTHON" tests/gpu/lane.py part "$name" --work "$work" >"$logdir/$name.log" 2>&1
+    timeout -k 10 "$limit" "$PYTHON" tests/gpu/lane.py part "$name" --work "$work" >"$work/$name.log" 2>&1
     rc=$?
-    verdict=$(grep -E '^(PASS|FAIL)( |$)' "$logdir/$name.log" | tail -n 1)
+    verdict=$(grep -E '^(PASS|FAIL)( |$)' "$work/$name.log" | tail -n 1)
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-      result="FAIL" detail="timed out after ${limit}s ($name.log)"
+      result="FAIL" detail="timed out after ${limit}s (parts.log)"
     elif [ "$rc" = 0 ] && [ "${verdict%% *}" = PASS ]; then
       result="PASS" detail=${verdict#PASS }
     else
       result="FAIL" detail="exit $rc: ${verdict#FAIL }"
-      [ -n "$verdict" ] || detail="exit $rc, no verdict line ($name.log: $(tail -n 1 "$logdir/$name.log" | cut -c1-160))"
+      [ -n "$verdict" ] || detail="exit $rc, no verdict line (parts.log: $(tail -n 1 "$work/$name.log" | cut -c1-160))"
     fi
+    # every part's log in one file (the device tool brings back 8 files at most), written as each ends
+    { echo "===== $name: $result"; cat "$work/$name.log"; } >>"$logdir/parts.log"
   fi
   [ "$result" = PASS ] || failed=$((failed + 1))
   [ "$name" != setup ] || [ "$result" = PASS ] || setup_ok=0

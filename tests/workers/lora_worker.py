@@ -1,14 +1,15 @@
 """torchrun worker (2 ranks): the tiny model with LoRA adapters on every linear, the same adapters
 (A as initialised, B drawn whole from a seed per adapter, then sharded as the layer shards it) through the
-actor (Megatron DDP, its schedule and finalize_model_grads, the base frozen) at TP=2, PP=2, CP=2 and
-then on one rank's layout (TP=1, the two ranks data-parallel copies), in the same launch: one packed
+actor (Megatron DDP, its schedule and finalize_model_grads, the base frozen) at TP=2 (with and without
+sequence parallelism), PP=2, CP=2 and then on one rank's layout (TP=1, the ranks data-parallel copies),
+in the same launch (on 4 ranks, argv[3] names the layouts: sequence parallelism with PP=2 and CP=2): one packed
 micro-batch of two sequences, a loss on fixed random weights of the real vocabulary, backward.
 Rank 0 writes a JSON report: each layout's logits (the last stage's, whole over TP and CP) and every
 adapter's gradient (gathered whole over TP, from every stage) against the one-rank layout's, in ulps
 (tests/helpers.py: two fp32 paths), and the gradients' scale; the weight syncs' and exports' two streams
 (merged weights, PEFT adapters: every stage's on every rank, whole) against the one-rank layout's; from a TP=2 pass with the adapters'
 dropout on, how far the replicated A's gradients of the two TP ranks are apart (0: the same masks);
-and the checkpoint at PP=2 (adapters and Adam's moments, Megatron's layer offsets): a fresh PP=2 actor
+and the checkpoint at PP=2 (adapters and Adam's moments, whole over TP; Megatron's layer offsets): a fresh PP=2 actor
 resumed from it takes the next step bit for bit as the saved one did, and the one-rank layout loads it
 with every adapter and moment bit for bit as saved."""
 
@@ -28,7 +29,10 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import fp32_paths_ulps  # noqa: E402
 
-LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2), "one": {}}
+# 2 ranks by default; on 4 (argv[3]: the layouts) sequence parallelism with PP and with CP as well
+LAYOUTS = {"tp2": dict(tp=2), "tp2sp": dict(tp=2, sp=True), "pp2": dict(pp=2), "cp2": dict(cp=2),
+           "tp2sp_pp2": dict(tp=2, sp=True, pp=2), "tp2sp_cp2": dict(tp=2, sp=True, cp=2), "one": {}}
+TWO_RANKS = ("tp2", "tp2sp", "pp2", "cp2", "one")
 LENGTHS = (12, 8)  # the packed row's sequences: slots of a multiple of 2 x CP as they are
 
 
@@ -87,6 +91,15 @@ def optimizer_moments(actor) -> dict[str, torch.Tensor]:
     return moments
 
 
+def whole_state(actor, tp: int, group) -> dict[str, torch.Tensor]:
+    """Every adapter and its Adam moments, whole over TP, from every stage."""
+    entries = adapter_entries(actor.model)
+    state = {key: whole_over_tp(entry, entry[2].detach().clone(), tp, group) for key, entry in entries.items()}
+    for key, moment in optimizer_moments(actor).items():  # '<adapter>.<exp_avg|exp_avg_sq>'
+        state[key] = whole_over_tp(entries[key.rsplit(".", 1)[0]], moment, tp, group)
+    return everyone(state)
+
+
 def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from megarl.models.families import load_hf_config
@@ -103,7 +116,8 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     tp, pp, cp = (layout.get(key, 1) for key in ("tp", "pp", "cp"))
     args = parse_args(["--model", model_dir, "--lora-rank", "4", "--lora-alpha", "8", "--micro-batch-size", "1", "--lr", "1e-3",
                        "--padding-free", "--tensor-model-parallel-size", str(tp),
-                       "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp)], world_size=2)
+                       "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp),
+                       *(["--sequence-parallel"] if layout.get("sp") else [])], world_size=dist.get_world_size())
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -144,7 +158,8 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     params, entries = adapter_params(actor.model), adapter_entries(actor.model)
     grads = everyone({key: whole_over_tp(entries[key], param.main_grad, tp, tp_group) for key, param in params.items()})
     result = {"logits": outputs[0]["logits"], "grads": grads, **streams}
-    if tp > 1:  # with dropout, a replicated A must see the same mask (so the same gradient) on every TP rank
+    if tp > 1 and not layout.get("sp"):  # with dropout, a replicated A must see the same mask (so the same
+        # gradient) on every TP rank (under sequence parallelism each rank's tokens take their own masks)
         actor.model.zero_grad_buffer()
         actor.model.train()
         for adapter in adapters_of(actor.model):
@@ -164,8 +179,8 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
         dist.barrier()
         dist_checkpointing.save(actor.sharded_state_dict("policy", is_loading=False), str(ckpt))
         schedule = actor.state_dict()
-        result["saved"] = everyone({key: param.detach().clone() for key, param in params.items()} |
-                                   optimizer_moments(actor))
+        result["saved"] = whole_state(actor, tp, tp_group)
+        before = {key: param.detach().clone() for key, param in params.items()}
         actor.optimizer_step([batch], loss_fn)
         straight = {key: param.detach().clone() for key, param in params.items()}
         resumed = Actor(args, hf_config)
@@ -178,14 +193,12 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
                                  all(torch.equal(again[key], straight[key]) for key in straight)))
         dist.all_reduce(exact, op=dist.ReduceOp.MIN)
         result["resumed_step_bit_exact"] = bool(exact)
-        result["resumed_step_moved"] = max((straight[key] - result["saved"][key]).abs().max().item()
-                                           for key in straight)
+        result["resumed_step_moved"] = max((straight[key] - before[key]).abs().max().item() for key in straight)
     if saved is not None:  # the PP=2 checkpoint on this layout
         other = Actor(args, hf_config)
         loaded = dist_checkpointing.load(other.sharded_state_dict("policy", is_loading=True), str(ckpt))
         other.load_sharded_state_dict(loaded, "policy")
-        mine = everyone({key: param.detach().clone() for key, param in adapter_params(other.model).items()} |
-                        optimizer_moments(other))
+        mine = whole_state(other, tp, tp_group)
         result["pp2_checkpoint_loaded"] = {"keys": mine.keys() == saved.keys(), "count": len(mine),
                                            "bit_exact": all(torch.equal(mine[key], saved[key]) for key in saved)}
     parallel_state.destroy_model_parallel()
@@ -202,10 +215,13 @@ def main():
     accelerator.apply_megatron_shims()
     results = {}
     hybrid = family_of(load_hf_config(model_dir)).hybrid_linear_attention
-    for name in LAYOUTS:
-        if name == "cp2" and hybrid:  # Gated DeltaNet layers take no CP (refused in one line)
+    names = sys.argv[3].split(",") + ["one"] if len(sys.argv) > 3 else TWO_RANKS
+    for name in names:
+        if LAYOUTS[name].get("cp", 1) > 1 and hybrid:  # Gated DeltaNet layers take no CP (refused in one line)
             continue
-        results[name] = run(model_dir, name, ckpt, results["pp2"].pop("saved") if name == "one" else None)
+        # the one-rank layout loads the (first) PP=2 layout's checkpoint
+        saved = next(result.pop("saved") for result in results.values() if "saved" in result) if name == "one" else None
+        results[name] = run(model_dir, name, ckpt, saved)
     if dist.get_rank() == 0:
         one = results.pop("one")
         report = {"grad_max": {key: grad.abs().max().item() for key, grad in one["grads"].items()},
