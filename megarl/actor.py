@@ -35,6 +35,10 @@ class Actor(TrainableModel, SampledLogprobs):
             from megarl.models.lora import apply_lora, lora_config
 
             apply_lora(module, hf_config, lora_config(args, hf_config), args.seed)
+            if args.lora_load:  # a trained adapter to start from (a resume's checkpoint overwrites it later)
+                from megarl.models.lora import load_peft_adapter
+
+                load_peft_adapter(module, args.lora_load)
         if args.routing_replay == "on":  # the routers take the rollout's routes (megarl/routing_replay.py)
             routing_replay.install_on_model(module)
         super().__init__(module, args, args.lr, args.offload_model, args.offload_optimizer)

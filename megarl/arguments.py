@@ -157,6 +157,11 @@ def _add_lora_args(parser):
                    help="the linears that get adapters: the model family's module names (q_proj k_proj v_proj "
                         "o_proj gate_proj up_proj down_proj), Megatron's fused linears (linear_qkv linear_proj "
                         "linear_fc1 linear_fc2: every module inside), or all-linear")
+    g.add_argument("--lora-load", default=None, metavar="DIR",
+                   help="start the adapters from a trained PEFT LoRA directory (adapter_config.json, "
+                        "adapter_model.safetensors) on --model: its r, lora_alpha and target_modules become "
+                        "--lora-rank, --lora-alpha and --lora-target-modules unless given (then they must agree); "
+                        "ms-swift's `adapters`, verl's `lora_adapter_path`")
     g.add_argument("--lora-export", choices=["adapter", "merged", "both"], default=None,
                    help="what --save-hf-dir (and tools/export_hf.py --out) holds for a LoRA run: 'adapter', a PEFT "
                         "adapter directory (adapter_config.json, adapter_model.safetensors) for --model; 'merged', "
@@ -1032,6 +1037,8 @@ def _validate_lora(args) -> None:
     targets = [name for item in args.lora_target_modules for name in item.split(",") if name]
     if args.lora_rank < 0:
         raise ConfigError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
+    if args.lora_load:
+        targets = _options_of_lora_load(args, targets)
     if not args.lora_rank:
         given = [flag for flag, unset in (("--lora-alpha", args.lora_alpha is None),
                                           ("--lora-dropout", args.lora_dropout == 0.0),
@@ -1074,9 +1081,41 @@ def _validate_lora(args) -> None:
             resolve_targets(targets, family)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    if args.lora_load:
+        from megarl.models.lora import check_peft_adapter
+
+        try:
+            check_peft_adapter(args.lora_load, args.model, args.lora_rank)
+        except (ValueError, OSError) as error:
+            raise ConfigError(str(error)) from None
     if args.ref_model != args.model:
         raise ConfigError(f"--ref-model {args.ref_model} with --lora-rank: the reference of a LoRA run is the "
                           f"policy's base (--model {args.model}) with its adapters off; drop --ref-model")
+
+
+def _options_of_lora_load(args, targets: list[str]) -> list[str]:
+    """--lora-load DIR: its adapter_config.json's r, lora_alpha, lora_dropout and target_modules as the LoRA
+    options the command line left unset; one line naming both values where a given one differs. Returns
+    the target modules."""
+    from megarl.models.lora import ALL_LINEAR, read_peft_config
+
+    try:
+        config = read_peft_config(args.lora_load)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    theirs = config["target_modules"] if isinstance(config["target_modules"], list) else [config["target_modules"]]
+    where = f"--lora-load {args.lora_load} (adapter_config.json)"
+    for flag, mine, unset, value in (("--lora-rank", args.lora_rank, 0, config["r"]),
+                                     ("--lora-alpha", args.lora_alpha, None, float(config.get("lora_alpha", 8))),
+                                     ("--lora-target-modules", targets, [ALL_LINEAR], theirs)):
+        if mine != unset and (sorted(mine) != sorted(value) if isinstance(mine, list) else mine != value):
+            shown = " ".join(value) if isinstance(value, list) else value
+            raise ConfigError(f"{where} holds adapters with {flag} {shown}, this run {flag} "
+                              f"{' '.join(mine) if isinstance(mine, list) else mine}: drop {flag} or give {shown}")
+    args.lora_rank, args.lora_alpha = config["r"], float(config.get("lora_alpha", 8))
+    if args.lora_dropout == 0.0:
+        args.lora_dropout = float(config.get("lora_dropout", 0.0))
+    return list(theirs)
 
 
 def _validate_moe(args) -> None:

@@ -100,7 +100,8 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
 
 def _resume(run):
     """Load the checkpoint --resume names (rank 0 decides which, so every rank loads the same)
-    and give the rollout engines the loaded policy; the number of steps already done, and
+    and give the rollout engines the loaded policy (without a checkpoint, the adapters of --lora-load on
+    --model); the number of steps already done, and
     --async-generation's samples of the next step when the checkpoint holds them (else None)."""
     from megarl import checkpoint, distributed
 
@@ -108,6 +109,8 @@ def _resume(run):
     path = checkpoint.resolve_resume(args.resume, args.save_dir) if run.is_main else None
     path = distributed.all_gather_objects(path, run.context)[0]
     if path is None:
+        if args.lora_load:  # the engines started from --model; the policy is --model with the loaded adapters
+            run.weight_sync.sync(run.actor, run.rollout)
         return 0, None
     completed = checkpoint.load(run, path)
     in_flight = checkpoint.load_in_flight(run, path, completed)

@@ -102,6 +102,22 @@ def config(d: Path, text: str) -> list[str]:
 
 # ------------------------------------------------------------------- table ----
 
+def peft_adapter(path: Path, r: int = 4, in_width: int | None = None, layer: int = 0, **config) -> str:
+    """A PEFT LoRA directory for the tiny model's q_proj of `layer` (rank `r`; A's input `in_width`, default the
+    model's hidden size), adapter_config.json's fields overridden by `config`."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden = json.loads((TINY / "config.json").read_text())["hidden_size"]
+    path.mkdir(parents=True)
+    stem = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+    save_file({f"{stem}.lora_A.weight": torch.zeros(r, in_width or hidden),
+               f"{stem}.lora_B.weight": torch.zeros(hidden, r)}, path / "adapter_model.safetensors")
+    write(path / "adapter_config.json", json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 8,
+                                                    "target_modules": ["q_proj"], **config}))
+    return str(path)
+
+
 @dataclass
 class Case:
     id: str
@@ -188,6 +204,16 @@ CASES = [
     Case("lora-dropout-one", lambda d: ["--lora-rank", "8", "--lora-dropout", "1"], ["--lora-dropout", "[0, 1)"]),
     Case("lora-other-reference", lambda d: ["--lora-rank", "8", "--kl-coef", "0.1", "--ref-model", model_dir(d / "ref")],
          ["--ref-model", "--lora-rank", "the policy's base", "drop --ref-model"]),
+    Case("lora-load-another-rank", lambda d: ["--lora-rank", "8", "--lora-load", peft_adapter(d / "adapter")],
+         ["--lora-load", "adapter_config.json", "--lora-rank 4, this run --lora-rank 8"]),
+    Case("lora-load-another-width", lambda d: ["--lora-load", peft_adapter(d / "adapter", in_width=96)],
+         ["adapter_model.safetensors", "layers.0.self_attn.q_proj.lora_A.weight is [4, 96]", "another base"]),
+    Case("lora-load-a-layer-the-base-lacks", lambda d: ["--lora-load", peft_adapter(d / "adapter", layer=7)],
+         ["made for another base", "model.layers.7.self_attn.q_proj", "does not have"]),
+    Case("lora-load-dora", lambda d: ["--lora-load", peft_adapter(d / "adapter", use_dora=True)],
+         ["adapter_config.json", "use_dora = True is not supported"]),
+    Case("lora-load-nothing-there", lambda d: ["--lora-load", str(d / "missing")],
+         ["--lora-load", "no PEFT adapter there", "adapter_config.json"]),
     Case("lora-export-without-rank", lambda d: ["--lora-export", "merged"], ["--lora-export need --lora-rank > 0"]),
     Case("lora-sync-without-rank", lambda d: ["--lora-sync", "adapter"], ["--lora-sync need --lora-rank > 0"]),
     Case("routing-replay-dense", lambda d: ["--routing-replay", "on"],

@@ -142,7 +142,11 @@ def test_lora_grpo_samples_from_the_merged_weights_resumes_exactly_and_exports(t
     - resumed from step 2's checkpoint (adapters and their optimizer state only), steps 3 and 4 are the
       straight run's bit for bit, and so is the final adapter (--save-hf-dir, --lora-export adapter);
     - tools/export_hf.py at TP=1 writes that adapter again from the last checkpoint (the base from the recorded
-      --model) and the merged weights, which differ from --model in the adapted projections only."""
+      --model) and the merged weights, which differ from --model in the adapted projections only;
+    - a new run started from that adapter (--lora-load, sharded over TP=2 as it loads) serves it from its
+      first rollout: at step 0, before any update, the mismatch is at rounding level (the engines, started from
+      --model, got the loaded adapters merged; without that sync it reads ~5e-2) and the KL to the base is
+      positive."""
     lora = ["--train-steps", "4", "--lora-rank", "8", "--kl-coef", "0.05", "--lr", "1e-2",
             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--padding-free", "--use-distributed-optimizer"]
     _run(tiny_model, tmp_path, "straight", *lora, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
@@ -169,3 +173,7 @@ def test_lora_grpo_samples_from_the_merged_weights_resumes_exactly_and_exports(t
         assert again.keys() == adapter.keys() and all(torch.equal(again[n], adapter[n]) for n in adapter), other
     merged, base = load_file(tmp_path / "exported" / "model.safetensors"), load_file(f"{tiny_model}/model.safetensors")
     assert {n for n in base if not torch.equal(base[n], merged[n])} == {n for n in base if n.endswith("proj.weight")}
+    lora[1] = "1"  # --train-steps
+    _run(tiny_model, tmp_path, "loaded", *lora, "--lora-load", tmp_path / "adapter_straight")
+    loaded = scalars(tmp_path / "tb_loaded", ("mismatch", "kl_ref"))
+    assert loaded["mismatch"][0] <= ROUNDING_LEVEL and loaded["kl_ref"][0] > 1e-6, loaded

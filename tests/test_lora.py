@@ -336,6 +336,44 @@ def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tin
     _assert_peft_reproduces(actor, hf_config, hf, tmp_path / "out")
 
 
+def test_a_trained_peft_adapter_loads_with_peft_s_logits(megatron_rank, tiny_model, tmp_path):
+    """--lora-load: an adapter peft itself made (random A and B, rank 4, alpha 16, four of the seven linears,
+    saved by save_pretrained) loaded onto the base gives the logits of peft's model with it, and its r, alpha
+    and targets become the run's; training goes on from it (the adapters move)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.actor import Actor
+    from megarl.arguments import parse_args
+    from megarl.models.lora import adapters_of
+
+    hf_config = AutoConfig.from_pretrained(tiny_model)
+    torch.manual_seed(3)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=16, target_modules=["k_proj", "o_proj", "gate_proj",
+                                                                               "down_proj"],
+                                           init_lora_weights=False)).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    args = parse_args(["--model", tiny_model, "--lora-load", str(tmp_path / "adapter"), "--lr", "1e-2",
+                       "--micro-batch-size", "2"], world_size=1)
+    assert (args.lora_rank, args.lora_alpha, sorted(args.lora_target_modules)) == \
+        (4, 16.0, ["down_proj", "gate_proj", "k_proj", "o_proj"])
+    actor = Actor(args, hf_config)
+    batches = micro_batches(seed=9)
+    ours = logits_of(actor.model, batches)[..., :hf_config.vocab_size]
+    tokens = torch.cat([batch.tokens for batch in batches])
+    with torch.no_grad():
+        theirs = peft_model(input_ids=tokens).logits
+        with peft_model.disable_adapter():
+            without = peft_model(input_ids=tokens).logits
+    assert fp32_paths_ulps(theirs, without) > 100 * FP32_PATHS_ULPS  # the loaded adapters matter here
+    assert_fp32_paths_agree(theirs, ours, "peft's model with its adapter vs megarl's --lora-load")
+    before = [param.detach().clone() for adapter in adapters_of(actor.model) for param in adapter.B.values()]
+    train(actor, steps=1)
+    after = [param.detach() for adapter in adapters_of(actor.model) for param in adapter.B.values()]
+    assert len(before) == 2 * 4 and all(not torch.equal(a, b) for a, b in zip(before, after))
+
+
 def _assert_peft_reproduces(actor, hf_config, hf, out, name_in_peft=lambda name: name):
     """peft's `hf` with the adapter directory `out`/adapter (--lora-export both) gives the actor's logits (which
     the adapters move), and peft's merge of it the merged export's weights (`out`/model.safetensors; its names

@@ -558,6 +558,107 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], config: LoraConfig, dir
         json.dump(adapter_config, f, indent=1)
 
 
+# ------------------------------------------------------------ loading ---
+
+# adapter_config.json fields whose non-default values these adapters cannot express (field: its PEFT default)
+_PEFT_UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
+                     "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def read_peft_config(directory: str) -> dict:
+    """A PEFT LoRA directory's adapter_config.json (--lora-load), checked: ValueError naming the file and
+    field where it holds adapters that megarl's (y = W x + alpha / r * B A x, one rank and alpha for every
+    module) are not."""
+    import json
+
+    path = os.path.join(directory, PEFT_ADAPTER_CONFIG)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as error:
+        raise ValueError(f"--lora-load {directory}: no PEFT adapter there ({error.strerror}: {path})") from None
+    except ValueError as error:
+        raise ValueError(f"--lora-load: {path}: not JSON ({error})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"--lora-load: {path}: peft_type {config['peft_type']!r}, not LORA")
+    for field, default in _PEFT_UNSUPPORTED.items():
+        if config.get(field, default) not in (default, [] if default is None else default):
+            raise ValueError(f"--lora-load: {path}: {field} = {config[field]!r} is not supported (megarl's adapters: "
+                             f"one rank and alpha for every module, scale alpha / r, no bias); {field} must be "
+                             f"{default!r}")
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and targets != ALL_LINEAR:
+        raise ValueError(f"--lora-load: {path}: target_modules is the pattern {targets!r}; megarl takes a list of "
+                         f"module names (or {ALL_LINEAR!r})")
+    if not isinstance(config.get("r"), int) or config["r"] <= 0:
+        raise ValueError(f"--lora-load: {path}: r = {config.get('r')!r}, not a positive integer")
+    return config
+
+
+def peft_tensors(directory: str) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a PEFT directory by PEFT's saved name (an adapter name `.default.` dropped, as
+    save_pretrained writes them)."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(directory, PEFT_ADAPTER_WEIGHTS)
+    if not os.path.exists(path):
+        raise ValueError(f"--lora-load {directory}: no {PEFT_ADAPTER_WEIGHTS} (megarl reads the safetensors file "
+                         f"save_pretrained writes)")
+    return {name.replace(".default.", "."): tensor for name, tensor in load_file(path).items()}
+
+
+def check_peft_adapter(directory: str, base: str, rank: int) -> None:
+    """ValueError naming the tensor where the adapter at `directory` was made for another base (a module the
+    base lacks, or another width) or rank. Reads only the files' headers."""
+    from safetensors import safe_open
+
+    from megarl.models.convert import HFCheckpoint
+
+    weight_map = HFCheckpoint(base).weight_map
+    path = os.path.join(directory, PEFT_ADAPTER_WEIGHTS)
+    with safe_open(path, "pt") as f:
+        for name in f.keys():
+            stem, _, which = name.replace(".default.", ".").removeprefix("base_model.model.").rpartition(".lora_")
+            if which not in ("A.weight", "B.weight"):
+                raise ValueError(f"--lora-load: {path}: {name} is no LoRA A or B weight")
+            if f"{stem}.weight" not in weight_map:
+                raise ValueError(f"--lora-load: {path} was made for another base: it adapts {stem}, which --model "
+                                 f"{base} does not have")
+            with safe_open(os.path.join(base, weight_map[f"{stem}.weight"]), "pt") as g:
+                out_features, in_features = g.get_slice(f"{stem}.weight").get_shape()
+            a = which == "A.weight"
+            expected = [rank, in_features] if a else [out_features, rank]
+            shape = list(f.get_slice(name).get_shape())
+            if shape != expected:
+                other = "rank" if shape[1 if a else 0] == expected[1 if a else 0] else "base"
+                raise ValueError(f"--lora-load: {path}: {name} is {shape}, where rank {rank} on --model {base}'s "
+                                 f"{stem} ({out_features} x {in_features}) takes {expected}: made for another {other}")
+
+
+@torch.no_grad()
+def load_peft_adapter(model, directory: str) -> None:
+    """--lora-load: the PEFT adapter at `directory` into this stage's adapters (apply_lora's, same rank and
+    targets: megarl/arguments.py checked them), each rank its shard as initialisation shards it."""
+    from megatron.core import parallel_state
+
+    tensors = peft_tensors(directory)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for adapter in adapters_of(model):
+        for module in adapter.A:
+            name = f"base_model.model.{adapter.hf_paths[module]}"
+            if f"{name}.lora_A.weight" not in tensors or f"{name}.lora_B.weight" not in tensors:
+                raise ValueError(f"--lora-load {directory}: no adapter for {adapter.hf_paths[module]} (the run "
+                                 f"targets {module} in every layer)")
+            a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+            if adapter.split == "row":
+                a = a.chunk(tp, dim=1)[tp_rank]
+            else:
+                b = adapter.rank_rows(module, b, tp_rank, tp)
+            adapter.A[module].copy_(a)
+            adapter.B[module].copy_(b)
+
+
 # vLLM's LoRA slots come in these ranks (vllm/config/lora.py, MaxLoRARanks); a smaller adapter is padded.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
