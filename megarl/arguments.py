@@ -1078,9 +1078,14 @@ def _validate_lora(args) -> None:
         family = None  # the model check at start-up (run.load_inputs) names the problem
     if family is not None:
         try:
-            resolve_targets(targets, family)
+            resolved = resolve_targets(targets, family)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        experts = [module for module in resolved if module.startswith("experts.")]
+        if experts and args.lora_sync == "adapter":
+            raise ConfigError(f"--lora-sync adapter with adapters on the routed experts ({', '.join(experts)}): "
+                              f"vLLM's MoE LoRA is not wired up here; use --lora-sync merged, or leave the "
+                              f"experts out of --lora-target-modules")
     if args.lora_load:
         from megarl.models.lora import check_peft_adapter
 
@@ -1140,9 +1145,6 @@ def _validate_moe(args) -> None:
     if family.moe and hf_config.num_experts % args.expert_model_parallel_size:
         raise ConfigError(f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the "
                           f"model's num_experts={hf_config.num_experts}")
-    if family.moe and args.lora_rank:
-        raise ConfigError("--lora-rank with a mixture-of-experts model is not supported yet (adapters on the "
-                          "routed experts are not wired up)")
 
 
 def _validate_model_layout(args) -> None:

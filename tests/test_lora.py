@@ -374,6 +374,57 @@ def test_a_trained_peft_adapter_loads_with_peft_s_logits(megatron_rank, tiny_mod
     assert len(before) == 2 * 4 and all(not torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_moe_adapters_on_attention_and_experts_load_in_peft(megatron_rank, random_moe_policy, tmp_path):
+    """A Qwen3-MoE policy with adapters on every linear (all-linear: attention and each routed expert's two
+    linears, as ms-swift's and verl's Megatron LoRA): the router stays frozen and unchanged, the experts'
+    adapters train, and the export is the layout peft uses for transformers' fused expert parameters
+    (target_parameters mlp.experts.gate_up_proj / down_proj; A [E * r, in], B [out, r * E]): peft's model with
+    it gives megarl's logits, and so does transformers on the merged export."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.actor import Actor
+    from megarl.checkpoint import export_policy
+    from megarl.models.lora import adapters_of
+
+    hf_config = AutoConfig.from_pretrained(random_moe_policy)
+    experts, layers = hf_config.num_experts, hf_config.num_hidden_layers
+    args = options(random_moe_policy, "--lora-export", "both", "--lr", "5e-2")
+    actor = Actor(args, hf_config)
+    adapters = adapters_of(actor.model)
+    assert len(adapters) == layers * (2 + 2 * experts), len(adapters)
+    router = actor.model.module.decoder.layers[0].mlp.router.weight
+    assert not router.requires_grad
+    router_before = router.detach().clone()
+    expert_b = [param.detach().clone() for adapter in adapters if adapter.expert is not None
+                for param in adapter.B.values()]
+    train(actor)
+    assert torch.equal(router, router_before)
+    moved = [not torch.equal(before, param) for before, param in
+             zip(expert_b, [p for a in adapters if a.expert is not None for p in a.B.values()])]
+    assert sum(moved) >= len(moved) // 2, moved  # the experts that got tokens (most of them) trained
+    export_policy(actor.model, args, hf_config, str(tmp_path / "out"), None, is_writer=True)
+    config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], config
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"], config
+
+    batches = micro_batches(seed=9)
+    ours = logits_of(actor.model, batches)[..., :hf_config.vocab_size]
+    tokens = torch.cat([batch.tokens for batch in batches])
+    hf = AutoModelForCausalLM.from_pretrained(random_moe_policy, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "out" / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs, merged_logits = peft_model(input_ids=tokens).logits, merged(input_ids=tokens).logits
+        with peft_model.disable_adapter():
+            without = peft_model(input_ids=tokens).logits
+    assert fp32_paths_ulps(ours, without) > 100 * FP32_PATHS_ULPS  # the adapters matter here
+    assert_fp32_paths_agree(theirs, ours, "peft's MoE model with the exported adapter vs megarl's")
+    assert_fp32_paths_agree(merged_logits, ours, "transformers on the merged MoE export vs megarl's")
+
+
 def _assert_peft_reproduces(actor, hf_config, hf, out, name_in_peft=lambda name: name):
     """peft's `hf` with the adapter directory `out`/adapter (--lora-export both) gives the actor's logits (which
     the adapters move), and peft's merge of it the merged export's weights (`out`/model.safetensors; its names
@@ -470,6 +521,32 @@ def test_adapters_at_tp2_pp2_and_cp2_equal_one_rank(model, request, tmp_path):
     tp2, pp2 = report["tp2"], report["pp2"]
     assert tp2["dropout_replicated_A_max"] > 0 and tp2["dropout_replicated_A_rank_difference"] == 0, tp2
     assert pp2["resumed_step_bit_exact"] and pp2["resumed_step_moved"] > 1e-5, pp2  # the step moved the adapters
+    assert report["pp2_checkpoint_loaded"] == {"keys": True, "count": 3 * 2 * adapters, "bit_exact": True}, report
+
+
+@pytest.mark.slow
+def test_moe_adapters_at_tp2_sp_ep2_and_pp2_equal_one_rank(random_moe_policy, tmp_path):
+    """A Qwen3-MoE with adapters on attention and on every routed expert's two linears (one launch,
+    tests/workers/lora_worker.py): at TP=2 with sequence parallelism (the experts whole on each rank, their
+    adapters with them), at EP=2 (each rank its 4 experts' adapters) and at PP=2, against one rank's layout:
+    logits and every adapter's gradient (each expert's by its global index) as two fp32 paths, the syncs'
+    streams (merged weights; PEFT's fused expert tensors gathered over EP) the same, and the PP=2 checkpoint
+    (adapters and Adam's moments, experts by their global index) resumed bit for bit and loaded on the one-rank
+    layout as saved."""
+    from helpers import read_json
+
+    torchrun("lora_worker.py", random_moe_policy, tmp_path / "report.json", "tp2sp,ep2,pp2", timeout=400)
+    report = read_json(tmp_path / "report.json")
+    layers, experts = 2, 8
+    adapters = layers * (4 + 2 * experts)  # q, k, v, o and each expert's gate_up and down
+    assert len(report["grad_max"]) == 2 * adapters and min(report["grad_max"].values()) > 0, report["grad_max"]
+    assert report["streamed"]["peft"] == 2 * layers * (4 + 2), report["streamed"]  # experts: 2 fused per layer
+    for layout in ("tp2sp", "ep2", "pp2"):
+        assert report[layout]["logits_ulps"] <= FP32_PATHS_ULPS, (layout, report[layout]["logits_ulps"])
+        off = {name: value for name, value in report[layout]["grad_ulps"].items() if value > FP32_PATHS_ULPS}
+        assert not off, (layout, off)
+        assert report[layout]["merged_ulps"] <= FP32_PATHS_ULPS and report[layout]["peft_bit_exact"], report[layout]
+    assert report["pp2"]["resumed_step_bit_exact"] and report["pp2"]["resumed_step_moved"] > 1e-5, report["pp2"]
     assert report["pp2_checkpoint_loaded"] == {"keys": True, "count": 3 * 2 * adapters, "bit_exact": True}, report
 
 

@@ -112,8 +112,7 @@ def _parse(model, *flags, world_size=2):
     (["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2], "= 2*2"),
     (["--expert-model-parallel-size", 0], "--expert-model-parallel-size must be >= 1"),
     (["--moe-aux-loss-coeff", -1], "--moe-aux-loss-coeff must be >= 0"),
-    (["--lora-rank", 4], "--lora-rank with a mixture-of-experts model"),
-], ids=["ep-vs-experts", "ep-vs-ranks", "ep-vs-stage-ranks", "ep-zero", "negative-coeff", "lora"])
+], ids=["ep-vs-experts", "ep-vs-ranks", "ep-vs-stage-ranks", "ep-zero", "negative-coeff"])
 def test_bad_moe_input_is_one_line(flags, expected, random_qwen3_moe_untied):
     from megarl.errors import ConfigError
 

@@ -117,7 +117,12 @@ ALL_LINEAR = "all-linear"
 _LAYER_PREFIX = "decoder.layers.{i}."
 # Family rule layouts of the decoder layers' linear weights, and how TP splits each.
 _LINEAR_LAYOUTS = {"qkv": "column", "gate_up": "column", "column": "column", "row": "row", "gated_qkv": "column",
-                   "gdn_in_proj": "column"}
+                   "gdn_in_proj": "column", "expert_gate_up": "column", "expert": "row"}
+# A routed expert's linears (MoE families): one adapter on each, as PEFT puts one on each of transformers'
+# fused expert parameters (target_parameters `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`):
+# the fused gate/up rows share their A, as they do in PEFT. Named by that parameter.
+EXPERTS = "experts"  # --lora-target-modules: both expert linears
+_EXPERT_MODULES = {"expert_gate_up": "experts.gate_up_proj", "expert": "experts.down_proj"}
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ class Linear:
     modules: tuple[str, ...]  # its HF modules in fused order ('q_proj', 'k_proj', 'v_proj')
     hf_paths: tuple[str, ...]  # their HF paths ('model.layers.{i}.self_attn.q_proj', ...)
     layer_type: str | None  # the HF layer_types entry of the layers that have it (hybrid families), else None
+    expert: bool = False  # a routed expert's linear (`{e}` in its Megatron path: one adapter per expert)
 
 
 def linear_modules(family: Family) -> dict[str, Linear]:
@@ -149,6 +155,11 @@ def linear_modules(family: Family) -> dict[str, Linear]:
         if rule.layout in _LINEAR_LAYOUTS and rule.megatron.endswith(".weight") and \
                 rule.megatron.startswith(_LAYER_PREFIX):
             path = rule.megatron.removeprefix(_LAYER_PREFIX).removesuffix(".weight")
+            if rule.layout in _EXPERT_MODULES:  # HF's `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` ...
+                module = _EXPERT_MODULES[rule.layout]
+                layer_path = rule.hf[0].partition(".experts.")[0]
+                linears[path] = Linear(rule.layout, (module,), (f"{layer_path}.{module}",), rule.layer_type, True)
+                continue
             linears[path] = Linear(rule.layout, tuple(name.rsplit(".", 2)[-2] for name in rule.hf),
                                    tuple(name.removesuffix(".weight") for name in rule.hf), rule.layer_type)
     return linears
@@ -158,11 +169,15 @@ def resolve_targets(targets: list[str], family: Family) -> tuple[str, ...]:
     """--lora-target-modules -> the HF module names they cover, in the model's order; ValueError naming
     the first name the family does not have."""
     linears = linear_modules(family)
-    every = [module for linear in linears.values() for module in linear.modules]
-    by_megatron = {path.rsplit(".", 1)[-1]: linear.modules for path, linear in linears.items()}
+    every = list(dict.fromkeys(module for linear in linears.values() for module in linear.modules))
+    by_megatron = {}  # a Megatron name covers every linear of that name: a dense MLP's, a shared expert's, experts'
+    for path, linear in linears.items():
+        by_megatron.setdefault(path.rsplit(".", 1)[-1], []).extend(linear.modules)
+    if any(linear.expert for linear in linears.values()):
+        by_megatron[EXPERTS] = list(_EXPERT_MODULES.values())
     chosen = set()
     for target in targets:
-        if target == ALL_LINEAR:
+        if target == ALL_LINEAR:  # as ms-swift's and verl's Megatron LoRA: the experts' linears too
             chosen.update(every)
         elif target in every:
             chosen.add(target)
@@ -170,7 +185,7 @@ def resolve_targets(targets: list[str], family: Family) -> tuple[str, ...]:
             chosen.update(by_megatron[target])
         else:
             raise ValueError(f"--lora-target-modules {target!r}: the {family.name} family has no such linear; it has "
-                             f"{', '.join(every)} (or Megatron's {', '.join(by_megatron)}), or {ALL_LINEAR}")
+                             f"{', '.join(every)} (or {', '.join(by_megatron)}), or {ALL_LINEAR}")
     return tuple(module for module in every if module in chosen)
 
 
@@ -183,13 +198,17 @@ class LoraAdapter(torch.nn.Module):
     """The adapters of one Megatron linear: an (A, B) pair per targeted HF module inside it."""
 
     def __init__(self, base, layout: str, modules: tuple[str, ...], config: LoraConfig, layer: int, seed: int,
-                 hf_paths: tuple[str, ...]):
+                 hf_paths: tuple[str, ...], expert: int | None = None):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        # the base's TP group: a routed expert's is the expert-TP group (size 1: experts are whole on their EP rank)
+        self.tp_group = getattr(base, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+        tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        self.layer, self.expert = layer, expert  # global layer, global expert index (None: not an expert's)
+        # the experts' modules the run targets (PEFT's nesting of expert parameters depends on them)
+        self.expert_targets = tuple(module for module in _EXPERT_MODULES.values() if module in config.targets)
         self.layout, self.split = layout, _LINEAR_LAYOUTS[layout]
         self.scale, self.rank, self.dropout = config.scale, config.rank, config.dropout
         self.enabled = True
@@ -199,7 +218,11 @@ class LoraAdapter(torch.nn.Module):
         # explicit_expert_comm)
         self.sequence_parallel = (bool(base.sequence_parallel) and tp > 1
                                   and not getattr(base, "explicit_expert_comm", False))
-        self.modules = modules  # every HF module of the fused linear, in its order
+        targeted = {module.rpartition(".")[2] for module in modules if module in config.targets}
+        # every HF module of the fused linear, in its order, by its last name (a ParameterDict key: an expert
+        # parameter's `experts.gate_up_proj` is `gate_up_proj` here)
+        modules = tuple(module.rpartition(".")[2] for module in modules)
+        self.modules = modules
         self.hf_paths = {module: path.format(i=layer) for module, path in zip(modules, hf_paths)}  # PEFT's names
         conf = base.config
         self.groups = conf.num_query_groups // tp  # this rank's query groups (qkv)
@@ -225,9 +248,9 @@ class LoraAdapter(torch.nn.Module):
         device, dtype = base.weight.device, base.weight.dtype
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for module in modules:
-            if module not in config.targets:
+            if module not in targeted:
                 continue
-            generator = torch.Generator().manual_seed(_seed(seed, layer, module))
+            generator = torch.Generator().manual_seed(_seed(seed, layer, module if expert is None else f"{module}.{expert}"))
             bound = 1.0 / math.sqrt(in_features)  # PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in]
             a = torch.empty(config.rank, in_features).uniform_(-bound, bound, generator=generator)
             if self.split == "row":
@@ -242,6 +265,8 @@ class LoraAdapter(torch.nn.Module):
                 (self.A[module] if self.split == "column" else self.B[module]).sequence_parallel = True
             for param in (self.A[module], self.B[module]):
                 param.lora_adapter = True  # convert._local_entries: not a weight of the HF model
+                if expert is not None:  # as its expert's weights: reduced over the expert-data-parallel group
+                    param.allreduce = False
 
     def rank_rows(self, module: str, whole: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
         """This TP rank's rows of `module`'s whole B (HF's row order) as this adapter holds them."""
@@ -301,12 +326,13 @@ class LoraAdapter(torch.nn.Module):
         names = list(self.A)
         a = torch.cat([self.A[name] for name in names]) if len(names) > 1 else self.A[names[0]]
         h = x @ a.t()  # [..., adapters * r]
+        group = self.tp_group
         if self.split == "row":
-            h = (reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
-                 else reduce_from_tensor_model_parallel_region(h))
+            h = (reduce_scatter_to_sequence_parallel_region(h, group=group) if self.sequence_parallel
+                 else reduce_from_tensor_model_parallel_region(h, group=group))
             return self.scale * (h @ self.B[names[0]].t())
-        h = (gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True) if self.sequence_parallel
-             else copy_to_tensor_model_parallel_region(h))
+        h = (gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=group)
+             if self.sequence_parallel else copy_to_tensor_model_parallel_region(h, group=group))
         parts = {name: part @ self.B[name].t() for name, part in zip(names, h.split(self.rank, dim=-1))}
         return self.scale * self._combine(parts, tuple(h.shape[:-1]), x)
 
@@ -324,10 +350,16 @@ class LoraAdapter(torch.nn.Module):
         """Megatron dist-checkpointing: B split on dim 0 (column base), A on dim 1 (row base)."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+        from megatron.core import parallel_state
+
         axis = {f"B.{name}": 0 for name in self.B} if self.split == "column" else \
             {f"A.{name}": 1 for name in self.A}
+        # a routed expert's adapter: its expert's TP group and the DP group SequentialMLP's metadata gives (which
+        # then sets the replicas over the expert-data-parallel ranks), as its linears'
+        dp_cp_group = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
+            with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis,
-                                                   sharded_offsets)
+                                                   sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp_group)
 
 
 def _hook(adapter: LoraAdapter):
@@ -366,23 +398,38 @@ def apply_lora(model, hf_config, config: LoraConfig, seed: int) -> list[LoraAdap
             if linear.layer_type is not None and kinds is not None and linear.layer_type != kinds[index]:
                 continue  # the other attention's linear (Qwen3.5: Gated DeltaNet or gated softmax layers)
             hf_paths = tuple(prefix + hf.removeprefix("model.") for hf in linear.hf_paths)
-            parent_path, _, name = path.rpartition(".")
-            parent = layer.get_submodule(parent_path)
-            base = getattr(parent, name)
-            expected = RowParallelLinear if _LINEAR_LAYOUTS[layout] == "row" else ColumnParallelLinear
-            if type(base) is not expected:  # Transformer Engine's linears (a layer norm fused in) differ
-                raise ValueError(f"--lora-rank: {path} is {type(base).__name__}, not Megatron's "
-                                 f"{expected.__name__}; LoRA needs the local layer spec (build_gpt_model(lora=True))")
-            if _LINEAR_LAYOUTS[layout] == "row" and not base.input_is_parallel:
-                raise ValueError(f"--lora-rank: {path} takes an unsplit input; the adapter expects a split one")
-            adapter = LoraAdapter(base, layout, modules, config, index, seed, hf_paths)
-            parent.add_module(f"{name}_lora", adapter)
-            base.register_forward_hook(_hook(adapter))
-            base.weight.lora_delta = adapter.delta_weight
-            adapters.append(adapter)
+            for expert, local_path in _instances(layer, path, linear):
+                parent_path, _, name = local_path.rpartition(".")
+                parent = layer.get_submodule(parent_path)
+                base = getattr(parent, name)
+                expected = RowParallelLinear if _LINEAR_LAYOUTS[layout] == "row" else ColumnParallelLinear
+                if type(base) is not expected:  # Transformer Engine's linears (a layer norm fused in) differ
+                    raise ValueError(f"--lora-rank: {local_path} is {type(base).__name__}, not Megatron's "
+                                     f"{expected.__name__}; LoRA needs the local layer spec (build_gpt_model(lora=True))")
+                if _LINEAR_LAYOUTS[layout] == "row" and not base.input_is_parallel:
+                    raise ValueError(f"--lora-rank: {local_path} takes an unsplit input; the adapter expects a split one")
+                adapter = LoraAdapter(base, layout, modules, config, index, seed, hf_paths, expert)
+                parent.add_module(f"{name}_lora", adapter)
+                base.register_forward_hook(_hook(adapter))
+                base.weight.lora_delta = adapter.delta_weight
+                adapters.append(adapter)
     if gpt.config.recompute_granularity == "full" and gpt.pre_process:
         gpt.embedding.register_forward_hook(_require_input_grad)
     return adapters
+
+
+def _instances(layer, path: str, linear: Linear) -> list[tuple[int | None, str]]:
+    """(global expert index or None, path in the layer) of each Megatron linear `path` names: itself, or for a
+    routed expert's linear one per local expert of this EP rank (Megarl's local spec: SequentialMLP's
+    `local_experts`; EP rank r holds experts [r * E/EP, (r + 1) * E/EP))."""
+    if not linear.expert:
+        return [(None, path)]
+    experts = layer.mlp.experts
+    if not hasattr(experts, "local_experts"):  # Transformer Engine's grouped GEMM: one weight per expert, no module
+        raise ValueError(f"--lora-rank: the experts are {type(experts).__name__}; adapters on them need Megatron's "
+                         f"SequentialMLP (the local spec: build_gpt_model(lora=True))")
+    first = experts.ep_group.rank() * experts.num_local_experts
+    return [(first + local, path.replace("{e}", str(local))) for local in range(experts.num_local_experts)]
 
 
 def adapters_of(model) -> list[LoraAdapter]:
@@ -494,7 +541,11 @@ def iter_peft_weights(model, bucket_bytes: int = 256 * 2**20):
     from megarl.models.families import Rule
 
     entries, owners = [], {}
-    for adapter in adapters_of(model):
+    adapters = adapters_of(model)
+    experts = _expert_groups(adapters)
+    for adapter in adapters:
+        if adapter.expert is not None:
+            continue
         for which, params in (("A", adapter.A), ("B", adapter.B)):
             split = (which == "B") == (adapter.split == "column")
             for module, param in params.items():
@@ -516,8 +567,57 @@ def iter_peft_weights(model, bucket_bytes: int = 256 * 2**20):
                     yield name, adapter.whole_rows(module, shards)
                 else:
                     yield name, torch.cat(shards, dim=dim)
+        yield from _peft_expert_tensors(experts)
 
-    yield from every_stage([entry[0] for entry in entries], this_stage)
+    names = [entry[0] for entry in entries] + [name for (path, module), group in experts.items()
+                                                for name in _peft_expert_names(path, module, group[0].expert_targets)]
+    yield from every_stage(names, this_stage)
+
+
+def _expert_groups(adapters: list[LoraAdapter]) -> dict[tuple[str, str], list[LoraAdapter]]:
+    """{(HF path of the experts' parameter, its module): this rank's adapters on it, by expert}, in the model's
+    order."""
+    groups = {}
+    for adapter in adapters:
+        if adapter.expert is not None:
+            module = next(iter(adapter.A))
+            groups.setdefault((adapter.hf_paths[module], module), []).append(adapter)
+    return groups
+
+
+def _peft_expert_names(path: str, module: str, targets: tuple[str, ...] | None = None) -> tuple[str, str]:
+    """PEFT's saved names of the A and B of the experts' parameter at `path` (`model.layers.3.mlp.experts.
+    gate_up_proj`): peft wraps the module once per targeted parameter, in target_parameters' sorted order,
+    the later ones inside (`mlp.experts.lora_A.weight` for down_proj, `mlp.experts.base_layer.lora_A.weight`
+    for gate_up_proj when both are targeted). `targets`: the targeted expert modules (default: both)."""
+    stem, _, parameter = path.rpartition(".")
+    order = sorted(target.rpartition(".")[2] for target in (_EXPERT_MODULES.values() if targets is None else targets))
+    nested = "base_layer." * order.index(parameter)
+    return tuple(f"base_model.model.{stem}.{nested}lora_{which}.weight" for which in "AB")
+
+
+def _peft_expert_tensors(groups):
+    """(PEFT name, whole tensor) of each experts' parameter: every expert's A and B gathered over EP, laid out as
+    peft's ParamWrapper keeps E experts of rank r (peft/tuners/lora/layer.py): A [E * r, in], expert e's rows
+    e * r ... (e + 1) * r; B [out, r * E], expert e's columns e, E + e, ... (B.reshape(out, r, E)[..., e])."""
+    from megatron.core import parallel_state
+
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    for (path, module), adapters in groups.items():
+        a_name, b_name = _peft_expert_names(path, module, adapters[0].expert_targets)
+        local_a = torch.stack([adapter.A[module].detach() for adapter in adapters])  # [E_local, r, in]
+        local_b = torch.stack([adapter.B[module].detach() for adapter in adapters])  # [E_local, out, r]
+        whole = []
+        for local in (local_a, local_b):
+            if ep_size > 1:
+                gathered = torch.empty(ep_size * local.numel(), dtype=local.dtype, device=local.device)
+                torch.distributed.all_gather_into_tensor(gathered, local.contiguous().reshape(-1), group=ep_group)
+                local = gathered.view(ep_size * local.shape[0], *local.shape[1:])
+            whole.append(local)
+        a, b = whole
+        yield a_name, a.reshape(-1, a.shape[-1])
+        yield b_name, b.permute(1, 2, 0).reshape(b.shape[1], -1)
 
 
 def save_peft_adapter(model, config: LoraConfig, out_dir: str, base_model: str, tokenizer=None,
@@ -551,7 +651,10 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], config: LoraConfig, dir
     adapter_config = {  # the fields of peft's LoraConfig that describe these adapters; peft's defaults otherwise
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": os.path.abspath(base_model),
         "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout,
-        "target_modules": list(config.targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "target_modules": [module for module in config.targets if module not in _EXPERT_MODULES.values()],
+        # transformers' fused expert parameters (MoE), which peft adapts as parameters, not modules
+        "target_parameters": sorted(f"mlp.{module}" for module in config.targets if module in _EXPERT_MODULES.values())
+        or None, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
     with open(os.path.join(directory, PEFT_ADAPTER_CONFIG), "w") as f:

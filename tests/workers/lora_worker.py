@@ -31,7 +31,8 @@ from helpers import fp32_paths_ulps  # noqa: E402
 
 # 2 ranks by default; on 4 (argv[3]: the layouts) sequence parallelism with PP and with CP as well
 LAYOUTS = {"tp2": dict(tp=2), "tp2sp": dict(tp=2, sp=True), "pp2": dict(pp=2), "cp2": dict(cp=2),
-           "tp2sp_pp2": dict(tp=2, sp=True, pp=2), "tp2sp_cp2": dict(tp=2, sp=True, cp=2), "one": {}}
+           "tp2sp_pp2": dict(tp=2, sp=True, pp=2), "tp2sp_cp2": dict(tp=2, sp=True, cp=2), "ep2": dict(ep=2),
+           "one": {}}
 TWO_RANKS = ("tp2", "tp2sp", "pp2", "cp2", "one")
 LENGTHS = (12, 8)  # the packed row's sequences: slots of a multiple of 2 x CP as they are
 
@@ -59,15 +60,17 @@ def adapter_entries(model) -> dict[str, tuple]:
     """{global name: (its LoraAdapter, HF module, parameter)} of this stage's adapters."""
     from megarl.models.lora import adapters_of
 
-    return {f"{adapter.hf_paths[module]}.{kind}": (adapter, module, param) for adapter in adapters_of(model)
+    return {f"{adapter.hf_paths[module]}{'' if adapter.expert is None else f'.{adapter.expert}'}.{kind}":
+            (adapter, module, param) for adapter in adapters_of(model)
             for kind, params in (("A", adapter.A), ("B", adapter.B)) for module, param in params.items()}
 
 
 def whole_over_tp(entry, tensor, tp: int, group) -> torch.Tensor:
-    """The whole of an adapter tensor split over TP, in HF's order (a column base's B: `whole_rows`)."""
+    """The whole of an adapter tensor split over TP, in HF's order (a column base's B: `whole_rows`); a routed
+    expert's adapters are whole (their TP group, the expert-TP one, is one rank)."""
     adapter, module, param = entry
     dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
-    if dim is None or tp == 1:
+    if dim is None or tp == 1 or adapter.tp_group.size() == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(tp)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
@@ -113,13 +116,15 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
     from megarl.models.lora import adapters_of, iter_peft_weights
 
     layout = LAYOUTS[name]
-    tp, pp, cp = (layout.get(key, 1) for key in ("tp", "pp", "cp"))
+    tp, pp, cp, ep = (layout.get(key, 1) for key in ("tp", "pp", "cp", "ep"))
     args = parse_args(["--model", model_dir, "--lora-rank", "4", "--lora-alpha", "8", "--micro-batch-size", "1", "--lr", "1e-3",
                        "--padding-free", "--tensor-model-parallel-size", str(tp),
                        "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp),
+                       "--expert-model-parallel-size", str(ep),
                        *(["--sequence-parallel"] if layout.get("sp") else [])], world_size=dist.get_world_size())
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp)
+                                             context_parallel_size=cp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=1)  # as megarl/distributed.py
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     tp_rank, tp_group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
     hf_config = load_hf_config(model_dir)
@@ -141,10 +146,12 @@ def run(model_dir: str, name: str, ckpt: Path, saved: dict | None):
         with torch.no_grad():  # B as trained adapters have it: drawn whole, sharded as the layer's output rows
             for key, (adapter, module, param) in adapter_entries(actor.model).items():
                 if key.endswith(".B"):
-                    split = getattr(param, "tensor_model_parallel", False)  # column base: on its rows
-                    whole = torch.randn(param.shape[0] * (tp if split else 1), param.shape[1],
+                    # a column base's B: on its rows over the base's TP group (a routed expert's: one rank)
+                    group = adapter.tp_group
+                    split = getattr(param, "tensor_model_parallel", False) and group.size() > 1
+                    whole = torch.randn(param.shape[0] * (group.size() if split else 1), param.shape[1],
                                         generator=torch.Generator().manual_seed(zlib.crc32(key.encode()))) * 0.1
-                    param.copy_(adapter.rank_rows(module, whole, tp_rank, tp) if split else whole)
+                    param.copy_(adapter.rank_rows(module, whole, group.rank(), group.size()) if split else whole)
         return actor
 
     actor = actor_with_adapters()
@@ -220,13 +227,14 @@ def main():
         if LAYOUTS[name].get("cp", 1) > 1 and hybrid:  # Gated DeltaNet layers take no CP (refused in one line)
             continue
         # the one-rank layout loads the (first) PP=2 layout's checkpoint
-        saved = next(result.pop("saved") for result in results.values() if "saved" in result) if name == "one" else None
+        saved = next((result.pop("saved") for result in results.values() if "saved" in result), None) \
+            if name == "one" else None
         results[name] = run(model_dir, name, ckpt, saved)
     if dist.get_rank() == 0:
         one = results.pop("one")
         report = {"grad_max": {key: grad.abs().max().item() for key, grad in one["grads"].items()},
                   "streamed": {kind: len(one[kind]) for kind in ("merged", "peft")},
-                  "pp2_checkpoint_loaded": one["pp2_checkpoint_loaded"]}
+                  "pp2_checkpoint_loaded": one.get("pp2_checkpoint_loaded")}
         for name, result in results.items():
             assert result["grads"].keys() == one["grads"].keys(), (name, sorted(result["grads"]), sorted(one["grads"]))
             report[name] = {"logits_ulps": fp32_paths_ulps(result["logits"], one["logits"]),
