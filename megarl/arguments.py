@@ -1108,7 +1108,9 @@ def _options_of_lora_load(args, targets: list[str]) -> list[str]:
         config = read_peft_config(args.lora_load)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    theirs = config["target_modules"] if isinstance(config["target_modules"], list) else [config["target_modules"]]
+    from megarl.models.lora import peft_targets
+
+    theirs = peft_targets(config)
     where = f"--lora-load {args.lora_load} (adapter_config.json)"
     for flag, mine, unset, value in (("--lora-rank", args.lora_rank, 0, config["r"]),
                                      ("--lora-alpha", args.lora_alpha, None, float(config.get("lora_alpha", 8))),

@@ -423,6 +423,18 @@ def test_moe_adapters_on_attention_and_experts_load_in_peft(megatron_rank, rando
     assert fp32_paths_ulps(ours, without) > 100 * FP32_PATHS_ULPS  # the adapters matter here
     assert_fp32_paths_agree(theirs, ours, "peft's MoE model with the exported adapter vs megarl's")
     assert_fp32_paths_agree(merged_logits, ours, "transformers on the merged MoE export vs megarl's")
+    # --lora-load of that directory puts every adapter, each expert's slice of the fused tensors, back as trained
+    from megarl.arguments import parse_args
+
+    loaded = Actor(parse_args(["--model", random_moe_policy, "--lora-load", str(tmp_path / "out" / "adapter"),
+                               "--micro-batch-size", "2"], world_size=1), hf_config)
+
+    def by_name(model):
+        return {(a.layer, a.expert, which, module): param for a in adapters_of(model)
+                for which, params in (("A", a.A), ("B", a.B)) for module, param in params.items()}
+
+    trained, again = by_name(actor.model), by_name(loaded.model)
+    assert trained.keys() == again.keys() and all(torch.equal(trained[k], again[k]) for k in trained)
 
 
 def _assert_peft_reproduces(actor, hf_config, hf, out, name_in_peft=lambda name: name):

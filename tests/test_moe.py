@@ -60,15 +60,20 @@ COMPARED = ("loss", "grad_norm", "entropy", "kl_ref", "mismatch", "reward_mean",
 
 
 @pytest.mark.slow
-def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(random_moe_policy, tmp_path):
+@pytest.mark.parametrize("training", ["full", "lora"])
+def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(training, random_moe_policy, tmp_path):
     """A GRPO run of an MoE policy at EP=2 (colocated): after every sync the rollout's logprobs are the
     trainer's (the experts gathered from their EP ranks reach vLLM's fused experts), the router losses are
     logged, and its checkpoint after step 2 resumes at EP=1 into the same steps 3 and 4 (step 4's inputs
     depend on an update made with the experts' optimizer state as loaded). The reward is the response's length,
     which differs within every group: the random policy scores 0 on arithmetic, leaving only the KL and router
-    losses to train on."""
+    losses to train on. `lora`: rank-8 adapters on attention and every expert (the merged sync carries each
+    expert's W + scale B A from its EP rank), the routes of the rollout replayed (R3), the checkpoint the
+    adapters and their Adam state, resharded from EP=2 to EP=1."""
     common = [*SMALL, "--model", random_moe_policy, "--train-steps", "4", "--reward", "response_length",
               "--external-plugins", length_reward_plugin(tmp_path)]
+    if training == "lora":
+        common += ["--lora-rank", "8", "--lr", "2e-2", "--routing-replay", "on"]
     torchrun("../../megarl/train.py", *common, "--expert-model-parallel-size", "2",
              "--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--log-dir", tmp_path / "ep2", timeout=900)
     resumed = torchrun("../../megarl/train.py", *common,

@@ -695,7 +695,20 @@ def read_peft_config(directory: str) -> dict:
                          f"module names (or {ALL_LINEAR!r})")
     if not isinstance(config.get("r"), int) or config["r"] <= 0:
         raise ValueError(f"--lora-load: {path}: r = {config.get('r')!r}, not a positive integer")
+    known = sorted(f"mlp.{module}" for module in _EXPERT_MODULES.values())
+    for parameter in config.get("target_parameters") or []:
+        if parameter not in known:
+            raise ValueError(f"--lora-load: {path}: target_parameters holds {parameter!r}; megarl adapts the routed "
+                             f"experts' {' and '.join(known)}")
     return config
+
+
+def peft_targets(config: dict) -> list[str]:
+    """The HF module names an adapter_config.json targets, megarl's way: its target_modules, and its
+    target_parameters as `experts.gate_up_proj` / `experts.down_proj`."""
+    modules = config.get("target_modules") or []
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    return modules + [parameter.removeprefix("mlp.") for parameter in config.get("target_parameters") or []]
 
 
 def peft_tensors(directory: str) -> dict[str, torch.Tensor]:
@@ -710,6 +723,17 @@ def peft_tensors(directory: str) -> dict[str, torch.Tensor]:
     return {name.replace(".default.", "."): tensor for name, tensor in load_file(path).items()}
 
 
+def _expert_parameter(stem: str, targets: list[str]) -> tuple[str, str] | None:
+    """(the experts' module path, the parameter) a saved name's stem stands for (`model.layers.3.mlp.experts.
+    base_layer` with both targeted: gate_up_proj; `_peft_expert_names`), or None for a module's adapter."""
+    head, found, nested = stem.partition(".mlp.experts")
+    if not found or nested.replace("base_layer", "").strip("."):
+        return None
+    order = sorted(target.rpartition(".")[2] for target in targets if target.startswith("experts."))
+    depth = nested.count("base_layer")
+    return (f"{head}.mlp.experts", order[depth]) if depth < len(order) else None
+
+
 def check_peft_adapter(directory: str, base: str, rank: int) -> None:
     """ValueError naming the tensor where the adapter at `directory` was made for another base (a module the
     base lacks, or another width) or rank. Reads only the files' headers."""
@@ -717,20 +741,40 @@ def check_peft_adapter(directory: str, base: str, rank: int) -> None:
 
     from megarl.models.convert import HFCheckpoint
 
+    targets = peft_targets(read_peft_config(directory))
     weight_map = HFCheckpoint(base).weight_map
     path = os.path.join(directory, PEFT_ADAPTER_WEIGHTS)
+
+    def shape_of(weight: str) -> list[int]:
+        with safe_open(os.path.join(base, weight_map[weight]), "pt") as g:
+            return list(g.get_slice(weight).get_shape())
+
     with safe_open(path, "pt") as f:
         for name in f.keys():
             stem, _, which = name.replace(".default.", ".").removeprefix("base_model.model.").rpartition(".lora_")
             if which not in ("A.weight", "B.weight"):
                 raise ValueError(f"--lora-load: {path}: {name} is no LoRA A or B weight")
-            if f"{stem}.weight" not in weight_map:
+            expert = _expert_parameter(stem, targets)
+            experts = 1
+            if expert is not None:  # every expert's A and B side by side (peft's ParamWrapper)
+                module_path, parameter = expert
+                count = sum(1 for weight in weight_map if weight.startswith(f"{module_path}.")
+                            and weight.endswith(".down_proj.weight"))
+                first = f"{module_path}.0.{'gate_proj' if parameter == 'gate_up_proj' else 'down_proj'}.weight"
+                if not count or first not in weight_map:
+                    raise ValueError(f"--lora-load: {path} was made for another base: it adapts {module_path}."
+                                     f"{parameter}, and --model {base} has no routed experts there")
+                out_features, in_features = shape_of(first)
+                out_features *= 2 if parameter == "gate_up_proj" else 1
+                experts, stem = count, f"{module_path}.{parameter}"
+            elif f"{stem}.weight" not in weight_map:
                 raise ValueError(f"--lora-load: {path} was made for another base: it adapts {stem}, which --model "
                                  f"{base} does not have")
-            with safe_open(os.path.join(base, weight_map[f"{stem}.weight"]), "pt") as g:
-                out_features, in_features = g.get_slice(f"{stem}.weight").get_shape()
+            else:
+                out_features, in_features = shape_of(f"{stem}.weight")
+            rank_width = rank * experts
             a = which == "A.weight"
-            expected = [rank, in_features] if a else [out_features, rank]
+            expected = [rank_width, in_features] if a else [out_features, rank_width]
             shape = list(f.get_slice(name).get_shape())
             if shape != expected:
                 other = "rank" if shape[1 if a else 0] == expected[1 if a else 0] else "base"
@@ -748,6 +792,16 @@ def load_peft_adapter(model, directory: str) -> None:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     for adapter in adapters_of(model):
+        if adapter.expert is not None:  # this expert's rank-r slice of the experts' A and B (_peft_expert_tensors)
+            module = next(iter(adapter.A))
+            a_name, b_name = _peft_expert_names(adapter.hf_paths[module], module, adapter.expert_targets)
+            if a_name not in tensors or b_name not in tensors:
+                raise ValueError(f"--lora-load {directory}: no adapter for {adapter.hf_paths[module]}")
+            a, b = tensors[a_name], tensors[b_name]
+            experts = a.shape[0] // adapter.rank
+            adapter.A[module].copy_(a.reshape(experts, adapter.rank, -1)[adapter.expert])
+            adapter.B[module].copy_(b.reshape(b.shape[0], adapter.rank, experts)[..., adapter.expert])
+            continue
         for module in adapter.A:
             name = f"base_model.model.{adapter.hf_paths[module]}"
             if f"{name}.lora_A.weight" not in tensors or f"{name}.lora_B.weight" not in tensors:
