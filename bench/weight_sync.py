@@ -19,9 +19,11 @@ host "ratio without it" is indicative only.
 --profile adds one more sync per rank under cProfile and prints each
 rank's top functions (cumulative time) after each placement's line.
 
---lora-rank R adds LoRA runs (adapters of rank R on every linear, B random): `merged`
-syncs the whole model with W + scale * B A (--lora-sync merged), `adapter` the adapters
-only, into an engine serving them with vLLM's LoRA (--lora-sync adapter); each placement
+--lora-rank R adds LoRA runs (adapters of rank R on every linear, an MoE's experts included, B random):
+`merged` syncs the whole model with W + scale * B A (--lora-sync merged), `adapter` the adapters
+only, into an engine serving them with vLLM's LoRA (--lora-sync adapter; on the MoE attention's
+adapters only, megarl does not sync expert adapters to vLLM's MoE LoRA, and only on a GPU: vLLM's
+CPU engine runs an MoE with LoRA through Triton kernels); each placement
 runs --modes (default: full, merged, adapter), one launch each, and prints each mode's
 bytes and sync seconds, and the seconds one greedy generation of 16 prompts x 32 tokens
 takes on the synced engine (vLLM's LoRA adds its kernels to every forward).
@@ -88,9 +90,12 @@ def worker(model_dir, placement, repeats, out, profile=False, mode="full", lora_
              "--rollout-engine-kwargs", json.dumps({"skip_tokenizer_init": True})]
     if placement == "separate":
         flags += ["--colocate-groups", "none", "--train-gpus", "1", "--rollout-gpus", "1"]
+    moe = bool(getattr(AutoConfig.from_pretrained(model_dir), "num_experts", None))
     if mode != "full":
         flags += ["--lora-rank", str(lora_rank), "--lora-sync", mode]
-    if getattr(AutoConfig.from_pretrained(model_dir), "num_experts", None) and placement == "colocate":
+        if moe and mode == "adapter":  # vLLM's MoE LoRA is not wired up: the adapter sync adapts attention only
+            flags += ["--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj"]
+    if moe and placement == "colocate":
         flags += ["--expert-model-parallel-size", "2"]  # the experts' gather from their EP ranks is part of the sync
     args = parse_args(flags)
     context = distributed.init_distributed(args)
@@ -101,7 +106,7 @@ def worker(model_dir, placement, repeats, out, profile=False, mode="full", lora_
     distributed.init_megatron_parallel(context, args.seed)
     model = actor = None
     if context.is_train:
-        model = build_gpt_model(hf_config)
+        model = build_gpt_model(hf_config, lora=mode != "full")
         load_hf_weights(model, model_dir, hf_config)
         if mode != "full":  # trained-looking adapters: B random (fresh ones are 0)
             from megarl.models.lora import apply_lora, lora_config
@@ -197,7 +202,7 @@ def main():
     parser.add_argument("--modes", nargs="+", choices=("full", "merged", "adapter"), default=None,
                         help="with --lora-rank: which syncs to time (default: all three)")
     parser.add_argument("--models", nargs="+", choices=("dense", "moe"), default=["dense", "moe"],
-                        help="which models to sync (default both; LoRA modes run on the dense one only)")
+                        help="which models to sync (default both)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -215,15 +220,26 @@ def main():
             params = make_checkpoint(model_dir, options.hidden, options.layers, options.vocab, moe=model == "moe")
             kind = "Qwen3-MoE (8 experts, top 2; colocated at EP=2)" if model == "moe" else "Qwen2"
             print(f"model: random {kind}, {params / 1e6:.0f}M parameters (fp32), 2 ranks, median of {options.repeats}")
-            run_placements(options, model_dir, modes if model == "dense" else ["full"], tmp)
+            run_placements(options, model_dir, modes, tmp)
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_placements(options, model_dir, modes, tmp):
     env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     if options.lora_rank and modes != ["full"]:
-        print(f"LoRA: rank {options.lora_rank} on every linear")
+        print(f"LoRA: rank {options.lora_rank} on every linear (an MoE's experts included; its adapter sync: "
+              f"attention's only, vLLM's MoE LoRA is not wired up)")
     for placement, mode in [(p, m) for p in ([options.only] if options.only else ("colocate", "separate"))
                             for m in modes]:
+        if mode == "adapter" and model_dir.endswith("moe") and not torch_cuda():
+            print(f"{placement:9s} adapter not run: vLLM's CPU engine with LoRA on an MoE model runs its fused "
+                  f"experts through Triton MoE-LoRA kernels (GPU only); megarl refuses it in one line")
+            continue
         out = os.path.join(tmp, f"{os.path.basename(model_dir)}_{placement}_{mode}.json")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         os.path.abspath(__file__), "--repeats", str(options.repeats),

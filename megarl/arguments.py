@@ -1086,6 +1086,12 @@ def _validate_lora(args) -> None:
             raise ConfigError(f"--lora-sync adapter with adapters on the routed experts ({', '.join(experts)}): "
                               f"vLLM's MoE LoRA is not wired up here; use --lora-sync merged, or leave the "
                               f"experts out of --lora-target-modules")
+        from megarl import accelerator
+
+        if family.moe and args.lora_sync == "adapter" and not accelerator.ON_CUDA:
+            raise ConfigError("--lora-sync adapter with a mixture-of-experts model on CPU ranks: vLLM's engine with "
+                              "LoRA on runs its fused experts through its Triton MoE-LoRA kernels, which need a GPU; "
+                              "use --lora-sync merged")
     if args.lora_load:
         from megarl.models.lora import check_peft_adapter
 

@@ -133,7 +133,9 @@ class VllmEngine:
         detokenize = bool(args.stop) or episodes is not None
         params = sampling_params(args, prompt_indices, step, seed_key, n, temperature, min_tokens,
                                  self.seeds_per_request, detokenize)
-        text_of = None if detokenize else functools.partial(response_text, self.llm.get_tokenizer())
+        # (an engine started without a tokenizer, skip_tokenizer_init, as bench/weight_sync.py's: no text at all)
+        text_of = None if detokenize or self.llm.llm_engine.model_config.skip_tokenizer_init else \
+            functools.partial(response_text, self.llm.get_tokenizer())
         constraint = (min_tokens, self.held_back_ids(params[0])) if min_tokens and prompts else (0, ())
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
         if episodes is not None:

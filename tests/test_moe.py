@@ -117,7 +117,12 @@ def _parse(model, *flags, world_size=2):
     (["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2], "= 2*2"),
     (["--expert-model-parallel-size", 0], "--expert-model-parallel-size must be >= 1"),
     (["--moe-aux-loss-coeff", -1], "--moe-aux-loss-coeff must be >= 0"),
-], ids=["ep-vs-experts", "ep-vs-ranks", "ep-vs-stage-ranks", "ep-zero", "negative-coeff"])
+    (["--lora-rank", 8, "--lora-sync", "adapter"], "--lora-sync adapter with adapters on the routed experts "
+                                                   "(experts.gate_up_proj, experts.down_proj)"),
+    (["--lora-rank", 8, "--lora-sync", "adapter", "--lora-target-modules", "q_proj"],
+     "--lora-sync adapter with a mixture-of-experts model on CPU ranks"),
+], ids=["ep-vs-experts", "ep-vs-ranks", "ep-vs-stage-ranks", "ep-zero", "negative-coeff", "lora-adapter-experts",
+        "lora-adapter-moe-on-cpu"])
 def test_bad_moe_input_is_one_line(flags, expected, random_qwen3_moe_untied):
     from megarl.errors import ConfigError
 
