@@ -296,7 +296,8 @@ def test_the_distillation_quickstart_closes_half_the_gap_to_the_teacher(tiny_mod
     runs it: distillation alone (no reward in the loss) from a colocated top-k teacher. Within 15 minutes
     on 2 cores the student closes at least half of its pass@1 gap to the teacher, both measured by the
     run on the same held-out problems at T=1 (the teacher and the student before the first step, the
-    student after the last)."""
+    student after the last). Over seeds 1234, 1, 2 it closed 87% / 78% / 84% (mean 83%, spread 9%): the
+    bar's margin is 3.6x the spread (docs/testing.md, "Learning bars")."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_gkd.yaml", "--model", tiny_model,
                       "--teacher-model", tiny_teacher, "--log-dir", tmp_path / "tb", timeout=15 * 60)
     lines = [line for line in result.stdout.splitlines() if line.startswith("pass@1: ")]
@@ -311,7 +312,8 @@ def test_the_distillation_quickstart_closes_half_the_gap_to_the_teacher(tiny_mod
 @pytest.mark.learning  # the tiny Qwen3.5 pair's builds (~6 minutes) and the run: outside CI (-m learning)
 def test_the_qwen3_5_distillation_quickstart_closes_most_of_the_gap(tiny_qwen3_5, tiny_qwen3_5_teacher, tmp_path):
     """examples/quickstart_gkd_qwen3_5.yaml: the tiny Qwen3.5 student closes at least 60% of its pass@1 gap to
-    the tiny Qwen3.5 teacher (issue 50's bar), both measured by the run on the same held-out problems at T=1."""
+    the tiny Qwen3.5 teacher (issue 50's bar), both measured by the run on the same held-out problems at T=1.
+    Over seeds 1234, 1, 2 it closed 75% / 73% / 73% (mean 74%, spread 3%): margin 4.9x the spread."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_gkd_qwen3_5.yaml", "--model",
                       tiny_qwen3_5, "--teacher-model", tiny_qwen3_5_teacher, "--log-dir", tmp_path / "tb",
                       timeout=20 * 60)

@@ -128,7 +128,10 @@ def test_swift_defaults_differ_from_megarl(tmp_path, tiny_model, stand_in_teache
     ("rlhf_type: gkd\ntuner_type: lora\nmodules_to_save: [lm_head]\n", "modules_to_save=['lm_head']: training whole"),
     ("rlhf_type: gkd\ntuner_type: lora\ntarget_modules: [all-router, all-linear]\n",
      "target_modules: all-router: megarl puts adapters on the decoder layers' linears only"),
-    ("rlhf_type: gkd\ntrain_type: lora\nadapters: [ckpt/lora]\n", "adapters=['ckpt/lora']: loading trained adapters"),
+    ("rlhf_type: gkd\ntrain_type: lora\nadapters: [ckpt/a, ckpt/b]\n",
+     "adapters=['ckpt/a', 'ckpt/b']: megarl starts from one adapter directory (--lora-load DIR)"),
+    ("rlhf_type: gkd\ntrain_type: lora\nref_adapters: [ckpt/lora]\n", "ref_adapters=['ckpt/lora']: adapters for the reference"),
+    ("rlhf_type: gkd\nexpert_tensor_parallel_size: 2\n", "megarl keeps each expert whole on its EP rank"),
     ("rlhf_type: dpo\n", "rlhf_type=dpo: megarl trains online RL (grpo) and distillation (gkd) only"),
     ("rlhf_type: gkd\nsft_alpha: 0.5\n", "sft_alpha=0.5: sft_alpha > 0 adds an SFT loss"),
     ("rlhf_type: grpo\nreward_funcs: [format]\n", "'format' is an ms-swift built-in reward megarl does not have"),
@@ -240,7 +243,10 @@ def test_verl_kl_penalty_names(tiny_model, name, estimator):
      "exclude_modules=['o_proj']: excluding modules"),
     (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.use_dora=true"], "DoRA has no megarl"),
     (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.lora_bias=all"], "trainable biases"),
-    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.lora_adapter_path=/a"], "loading a trained"),
+    (["++actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"],
+     "megarl keeps each expert whole on its EP rank"),
+    (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.lora_adapter_path=/a"],
+     "--lora-load /a: no PEFT adapter there"),
     (["+actor_rollout_ref.model.lora.rank=8", "+actor_rollout_ref.model.lora.type=dora"],
      "model.lora.type: 'dora' has no megarl counterpart"),
     (["+actor_rollout_ref.model.lora.rank=8", "+actor_rollout_ref.model.lora.target_modules=['*.layers.0.*.linear_qkv']"],
@@ -697,6 +703,37 @@ def test_verl_seed_configs_run_two_steps_with_evaluation(name, overrides, tiny_m
               "actor_rollout_ref.rollout.n=5", *overrides)
 
 
+@pytest.mark.slow
+@pytest.mark.migrating
+def test_swift_lora_gkd_dense_script_runs_two_steps(tiny_model, tiny_teacher, tmp_path):
+    """ms-swift's gkd/dense.sh as published (LoRA; TP 2, PP 2, CP 2 on 8 GPUs; packed rows with sequence
+    parallelism; a colocated teacher, full-vocabulary GKD) -> 4 ranks at TP 2, PP 2 (CP 1), LoRA, SP and packing
+    kept; its hub datasets -> a local file."""
+    data = _swift_data(tmp_path / "train.jsonl", 16)
+    script = tmp_path / "dense.sh"
+    script.write_text((DATA / "swift_gkd_dense_lora.sh").read_text().replace(
+        "AI-ModelScope/alpaca-gpt4-data-en#2000 AI-ModelScope/alpaca-gpt4-data-zh#2000", data))
+    _two_steps(script, "--model", tiny_model, "--teacher-model", tiny_teacher, "--context-parallel-size", "1",
+               "--train-steps", "2", "--global-batch-size", "4", "--prompts-per-step", "4", "--max-new-tokens", "8",
+               "--max-prompt-length", "64", "--rollout-engine-kwargs", '{"max_model_len": 128}', nproc=4,
+               tmp_path=tmp_path, read_as=SWIFT_READ_AS, placement="TP=2 PP=2")
+
+
+@pytest.mark.slow
+@pytest.mark.migrating
+def test_verl_moe_lora_recipe_runs_two_steps(random_moe_policy, tmp_path):
+    """verl's run_qwen3moe-30b_megatron_lora.sh as published (LoRA rank 16 on Megatron's linears, the experts'
+    too; TP 2, PP 2, CP 2, EP 4 on 8 GPUs) on a random Qwen3-MoE -> 4 ranks at TP 2, PP 2, EP 2 (CP 1), SP on."""
+    train = _verl_data(tmp_path / "train.parquet", 8)
+    _two_steps(DATA / "verl_qwen3moe_megatron_lora.sh", f"actor_rollout_ref.model.path={random_moe_policy}",
+               f"data.train_files={train}", "data.val_files=null", "trainer.test_freq=-1", "trainer.n_gpus_per_node=4",
+               "trainer.logger=[console]", "actor_rollout_ref.actor.megatron.context_parallel_size=1",
+               "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+               "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *VERL_SMALL, nproc=4, tmp_path=tmp_path,
+               read_as=VERL_READ_AS, placement="TP=2 PP=2")
+
+
 def test_migrating_page_lists_every_key_of_the_readers():
     import importlib.util
 
@@ -719,6 +756,45 @@ def test_verl_launch_script_with_shell_variables(tiny_model):
                       micro_batch_size=5, kl_placement="loss", kl_coef=0.001, kl_estimator="low_var_kl",
                       train_epochs=15, train_data=[f"{home}/data/gsm8k/train.parquet"],
                       eval_datasets={"val": f"{home}/data/gsm8k/test.parquet"}, colocate_groups=[["train", "rollout"]]))
+
+
+def test_shell_scripts_read_as_the_shell_reads_them():
+    """A `#` inside a word is no comment (ms-swift's `--dataset name#2000`: shlex's comments would end the
+    command there and drop every flag after it), one that begins a word is; `${NAME:-default}`, nested, as
+    verl's launch scripts write their offload switches."""
+    from megarl.config_formats.common import shell_command
+
+    text = ("A=1\nOFF=${OFF:-False}\nINNER=${INNER:-$OFF}\nrun x.py --dataset d#2000 e \\\n    --flag ${INNER} "
+            "--n ${UNSET_NAME_XYZ:-7} --a $A '#quoted' # a comment --dropped\n")
+    assert shell_command(text, "t.sh", "x.py") == ["--dataset", "d#2000", "e", "--flag", "False", "--n", "7",
+                                                 "--a", "1", "#quoted"]
+
+
+def test_swift_lora_gkd_dense_script_translates_whole(tiny_model, stand_in_teacher, tmp_path):
+    """ms-swift's examples/megatron/rlhf/gkd/dense.sh (tests/data/migrating/swift_gkd_dense_lora.sh, its hub
+    datasets given as a local file): LoRA with TP 2, PP 2, CP 2, packed rows with sequence parallelism; every
+    flag after `--dataset name#2000` is read."""
+    script = (DATA / "swift_gkd_dense_lora.sh").read_text().replace(
+        "AI-ModelScope/alpaca-gpt4-data-en#2000 AI-ModelScope/alpaca-gpt4-data-zh#2000", str(tmp_path / "d.jsonl"))
+    (tmp_path / "dense.sh").write_text(script)
+    args = _parse(["--config", tmp_path / "dense.sh", "--model", tiny_model, "--teacher-model", stand_in_teacher], 8)
+    _check(args, dict(lora_rank=8, lora_alpha=32.0, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                      context_parallel_size=2, sequence_parallel=True, padding_free=True, gkd_lmbda=1.0, gkd_beta=1.0,
+                      lr=5e-6, temperature=1.0, micro_batch_size=2, global_batch_size=16))
+
+
+def test_verl_moe_lora_recipe_translates_whole(random_qwen3_moe_untied, tmp_path):
+    """verl's run_qwen3moe-30b_megatron_lora.sh: its own trainer config named (--config-path/--config-name),
+    ${VAR:-default} offload switches, LoRA rank 16 on Megatron's four linears (the experts' too), EP 4 with
+    ETP 1, and sequence parallelism on at TP 2 as verl's Megatron back-end has it."""
+    args = _parse(["--config", DATA / "verl_qwen3moe_megatron_lora.sh",
+                   f"actor_rollout_ref.model.path={random_qwen3_moe_untied}", "trainer.save_freq=-1",
+                   "trainer.logger=[console]"], 8)
+    _check(args, dict(lora_rank=16, lora_alpha=32.0, lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1",
+                                                                          "linear_fc2"],
+                      tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2,
+                      expert_model_parallel_size=4, sequence_parallel=True, offload_model=False,
+                      recompute_granularity="full", kl_coef=0.001, num_generations=4))
 
 
 def test_verl_overrides_alone_on_the_command_line(tiny_model):

@@ -62,12 +62,13 @@ def test_quickstart_learns(tiny_model, tmp_path):
 @pytest.mark.learning  # the tiny Qwen3.5's build (~2 minutes) and 200 steps: outside CI (-m learning)
 def test_the_quickstart_learns_on_qwen3_5(tiny_qwen3_5, tmp_path):
     """The quickstart's GRPO, whole (200 steps), on the tiny Qwen3.5 (Gated DeltaNet and gated attention):
-    the reward's mean over the first 5 steps -> the last 5 rises by at least 0.15 (issue 50's bar)."""
+    the reward rises (issue 50's bar, 0.15). Fitted rise (helpers.reward_rise) over seeds 1234, 1, 2:
+    +0.197 / +0.183 / +0.200, mean +0.193, spread 0.017: the bar's margin is 2.5x the spread
+    (docs/testing.md, "Learning bars")."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo.yaml", "--model", tiny_qwen3_5,
                       "--log-dir", tmp_path / "tb", timeout=1800)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
-    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    assert last >= first + 0.15, line
+    assert reward_rise(tmp_path / "tb") >= 0.15, (reward_rise(tmp_path / "tb"), line)
 
 
 def test_full_vocabulary_kl_in_the_loss_with_ppo_epochs(tiny_model, tmp_path):

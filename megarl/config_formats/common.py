@@ -295,7 +295,6 @@ def reference(table: dict[str, Rule], semantics: dict[str, str]) -> list[str]:
 
 
 _ASSIGNMENT = re.compile(r"(?:export\s+)?([A-Za-z_]\w*)=(.*)")
-_SHELL_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 
 
 def shell_command(text: str, where: str, marker: str) -> list[str]:
@@ -306,8 +305,7 @@ def shell_command(text: str, where: str, marker: str) -> list[str]:
     variables: dict[str, str] = {}
 
     def expand(value: str) -> str:
-        return _SHELL_VAR.sub(lambda m: variables.get(m.group(1) or m.group(2),
-                                                      os.environ.get(m.group(1) or m.group(2), m.group(0))), value)
+        return _expand_shell(value, lambda name: variables.get(name, os.environ.get(name)))
 
     command = None
     for line in text.replace("\\\r\n", " ").replace("\\\n", " ").splitlines():
@@ -334,9 +332,61 @@ def shell_command(text: str, where: str, marker: str) -> list[str]:
     if command is None:
         raise ConfigError(f"{where}: no {marker} command line in it")
     try:
-        return shlex.split(expand(command), comments=True)
+        return shlex.split(_without_comment(expand(command)))
     except ValueError as error:
         raise ConfigError(f"{where}: cannot split the command line ({error})") from None
+
+
+def _expand_shell(value: str, lookup) -> str:
+    """`$NAME`, `${NAME}` and `${NAME:-default}` (the default itself expanded, so nested ones too: verl's
+    `${ACTOR_PARAM_OFFLOAD:-$COMMON_PARAM_OFFLOAD}`) as the shell expands them; `lookup(name)` is the value or
+    None, and a name set nowhere without a default is left as written."""
+    out, index = [], 0
+    while index < len(value):
+        if value.startswith("${", index):
+            depth, end = 0, index
+            while end < len(value):
+                if value.startswith("${", end):
+                    depth, end = depth + 1, end + 2
+                    continue
+                if value[end] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                end += 1
+            inner = value[index + 2:end]
+            name, default_given, default = inner.partition(":-")
+            known = lookup(name)
+            if default_given:
+                out.append(known if known else _expand_shell(default, lookup))
+            else:
+                out.append(known if known is not None else value[index:end + 1])
+            index = end + 1
+            continue
+        simple = re.match(r"\$(\w+)", value[index:])
+        if simple:
+            known = lookup(simple.group(1))
+            out.append(known if known is not None else simple.group(0))
+            index += simple.end()
+            continue
+        out.append(value[index])
+        index += 1
+    return "".join(out)
+
+
+def _without_comment(command: str) -> str:
+    """`command` up to its comment, as the shell reads one: a `#` that begins a word outside quotes. shlex's
+    own comments=True ends a word at any `#`, which would cut ms-swift's `--dataset name#2000` (its sample
+    count) and drop every flag after it."""
+    quote = None
+    for index, char in enumerate(command):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or command[index - 1].isspace()):
+            return command[:index]
+    return command
 
 
 # LoRA target names of the other frameworks -> megarl's --lora-target-modules names (megarl/models/lora.py:

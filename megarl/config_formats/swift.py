@@ -148,7 +148,8 @@ def _not(value_ok):
 _INFORMS = informs()
 
 TUNERS = "megarl trains every weight (full) or LoRA adapters (lora)"
-LOAD_ADAPTER = "loading trained adapters: megarl's LoRA starts its adapters fresh on the base --model"
+LOAD_ADAPTER = ("adapters for the reference or in Megatron's format: megarl's LoRA reference is the base with the "
+                "adapters off, and it loads PEFT adapter directories (adapters)")
 
 # ms-swift's LoRA keys (tuner_type lora), read by _lora; with tuner_type full they are ignored.
 LORA_TABLE: dict[str, Rule] = {
@@ -282,8 +283,10 @@ TABLE: dict[str, Rule] = {
     "pipeline_model_parallel_size": to("pipeline_model_parallel_size"),
     "context_parallel_size": to("context_parallel_size"),
     "sequence_parallel": _INFORMS,
-    "expert_model_parallel_size": ignore("dense models", refuse_if=lambda v: v != 1),
-    "expert_tensor_parallel_size": ignore("dense models", refuse_if=lambda v: v != 1),
+    "expert_model_parallel_size": to("expert_model_parallel_size"),
+    "expert_tensor_parallel_size": ignore("1: each expert whole on its EP rank", refuse_if=lambda v: v not in (None, 1),
+                                          refusal="megarl keeps each expert whole on its EP rank "
+                                                  "(expert_tensor_parallel_size 1)"),
     "virtual_pipeline_model_parallel_size": ignore("one stage per rank", refuse_if=lambda v: v is not None),
     "decoder_first_pipeline_num_layers": ignore("even split", refuse_if=lambda v: v is not None),
     "decoder_last_pipeline_num_layers": ignore("even split", refuse_if=lambda v: v is not None),
@@ -305,7 +308,10 @@ TABLE: dict[str, Rule] = {
     "freeze_parameters_ratio": ignore("every weight trains", refuse_if=bool),
     "trainable_parameters": ignore("every weight trains", refuse_if=bool),
     "trainable_parameters_regex": ignore("every weight trains", refuse_if=bool),
-    "adapters": ignore("none", refuse_if=bool, refusal=LOAD_ADAPTER),
+    "adapters": to("lora_load", lambda v: v[0] if isinstance(v, list) else v,
+                   note="the trained adapter the LoRA run starts from (its r, alpha and targets)",
+                   refuse_if=lambda v: isinstance(v, list) and len(v) > 1,
+                   refusal="megarl starts from one adapter directory (--lora-load DIR)"),
     "ref_adapters": ignore("none", refuse_if=bool, refusal=LOAD_ADAPTER),
     "mcore_model": ignore("megarl loads HF checkpoints", refuse_if=lambda v: v is not None),
     "mcore_adapter": ignore("none", refuse_if=lambda v: v is not None, refusal=LOAD_ADAPTER),

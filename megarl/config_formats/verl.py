@@ -77,7 +77,6 @@ def _nonempty(value):
     return value not in (None, {}, [], "", 0, False)
 
 
-LOAD_ADAPTER = "loading a trained adapter: megarl's LoRA starts its adapters fresh on the base model"
 EXCLUDE = "excluding modules: name the ones that get adapters in target_modules"
 PERF = "performance only: megarl's forward-only passes use micro_batch_size"
 FSDP = "FSDP settings: megarl trains with Megatron-core"
@@ -151,8 +150,8 @@ TABLE: dict[str, Rule] = {
     # read by _lora; at rank 0 they are ignored.
     **{f"{F}.{key}": INF for key in ("lora_rank", "lora_alpha", "target_modules", "lora_dropout", "use_rslora",
                                      "lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.type")},
-    f"{F}.lora_adapter_path": ignore("none", refuse_if=_nonempty, refusal=LOAD_ADAPTER),
-    f"{F}.lora.adapter_path": ignore("none", refuse_if=_nonempty, refusal=LOAD_ADAPTER),
+    f"{F}.lora_adapter_path": to("lora_load", note="the trained PEFT adapter the LoRA run starts from"),
+    f"{F}.lora.adapter_path": to("lora_load", note="the trained PEFT adapter the LoRA run starts from"),
     f"{F}.exclude_modules": ignore("none", refuse_if=_nonempty, refusal=EXCLUDE),
     f"{F}.lora.exclude_modules": ignore("none", refuse_if=_nonempty, refusal=EXCLUDE),
     f"{F}.use_dora": ignore("off", refuse_if=_truthy, refusal="DoRA has no megarl counterpart (plain LoRA)"),
@@ -233,14 +232,20 @@ TABLE: dict[str, Rule] = {
     f"{A}.fsdp_config.*": ignore(FSDP),
     f"{A}.megatron.tensor_model_parallel_size": to("tensor_model_parallel_size"),
     f"{A}.megatron.pipeline_model_parallel_size": to("pipeline_model_parallel_size"),
-    f"{A}.megatron.context_parallel_size": to("context_parallel_size"),
+    # verl's Megatron back-end packs the rows it splits over CP (THD), as megarl's CP needs
+    f"{A}.megatron.context_parallel_size": custom(
+        lambda v, ctx: {"context_parallel_size": v, **({"padding_free": True} if v and v > 1 else {})},
+        dest="context_parallel_size (and padding_free when > 1)"),
     f"{A}.megatron.use_distributed_optimizer": to("use_distributed_optimizer"),
     f"{A}.megatron.param_offload": to("offload_model"),
     f"{A}.megatron.optimizer_offload": to("offload_optimizer"),
     f"{A}.megatron.sequence_parallel": INF,
     f"{A}.megatron.virtual_pipeline_model_parallel_size": ignore("one stage per rank", refuse_if=_nonempty),
-    f"{A}.megatron.expert_model_parallel_size": ignore("dense models", refuse_if=lambda v: v not in (None, 1)),
-    f"{A}.megatron.expert_tensor_parallel_size": ignore("dense models", refuse_if=lambda v: v not in (None, 1)),
+    f"{A}.megatron.expert_model_parallel_size": to("expert_model_parallel_size"),
+    f"{A}.megatron.expert_tensor_parallel_size": ignore("1: each expert whole on its EP rank",
+                                                        refuse_if=lambda v: v not in (None, 1),
+                                                        refusal="megarl keeps each expert whole on its EP rank "
+                                                                "(expert_tensor_parallel_size 1)"),
     f"{A}.megatron.override_transformer_config.*": ignore("", refuse_if=_nonempty,
                                                           refusal="transformer config overrides: not in megarl"),
     **{f"{A}.megatron.{key}": ignore("Megatron back-end details megarl sets itself")
@@ -524,12 +529,28 @@ def script_overrides(tokens: list[str], where) -> list[str]:
         if token in ("$@", "$*", '"$@"'):
             continue
         if token.startswith("--config-"):
+            if _verl_own_config(token):  # verl's packaged trainer config: the defaults megarl applies anyway
+                continue
             raise ConfigError(f"{where}: {token}: Hydra composes that config; give it to megarl as --config FILE "
                               f"and the overrides after it")
         if not is_override(token):
             raise ConfigError(f"{where}: {token!r} is not a verl override (key=value)")
         out.append(token)
     return out
+
+
+# verl's launch scripts name its own trainer configs (verl/trainer/config/): megarl reads their overrides over
+# verl's defaults, which are those configs'
+VERL_OWN_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
+
+
+def _verl_own_config(token: str) -> bool:
+    """`--config-path=config` (verl/trainer's own folder) or `--config-name=ppo_[megatron_]trainer[.yaml]`."""
+    flag, _, value = token.partition("=")
+    value = value.strip("'\"")
+    if flag == "--config-path":
+        return value == "config"
+    return flag == "--config-name" and value.removesuffix(".yaml") in VERL_OWN_CONFIGS
 
 
 def apply_overrides(tree: dict, overrides: list[str], where: str) -> dict:
@@ -739,7 +760,12 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
     for key, value in flat.items():
         if key.startswith(f"{R}.engine_kwargs.vllm."):
             put(key, {f"rollout_engine_kwargs.{key[len(f'{R}.engine_kwargs.vllm.'):]}": value})
-    if get(f"{A}.megatron.sequence_parallel") and "sequence_parallel" in megarl_options and tp > 1:
+    megatron_backend = any(key.startswith(f"{A}.megatron.") for key in flat)
+    if f"{A}.megatron.sequence_parallel" not in flat and megatron_backend and tp > 1:
+        # ppo_megatron_trainer.yaml's default (megatron.sequence_parallel: True), which Megatron's MoE needs at TP > 1
+        out.set(f"{A}.megatron.sequence_parallel", True, DEFAULT, {"sequence_parallel": True},
+                "verl's Megatron back-end default")
+    elif get(f"{A}.megatron.sequence_parallel") and "sequence_parallel" in megarl_options and tp > 1:
         put(f"{A}.megatron.sequence_parallel", {"sequence_parallel": True})
     elif f"{A}.megatron.sequence_parallel" in flat:
         out.set(f"{A}.megatron.sequence_parallel", flat[f"{A}.megatron.sequence_parallel"], "ignored", {},
