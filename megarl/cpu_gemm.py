@@ -235,6 +235,9 @@ def _probe_seconds(gemm, tries: int = 3) -> float:
 
 def _routable(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (_state["onednn"] and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            # no empty operand: oneDNN has no inner product over 0 rows (an MoE expert that got no tokens:
+            # its weight gradient [out, 0] @ [0, in] raised "could not create a primitive descriptor")
+            and a.numel() > 0 and b.numel() > 0
             and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == torch.float32
             and b.dtype == torch.float32 and b.dim() == 2 and a.dim() >= 2
             # b or b^T dense: oneDNN runs its reference kernel on a weight whose rows are strided apart (a

@@ -64,6 +64,11 @@ def test_onednn_products_equal_float64_within_fp32_rounding(backend, counted):
         expected = (out.double() + a.double() @ b.double()).float()
         assert_fp32_paths_agree(cpu_gemm.accumulate(out, a, b), expected, f"accumulate into [{rows}, {columns}]")
     assert counted["onednn"] == len(cases) + 2
+    # an MoE expert that got no tokens: its products over 0 rows are torch's (oneDNN has no such primitive)
+    out = randn(96, 64)
+    assert torch.equal(cpu_gemm.accumulate(out.clone(), randn(0, 96).t(), randn(0, 64)), out)
+    assert cpu_gemm.matmul(randn(0, 64), weight.t()).shape == (0, 96)
+    assert counted["onednn"] == len(cases) + 2
 
 
 @onednn
