@@ -87,10 +87,11 @@ def gap_closed(stdout: str) -> float:
     return (after - before) / (teacher - before)
 
 
-def run_case(name: str, seed: int, out: Path) -> tuple[Path, str]:
-    """The case's run at `seed`: its log directory and its stdout."""
+def run_case(name: str, seed: int, out: Path, extra: tuple[str, ...] = ()) -> tuple[Path, str]:
+    """The case's run at `seed` (with `extra` options): its log directory and its stdout."""
     _, script, args = CASES[name]
-    log_dir = out / f"{name}_seed{seed}"
+    args = [*args, *extra]
+    log_dir = out / f"{name}{'_' + '_'.join(extra).replace('-', '') if extra else ''}_seed{seed}"
     if "--config" in args:  # the tiny models the config names, built once (run_quickstart.sh's step)
         subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--for-config",
                         args[args.index("--config") + 1]], cwd=ROOT, check=True)
@@ -111,13 +112,16 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     parser.add_argument("--window", type=int, default=5, help="steps averaged at each end")
     parser.add_argument("--out", default=None, help="where the runs' logs go (default: a temporary directory)")
+    parser.add_argument("--extra", default="", help="more options for each run, after the case's (one string: "
+                        "'--lr 3e-3'), to try a setting before changing the test")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="learning_bars_"))
     for name in args.cases:
-        print(f"{name} ({CASES[name][0]}), window {args.window}:", flush=True)
+        print(f"{name} ({CASES[name][0]}){' with ' + args.extra if args.extra else ''}, window {args.window}:",
+              flush=True)
         values, statistic = [], "gap closed" if name in GAP_CASES else "fitted rise"
         for seed in args.seeds:
-            log_dir, stdout = run_case(name, seed, out)
+            log_dir, stdout = run_case(name, seed, out, tuple(args.extra.split()))
             if name in GAP_CASES:
                 values.append(gap_closed(stdout))
                 print(f"  seed {seed}: {[t for t in stdout.splitlines() if t.startswith('pass@1: ')][-1]}, gap "
