@@ -90,13 +90,14 @@ def scalars(log_dir, tags) -> dict[str, dict[int, float]]:
     return series
 
 
-def reward_rise(log_dir) -> float:
-    """The rise of a run's reward_mean over its steps, read off a least-squares line through every step (the
-    line's end minus its start): a learning test's statistic. Measured over 3 seeds (tools/learning_bars.py,
+def reward_rise(log_dir, tag: str = "reward_mean") -> float:
+    """The rise of a run's reward_mean (or `tag`: DAPO's dapo_reward_all_mean, every generated sample's, where
+    reward_mean is the kept groups', mixed by construction) over its steps, read off a least-squares line
+    through every step (the line's end minus its start): a learning test's statistic. Measured over 3 seeds (tools/learning_bars.py,
     docs/testing.md) its spread is half that of the 5-step means at both ends (the run's `reward: a -> b` line),
     and a run that does not learn reads 0 +- noise/sqrt(steps^3 / 12) (estimated, not measured: 0.015
     over 80 steps of 128 samples, at a per-step noise of 0.04)."""
-    series = scalars(log_dir, ["reward_mean"])["reward_mean"]
+    series = scalars(log_dir, [tag])[tag]
     values = [series[step] for step in sorted(series)]
     n = len(values)
     assert n >= 2, series

@@ -42,6 +42,9 @@ CASES = {
 CASES.update({f"preset-{preset}": ("tests/test_presets.py::test_preset_reward_rises", "megarl/train.py",
                                    ["--config", f"examples/{preset}.yaml", "--train-steps", "60"])
               for preset in ("grpo", "dapo", "drgrpo", "ppo")})
+# The reward a case's statistic reads (default reward_mean): DAPO's batch keeps its mixed groups only, so its
+# reward_mean is not the policy's accuracy; every generated sample's reward is
+RISE_TAG = {"preset-dapo": "dapo_reward_all_mean", "preset-dapo-120": "dapo_reward_all_mean"}
 CASES["preset-dapo-120"] = ("tests/test_presets.py::test_preset_reward_rises[dapo]", "megarl/train.py",
                             ["--config", "examples/dapo.yaml", "--train-steps", "120"])
 QUICKSTARTS = {"colocate": "examples/quickstart_grpo.yaml", "separate": "examples/quickstart_grpo_separate.yaml"}
@@ -69,11 +72,11 @@ GAP_CASES = {
 CASES.update(GAP_CASES)
 
 
-def ends(log_dir: Path, window: int) -> tuple[float, float]:
+def ends(log_dir: Path, window: int, tag: str = "reward_mean") -> tuple[float, float]:
     """The reward's mean over the first and the last `window` steps."""
     from helpers import scalars
 
-    series = scalars(log_dir, ["reward_mean"])["reward_mean"]
+    series = scalars(log_dir, [tag])[tag]
     values = [series[step] for step in sorted(series)]
     window = min(window, len(values))
     return sum(values[:window]) / window, sum(values[-window:]) / window
@@ -127,8 +130,9 @@ def main(argv=None) -> None:
                 print(f"  seed {seed}: {[t for t in stdout.splitlines() if t.startswith('pass@1: ')][-1]}, gap "
                       f"closed {values[-1]:+.3f}", flush=True)
                 continue
-            first, last = ends(log_dir, args.window)
-            values.append(reward_rise(log_dir))
+            tag = RISE_TAG.get(name, "reward_mean")
+            first, last = ends(log_dir, args.window, tag)
+            values.append(reward_rise(log_dir, tag))
             print(f"  seed {seed}: {first:.3f} -> {last:.3f} ({args.window}-step means), fitted rise "
                   f"{values[-1]:+.3f}", flush=True)
         mean, spread = statistics.mean(values), max(values) - min(values)
