@@ -770,6 +770,16 @@ def test_shell_scripts_read_as_the_shell_reads_them():
                                                  "--a", "1", "#quoted"]
 
 
+@pytest.mark.parametrize("tuner,sync", [("lora", "adapter"), ("full", None)])
+def test_swift_vllm_enable_lora_is_the_adapter_sync(tuner, sync, tiny_model, tmp_path):
+    """ms-swift's vllm_enable_lora (the engines serve LoRA; each sync sends the adapters): --lora-sync adapter
+    with tuner_type lora, nothing in a full fine-tuning run."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"rlhf_type: grpo\ntuner_type: {tuner}\nvllm_enable_lora: true\nreward_funcs: [accuracy]\n")
+    args = _parse(["--config", config, "--model", tiny_model, "--train-data", tmp_path / "d.jsonl"], 2)
+    assert (args.lora_rank, args.lora_sync) == ((8, "adapter") if sync else (0, None)), (args.lora_rank, args.lora_sync)
+
+
 def test_swift_lora_gkd_dense_script_translates_whole(tiny_model, stand_in_teacher, tmp_path):
     """ms-swift's examples/megatron/rlhf/gkd/dense.sh (tests/data/migrating/swift_gkd_dense_lora.sh, its hub
     datasets given as a local file): LoRA with TP 2, PP 2, CP 2, packed rows with sequence parallelism; every

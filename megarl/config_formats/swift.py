@@ -58,8 +58,11 @@ def _vllm_rules(role: str) -> dict[str, Rule]:
         "vllm_engine_kwargs": custom(_engine_kwargs(role)),
         "vllm_limit_mm_per_prompt": ignore("multimodal inputs (megarl is text only)", refuse_if=bool),
         "vllm_mm_processor_cache_gb": ignore("multimodal inputs (megarl is text only)"),
-        "vllm_enable_lora": ignore("megarl syncs the merged weights (W + scale * B A) into the engines, LoRA or "
-                                   "not"),
+        "vllm_enable_lora": custom(lambda value, ctx: {"lora_sync": "adapter"}
+                                   if value and role == "rollout" and _tuner(ctx.source) == "lora" else {},
+                                   "with tuner_type lora the engines serve the adapters with vLLM's LoRA and each "
+                                   "sync sends the adapters alone (--lora-sync adapter); otherwise no meaning",
+                                   dest="lora_sync"),
     }
 
 
