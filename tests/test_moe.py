@@ -3,7 +3,7 @@ one-line errors. The conversion parity of the MoE families is in test_conversion
 test_families_vllm.py."""
 
 import pytest
-from helpers import (
+from helpers import reward_rise, (
     ROUNDING_LEVEL,
     assert_fp32_paths_agree,
     assert_moved,
@@ -92,12 +92,13 @@ def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(training, random_m
 @pytest.mark.learning  # the model's build (~6 min) and 200 steps: outside CI (bash run_tests.sh -m learning)
 def test_moe_quickstart_learns(tiny_moe, tmp_path):
     """examples/quickstart_grpo_moe.yaml (the tiny Qwen3-MoE at EP=2): the reward rises as the dense
-    quickstart's does (issue 27: by >= 0.15)."""
+    quickstart's does. Fitted rise (helpers.reward_rise) over seeds 1234, 1, 2: +0.163 / +0.162 / +0.155,
+    mean +0.160, spread 0.008 (docs/testing.md, "Learning bars"; the first measurement found the oneDNN GEMM
+    failing on an expert with no tokens at step 31)."""
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo_moe.yaml", "--model", tiny_moe,
                       "--log-dir", tmp_path / "tb", timeout=2400)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
-    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    assert last >= first + 0.15, line
+    assert reward_rise(tmp_path / "tb") >= 0.14, (reward_rise(tmp_path / "tb"), line)
 
 
 # ------------------------------------------------------------ bad input --
