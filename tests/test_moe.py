@@ -3,7 +3,7 @@ one-line errors. The conversion parity of the MoE families is in test_conversion
 test_families_vllm.py."""
 
 import pytest
-from helpers import reward_rise, (
+from helpers import (
     ROUNDING_LEVEL,
     assert_fp32_paths_agree,
     assert_moved,
@@ -12,6 +12,7 @@ from helpers import reward_rise, (
     flat_series,
     length_reward_plugin,
     read_json,
+    reward_rise,
     scalars,
     torchrun,
 )
