@@ -338,8 +338,9 @@ def test_the_peft_export_loaded_by_peft_reproduces_the_logits(megatron_rank, tin
 
 def test_a_trained_peft_adapter_loads_with_peft_s_logits(megatron_rank, tiny_model, tmp_path):
     """--lora-load: an adapter peft itself made (random A and B, rank 4, alpha 16, four of the seven linears,
-    saved by save_pretrained) loaded onto the base gives the logits of peft's model with it, and its r, alpha
-    and targets become the run's; training goes on from it (the adapters move)."""
+    saved by save_pretrained) loaded onto the base gives the logits of peft's model with it, every adapter's
+    gradient of the same loss is peft's (an independent check of the adapters' backward: the layout tests
+    compare megarl with itself), and its r, alpha and targets become the run's; training goes on from it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -368,6 +369,21 @@ def test_a_trained_peft_adapter_loads_with_peft_s_logits(megatron_rank, tiny_mod
             without = peft_model(input_ids=tokens).logits
     assert fp32_paths_ulps(theirs, without) > 100 * FP32_PATHS_ULPS  # the loaded adapters matter here
     assert_fp32_paths_agree(theirs, ours, "peft's model with its adapter vs megarl's --lora-load")
+    # every adapter's gradient of the same loss (the responses' NLL, through megarl's DDP buffers) is peft's
+    from megarl.model_runner import run_model
+
+    batch = batches[0]
+    actor.model.train()
+    actor.model.zero_grad_buffer()
+    nll(batch, run_model(actor.model, batch)[..., :hf_config.vocab_size], None)[0].backward()
+    peft_model.train()
+    nll(batch, peft_model(input_ids=batch.tokens).logits, None)[0].backward()
+    theirs_grads = {name: param.grad for name, param in peft_model.named_parameters() if param.requires_grad}
+    for adapter in adapters_of(actor.model):
+        for which, params in (("A", adapter.A), ("B", adapter.B)):
+            for module, param in params.items():
+                name = f"base_model.model.{adapter.hf_paths[module]}.lora_{which}.default.weight"
+                assert_fp32_paths_agree(param.main_grad, theirs_grads[name], f"gradient of {name}")
     before = [param.detach().clone() for adapter in adapters_of(actor.model) for param in adapter.B.values()]
     train(actor, steps=1)
     after = [param.detach() for adapter in adapters_of(actor.model) for param in adapter.B.values()]
