@@ -215,7 +215,7 @@ TINY_TOOL_MODEL = ROOT / "artifacts" / "tiny-qwen2-tools"
 @pytest.fixture(scope="session")
 def tiny_tool_model(tiny_model) -> str:
     """The multi-turn quickstart's policy (tools/make_tiny_model.py --tools: the tiny model fine-tuned on
-    calculator episodes mixed with direct answers, ~4 minutes of CPU); built once if absent."""
+    calculator episodes mixed with direct answers, ~8 minutes of CPU); built once if absent."""
     if not (TINY_TOOL_MODEL / "megarl_tiny.json").exists():
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--tools", "--base", tiny_model, "--out",
                         str(TINY_TOOL_MODEL), "--quiet"], cwd=ROOT, check=True,

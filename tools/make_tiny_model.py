@@ -56,9 +56,13 @@ cannot add these). So the model calls the calculator in about half of its episod
 decision to learn: call it every time. The build plays held-out episodes at T=1 as a run does (the
 hermes parser, the calculator, megarl.multiturn.TurnMessages) and prints the share that call, whose call
 is right (operands copied), whose boxed answer copies the tool's result, and pass@1. The copies are what
-takes the steps: none is right before ~300 steps. Measured on one machine (500 steps, 881 s on a loaded
-2-core machine, about 4 minutes of CPU): calls 0.41, right calls 0.695, result copied 0.307, pass@1 0.08
-(0.195 of the calling episodes). Copying is far from reliable there; GRPO improves it together with the
+takes the steps, and when they appear depends on the machine (its base's weights and MKL's branch): on
+the machine the recipe was first measured on, none was right before ~300 steps and 500 steps gave calls
+0.41, right calls 0.695, result copied 0.307, pass@1 0.08 (0.195 of the calling episodes); on an AMD EPYC
+(base 6ce6c77b) 500 steps gave right calls 0.013, pass@1 0.0 under MKL_CBWR=COMPATIBLE (calls with garbled
+JSON and operands: GRPO then gets no reward at all) and 0.143 / 0.02 unpinned; 1000 steps there: calls
+0.61, right 0.664, copies 0.30, pass@1 0.115 (COMPATIBLE), calls 0.54, right 0.657, copies 0.663, pass@1
+0.235 (unpinned). Hence 1000 steps. Copying is far from reliable there; GRPO improves it together with the
 decision: the quickstart's 40 steps lifted the reward 0.125 -> 0.456 and the episodes that call from
 0.33 to 0.95 (tests/test_multiturn.py::test_tool_quickstart_learns).
 """
@@ -124,7 +128,7 @@ TEACHER = dict(steps=1200, out="artifacts/tiny-qwen2-teacher")
 # --tools: the tool-use policy of the multi-turn task (docs/multiturn.md), fine-tuned from the tiny model
 # on the big-number task (operands up to max_operand, as --task-max-operand draws them): a call_share of
 # the episodes call the calculator and box its result, the others box an answer at once.
-TOOL_MODEL = dict(steps=500, batch=32, lr=3e-3, warmup=20, max_operand=999_999, call_share=0.5,
+TOOL_MODEL = dict(steps=1000, batch=32, lr=3e-3, warmup=20, max_operand=999_999, call_share=0.5,
                   base="artifacts/tiny-qwen2", out="artifacts/tiny-qwen2-tools")
 TOOL_EVAL = dict(num=200, seed_offset=10_000)
 # --moe: the same trunk with routed experts (8 of width 64, top 2) in every layer.
@@ -451,6 +455,10 @@ def build_tool_model(args, settings, start, capability):
           f"{measured['right_call']}, copies its result {measured['copy_accuracy']}, pass@1 {measured['pass_at_1']} "
           f"(called {measured['pass_at_1_called']}, direct {measured['pass_at_1_direct']}), "
           f"{report['build_seconds']}s\nweights sha256 {report['weights_sha256']}")
+    if not measured["pass_at_1"] or (measured["right_call"] or 0) < 0.3:
+        print(f"warning: {args.out} rarely calls the calculator right (right call {measured['right_call']}, pass@1 "
+              f"{measured['pass_at_1']}): the multi-turn quickstart's GRPO gets little or no reward from it; more "
+              f"--steps let the copying appear", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -509,8 +517,11 @@ def build_for_config(config_path: Path) -> None:
         family, kind = flags[path]
         extra = [] if kind == "policy" else [f"--{kind}"]
         print(f"[tiny models] building {path} for {config_path} (a few minutes)", flush=True)
+        # this process pinned every PINNED_ENV entry; the tool model's build leaves TOOLS_UNPINNED unset
+        # (inherited, MKL_CBWR=COMPATIBLE made it 2.7x slower and changed what its 1000 steps learn)
+        env = {key: value for key, value in os.environ.items() if kind != "tools" or key not in TOOLS_UNPINNED}
         subprocess.run([sys.executable, __file__, "--family", family, *extra, "--out", str(path), "--quiet"],
-                       check=True)
+                       check=True, env=env)
 
 
 def main():
