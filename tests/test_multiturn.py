@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from helpers import ROOT, load_script, read_json, torchrun
+from helpers import ROOT, load_script, read_json, reward_rise, torchrun
 from megarl.batch import score_and_filter
 from megarl.model_runner import make_micro_batches
 from megarl.samples import Sample
@@ -451,17 +451,17 @@ def _check_user_turns(report, tokenizer):
 def test_tool_quickstart_learns(tiny_tool_model, tmp_path):
     """examples/quickstart_grpo_tools.yaml: GRPO on the six-digit task with the calculator, from the tiny tool
     model (tools/make_tiny_model.py --tools, which calls the calculator in about half of its episodes): the
-    reward rises by >= 0.15 (issue 26), by calling the calculator more often (the dumps' share of episodes
-    that call it, first step against last), and the dumps show whole conversations: the call, the
-    calculator's message, the boxed answer copied from it."""
+    reward rises (fitted rise, helpers.reward_rise, over seeds 1234, 1, 2: +0.401 / +0.290 / +0.370, mean
+    +0.354, spread 0.111: bar +0.13; docs/testing.md, "Learning bars"), by calling the calculator more often
+    (the dumps' share of episodes that call it, first step against last), and the dumps show whole
+    conversations: the call, the calculator's message, the boxed answer copied from it."""
     import json
 
     dumps = tmp_path / "dumps"
     result = torchrun("../../megarl/train.py", "--config", "examples/quickstart_grpo_tools.yaml", "--model",
                       tiny_tool_model, "--log-dir", tmp_path / "tb", "--rollout-save-dir", dumps, timeout=2400)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
-    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    assert last >= first + 0.15, line
+    assert reward_rise(tmp_path / "tb") >= 0.13, (reward_rise(tmp_path / "tb"), line)
 
     steps = sorted(dumps.glob("train_step*.jsonl"), key=lambda path: int(path.stem.removeprefix("train_step")))
     records = {path: [json.loads(text) for text in path.read_text().splitlines()] for path in steps}
