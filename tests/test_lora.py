@@ -13,7 +13,8 @@ import re
 import pytest
 import torch
 
-from helpers import FP32_PATHS_ULPS, assert_fp32_paths_agree, fp32_paths_ulps, micro_batches, nll, torchrun
+from helpers import (FP32_PATHS_ULPS, assert_fp32_paths_agree, fp32_paths_ulps, micro_batches, nll, reward_rise,
+                     torchrun)
 
 TARGETS = {"all-linear": ["all-linear"], "q-and-down": ["q_proj", "down_proj"], "fused-fc1": ["linear_fc1"]}
 
@@ -645,17 +646,17 @@ QUICKSTARTS = {"colocate": "examples/quickstart_grpo.yaml", "separate": "example
                                             ("separate", "adapter")])
 def test_lora_quickstart_learns(placement, sync, tiny_model, tmp_path):
     """The quickstart's config (colocated, or its separate-placement twin: 1 train + 1 rollout rank) with
-    rank-8 adapters on every linear at 15x the full run's learning rate (LoRA usually takes 10x or more;
-    measured once each on a loaded host: 2e-3 gave +0.235 colocated but +0.147 separate, 3e-3 +0.237 and
-    +0.245, 4e-3 collapsed separate to 0.06), either sync: the reward rises as the full run's does (issue 25:
-    by >= 0.15)."""
+    rank-8 adapters (alpha 32) on every linear at 2.5x the full run's learning rate, either sync: the reward
+    rises as the full run's does. Fitted rise (helpers.reward_rise) over seeds 1234, 1, 2 at lr 5e-4, merged:
+    colocated +0.236 / +0.261 / +0.289 (spread 0.053), separate +0.271 / +0.243 / +0.245 (spread 0.028); the
+    bar +0.15 keeps 2x the spread in both (docs/testing.md, "Learning bars"). Higher rates learn less on this
+    host (lr 1e-3 +0.189 / +0.209 / +0.139, 3e-3 +0.027 / +0.054 / +0.050) or collapse (6e-3, 1e-2: reward 0)."""
     result = torchrun("../../megarl/train.py", "--config", QUICKSTARTS[placement], "--model", tiny_model,
-                      "--lora-rank", "8", "--lr", "3e-3", "--lora-sync", sync, "--log-dir", tmp_path / "tb",
+                      "--lora-rank", "8", "--lr", "5e-4", "--lora-sync", sync, "--log-dir", tmp_path / "tb",
                       timeout=2400)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
     print(f"{placement}/{sync}: {line}")  # the figure for the notes (pytest -s)
-    first, last = (float(x) for x in line.removeprefix("reward: ").split(" -> "))
-    assert last >= first + 0.15, line
+    assert reward_rise(tmp_path / "tb") >= 0.15, (reward_rise(tmp_path / "tb"), line)
 
 
 @pytest.mark.learning  # the teacher's build (1200 steps) and 100 steps: outside CI

@@ -50,7 +50,7 @@ CASES["preset-dapo-120"] = ("tests/test_presets.py::test_preset_reward_rises[dap
 QUICKSTARTS = {"colocate": "examples/quickstart_grpo.yaml", "separate": "examples/quickstart_grpo_separate.yaml"}
 CASES.update({f"lora-{placement}-{sync}": (f"tests/test_lora.py::test_lora_quickstart_learns[{placement}-{sync}]",
                                            "megarl/train.py", ["--config", QUICKSTARTS[placement], "--lora-rank", "8",
-                                                               "--lr", "3e-3", "--lora-sync", sync])
+                                                               "--lr", "5e-4", "--lora-sync", sync])
               for placement in QUICKSTARTS for sync in ("merged", "adapter")})
 CASES.update({
     "moe": ("tests/test_moe.py::test_moe_quickstart_learns", "megarl/train.py",
