@@ -798,13 +798,27 @@ def test_verl_moe_lora_recipe_translates_whole(random_qwen3_moe_untied, tmp_path
     ${VAR:-default} offload switches, LoRA rank 16 on Megatron's four linears (the experts' too), EP 4 with
     ETP 1, and sequence parallelism on at TP 2 as verl's Megatron back-end has it."""
     args = _parse(["--config", DATA / "verl_qwen3moe_megatron_lora.sh",
-                   f"actor_rollout_ref.model.path={random_qwen3_moe_untied}", "trainer.save_freq=-1",
-                   "trainer.logger=[console]"], 8)
+                   f"actor_rollout_ref.model.path={random_qwen3_moe_untied}", "trainer.logger=[console]"], 8)
     _check(args, dict(lora_rank=16, lora_alpha=32.0, lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1",
                                                                           "linear_fc2"],
                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2,
                       expert_model_parallel_size=4, sequence_parallel=True, offload_model=False,
-                      recompute_granularity="full", kl_coef=0.001, num_generations=4))
+                      recompute_granularity="full", kl_coef=0.001, num_generations=4, save_interval=20,
+                      save_dir="checkpoints/verl_grpo_example_gsm8k_math/qwen3_30b_a3b_megatron_lora"))
+
+
+def test_verl_save_freq_saves_where_verl_does(tiny_model):
+    """trainer.save_freq without trainer.default_local_dir: verl's default directory,
+    checkpoints/${trainer.project_name}/${trainer.experiment_name} (verl_examples / gsm8k unless set); with
+    save_freq -1 nothing is saved, as in verl."""
+    def overrides(*extra):
+        return _parse(["--config-format", "verl", f"actor_rollout_ref.model.path={tiny_model}",
+                       "trainer.n_gpus_per_node=2", "data.train_files=[x.parquet]", "data.train_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", *extra], 2)
+
+    _check(overrides("trainer.save_freq=5"), dict(save_interval=5, save_dir="checkpoints/verl_examples/gsm8k"))
+    assert overrides("trainer.save_freq=5", "trainer.experiment_name=run1").save_dir == "checkpoints/verl_examples/run1"
+    assert not overrides("trainer.save_freq=-1").save_dir
 
 
 def test_verl_overrides_alone_on_the_command_line(tiny_model):

@@ -775,6 +775,14 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
             put("trainer.test_freq", {"eval_interval": max(get("trainer.test_freq", -1), 0)}, "-1: after the last step")
         else:
             out.set("trainer.test_freq", flat["trainer.test_freq"], "ignored", {}, "no data.val_files to evaluate")
+    # Checkpoints: verl saves every save_freq steps into trainer.default_local_dir, which defaults to
+    # checkpoints/${trainer.project_name}/${trainer.experiment_name} (verl_examples / gsm8k), so its recipes
+    # set save_freq and no directory
+    if (get("trainer.save_freq") or -1) > 0 and "trainer.default_local_dir" not in flat:
+        directory = f"checkpoints/{get('trainer.project_name', 'verl_examples')}/" \
+                    f"{get('trainer.experiment_name', 'gsm8k')}"
+        out.set("trainer.default_local_dir", directory, DEFAULT, {"save_dir": expand_path(directory)},
+                "verl's default: checkpoints/${trainer.project_name}/${trainer.experiment_name}")
     # Logging and resuming.
     loggers = as_list(get("trainer.logger", ["console"]))
     if "wandb" in loggers:
