@@ -305,6 +305,10 @@ def _add_distillation_args(parser):
                    help="off-policy steps (see --gkd-lmbda) use responses sampled by the teacher instead of the "
                         "dataset's: by its standalone engines, or by the rollout engines serving a colocated teacher's "
                         "weights (which needs the student's shapes)")
+    g.add_argument("--self-distill", action="store_true",
+                   help="OPSD's fixed teacher (ms-swift opsd.sh, Self-Distilled Reasoner): the teacher is the frozen "
+                        "initial policy, --model (with LoRA: the policy's base, adapters off), scoring each response "
+                        "after its row's teacher_prompt; no --teacher-model")
 
 
 def _add_batch_args(parser):
@@ -1209,8 +1213,20 @@ def _validate_routing_replay(args) -> None:
 
 def _validate_teacher_group(args) -> None:
     """Which teacher: `teacher_model` on the train ranks, or a `teacher:` group of vLLM ranks (before the
-    placement, whose rank counts follow from it)."""
+    placement, whose rank counts follow from it). --self-distill is a teacher on the train ranks read from
+    --model (run.build_teacher shares the policy's base or the reference's weights where it can)."""
     standalone = args.teacher_gpus or args.standalone_teacher_model
+    if args.self_distill:
+        other = next((f"{flag} {value}" for flag, value in (("--teacher-model", args.teacher_model),
+                                                            ("teacher.model", args.standalone_teacher_model),
+                                                            ("teacher.gpus", args.teacher_gpus)) if value), None)
+        if other:
+            raise ConfigError(f"--self-distill (the teacher is the initial policy, --model) and {other} are both "
+                              f"set; keep one")
+        if args.seq_kd:
+            raise ConfigError("--seq-kd with --self-distill: the teacher's responses would be the initial policy's "
+                              "own samples on the student's prompt; drop --seq-kd")
+        args.teacher_model = args.model
     if args.teacher_model and standalone:
         raise ConfigError(f"teacher_model={args.teacher_model} (a teacher colocated on the train ranks) and the "
                           f"teacher: group (teacher.gpus={args.teacher_gpus}, teacher.model="

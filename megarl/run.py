@@ -220,9 +220,9 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
 
             reference = build_reference(args, hf_config, actor)
         if args.teacher_model:
-            from megarl.teacher import Teacher
+            from megarl.teacher import build_teacher
 
-            teacher = Teacher(args)
+            teacher, reference = build_teacher(args, actor, reference)
     kl_controller = None
     if args.kl_coef > 0:
         kl_controller = KL_CONTROLLERS["fixed"](args.kl_coef) if args.kl_controller == "fixed" else \

@@ -17,6 +17,11 @@ group), with `score_samples` from vLLM's prompt logprobs and `generate` for --se
 
 OPSD rows (a teacher prompt) are scored after that prompt; every output is
 response-aligned, so it lines up with the student's response token by token.
+
+--self-distill (OPSD's fixed teacher): the teacher is the initial policy. With LoRA it is the
+policy's own model with its adapters off (`PolicyBaseTeacher`, ms-swift's disable_adapter teacher);
+otherwise a `Teacher` read from --model, which is also the reference when a KL term needs one
+(the same frozen weights: one copy, `build_teacher`).
 """
 
 from __future__ import annotations
@@ -61,6 +66,10 @@ class Teacher(FrozenModel):
         return {name: response_aligned(views, [output[i] for output in outputs], width)
                 for i, name in enumerate(names)}
 
+    def logprobs(self, micro_batches: list[MicroBatch], width: int) -> torch.Tensor:
+        """The reference's verb (--self-distill with a KL term: the initial policy is both)."""
+        return self.sampled_logprobs(micro_batches, width)
+
     def companion_logits(self, batch: MicroBatch) -> torch.Tensor:
         """This rank's vocabulary shard of the teacher's logits, laid out like the student's micro-batch
         (its context-parallel part: full-vocabulary distillation). OPSD rows are run after their teacher
@@ -82,6 +91,51 @@ class Teacher(FrozenModel):
 
         return last_stage_outputs(self.model, [b.teacher_view or b for b in micro_batches],
                                   self.args.micro_batch_size, transform)
+
+
+class PolicyBaseTeacher(Teacher):
+    """--self-distill with LoRA: the policy's base weights are frozen and are the initial policy, so the
+    teacher is the actor's model with its adapters off (no second copy; on the device whenever the actor
+    is). Every verb is the Teacher's, run under `adapters_disabled`."""
+
+    def __init__(self, actor):  # noqa: super().__init__ would load a second copy: the point is not to
+        self.actor, self.args, self.hf_config, self.model, self.offloader = \
+            actor, actor.args, actor.hf_config, actor.model, None
+
+    def forward_only(self, micro_batches: list[MicroBatch], transform, hidden: bool = False) -> list[torch.Tensor]:
+        from megarl.models.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            return self.actor.forward_only(micro_batches, transform, hidden=hidden)
+
+    def logits(self, batch: MicroBatch) -> torch.Tensor:
+        from megarl.models.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            return super().logits(batch)
+
+    def pipelined_companion_logits(self, micro_batches: list[MicroBatch]) -> list:
+        from megarl.models.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            return super().pipelined_companion_logits(micro_batches)
+
+
+def build_teacher(args, actor, reference):
+    """The colocated teacher of a train rank (--teacher-model, or --self-distill's initial policy) and the
+    reference: a teacher that is the initial policy is the LoRA policy's base, or shares its weights
+    with the reference (both the same frozen checkpoint)."""
+    initial_policy = args.teacher_model == args.model  # --self-distill, or a teacher_model naming --model
+    if initial_policy and args.lora_rank:
+        return PolicyBaseTeacher(actor), reference
+    from megarl.reference import Reference
+
+    teacher = Teacher(args)
+    # The reference replaying the policy's routes would not be the teacher (it routes its own tokens).
+    if initial_policy and isinstance(reference, Reference) and args.ref_model == args.model \
+            and args.routing_replay != "on":
+        reference = teacher
+    return teacher, reference
 
 
 def _student_layout(batch: MicroBatch, view_part: MicroBatch, logits: torch.Tensor) -> torch.Tensor:

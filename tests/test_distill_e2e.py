@@ -200,6 +200,75 @@ def test_opsd_rows_are_scored_after_the_teacher_prompt(tiny_model, teacher_model
     assert kl[True]["distill_loss"][0] != kl[False]["distill_loss"][0], kl
 
 
+def _self_distill_config(tmp_path) -> str:
+    """The colocated GKD example without its teacher_model (--self-distill's teacher is the policy's)."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "examples/gkd/rollout_colocate_teacher_colocate.yaml").read_text())
+    del config["teacher_model"]
+    path = tmp_path / "self_distill.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_self_distillation_teacher_is_the_fixed_initial_policy(tiny_model, tmp_path):
+    """--self-distill (OPSD's fixed teacher, ms-swift opsd.sh) on plain rows, with GRPO moving the student
+    and a KL term whose reference is the teacher's weights (one copy): at the first step the teacher is
+    the student (teacher_kl 0 up to rounding: the same weights on the same tokens), later the student has
+    moved and the teacher has not (teacher_kl > 0). A teacher that followed the policy would read 0
+    at every step; one that lost its weights would not read 0 at the first."""
+    log_dir = tmp_path / "tb"
+    torchrun("../../megarl/train.py", "--config", _self_distill_config(tmp_path),
+             "--model", tiny_model, "--self-distill", *SMALL, "--train-steps", "3", "--gkd-logits-topk", "8",
+             "--policy-loss-coef", "1", "--reward", "boxed", "--kl-coef", "0.01", "--kl-estimator", "k1",
+             "--lr", "1e-3",
+             "--train-data", _arithmetic_rows(tmp_path / "rows.jsonl", False), "--system-prompt", "",
+             "--log-dir", log_dir, timeout=900)
+    series = scalars(log_dir, ["teacher_kl", "distill_loss", "kl_ref", "grad_norm", "reward_std",
+                               "advantage_abs_mean"])
+    assert_signal_alive(series, steps=(0, 1), what="self-distillation")
+    assert abs(series["teacher_kl"][0]) < 1e-6 and abs(series["kl_ref"][0]) < 1e-6, series
+    assert series["teacher_kl"][2] > 1e-4, series  # the student moved away from its fixed initial self
+    # The reference is the teacher's weights: the same k1 gap of the same tokens.
+    assert series["kl_ref"][2] == pytest.approx(series["teacher_kl"][2], rel=1e-3), series
+
+
+@pytest.mark.slow
+def test_self_distillation_with_lora_scores_opsd_rows_on_the_policys_base(tiny_model, tmp_path):
+    """--self-distill with LoRA: the teacher is the policy's own model with its adapters off. Same run, the
+    same teacher given as a separate copy (--teacher-model at another path naming the same checkpoint,
+    loaded as any teacher): every step's teacher_kl and distillation loss agree. Half the rows are OPSD
+    rows whose privileged prompt changes the teacher's view, so the first step's teacher_kl is not 0 (the
+    adapters start at B = 0: on plain rows student and teacher would agree)."""
+    copy = tmp_path / "same-checkpoint"
+    copy.symlink_to(os.path.abspath(tiny_model), target_is_directory=True)
+    rows = _arithmetic_rows(tmp_path / "rows.jsonl", True)
+    series = {}
+    for name, teacher in (("base", ["--self-distill"]), ("copy", ["--teacher-model", str(copy)])):
+        torchrun("../../megarl/train.py", "--config", _self_distill_config(tmp_path),
+                 "--model", tiny_model, *teacher, *SMALL, "--train-steps", "2", "--gkd-logits-topk", "0",
+                 "--lora-rank", "8", "--lora-alpha", "16", "--lr", "5e-3", "--train-data", rows,
+                 "--reward", "boxed", "--system-prompt", "", "--log-dir", tmp_path / name, timeout=900)
+        series[name] = scalars(tmp_path / name, ["teacher_kl", "distill_loss", "grad_norm"])
+    base, copy_series = series["base"], series["copy"]
+    assert abs(base["teacher_kl"][0]) > 1e-3 and min(base["grad_norm"].values()) > 0, base
+    for tag in ("teacher_kl", "distill_loss"):
+        for step in (0, 1):
+            assert base[tag][step] == pytest.approx(copy_series[tag][step], rel=1e-4, abs=1e-6), (tag, series)
+
+
+def test_self_distillation_refusals():
+    for argv, words in (
+            (["--self-distill", "--teacher-model", "artifacts/tiny-qwen2"], ["--self-distill", "--teacher-model"]),
+            (["--self-distill", "--seq-kd", "--gkd-lmbda", "0.5"], ["--seq-kd", "--self-distill"])):
+        with pytest.raises(ConfigError) as error:
+            parse_args(["--model", "artifacts/tiny-qwen2", "--policy-loss-coef", "0", *argv], world_size=1)
+        assert "\n" not in str(error.value) and all(word in str(error.value) for word in words), str(error.value)
+    args = parse_args(["--model", "artifacts/tiny-qwen2", "--policy-loss-coef", "0", "--self-distill"], world_size=1)
+    assert args.teacher_model == args.model
+
+
 TP2_ENGINE = ["--teacher-gpus", "2", "--teacher-tensor-parallel-size", "2"]
 
 

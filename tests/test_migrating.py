@@ -849,3 +849,87 @@ def test_verl_megatron_backend_keys(tiny_model):
     # TP 2 on 2 ranks: one data-parallel rank takes all of ppo_micro_batch_size
     _check(args, dict(tensor_model_parallel_size=2, offload_model=True, recompute_granularity="selective",
                       micro_batch_size=2))
+
+
+def _swift_gkd_script(tmp_path, *flags) -> str:
+    """A `megatron rlhf --rlhf_type gkd` command line with `flags` (ms-swift's launch-script form)."""
+    path = tmp_path / "gkd.sh"
+    path.write_text("megatron rlhf \\\n    --rlhf_type gkd \\\n    --model Qwen/Qwen3-4B \\\n" +
+                    "".join(f"    {flag} \\\n" for flag in flags) + "    --lr 2e-5\n")
+    return str(path)
+
+
+def test_swift_gkd_without_a_teacher_is_self_distillation(tmp_path, tiny_model, stand_in_teacher):
+    """ms-swift's opsd.sh (OPSD's fixed teacher): rlhf_type gkd and no teacher_model, teacher_model_server or
+    teacher group: the teacher is the initial policy. A teacher named after the config wins (command-line flags
+    win over the file), as does a teacher_model in it."""
+    script = _swift_gkd_script(tmp_path, "--lmbda 1.0", "--beta 0.5", "--temperature 1.2")
+    args = _parse(["--config", script, "--model", tiny_model, "--train-data", "x.jsonl"], 1)
+    _check(args, dict(self_distill=True, teacher_model=tiny_model, gkd_beta=0.5, gkd_temperature=1.2,
+                      policy_loss_coef=0.0))
+    args = _parse(["--config", script, "--model", tiny_model, "--teacher-model", stand_in_teacher,
+                   "--train-data", "x.jsonl"], 1)
+    _check(args, dict(self_distill=False, teacher_model=stand_in_teacher))
+    with_teacher = _swift_gkd_script(tmp_path, f"--teacher_model {stand_in_teacher}")
+    args = _parse(["--config", with_teacher, "--model", tiny_model, "--train-data", "x.jsonl"], 1)
+    _check(args, dict(self_distill=False, teacher_model=stand_in_teacher))
+
+
+def test_swift_multi_turn_scheduler_router_replay_and_loading_keys(tmp_path, tiny_model, stand_in_teacher):
+    """ms-swift's GKD multi_turn.sh keys: math_tip_trick_multi_turn is the interaction of that name, max_turns
+    megarl's; router_replay_mode R3 / disabled is routing replay on / off; load_safetensors means nothing here.
+    math_tip_trick (which rewrites the assistant's own turn) and R2 stop in one line naming the key."""
+    def parse(*flags):
+        return _parse(["--config", _swift_gkd_script(tmp_path, f"--teacher_model {stand_in_teacher}", "--lmbda 1", *flags),
+                       "--model", tiny_model, "--train-data", "x.jsonl"], 1)
+
+    args = parse("--multi_turn_scheduler math_tip_trick_multi_turn", "--max_turns 2", "--load_safetensors true")
+    _check(args, dict(interaction="math_tip_trick_multi_turn", max_turns=2))
+    assert parse("--router_replay_mode disabled").routing_replay == "off"
+    for flag, words in (("--multi_turn_scheduler math_tip_trick", ["multi_turn_scheduler", "math_tip_trick_multi_turn",
+                                                                  "rewrites the assistant's own turn"]),
+                        ("--router_replay_mode R2", ["router_replay_mode", "R3"])):
+        with pytest.raises(ConfigError) as error:
+            parse(flag)
+        assert "\n" not in str(error.value) and all(word in str(error.value) for word in words), str(error.value)
+
+
+def _verl_tool_config(tmp_path, *classes) -> str:
+    path = tmp_path / "tool_config.yaml"
+    path.write_text(yaml.safe_dump({"tools": [
+        {"class_name": cls, "config": {}, "tool_schema": {"type": "function", "function": {"name": f"t{i}"}}}
+        for i, cls in enumerate(classes)]}))
+    return str(path)
+
+
+def test_verl_multi_turn_tools_interaction_and_hf_backend(tmp_path, tiny_model):
+    """verl's multi-turn GSM8K recipe keys: the tool config's Gsm8kTool is megarl's calc_gsm8k_reward (verl's
+    schema), its SandboxFusionTool megarl's python; the GSM8K interaction is `retry`; max_assistant_turns is
+    --max-turns. A tool class with no counterpart stops in one line naming the class and the key.
+    rollout.name hf is megarl's HF backend."""
+    tools = _verl_tool_config(tmp_path, "verl.tools.gsm8k_tool.Gsm8kTool",
+                              "verl.tools.sandbox_fusion_tools.SandboxFusionTool")
+    interaction = tmp_path / "interaction.yaml"
+    interaction.write_text(yaml.safe_dump({"interaction": [
+        {"name": "gsm8k", "class_name": "verl.interactions.gsm8k_interaction.Gsm8kInteraction", "config": {}}]}))
+    multi = "actor_rollout_ref.rollout.multi_turn"
+    args = _verl(tiny_model, f"{multi}.enable=true", f"{multi}.tool_config_path={tools}",
+                 f"{multi}.interaction_config_path={interaction}", f"{multi}.max_assistant_turns=3",
+                 f"{multi}.format=hermes", world_size=2)
+    _check(args, dict(tools=["calc_gsm8k_reward", "python"], interaction="retry", max_turns=3, tool_parser="hermes"))
+    assert _verl(tiny_model, f"data.tool_config_path={tools}").tools == ["calc_gsm8k_reward", "python"]
+    assert _verl(tiny_model, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"
+                 ).rollout_backend == "hf"
+    unknown = _verl_tool_config(tmp_path, "verl.tools.search_tool.SearchTool")
+    with pytest.raises(ConfigError) as error:
+        _verl(tiny_model, f"{multi}.tool_config_path={unknown}")
+    message = str(error.value)
+    assert "\n" not in message and "tool_config_path" in message and "SearchTool" in message, message
+
+
+def test_colossalchat_transformers_backend_is_the_hf_backend(tiny_model):
+    def backend(*flags):
+        return _parse(["--config-format", "colossalchat", "-m", tiny_model, "-d", "x.jsonl", "-t", "1", "-i", "1",
+                       "-ibs", "2", "-tbs", "2", "-g", "2", *flags], 2).rollout_backend
+
+    assert backend("-b", "transformers") == "hf" and backend("-b", "vllm") == "vllm"

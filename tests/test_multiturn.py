@@ -541,3 +541,26 @@ def test_tool_options_are_checked_in_one_line():
     args = parse_args(["--model", "artifacts/tiny-qwen2", "--tools", " calculator, python "], world_size=1)
     assert args.tools == ["calculator", "python"]
     assert parse_args(["--model", "artifacts/tiny-qwen2"], world_size=1).tools == []
+
+
+def test_verls_gsm8k_tool_and_swifts_tip_interaction():
+    """calc_gsm8k_reward (verl's Gsm8kTool): verl's flexible rule against the episode's row, its reply text.
+    math_tip_trick_multi_turn (ms-swift's scheduler): a wrong answer gets ms-swift's tip once, a right one ends."""
+    from megarl.tools import _CONTEXT
+    from megarl.tools.interactions import INTERACTIONS, SWIFT_TIP_MESSAGE
+
+    gsm8k = TOOLS.get("calc_gsm8k_reward").function
+    token = _CONTEXT.set(CallContext(row={"gt_answer": "72"}, prompt_index=0, sample=0, turn=1))
+    try:
+        assert gsm8k("72") == "Current parsed answer='72' reward=1.0"
+        assert gsm8k("#### 72") == "Current parsed answer='#### 72' reward=1.0"
+        assert gsm8k("it is 71") == "Current parsed answer='it is 71' reward=0.0"
+        assert gsm8k(72) == "Current parsed answer='72' reward=1.0"  # a number argument, as verl str()s it
+    finally:
+        _CONTEXT.reset(token)
+    respond = INTERACTIONS.get("math_tip_trick_multi_turn")(None)
+    context = CallContext(row={"solution": "\\boxed{7}", "gt_answer": "7"}, prompt_index=0, sample=0, turn=1)
+    wrong = [{"role": "assistant", "content": "so \\boxed{8}"}]
+    assert respond(wrong, context) == SWIFT_TIP_MESSAGE
+    assert respond(wrong + [{"role": "user", "content": SWIFT_TIP_MESSAGE}] + wrong, context) is None  # once
+    assert respond([{"role": "assistant", "content": "so \\boxed{7}"}], context) is None

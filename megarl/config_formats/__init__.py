@@ -133,7 +133,7 @@ def translate(fmt: str, path: str | None, rest: list[str], megarl_options) -> tu
             raw = swift.parse_flags(shell_command(text, path, match.group(0)), path)
         else:
             raw = load_yaml_mapping(path, text)
-        return swift.translate(raw, path, megarl_options), rest
+        return swift.translate(raw, path, megarl_options, rest), rest
     if fmt == "verl":
         from megarl.config_formats import verl
 

@@ -244,14 +244,29 @@ TABLE: dict[str, Rule] = {
     "rollout_importance_sampling_threshold": to("tis_threshold"),
     "off_policy_sequence_mask_delta": ignore("off", refuse_if=lambda v: v is not None),
     "top_entropy_quantile": ignore("1.0 trains on every token", refuse_if=lambda v: v != 1.0),
-    "router_replay_mode": ignore("MoE routing replay", refuse_if=_not(("disabled",))),
+    "router_replay_mode": custom(lambda v, ctx: {"routing_replay": "on" if v == "R3" else "off"},
+                                 "R3: `routing_replay` on (the rollout's routes); disabled: off",
+                                 refuse_if=_not(("disabled", "R3")),
+                                 refusal="R2 replays routes recorded in the trainer's own old-logprob forward; "
+                                         "megarl replays the rollout's (R3)"),
     "sync_ref_model": ignore("the reference stays frozen", refuse_if=bool),
     "async_generate": to("async_generation"),
     "num_iterations": to("ppo_epochs"),
-    "multi_turn_scheduler": ignore("single-turn", refuse_if=lambda v: v is not None),
-    "max_turns": ignore("single-turn", refuse_if=lambda v: v is not None),
-    "use_gym_env": ignore("single-turn", refuse_if=bool),
-    "gym_env": ignore("single-turn", refuse_if=lambda v: v is not None),
+    "multi_turn_scheduler": custom(lambda v, ctx: {"interaction": v} if v else {},
+                                   "math_tip_trick_multi_turn: the `interaction` of that name (the tip as a user turn, "
+                                   "once)", refuse_if=lambda v: v not in (None, "", "math_tip_trick_multi_turn"),
+                                   refusal="megarl maps math_tip_trick_multi_turn (an --interaction); math_tip_trick "
+                                           "rewrites the assistant's own turn (cut at <answer>, a tip appended for "
+                                           "it to continue), which megarl's episodes do not do, and a custom "
+                                           "scheduler is an --interaction or tool plugin in megarl"),
+    "max_turns": to("max_turns"),
+    "use_gym_env": ignore("no gym environment", refuse_if=bool,
+                          refusal="ms-swift's gym environments: megarl's counterpart is an --interaction plugin "
+                                  "(megarl/tools/interactions.py)"),
+    "gym_env": ignore("no gym environment", refuse_if=lambda v: v is not None,
+                      refusal="ms-swift's gym environments: megarl's counterpart is an --interaction plugin "
+                              "(megarl/tools/interactions.py)"),
+    "load_safetensors": ignore("megarl reads the HF checkpoint's safetensors (mcore-bridge loading)"),
     # training
     "micro_batch_size": to("micro_batch_size"),
     "recompute_granularity": custom(_recompute),
@@ -451,7 +466,12 @@ def flatten(raw: dict, where: str) -> dict:
     return flat
 
 
-def translate(raw: dict, where: str, megarl_options) -> Translation:
+# megarl flags that name a teacher: given after the config, ms-swift's "no teacher_model" is not self-distillation.
+TEACHER_FLAGS = ("--teacher-model", "--standalone-teacher-model", "--teacher-gpus", "--teacher-server")
+
+
+def translate(raw: dict, where: str, megarl_options, command_line: list[str] = ()) -> Translation:
+    """`command_line`: megarl's flags given after the config (they win over it)."""
     from megarl.config_formats.common import lookup
 
     flat = flatten(raw, where)
@@ -471,7 +491,8 @@ def translate(raw: dict, where: str, megarl_options) -> Translation:
     if rlhf is None:
         ctx.fail("rlhf_type", "missing: an ms-swift RLHF config names grpo or gkd")
     apply_table(out, table, flat, ctx)
-    _semantics(out, flat, ctx, rlhf, megarl_options)
+    teacher_given = any(arg.split("=")[0] in TEACHER_FLAGS for arg in command_line)
+    _semantics(out, flat, ctx, rlhf, megarl_options, teacher_given)
     return out
 
 
@@ -514,7 +535,7 @@ def _lora(out: Translation, flat: dict, ctx: Context) -> None:
             {"lora_target_modules": lora_targets(targets, key, ctx)}, LORA_LAYOUT)
 
 
-def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_options) -> None:
+def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_options, teacher_given: bool) -> None:
     """What depends on several keys or on rlhf_type, and ms-swift's defaults where megarl's differ."""
     def put(key, value, targets, note="", status="mapped"):
         out.set(key, value, status, targets, note)
@@ -551,6 +572,9 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
             "mapped" if beta is not None else DEFAULT)
         default("gkd_lmbda", 0.5, "lmbda default")
         default("policy_loss_coef", 0.0, "GKD: distillation alone, no RL loss")
+        if not teacher_given and not any(_given(flat, key) for key in ("teacher_model", "teacher_model_server",
+                                                                        "teacher.model")):
+            default("self_distill", True, "no teacher_model: OPSD's fixed teacher, the initial policy")
     else:
         num_generations = 8 if num_generations is None else num_generations
         put("beta", beta, {"kl_coef": 0.04 if beta is None else beta}, "GRPO: KL coefficient",

@@ -27,7 +27,7 @@ import re
 import yaml
 
 from megarl.config_formats.common import (
-    DEFAULT, LORA_LAYOUT, Context, Rule, Translation, apply_table, as_list, closest, custom, expand_path, flatten,
+    DEFAULT, IGNORED, LORA_LAYOUT, Context, Rule, Translation, apply_table, as_list, closest, custom, expand_path, flatten,
     ignore, informs, lora_targets, lookup, rslora_alpha, to,
 )
 from megarl.errors import ConfigError
@@ -50,6 +50,55 @@ def _val_files(value, ctx):
     files = as_list(value)
     return {"eval_dataset": [f"val{i if len(files) > 1 else ''}={expand_path(str(p), 'data.val_files')}"
                              for i, p in enumerate(files)]} if files else {}
+
+
+# verl's tool classes (verl/tools/) with a megarl counterpart: the tool megarl runs in their place.
+VERL_TOOLS = {"Gsm8kTool": "calc_gsm8k_reward", "SandboxFusionTool": "python"}
+VERL_INTERACTIONS = {"Gsm8kInteraction": "retry"}
+
+
+def _verl_yaml_list(path, key: str, section: str, ctx) -> list[dict]:
+    """The `section` list of a verl tool/interaction YAML (a one-line error naming the key and file)."""
+    from megarl.config_formats.common import expand_path
+
+    path = expand_path(path, key)
+    try:
+        with open(path) as handle:
+            entries = (yaml.safe_load(handle) or {}).get(section)
+    except (OSError, yaml.YAMLError, AttributeError) as error:
+        ctx.fail(key, f"{path}: cannot read it as verl's {section} YAML ({str(error).splitlines()[0]})")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and "class_name" in e for e in entries):
+        ctx.fail(key, f"{path}: verl's {section} YAML is a list `{section}:` of entries with a class_name")
+    return entries
+
+
+def _verl_tools(path, key: str, ctx) -> dict:
+    """verl's tool config: each tool class as megarl's tool of the same job (VERL_TOOLS); a class without
+    one stops in one line. megarl's tools keep their own schemas, except calc_gsm8k_reward (verl's)."""
+    if not path:
+        return {}
+    names = []
+    for entry in _verl_yaml_list(path, key, "tools", ctx):
+        cls = entry["class_name"].rsplit(".", 1)[-1]
+        if cls not in VERL_TOOLS:
+            ctx.fail(key, f"tool class {entry['class_name']} has no megarl counterpart (megarl maps "
+                          f"{', '.join(f'{k} -> {v}' for k, v in VERL_TOOLS.items())}; register a tool with "
+                          f"--external-plugins and name it in --tools)")
+        names.append(VERL_TOOLS[cls])
+    return {"tools": ",".join(dict.fromkeys(names))}
+
+
+def _verl_interaction(path, key: str, ctx) -> dict:
+    """verl's interaction config: one interaction, as megarl's of the same job (VERL_INTERACTIONS)."""
+    if not path:
+        return {}
+    entries = _verl_yaml_list(path, key, "interaction", ctx)
+    classes = [entry["class_name"].rsplit(".", 1)[-1] for entry in entries]
+    unknown = [cls for cls in classes if cls not in VERL_INTERACTIONS]
+    if unknown or len(classes) != 1:
+        ctx.fail(key, f"interaction classes {classes}: megarl runs one interaction per run and maps "
+                      f"{', '.join(f'{k} -> {v}' for k, v in VERL_INTERACTIONS.items())}")
+    return {"interaction": VERL_INTERACTIONS[classes[0]]}
 
 
 def _kl_name(key):
@@ -125,7 +174,8 @@ TABLE: dict[str, Rule] = {
     "data.apply_chat_template_kwargs.*": ignore("", refuse_if=_nonempty,
                                                 refusal="chat template arguments have no megarl counterpart"),
     "data.apply_chat_template_kwargs": ignore("none given"),
-    "data.tool_config_path": ignore("no tools", refuse_if=_nonempty),
+    "data.tool_config_path": custom(lambda v, ctx: _verl_tools(v, "data.tool_config_path", ctx),
+                                    "verl's tool-config YAML: its tool classes as megarl's tools"),
     # the model
     f"{F}.path": to("model", expand_path),
     f"{F}.tokenizer_path": to("tokenizer", expand_path),
@@ -274,7 +324,8 @@ TABLE: dict[str, Rule] = {
                    "entropy_from_logits_with_chunking", "entropy_checkpointing", "fsdp_config.*", "megatron.*",
                    "profiler.*", "use_remove_padding", "use_fused_kernels", "load_weight")},
     # the rollout
-    f"{R}.name": ignore("megarl generates with vLLM"),
+    f"{R}.name": custom(lambda v, ctx: {"rollout_backend": "hf"} if v == "hf" else {},
+                        "vllm (sglang: megarl's vLLM); hf: megarl's transformers backend"),
     f"{R}.mode": ignore("megarl's engines run in-process"),
     f"{R}.n": to("num_generations"),
     f"{R}.temperature": to("temperature"),
@@ -329,9 +380,22 @@ TABLE: dict[str, Rule] = {
     f"{R}.layer_name_map.*": ignore("weight-sync layer names for quantized rollouts"),
     f"{R}.skip_tokenizer_init": ignore("megarl's engines tokenize themselves"),
     f"{R}.prometheus.*": ignore("metrics export"),
-    f"{R}.multi_turn.enable": ignore("single-turn", refuse_if=_truthy,
-                                     refusal="multi-turn rollouts have no megarl counterpart yet"),
-    f"{R}.multi_turn.*": ignore("multi-turn settings (multi_turn.enable false)"),
+    f"{R}.multi_turn.enable": ignore("episodes are multi-turn when tools or an interaction are given"),
+    f"{R}.multi_turn.tool_config_path": custom(lambda v, ctx: _verl_tools(v, f"{R}.multi_turn.tool_config_path", ctx),
+                                               "verl's tool-config YAML: its tool classes as megarl's tools"),
+    f"{R}.multi_turn.interaction_config_path": custom(
+        lambda v, ctx: _verl_interaction(v, f"{R}.multi_turn.interaction_config_path", ctx),
+        "verl's interaction YAML: its GSM8K interaction as megarl's `retry`"),
+    f"{R}.multi_turn.max_assistant_turns": to("max_turns", note="null: megarl's --max-turns default"),
+    f"{R}.multi_turn.format": to("tool_parser"),
+    f"{R}.multi_turn.max_user_turns": ignore("an interaction replies after each assistant turn until max_turns"),
+    f"{R}.multi_turn.max_parallel_calls": ignore("every call of a turn runs (on --tool-workers threads)"),
+    f"{R}.multi_turn.max_tool_response_length": ignore("a tool's text is cut at 4000 characters and the episode's "
+                                                       "token budget"),
+    f"{R}.multi_turn.tool_response_truncate_side": ignore("tool text is cut at its end"),
+    f"{R}.multi_turn.use_inference_chat_template": ignore("megarl renders every turn with the model's chat template"),
+    f"{R}.multi_turn.tokenization_sanity_check_mode": ignore("megarl tokenizes each turn once, in order"),
+    f"{R}.multi_turn.*": ignore("multi-turn settings"),
     f"{R}.agent.*": ignore("agent loop settings (single-turn)"),
     f"{R}.trace.*": ignore("tracing"),
     f"{R}.update_weights_bucket_megabytes": to("sync_bucket_mb"),
@@ -652,6 +716,10 @@ def _lora(out: Translation, flat: dict, ctx: Context) -> None:
 
 def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> None:
     _lora(out, flat, ctx)
+    if out.values.get("rollout_backend") == "hf":  # verl's hf rollout reads none of the vLLM settings
+        dropped = out.values.pop("rollout_engine_kwargs", None)
+        if dropped:
+            out.set("(rollout.name hf)", sorted(dropped), IGNORED, {}, "vLLM settings, unused by the HF backend")
 
     def get(key, default=None):
         value = flat.get(key)

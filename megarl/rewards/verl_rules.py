@@ -24,9 +24,19 @@ GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 
 
+NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+
+
 def gsm8k_answer(response: str) -> str | None:
     found = GSM8K_ANSWER.findall(response[-CLIP_CHARS:])
     return found[-1].replace(",", "").replace("$", "") if found else None
+
+
+def gsm8k_flexible_answer(response: str) -> str | None:
+    """verl's "flexible" method (its GSM8K tool's): the last number of the response's end, as written
+    (commas kept), skipping a lone "." match."""
+    found = [number for number in NUMBER.findall(response[-CLIP_CHARS:]) if number not in ("", ".")]
+    return found[-1] if found else None
 
 
 @register_reward("gsm8k", system_prompt="")

@@ -1,4 +1,5 @@
-"""The built-in tools: `calculator` (exact arithmetic, no eval) and `python` (a program in the sandbox)."""
+"""The built-in tools: `calculator` (exact arithmetic, no eval), `python` (a program in the sandbox) and
+`calc_gsm8k_reward` (verl's GSM8K tool: the model submits an answer and reads whether it is right)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,25 @@ def _code_limits():
 # The run probes the sandbox at start-up and counts the tool's programs in --sandbox-memory-budget-mb
 # (megarl.rewards.scoring.tool_sandbox_limits), as for a code reward.
 python.sandbox_limits = _code_limits()
+
+
+@register_tool("calc_gsm8k_reward", "A tool for calculating the reward of gsm8k. (1.0 if your answer is correct, 0.0 "
+                                    "if your answer is incorrect)",
+               {"type": "object", "properties": {"answer": {"type": "string", "description":
+                                                            "The model's answer to the GSM8K math problem, must be "
+                                                            "a digits"}},
+                "required": ["answer"]})
+def calc_gsm8k_reward(answer) -> str:
+    """verl's Gsm8kTool (its multi-turn GSM8K example), under its function name and schema: the answer is
+    checked against the episode's row (gt_answer) by verl's "flexible" rule, and the model reads
+    "Current parsed answer='...' reward=1.0". verl's per-call tool reward (-0.05 for an answer that did
+    not improve) is not added: the episode's reward (--reward) scores its final answer."""
+    from megarl.rewards.verl_rules import gsm8k_flexible_answer
+    from megarl.tools import current_call
+
+    answer = answer if isinstance(answer, str) else str(answer)
+    call = current_call()
+    truth = None if call is None else call.row.get("gt_answer")
+    parsed = gsm8k_flexible_answer(answer if answer.startswith("#### ") else "#### " + answer)
+    reward = 1.0 if parsed is not None and truth is not None and parsed == str(truth) else 0.0
+    return f"Current parsed answer={answer!r} reward={reward!r}"

@@ -39,15 +39,39 @@ def last_answer(turns: list[dict]) -> str:
     return next((m["content"] for m in reversed(turns) if m["role"] == "assistant"), "")
 
 
-@register_interaction("retry")
-def retry(reward):
-    """Until the answer is right: the run's reward scores the last assistant turn against the prompt's row;
-    below 1.0 (what megarl's answer-checking rewards give a correct answer) the user asks for another try,
-    at 1.0 the episode ends. The episode's reward then scores its last answer, as without the interaction."""
+def _ask_again_while_wrong(reward, message: str, times: int | None):
+    """`respond` that scores the last assistant turn with `reward` against the prompt's row and, below 1.0
+    (what megarl's answer-checking rewards give a correct answer), replies `message`, at most `times`
+    times (None: until --max-turns)."""
     from megarl.rewards import score_all
 
     def respond(turns: list[dict], context) -> str | None:
+        asked = sum(1 for m in turns if m["role"] == "user" and m["content"] == message)
+        if times is not None and asked >= times:
+            return None
         row = {**context.row, "conversation": turns}  # what a reward reads of an episode (scoring.reward_row)
         output = score_all(reward, [last_answer(turns)], [row])[0]
-        return None if output.score >= 1.0 else RETRY_MESSAGE
+        return None if output.score >= 1.0 else message
     return respond
+
+
+@register_interaction("retry")
+def retry(reward):
+    """Until the answer is right: the run's reward scores the last assistant turn against the prompt's row;
+    below 1.0 the user asks for another try, at 1.0 the episode ends. The episode's reward then scores its
+    last answer, as without the interaction."""
+    return _ask_again_while_wrong(reward, RETRY_MESSAGE, None)
+
+
+# ms-swift's MathTipsMultiTurnScheduler (swift/plugin/multi_turn.py), word for word.
+SWIFT_TIP_MESSAGE = "The answer is not correct, It seems You made a mistake, you need to recheck very carefully."
+
+
+@register_interaction("math_tip_trick_multi_turn")
+def math_tip_trick_multi_turn(reward):
+    """ms-swift's `multi_turn_scheduler: math_tip_trick_multi_turn`: a wrong answer gets its tip as one user
+    turn, once. ms-swift judges with its math accuracy reward whatever the run's reward funcs are; so
+    does this (megarl's `boxed`: math-verify on the last boxed answer against the row's solution)."""
+    from megarl.rewards import get_reward
+
+    return _ask_again_while_wrong(get_reward("boxed"), SWIFT_TIP_MESSAGE, 1)
