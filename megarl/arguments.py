@@ -221,8 +221,9 @@ def _add_rollout_args(parser):
     g.add_argument("--rollout-gpu-memory-utilization", type=float, default=0.5,
                    help="fraction of GPU memory vLLM may take (GPU hosts)")
     g.add_argument("--rollout-sleep-level", type=int, default=1, choices=[1, 2],
-                   help="GPU, colocated: vLLM sleep level while training (1 offloads weights; 2, which drops "
-                        "them, is refused: vLLM 0.32 would not restore what its model runner allocated at load)")
+                   help="colocated: vLLM sleep level while training (1 offloads the weights to host memory; 2 "
+                        "discards them and the next weight sync, a full one, brings them back: no host copy; "
+                        "docs/platform.md)")
     g.add_argument("--rollout-engine-kwargs", type=_json_dict, default={},
                    help="extra keyword arguments for vllm.LLM, as JSON")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use it too)")
@@ -806,14 +807,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.distributed_timeout_minutes <= 0 or args.startup_timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes and --startup-timeout-minutes must be > 0, got "
                           f"{args.distributed_timeout_minutes} and {args.startup_timeout_minutes}")
-    if args.rollout_sleep_level == 2:
-        # vLLM 0.32's level-2 wake restores only named_buffers() (and sleep_preserve_parameter_names),
-        # v1/worker/gpu_worker.py sleep/wake_up, while everything allocated during load_model sits in the
-        # discarded "weights" pool (gpu_worker.py load_model), Model Runner V2's runner state included
-        # (v1/worker/gpu/model_runner.py load_model: model state, samplers); a weight sync rewrites
-        # parameters only.
-        raise ConfigError("--rollout-sleep-level 2 is not supported: vLLM 0.32 restores only the model's "
-                          "buffers after it, and a weight sync rewrites only parameters; use level 1")
     _validate_teacher_group(args)
     _validate_rollout_backend(args)
     _validate_tools(args)
@@ -868,6 +861,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_distillation(args)
     _validate_recompute(args)
     _validate_lora(args)
+    _validate_sleep_level(args)
     _validate_engine_kwargs(args)
 
 
@@ -1033,6 +1027,21 @@ def _validate_tools(args) -> None:
 
 
 LORA_DEFAULT_ALPHA = 32.0  # ms-swift's lora_alpha default
+
+
+def _validate_sleep_level(args) -> None:
+    """--rollout-sleep-level 2 discards the engine's weights while it sleeps; the next weight sync brings them
+    back and rebuilds what vLLM derived from them (megarl/rollout.py, _discard_derived_state). Refused where a
+    sync does not send the whole model."""
+    if args.rollout_sleep_level != 2:
+        return
+    if args.rollout_backend == "hf":
+        raise ConfigError("--rollout-sleep-level 2 is vLLM's; --rollout-backend hf offloads its weights to host "
+                          "(level 1's behaviour): use level 1")
+    if args.lora_rank and args.lora_sync == "adapter":
+        raise ConfigError("--rollout-sleep-level 2 with --lora-sync adapter: the sync sends only the adapters, "
+                          "and the engine's base weights, discarded while it sleeps, would never come back; use "
+                          "--lora-sync merged or level 1")
 
 
 def _validate_lora(args) -> None:

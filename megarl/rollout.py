@@ -23,7 +23,8 @@ of `tags`. The weight sync wakes only the weights (`load_weights` does); the KV 
 when the rollout's turn starts (`Run.rollout_turn`), after the trainer has offloaded,
 so an --offload-* configuration never holds the trainer and the KV cache at once. The engine
 keeps which parts sleep (`asleep`) on every host; on CPU vLLM has no sleep mode, so only the
-vLLM calls are skipped.
+vLLM calls are skipped. --rollout-sleep-level 2 discards the weights while the engine sleeps and the
+next full weight sync rebuilds it (`RolloutEngine._sleep`, `_discard_derived_state`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ class VllmEngine:
         """
         from vllm.inputs import TokensPrompt
 
+        if getattr(self, "weights_discarded", False):
+            raise RuntimeError("rollout engine: generate after a level-2 sleep and before a weight sync (its "
+                               "weights were discarded; Run.rollout_turn re-sends them)")
         args = self.args
         temperature = 0.0 if greedy else (args.temperature if temperature is None else temperature)
         n = 1 if temperature == 0.0 else (args.num_generations if n is None else n)
@@ -273,6 +277,7 @@ class RolloutEngine(EngineMemory, VllmEngine):
         super().__init__(args, engines, rank, args.rollout_model, args.seed,
                          args.max_prompt_length + args.max_new_tokens, rollout_engine_kwargs(args, colocated))
         self.asleep: set[str] = set()  # the SLEEP_TAGS now asleep: vLLM's sleep_mode wakes one part at a time
+        self.weights_discarded = False  # slept at level 2 and no full load since: the weights are gone
         if args.lora_rank and args.lora_sync == "adapter":
             from megarl.models.families import load_hf_config
             from megarl.models.lora import lora_config
@@ -299,6 +304,7 @@ class RolloutEngine(EngineMemory, VllmEngine):
             self._load_adapter(weights)
         else:
             self.llm.collective_rpc(_load_in_place, kwargs=dict(weights=weights))
+        self.weights_discarded = False  # every parameter written, and what derives from them rebuilt
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
 
     def _load_adapter(self, weights) -> None:
@@ -328,11 +334,20 @@ class RolloutEngine(EngineMemory, VllmEngine):
     # The verbs every role uses for its device memory: EngineMemory's bookkeeping, vLLM's sleep and wake-up
     # underneath (skipped on CPU, where vLLM has no sleep mode).
     def _sleep(self) -> None:
-        """vLLM sleep at --rollout-sleep-level (EngineMemory.offload hands over a fully awake engine)."""
+        """vLLM sleep at --rollout-sleep-level (EngineMemory.offload hands over a fully awake engine).
+
+        Level 2 discards the weights: what the weight sync does not rewrite is kept first
+        (`_discard_derived_state`), and until the next full load (`load_weights`, every parameter, then
+        every layer's post-load processing: `_load_in_place`) the engine has no weights
+        (`weights_discarded`; `Run.rollout_turn` re-sends them before a turn that finds them so)."""
+        level = self.args.rollout_sleep_level
+        if level == 2:
+            self.llm.collective_rpc(_discard_derived_state)
+            self.weights_discarded = True
         if not accelerator.ON_CUDA:
             log.debug("vLLM sleep is not supported on CPU: no-op")
             return
-        self.llm.sleep(level=self.args.rollout_sleep_level)
+        self.llm.sleep(level=level)
 
     def _wake(self, tags: list[str]) -> None:
         if not accelerator.ON_CUDA:
@@ -446,6 +461,62 @@ def _load_in_place(worker, weights) -> None:
                            f"{sorted(set(loaded) - expected)[:8]}")
     for block in list(pending):
         process(block)
+
+
+def _discard_derived_state(worker) -> None:
+    """--rollout-sleep-level 2, before vLLM's sleep: let go of what the next weight sync rebuilds.
+
+    vLLM's level 2 (GPU) discards its "weights" pool: every allocation made while the model loaded (the
+    parameters, what post-load processing derived from them, Model Runner V2's state: v1/worker/gpu/
+    model_runner.py, load_model), and at wake restores only the model's buffers (gpu_worker.py, wake_up).
+    The weight sync rewrites every parameter and reruns every layer's post-load processing
+    (`_load_in_place`), which is the whole rebuild; all else must survive. So on GPU each allocation of
+    that pool that holds anything besides parameters (`_keep_allocations_beyond_parameters`) is moved to
+    a pool vLLM offloads at level 2 (host memory, as level 1 offloads the weights), and only allocations
+    of parameters alone are discarded. On CPU vLLM's sleep is a no-op (cpu_worker.py), so megarl drops the
+    derived state itself: each layer's packed GEMM handle (`cpu_linear`, vLLM's CPU dispatch; its own copy
+    of the weight) and the experts' packed w13 / w2 (the kept copies in the checkpoint's layout are what the
+    sync loads into). A model that takes vLLM's `reload_weights` (quantized, LoRA) rebuilds every layer from
+    the stream at each sync: nothing to do on CPU; on GPU its pool is kept the same way."""
+    layers = _in_place_layers(worker)
+    if accelerator.ON_CUDA:
+        _keep_allocations_beyond_parameters(worker, layers or [])
+        return
+    for layer, kept, _ in layers or ():
+        layer.__dict__.pop("cpu_linear", None)
+        if kept and _is_fused_moe(layer):
+            for name in kept:
+                weight = getattr(layer, name)
+                setattr(layer, name, torch.nn.Parameter(weight.new_empty(0), requires_grad=False))
+
+
+def _keep_allocations_beyond_parameters(worker, layers) -> None:
+    """GPU, level 2: re-tag each allocation of vLLM's "weights" pool (CuMemAllocator, one per segment of
+    torch's allocator) that holds a live block besides the parameters' and kept weights' storage (which the
+    sync rewrites whole) as "runtime", a pool vLLM offloads to host and restores at every level (sleep_mode_backend.py,
+    CuMemBackend.suspend). An allocation torch's snapshot does not describe is kept too: only what is
+    known to be parameters alone is discarded."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    storages = [param for _, param in worker.model_runner.model.named_parameters()]
+    storages += [weight for _, kept, _ in layers for weight in (kept or {}).values()]
+    rewritten = {t.untyped_storage().data_ptr() for t in storages}  # a storage starts its allocator block
+    allocations = CuMemAllocator.get_instance().pointer_to_data
+    kept_bytes = freed_bytes = 0
+    segments = {segment["address"]: segment for segment in torch.cuda.memory_snapshot()}
+    for address, data in allocations.items():
+        if data.tag != "weights" or data.is_asleep:
+            continue
+        segment = segments.get(address)
+        live = None if segment is None else [block["address"] for block in segment["blocks"]
+                                             if block["state"] == "active_allocated"]
+        if live is not None and set(live) <= rewritten:
+            freed_bytes += data.handle[1]
+            continue
+        data.tag = "runtime"
+        kept_bytes += data.handle[1]
+    log.info("level-2 sleep: %.2f GiB of the weights pool to discard, %.2f GiB kept (not parameters alone)",
+             freed_bytes / 2**30, kept_bytes / 2**30)
 
 
 def process_after_load(layer, kept: dict | None) -> None:

@@ -85,6 +85,11 @@ class Run:
         if not self.context.placement.colocated:
             yield
             return
+        if getattr(self.rollout, "weights_discarded", False):
+            # --rollout-sleep-level 2 discarded the engine's weights at the end of its last turn and no sync
+            # came since (an evaluation's turn, then the step's): the trainer's, re-sent while it is on the
+            # device. The same weights as the last sync's: not a new weight version.
+            self.weight_sync.sync(self.actor, self.rollout)
         for role in self.trainables().values():
             role.offload()
         try:

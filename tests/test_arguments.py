@@ -114,7 +114,11 @@ BAD = [
     (None, ["--reward-model-max-length", "512"], 1, ["--reward-model-max-length needs --reward-model"]),
     (None, ["--reward-model-micro-batch-size", "0"], 1, ["--reward-model-micro-batch-size must be >= 1"]),
     # vLLM sleep and the waits (issue 23: findings 9 and 15)
-    (None, ["--rollout-sleep-level", "2"], 1, ["--rollout-sleep-level 2", "buffers", "level 1"]),
+    (None, ["--rollout-sleep-level", "2"], 1, []),  # the next sync brings the weights back (tests/test_sleep_level.py)
+    (None, ["--rollout-sleep-level", "2", "--lora-rank", "4", "--lora-sync", "adapter"], 1,
+     ["--rollout-sleep-level 2 with --lora-sync adapter", "base weights", "level 1"]),
+    (None, ["--rollout-sleep-level", "2", "--lora-rank", "4"], 1, []),  # merged: the whole model each sync
+    (None, ["--rollout-sleep-level", "2", "--rollout-backend", "hf"], 1, ["--rollout-sleep-level 2", "use level 1"]),
     (None, ["--rollout-sleep-level", "1"], 1, []),
     (None, ["--startup-timeout-minutes", "0"], 1, ["--startup-timeout-minutes must be > 0"]),
     (None, ["--distributed-timeout-minutes", "-1"], 1, ["--distributed-timeout-minutes", "must be > 0"]),

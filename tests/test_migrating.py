@@ -117,6 +117,15 @@ def test_swift_defaults_differ_from_megarl(tmp_path, tiny_model, stand_in_teache
            dict(kl_coef=0.04, distill_reward_coef=0.5, distill_coef=0.0, num_generations=8, prompts_per_step=2))
 
 
+@pytest.mark.parametrize("level,expected", [(0, 1), (1, 1), (2, 2)])
+def test_swift_sleep_level(tmp_path, tiny_model, level, expected):
+    """ms-swift's sleep_level: megarl has no level 0 (it reads as 1); 2 is level 2 (megarl/rollout.py)."""
+    config = tmp_path / "grpo.yaml"
+    config.write_text(f"rlhf_type: grpo\ncolocate_groups: [[train, rollout]]\ntrain: {{gpus: 2}}\n"
+                      f"rollout: {{gpus: 2}}\nglobal_batch_size: 16\nsleep_level: {level}\n")
+    _check(_parse(["--config", config, "--model", tiny_model], 2), dict(rollout_sleep_level=expected))
+
+
 @pytest.mark.parametrize("text,message", [
     ("rlhf_type: gkd\ngkd_logit_topk: 8\n", "gkd_logit_topk: unknown ms-swift Megatron RLHF config key (did you "
                                             "mean 'gkd_logits_topk'?)"),

@@ -84,7 +84,10 @@ class _RecordingLLM:
     def wake_up(self, tags=None):
         self.log.append(f"vllm.wake_up({tags})")
 
-    def collective_rpc(self, method, kwargs):
+    def collective_rpc(self, method, kwargs=None):
+        if kwargs is None:  # level 2's _discard_derived_state
+            self.log.append(f"vllm.{method.__name__}")
+            return
         tensors = list(kwargs["weights"])  # the stream is drawn inside the load
         self.log.append(f"vllm.load({len(tensors)} tensors)")
 
@@ -113,7 +116,7 @@ def _colocated_run(monkeypatch, log):
     engine = object.__new__(RolloutEngine)  # the engine's own verbs, without building vLLM
     engine.args, engine.asleep, engine.llm = SimpleNamespace(rollout_sleep_level=1), set(), _RecordingLLM(log)
     actor, critic = _RecordingRole("actor", log), _RecordingRole("critic", log)
-    run = SimpleNamespace(rollout=engine, actor=actor,
+    run = SimpleNamespace(rollout=engine, actor=actor, weight_sync=ColocatedSync(None, 1 << 20),
                           context=SimpleNamespace(placement=SimpleNamespace(colocated=True)),
                           trainables=lambda: {"policy": actor, "critic": critic})
     return run, engine
@@ -151,6 +154,71 @@ def test_a_load_into_a_sleeping_engine_wakes_its_weights_first(monkeypatch):
     engine.offload()  # already asleep: nothing
     assert log == ["vllm.wake_up(['weights'])", "vllm.load(1 tensors)", "vllm.load(1 tensors)",
                    "vllm.wake_up(['kv_cache'])", "vllm.sleep(level=1)"]
+
+
+def test_level_two_turn_without_a_sync_first_gets_the_weights_back(monkeypatch):
+    """--rollout-sleep-level 2: the turn's sleep discards the weights (megarl's derived state first); a step's
+    sync brings them back, and a turn that finds them discarded (an evaluation's, then the step's) has the
+    sync strategy re-send them while the trainer is still on the device."""
+    log = []
+    run, engine = _colocated_run(monkeypatch, log)
+    engine.args.rollout_sleep_level = 2
+    with Run.rollout_turn(run):
+        log.append("evaluate")
+    assert engine.weights_discarded
+    with pytest.raises(RuntimeError, match="before a weight sync"):
+        engine.generate([[1]], [0], step=0)
+    with Run.rollout_turn(run):
+        log.append("generate")
+    run.weight_sync.sync(run.actor, engine)
+    assert log == [
+        "actor.offload", "critic.offload", "evaluate", "vllm._discard_derived_state", "vllm.sleep(level=2)",
+        "actor.onload", "critic.onload",
+        "vllm.wake_up(['weights'])", "actor.hf_weights", "vllm.load(2 tensors)",  # re-sent, trainer on the device
+        "actor.offload", "critic.offload", "vllm.wake_up(['kv_cache'])", "generate",
+        "vllm._discard_derived_state", "vllm.sleep(level=2)", "actor.onload", "critic.onload",
+        "vllm.wake_up(['weights'])", "actor.hf_weights", "vllm.load(2 tensors)"]
+    assert not engine.weights_discarded
+
+
+def test_level_two_discards_only_allocations_of_parameters_alone(monkeypatch):
+    """GPU, level 2 (rollout._keep_allocations_beyond_parameters): an allocation of vLLM's weights pool is
+    discarded only when torch's snapshot shows it holding parameters' (or kept weights') storage alone;
+    one with anything else live in it (Model Runner V2's state, a derived tensor), or that the snapshot
+    does not describe, goes to the "runtime" pool, which vLLM keeps at level 2."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    from megarl import rollout
+
+    param, shared, kept = torch.zeros(8), torch.zeros(8), torch.zeros(8)
+    other = torch.zeros(8)
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(param), torch.nn.Parameter(shared)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    layers = [(None, {"weight": kept}, "model.layers.0")]
+
+    def allocation(tag):
+        return SimpleNamespace(tag=tag, is_asleep=False, handle=(None, 4096))
+
+    def address(tensor):
+        return tensor.untyped_storage().data_ptr()
+
+    allocations = {1000: allocation("weights"), 2000: allocation("weights"), 3000: allocation("weights"),
+                   4000: allocation("weights"), 5000: allocation("kv_cache")}
+
+    def block(at, state="active_allocated"):
+        return {"address": at, "size": 512, "state": state}
+
+    snapshot = [{"address": 1000, "blocks": [block(address(model.a))]},  # a parameter alone
+                {"address": 2000, "blocks": [block(address(model.b)), block(address(other))]},  # and more
+                {"address": 3000, "blocks": [block(address(kept)), block(7, "inactive")]},  # kept + free space
+                {"address": 5000, "blocks": [block(address(other))]}]  # 4000: not in the snapshot
+    monkeypatch.setattr(CuMemAllocator, "get_instance", staticmethod(lambda: SimpleNamespace(
+        pointer_to_data=allocations)))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    rollout._keep_allocations_beyond_parameters(worker, layers)
+    assert {at: data.tag for at, data in allocations.items()} == {
+        1000: "weights", 2000: "runtime", 3000: "weights", 4000: "runtime", 5000: "kv_cache"}
 
 
 def test_separate_placement_turn_moves_nothing(monkeypatch):

@@ -221,7 +221,7 @@ TABLE: dict[str, Rule] = {
     "use_vllm": ignore("megarl always generates with vLLM", refuse_if=lambda v: not v),
     "use_ray": ignore("Ray orchestration: megarl runs every role under torchrun"),
     "vllm_mode": ignore("the placement comes from colocate_groups", refuse_if=_not((None, "colocate"))),
-    "sleep_level": custom(_sleep_level, "colocated rollout engines always sleep at level 1 in megarl"),
+    "sleep_level": custom(_sleep_level, "megarl has no level 0: it reads as level 1"),
     "offload_optimizer": to("offload_optimizer"),
     "offload_model": to("offload_model"),
     "offload_bridge": ignore("mcore-bridge export buffers"),
@@ -675,7 +675,8 @@ SEMANTICS = {
     "wandb_project": "`wandb_project` (report_to wandb)",
     "eval_steps": "`eval_interval` (with val_dataset; default save_steps)",
     "importance_sampling_level": "`policy_loss`: token -> ppo_clip, sequence -> gspo",
-    "sleep_level": "`rollout_sleep_level` (0 and 1: megarl's level 1)",
+    "sleep_level": "`rollout_sleep_level` (0 and 1: megarl's level 1; 2: level 2, the weights discarded while "
+                   "the engine sleeps and re-sent by the next sync)",
     "dynamic_sample": "`dynamic_sampling` [0, 1]",
     "loss_type": "`loss_agg`: grpo -> sample_level, bnpo and dapo -> token_level, dr_grpo -> seq_mean_token_sum_norm",
     "rollout_importance_sampling_mode": "`tis_level` and `tis_mode` (token_truncate, sequence_mask, ...)",

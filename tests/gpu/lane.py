@@ -9,7 +9,7 @@ is installed offline into WORK/site. vLLM and Transformer Engine are not there (
 the trainer runs Megatron's local layer spec and generates with the HF rollout backend.
 
 run.sh runs each part as `python tests/gpu/lane.py part NAME --work WORK`, its output in LOGDIR/NAME.log, and
-reads its verdict from the last line that starts with PASS or FAIL:
+reads its verdict from the last line that starts with PASS, FAIL or SKIP:
   setup         install what is missing from the carried wheels; build artifacts/tiny-qwen2 if absent
   kernels       (a) every Triton kernel of megarl/kernels/triton_ops.py against the chunked torch path
                 (kernels/torch_ops.py) compiled on the GPU at V = 151,936, fp32 and bf16 (the CPU test's
@@ -25,6 +25,10 @@ reads its verdict from the last line that starts with PASS or FAIL:
   train_lora    (c) the bf16 run with rank-8 LoRA adapters and a KL term: every step's loss and grad norm finite
   reward_model  (d) tests/test_reward_model.py on the GPU (the reward model's device is the rank's GPU)
   bench         (b) bench/kernels.py at 8192 tokens: time and memory of naive, chunked and triton
+  sleep_level2  (c) tests/workers/sleep_level_worker.py on one rank with vLLM (the default rollout backend):
+                --rollout-sleep-level 2's real discard of the weights pool, then the sync: samples, greedy ids
+                and the trainer-vs-rollout mismatch equal a level-1 engine's, and a turn with no sync before it
+                gets the weights back; SKIP (not a failure) where vLLM is not installed, as on the lane's machine
 
 Tolerances are tests/helpers.py's: fp32 results within FP32_PATHS_ULPS of the other path, bf16 ones within
 BF16_PATHS_ULPS bf16 ulps, the TF32 weight gradient within TF32_PATHS_ULPS TF32 ulps (all of the compared
@@ -71,7 +75,8 @@ MODULES = [
 ]
 PINNED = {"megatron-core"}
 
-PARTS = ("setup", "kernels", "offload", "train_bf16", "train_fp16", "train_lora", "reward_model", "bench")
+PARTS = ("setup", "kernels", "offload", "train_bf16", "train_fp16", "train_lora", "reward_model", "bench",
+         "sleep_level2")
 
 # --------------------------------------------------------------- command lines ----
 # The runs' command lines, defined once: the parts run them, the dry run parses them.
@@ -81,6 +86,9 @@ TINY_BUILD_ARGS = ["--out", str(TINY_MODEL), "--quiet"]
 OFFLOAD_ARGS = ["--model", str(TINY_MODEL), "--offload-model", "--offload-optimizer", "--advantage-estimator", "gae",
                 "--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--use-distributed-optimizer",
                 "--bf16"]
+SLEEP_LEVEL_ARGS = ["--model", str(TINY_MODEL), "--prompts-per-step", "2", "--num-generations", "2",
+                    "--max-new-tokens", "8", "--micro-batch-size", "4", "--global-batch-size", "4",
+                    "--rollout-gpu-memory-utilization", "0.3", "--log-dir", ""]
 TRAIN_STEPS = 3
 _TRAIN_COMMON = ["--model", str(TINY_MODEL), "--rollout-backend", "hf", "--prompts-per-step", "8",
                  "--num-generations", "4", "--max-new-tokens", "16", "--micro-batch-size", "16", "--lr", "2e-4",
@@ -450,6 +458,26 @@ def train(name: str, work: Path) -> bool:
     return True
 
 
+def sleep_level2(work: Path) -> bool:
+    from helpers import load_script, read_json
+
+    if importlib.util.find_spec("vllm") is None:
+        print("SKIP vLLM is not installed here (the part needs a machine with vLLM's CUDA build)")
+        return True
+    out = work / "sleep_level2"
+    rc, output = run_streaming(torchrun_command(TESTS / "workers" / "sleep_level_worker.py", out, *SLEEP_LEVEL_ARGS))
+    if rc != 0:
+        print(f"FAIL sleep_level_worker.py exited {rc}: {first_error(output)}")
+        return False
+    report = read_json(f"{out}.json")
+    problems = load_script(TESTS / "workers" / "sleep_level_worker.py").problems(report, on_cuda=True)
+    if problems:
+        print("FAIL " + "; ".join(problems))
+        return False
+    print(f"PASS level 2 samples as level 1 does after the sync (mismatch {report['level2']['mismatch']:.2e})")
+    return True
+
+
 def reward_model() -> bool:
     test = "test_on_cuda_the_reward_model_scores_on_the_gpu_and_waits_in_host_memory"
     rc, output = run_streaming([sys.executable, "-m", "pytest", "tests/test_reward_model.py", "-v"])
@@ -500,6 +528,8 @@ def run_part(name: str, work: Path) -> bool:
         return train(name, work)
     if name == "reward_model":
         return reward_model()
+    if name == "sleep_level2":
+        return sleep_level2(work)
     return bench()
 
 
@@ -550,7 +580,8 @@ def dry_run() -> bool:
         print("     gpu_wheels/ absent: nothing carried (tests/gpu/fetch_wheels.sh fills it)")
     for path in ("tests/gpu/run.sh", "tests/gpu/fetch_wheels.sh", "megarl/train.py", "bench/kernels.py",
                  "tools/make_tiny_model.py", "tests/workers/offload_worker.py", "tests/workers/triton_kernels_worker.py",
-                 "tests/test_reward_model.py", "tools/make_tiny_reward_model.py"):
+                 "tests/test_reward_model.py", "tools/make_tiny_reward_model.py",
+                 "tests/workers/sleep_level_worker.py"):
         report(f"path {path}", None if (ROOT / path).is_file() else "missing")
     print(f"     tiny model: {'present' if (TINY_MODEL / 'megarl_tiny.json').exists() else 'absent (setup builds it)'}"
           f" at {TINY_MODEL.relative_to(ROOT)}")
@@ -572,7 +603,8 @@ def dry_run() -> bool:
 
     from megarl.arguments import parse_args
 
-    runs = [(name, argv, 1) for name, argv in [("offload", OFFLOAD_ARGS), *TRAIN_ARGS.items()]]
+    runs = [(name, argv, 1) for name, argv in [("offload", OFFLOAD_ARGS), *TRAIN_ARGS.items(),
+                                                ("sleep_level2", SLEEP_LEVEL_ARGS + ["--rollout-sleep-level", "2"])]]
     runs += [(f"8 GPUs, {name}", argv, 8) for name, argv in EIGHT_GPU_RUNS.items()]
     for name, argv, world_size in runs:
         def parse(argv=argv, world_size=world_size):
