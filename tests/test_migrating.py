@@ -942,3 +942,10 @@ def test_colossalchat_transformers_backend_is_the_hf_backend(tiny_model):
                        "-ibs", "2", "-tbs", "2", "-g", "2", *flags], 2).rollout_backend
 
     assert backend("-b", "transformers") == "hf" and backend("-b", "vllm") == "vllm"
+
+
+def test_verl_fsdp_offload_flags_are_megarls(tiny_model):
+    args = _verl(tiny_model, "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
+    _check(args, dict(offload_model=True, offload_optimizer=True))
+    _check(_verl(tiny_model), dict(offload_model=False, offload_optimizer=False))

@@ -279,6 +279,9 @@ TABLE: dict[str, Rule] = {
     f"{A}.optim.weight_decay_incr_style": ignore("constant weight decay", refuse_if=lambda v: v != "constant"),
     f"{A}.optim.override_optimizer_config": ignore("none", refuse_if=_nonempty),
     f"{A}.optim.use_checkpoint_opt_param_scheduler": ignore("the LR schedule is always in the checkpoint"),
+    f"{A}.fsdp_config.param_offload": to("offload_model", note="FSDP's offload as megarl's (host memory between "
+                                                                 "the actor's phases)"),
+    f"{A}.fsdp_config.optimizer_offload": to("offload_optimizer"),
     f"{A}.fsdp_config.*": ignore(FSDP),
     f"{A}.megatron.tensor_model_parallel_size": to("tensor_model_parallel_size"),
     f"{A}.megatron.pipeline_model_parallel_size": to("pipeline_model_parallel_size"),
