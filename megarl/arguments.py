@@ -495,7 +495,8 @@ def _add_checkpoint_args(parser):
     g.add_argument("--save-dir", default=None,
                    help="Megatron distributed checkpoints go here (step_N; see megarl/checkpoint.py)")
     g.add_argument("--save-interval", type=int, default=0,
-                   help="save every this many steps (0: only after the last step and on SIGTERM/SIGUSR1)")
+                   help="save every this many steps (0: only after the last step and on SIGTERM/SIGUSR1; -1: never, "
+                        "as verl's save_freq -1; --resume auto still reads --save-dir)")
     g.add_argument("--save-keep", type=int, default=3, help="keep the newest this many checkpoints (0: all)")
     g.add_argument("--resume", default="none",
                    help="'auto': continue from the newest complete checkpoint in --save-dir (fresh if none); "
@@ -572,7 +573,8 @@ def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
     def fail(expected):
         raise ConfigError(f"{where}: expected {expected}, got {value!r}")
 
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    # BooleanOptionalAction (--x / --no-x) has nargs 0: a YAML bool like store_true's, not a list of 0 values.
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
             fail("true or false")
         return value
@@ -1470,10 +1472,12 @@ def _validate_data_and_eval(args) -> None:
 
 
 def _validate_checkpointing(args) -> None:
-    for name in ("save_interval", "save_keep", "save_hf_interval"):
+    for name in ("save_keep", "save_hf_interval"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.save_interval and not args.save_dir:
+    if args.save_interval < -1:
+        raise ConfigError(f"--save-interval must be >= -1 (-1: never save), got {args.save_interval}")
+    if args.save_interval > 0 and not args.save_dir:
         raise ConfigError("--save-interval needs --save-dir")
     if args.resume == "auto" and not args.save_dir:
         raise ConfigError("--resume auto looks in --save-dir; set --save-dir")

@@ -77,8 +77,9 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
             logger.log_eval(completed, evaluation.evaluate(run, completed))
         run.activity.phase = "preemption check"
         stop = preemption.requested(context)
-        if args.save_dir and (stop or completed == args.train_steps
-                              or (args.save_interval and completed % args.save_interval == 0)):
+        saving = bool(args.save_dir) and args.save_interval >= 0  # -1: never (verl's save_freq -1)
+        if saving and (stop or completed == args.train_steps
+                       or (args.save_interval > 0 and completed % args.save_interval == 0)):
             run.activity.phase = "checkpoint save"
             path = checkpoint.save(run, completed, args.save_dir, args.save_keep, in_flight=ahead)
             if run.is_main:
@@ -88,7 +89,8 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
             checkpoint.save_hf(run, f"{args.save_hf_dir.rstrip('/')}_step_{completed}")
         if stop:
             if run.is_main:
-                where = (f"checkpoint saved in {args.save_dir}; resume with --resume auto" if args.save_dir
+                where = (f"checkpoint saved in {args.save_dir}; resume with --resume auto" if saving
+                         else "--save-interval -1, so nothing was saved" if args.save_dir
                          else "no --save-dir, so nothing was saved")
                 print(f"megarl: {stop} received: stopped after step {completed}; {where}", flush=True)
             distributed.all_gather_objects(None, context)

@@ -442,6 +442,65 @@ TABLE: dict[str, Rule] = {
     "reward_model.sandbox_fusion.url": ignore("no sandbox server", refuse_if=_nonempty,
                                               refusal="a sandbox_fusion server: megarl runs code rewards in its "
                                                       "own sandbox"),
+    # Newer verl configs (verl/trainer/config/_generated_ppo_megatron_trainer.yaml): its defaults walk in
+    # tests/test_migrating.py reads every key of it.
+    f"{A}.megatron.use_remove_padding": to("padding_free", note="verl's Megatron back-end packs rows (default true)"),
+    f"{A}.rollout_n": ignore("rollout.n"),
+    f"{REF}.rollout_n": ignore("rollout.n"),
+    f"{A}.tau_pos": ignore("SAPO's temperature (policy_loss.loss_mode sapo)"),
+    f"{A}.tau_neg": ignore("SAPO's temperature (policy_loss.loss_mode sapo)"),
+    f"{A}.loss_scale_factor": ignore("none: each aggregation's own normaliser", refuse_if=lambda v: v is not None,
+                                     refusal="a constant loss divisor: megarl's loss_agg modes normalise by "
+                                             "tokens, samples or max length"),
+    f"{A}.calculate_entropy": ignore("megarl logs the entropy of every step"),
+    f"{A}.use_prefix_grouper": ignore("shared-prefix batching (performance)"),
+    f"{A}.router_replay.mode": custom(lambda v, ctx: {"routing_replay": "on"} if v == "R3" else
+                                      {"routing_replay": "off"} if v == "disabled" else {},
+                                      "R3: `routing_replay` on (the rollout's routes); disabled: off",
+                                      refuse_if=lambda v: v not in (None, "disabled", "R3"),
+                                      refusal="R2 replays routes recorded in the trainer's own old-logprob "
+                                              "forward; megarl replays the rollout's (R3)"),
+    f"{A}.router_replay.record_file": ignore("none", refuse_if=_nonempty,
+                                             refusal="routes to or from a file: megarl replays the rollout's"),
+    f"{A}.router_replay.replay_file": ignore("none", refuse_if=_nonempty,
+                                             refusal="routes to or from a file: megarl replays the rollout's"),
+    f"{REF}.router_replay.*": ignore("the reference replays the policy's routes when routing replay is on"),
+    f"{R}.enable_rollout_routing_replay": custom(lambda v, ctx: {"routing_replay": "on"} if v else {},
+                                                 "the engine records routes: `routing_replay` on"),
+    f"{R}.logprobs_mode": ignore("megarl's engines return processed_logprobs (after temperature)",
+                                 refuse_if=lambda v: v not in (None, "processed_logprobs"),
+                                 refusal="megarl's engines return processed_logprobs, the sampler's"),
+    f"{R}.scheduling_policy": ignore("fcfs", refuse_if=lambda v: v not in (None, "fcfs"),
+                                     refusal="vLLM's priority scheduling: megarl submits a step's requests at once"),
+    f"{R}.engine_kwargs.trtllm": ignore("TensorRT-LLM's arguments"),
+    f"{R}.engine_kwargs.trtllm.*": ignore("TensorRT-LLM's arguments"),
+    f"{R}.checkpoint_engine.update_weights_bucket_megabytes": to("sync_bucket_mb"),
+    f"{R}.checkpoint_engine.backend": ignore("megarl's weight sync (collectives in place)"),
+    f"{R}.checkpoint_engine.engine_kwargs": ignore("megarl's weight sync (collectives in place)"),
+    f"{R}.checkpoint_engine.engine_kwargs.*": ignore("megarl's weight sync (collectives in place)"),
+    f"{R}.quantization_config_file": ignore("unquantized rollout weights", refuse_if=_nonempty),
+    f"{R}.mtp": ignore("no MTP head in the rollout", refuse_if=_nonempty),
+    f"{R}.mtp.*": ignore("no MTP head in the rollout"),
+    f"{F}.mtp.enable": ignore("MTP layers are left out", refuse_if=_truthy,
+                              refusal="MTP training or speculative decoding with it: megarl leaves MTP layers out"),
+    f"{F}.mtp.*": ignore("MTP settings (mtp.enable false)"),
+    f"{F}.tiled_mlp.*": ignore("tiled MLP (an FSDP memory saving)"),
+    "reward_manager.name": ignore("the naive manager (per-sample scoring)",
+                                  refuse_if=lambda v: v not in ("naive", "batch", "dapo", None),
+                                  refusal="this reward manager has no megarl counterpart"),
+    "reward_manager.source": ignore("register: a manager by name"),
+    "reward_manager.module.path": ignore("none", refuse_if=_nonempty,
+                                         refusal="a custom reward manager: register a reward with external_plugins"),
+    "reward_manager.module.name": ignore("reward_manager.module.path is unset"),
+    "critic.model.lora.rank": ignore("0: the critic trains every weight", refuse_if=_truthy,
+                                     refusal="LoRA on the critic: megarl's critic trains every weight"),
+    "critic.model.lora.*": ignore("critic LoRA settings (critic.model.lora.rank 0)"),
+    "reward_model.rollout.*": ignore("a generative reward model's engine: megarl's reward model is a classifier"),
+    "reward_model.model.override_config": ignore("empty", refuse_if=_nonempty,
+                                                 refusal="reward model config overrides: not in megarl"),
+    **{f"reward_model.{key}": ignore("verl's reward loop (workers scoring beside generation)")
+       for key in ("reward_loop_source", "reward_loop_module_path", "reward_loop_class_name", "use_reward_loop",
+                   "num_workers")},
     **{f"reward_model.{key}": ignore("reward model worker settings (FSDP, batching)")
        for key in ("strategy", "model.input_tokenizer", "model.external_lib", "model.trust_remote_code",
                    "model.use_shm", "model.use_remove_padding", "model.use_fused_kernels", "model.fsdp_config.*",
@@ -487,8 +546,7 @@ TABLE: dict[str, Rule] = {
     "trainer.logger": INF,
     "trainer.nnodes": INF,
     "trainer.n_gpus_per_node": INF,
-    "trainer.save_freq": to("save_interval", lambda v: max(v, 0),
-                            "-1: no periodic saves (megarl still saves after the last step into default_local_dir)"),
+    "trainer.save_freq": to("save_interval", lambda v: v if v > 0 else -1, "-1 (or 0): nothing is saved"),
     "trainer.test_freq": INF,
     "trainer.critic_warmup": to("critic_warmup"),
     "trainer.default_local_dir": to("save_dir", expand_path),
@@ -846,10 +904,10 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
             put("trainer.test_freq", {"eval_interval": max(get("trainer.test_freq", -1), 0)}, "-1: after the last step")
         else:
             out.set("trainer.test_freq", flat["trainer.test_freq"], "ignored", {}, "no data.val_files to evaluate")
-    # Checkpoints: verl saves every save_freq steps into trainer.default_local_dir, which defaults to
-    # checkpoints/${trainer.project_name}/${trainer.experiment_name} (verl_examples / gsm8k), so its recipes
-    # set save_freq and no directory
-    if (get("trainer.save_freq") or -1) > 0 and "trainer.default_local_dir" not in flat:
+    # Checkpoints: verl saves every save_freq steps (-1, its default: never) into trainer.default_local_dir,
+    # which defaults to checkpoints/${trainer.project_name}/${trainer.experiment_name} (verl_examples / gsm8k),
+    # and resume_mode auto (its default) resumes from the newest checkpoint there.
+    if "trainer.default_local_dir" not in flat:
         directory = f"checkpoints/{get('trainer.project_name', 'verl_examples')}/" \
                     f"{get('trainer.experiment_name', 'gsm8k')}"
         out.set("trainer.default_local_dir", directory, DEFAULT, {"save_dir": expand_path(directory)},
