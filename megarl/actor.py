@@ -76,7 +76,7 @@ class Actor(TrainableModel, SampledLogprobs):
                 response_aligned(micro_batches, [o[1] for o in outputs], width))
 
     def train_step(self, micro_batches: list[MicroBatch], kl_coef: float = 0.0, reference=None,
-                   teacher=None, on_policy: bool = False) -> dict:
+                   teacher=None, on_policy: bool = False, sft: bool = False) -> dict:
         """One optimizer step over these micro-batches (this rank's share of a mini-batch).
 
         kl_coef > 0 (with the reference) adds kl_coef * KL(pi || ref) per token to the loss;
@@ -85,6 +85,8 @@ class Actor(TrainableModel, SampledLogprobs):
         `on_policy` (batch.two_pass_reason is None; the micro-batches carry no old logprobs):
         the old logprobs are this forward's own, detached, and the mismatch metrics and TIS
         weights are computed here as `phases.prepare` would have from them.
+        `sft` (--sft-alpha, a step on the dataset's or the teacher's responses): adds --sft-alpha times the
+        responses' cross-entropy (ms-swift's GKD sft_alpha).
         """
         args = self.args
         kl_in_loss = kl_coef > 0 and reference is not None
@@ -101,7 +103,8 @@ class Actor(TrainableModel, SampledLogprobs):
         # kernels form each chunk of logits from them: the logits are never held.
         hidden = args.kernels != "naive" and not companions
         loss = ActorLoss(args, self.hf_config.vocab_size,
-                         LossTerms(kl_coef if kl_in_loss else 0.0, distill, on_policy, hidden),
+                         LossTerms(kl_coef if kl_in_loss else 0.0, distill, on_policy, hidden,
+                                   sft=sft and args.sft_alpha > 0),
                          output_weight=lambda: output_weight(self.model))
         routing_replay.measure(self.model, on_policy)  # the on-policy forward stands in for `logprobs`
         with contextlib.ExitStack() as stack:

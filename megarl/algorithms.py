@@ -7,7 +7,7 @@ tensors to tensors, so each one is testable against its paper formula
 Registries (flag value -> function):
 
   ADVANTAGE_ESTIMATORS  grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae
-  POLICY_LOSSES         ppo_clip, gspo, skip_threshold
+  POLICY_LOSSES         ppo_clip, gspo, skip_threshold, cispo, sapo
   LOSS_AGGREGATIONS     token_level, sample_level, seq_mean_token_sum_norm
   KL_ESTIMATORS         k1, abs, mse (= k2), low_var_kl (= k3), full
   KL_CONTROLLERS        fixed, adaptive
@@ -66,7 +66,7 @@ Policy losses: one calling convention
       -> (token_loss [B, L], metrics)
   * all [B, L]; the loss is per token and not masked: aggregation
     (LOSS_AGGREGATIONS) applies the mask. Options: POLICY_LOSS_OPTIONS (mask,
-    clip_ratio_c, skip_threshold), accepted by every loss, unused ones ignored.
+    clip_ratio_c, skip_threshold, tau_pos, tau_neg), accepted by every loss, unused ones ignored.
   * metrics maps names to detached per-token float tensors [B, L] (indicators
     such as "clipped", or values such as "ratio"); the trainer reduces them with
     the mask, summed over micro-batches and data-parallel ranks. Every loss
@@ -76,7 +76,10 @@ Policy losses: one calling convention
   * "clipped" is verl's pg_clipfrac: the clipped term is the larger one.
   * dual clip (clip_ratio_c = c > 1, None = off): for A < 0 the loss is
     min(ppo_loss, -A c) (verl's compute_policy_loss); "dual_clipped" marks where
-    -A c won. Applies to all three losses.
+    -A c won. Applies to ppo_clip, gspo and skip_threshold (cispo caps a stop-gradient
+    weight instead, sapo gates softly: neither takes it).
+  * cispo and sapo (ms-swift's loss_type cispo / sapo) are defined at their functions;
+    sapo's temperatures are the options tau_pos / tau_neg.
   * entropy and KL enter as extra per-token loss terms the caller adds:
     `entropy_bonus(entropy, coef)` = -coef * entropy,
     `kl_penalty_in_loss(kl, coef)` = coef * kl (GRPO style); or the KL goes into
@@ -185,7 +188,7 @@ WHITEN_EPS = 1e-8  # whitening epsilon, inside the sqrt (verl's masked_whiten)
 LOG_RATIO_BOUND = 20.0  # |log ratio| clamp before exp (verl)
 
 ADVANTAGE_OPTIONS = frozenset({"scale_rewards", "eps", "gamma", "lam", "values", "whiten"})
-POLICY_LOSS_OPTIONS = frozenset({"mask", "clip_ratio_c", "skip_threshold"})
+POLICY_LOSS_OPTIONS = frozenset({"mask", "clip_ratio_c", "skip_threshold", "tau_pos", "tau_neg"})
 
 
 def _check_options(options: dict, known: frozenset) -> None:
@@ -445,6 +448,47 @@ def skip_threshold_loss(logprobs, old_logprobs, advantages, clip_eps_low: float,
         keep = (mean_ratio <= skip_threshold).to(loss.dtype)[:, None]
     metrics["skipped"] = (1.0 - keep).expand_as(loss)
     return loss * keep, metrics
+
+
+@register(POLICY_LOSSES, "cispo")
+def cispo_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float, **options):
+    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE with a clipped, stop-gradient importance weight.
+
+    loss_t = -sg(min(r_t, 1 + clip_eps_high)) * A_t * logp_t, r_t = exp(logp_t - old_t): every token keeps
+    its gradient -w A grad logp (PPO-clip zeroes it where the clip is active); only the weight is capped.
+    The paper's lower bound is left off, as in the paper's runs and ms-swift (clip_eps_low is unused).
+    ms-swift's `epsilon_high` is the cap itself (clamp(r, max=epsilon_high)): its X is megarl's
+    clip_eps_high = X - 1. The value is not a surrogate ratio but -w A logp (ms-swift's too).
+    metrics["clipped"]: the weight was capped.
+    """
+    _check_options(options, POLICY_LOSS_OPTIONS)
+    ratio = _ratio(logprobs - old_logprobs)
+    cap = 1.0 + clip_eps_high
+    weight = torch.clamp(ratio, max=cap).detach()
+    loss = -weight * advantages * logprobs
+    return loss, {"ratio": ratio.detach(), "clipped": (ratio > cap).detach().to(loss.dtype),
+                  "dual_clipped": torch.zeros_like(loss)}
+
+
+@register(POLICY_LOSSES, "sapo")
+def sapo_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float, *,
+              tau_pos: float = 1.0, tau_neg: float = 1.05, **options):
+    """SAPO (Soft Adaptive Policy Optimization, Qwen, arXiv 2511.20347): a sigmoid gate instead of the hard clip.
+
+    loss_t = -f(r_t; tau) A_t, f(r; tau) = sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos where A > 0 else
+    tau_neg (ms-swift's defaults 1.0 and 1.05). Its gradient is -4 s (1 - s) r A grad logp, s = sigmoid(tau (r - 1)):
+    exactly the policy gradient -A grad logp at r = 1, decaying smoothly as r leaves 1 (faster for larger tau).
+    The clip ranges are unused; metrics["clipped"] is 0 (there is no hard clip).
+    """
+    _check_options(options, POLICY_LOSS_OPTIONS)
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    ratio = _ratio(logprobs - old_logprobs)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = -gate * advantages
+    return loss, {"ratio": ratio.detach(), "clipped": torch.zeros_like(loss).detach(),
+                  "dual_clipped": torch.zeros_like(loss).detach()}
 
 
 def entropy_bonus(entropy: torch.Tensor, coef: float) -> torch.Tensor:

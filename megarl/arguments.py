@@ -229,6 +229,10 @@ def _add_rollout_args(parser):
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use it too)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument("--top-k", type=int, default=-1, help="top-k sampling (-1: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's repetition penalty (1: off). The engine samples from penalised logits the trainer "
+                        "does not have: != 1 needs --tis-level (not none), which corrects for the penalised "
+                        "sampler with the engine's (penalised, processed_logprobs) logprobs")
     g.add_argument("--max-new-tokens", type=int, default=32, help="response length limit")
     g.add_argument("--min-new-tokens", type=int, default=0,
                    help="the student's training samples are at least N tokens long (vLLM's min_tokens: EOS and "
@@ -261,6 +265,10 @@ def _add_algorithm_args(parser):
     g.add_argument("--dual-clip-c", type=float, default=None, help="dual-clip constant c > 1 (off when unset)")
     g.add_argument("--skip-threshold", type=float, default=20.0,
                    help="skip_threshold loss: drop samples whose mean ratio exceeds this")
+    g.add_argument("--sapo-tau-pos", type=float, default=1.0,
+                   help="sapo loss: gate temperature where the advantage is > 0 (ms-swift tau_pos)")
+    g.add_argument("--sapo-tau-neg", type=float, default=1.05,
+                   help="sapo loss: gate temperature where the advantage is <= 0 (ms-swift tau_neg)")
     g.add_argument("--loss-agg", default="token_level",
                    choices=sorted(algorithms.LOSS_AGGREGATIONS),
                    help="token-mean, seq-mean-token-mean, or Dr. GRPO's token-sum / max_new_tokens")
@@ -290,6 +298,9 @@ def _add_distillation_args(parser):
     g.add_argument("--gkd-temperature", type=float, default=1.0,
                    help="teacher and student distributions are softmax(logits / T) in the distillation loss")
     g.add_argument("--distill-coef", type=float, default=1.0, help="weight of the distillation loss per token")
+    g.add_argument("--sft-alpha", type=float, default=0.0,
+                   help="ms-swift's GKD sft_alpha: on steps that train on the dataset's (or --seq-kd teacher's) "
+                        "responses, add alpha x their cross-entropy (temperature 1) per token (0: off)")
     g.add_argument("--distill-reward-coef", type=float, default=0.0,
                    help="policy-gradient form: add coef * -(log pi_student - log pi_teacher) of each sampled token "
                         "to the token rewards, for any advantage estimator (0: off)")
@@ -396,6 +407,20 @@ def _add_reward_args(parser):
     g = parser.add_argument_group("reward")
     g.add_argument("--reward", default="arithmetic",
                    help="reward name (megarl/rewards/ or a plugin), or weighted names such as boxed:1.0,rm:0.5")
+    # ms-swift's reward functions (megarl/rewards/swift_rules.py), with ms-swift's defaults
+    g.add_argument("--cosine-min-len-value-wrong", type=float, default=-0.5,
+                   help="cosine reward: a wrong answer's reward at length 0")
+    g.add_argument("--cosine-max-len-value-wrong", type=float, default=0.0,
+                   help="cosine reward: a wrong answer's reward at --cosine-max-len")
+    g.add_argument("--cosine-min-len-value-correct", type=float, default=1.0,
+                   help="cosine reward: a correct answer's reward at length 0")
+    g.add_argument("--cosine-max-len-value-correct", type=float, default=0.5,
+                   help="cosine reward: a correct answer's reward at --cosine-max-len")
+    g.add_argument("--cosine-max-len", type=int, default=None,
+                   help="cosine reward: the length (tokens) of the cosine's half period (default --max-new-tokens)")
+    g.add_argument("--repetition-n-grams", type=int, default=3, help="repetition reward: n-gram size (words)")
+    g.add_argument("--repetition-max-penalty", type=float, default=-1.0,
+                   help="repetition reward: the reward of a response that is one n-gram repeated (<= 0)")
     g.add_argument("--reward-model", default=None,
                    help="HF AutoModelForSequenceClassification checkpoint used as the reward named 'rm'")
     g.add_argument("--reward-model-micro-batch-size", type=int, default=8,
@@ -845,6 +870,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_checkpointing(args)
     if args.dual_clip_c is not None and args.dual_clip_c <= 1.0:
         raise ConfigError(f"--dual-clip-c must be > 1, got {args.dual_clip_c}")
+    _validate_swift_extras(args)
     if args.dynamic_sampling is not None:
         low, high = args.dynamic_sampling
         if not 0.0 <= low < high <= 1.0:
@@ -1287,6 +1313,37 @@ def _validate_engine_kwargs(args) -> None:
         if key not in known:
             raise ConfigError(f"{role}.engine_kwargs (--{role}-engine-kwargs): {key!r} is not an argument of vLLM's "
                               f"engine{_closest(key, known)}")
+
+
+def _validate_swift_extras(args) -> None:
+    """The cispo and sapo losses, --sft-alpha, --repetition-penalty and ms-swift's reward parameters."""
+    if args.policy_loss in ("cispo", "sapo") and args.dual_clip_c is not None:
+        raise ConfigError(f"--dual-clip-c clips PPO's ratio; --policy-loss {args.policy_loss} has no such clip")
+    if args.policy_loss == "cispo" and args.clip_eps_high <= -1.0:
+        raise ConfigError(f"--policy-loss cispo caps the weight at 1 + --clip-eps-high, which must be > 0; got "
+                          f"--clip-eps-high {args.clip_eps_high}")
+    if args.sapo_tau_pos <= 0 or args.sapo_tau_neg <= 0:
+        raise ConfigError(f"--sapo-tau-pos and --sapo-tau-neg must be > 0, got {args.sapo_tau_pos} and "
+                          f"{args.sapo_tau_neg}")
+    if args.sft_alpha < 0:
+        raise ConfigError(f"--sft-alpha must be >= 0, got {args.sft_alpha}")
+    if args.sft_alpha > 0 and args.gkd_lmbda >= 1.0:
+        raise ConfigError("--sft-alpha applies on the steps that train on the dataset's (or --seq-kd teacher's) "
+                          "responses; with --gkd-lmbda 1 every step trains on the student's own: set --gkd-lmbda < 1")
+    if args.repetition_penalty <= 0:
+        raise ConfigError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.repetition_penalty != 1.0 and args.rollout_backend != "vllm":
+        raise ConfigError(f"--repetition-penalty: --rollout-backend {args.rollout_backend} does not apply it; "
+                          f"use --rollout-backend vllm")
+    if args.repetition_penalty != 1.0 and args.tis_level == "none":
+        raise ConfigError("--repetition-penalty != 1 samples from penalised logits the trainer's policy does not "
+                          "have (off-policy); set --tis-level (token, sequence or geometric) to correct for it "
+                          "with the engine's penalised logprobs")
+    if args.repetition_n_grams < 1 or args.repetition_max_penalty > 0:
+        raise ConfigError(f"--repetition-n-grams must be >= 1 and --repetition-max-penalty <= 0, got "
+                          f"{args.repetition_n_grams} and {args.repetition_max_penalty}")
+    if args.cosine_max_len is not None and args.cosine_max_len < 1:
+        raise ConfigError(f"--cosine-max-len must be >= 1, got {args.cosine_max_len}")
 
 
 def _validate_distillation(args) -> None:

@@ -8,6 +8,8 @@ algorithm registries' functions, the ones the formula tests check:
     POLICY_LOSSES[--policy-loss]  (x importance weight with TIS)
     x --policy-loss-coef
     + --distill-coef x GKD (algorithms GKD_TOPK_MODES / distill_full)  with a teacher
+    + --sft-alpha x (-log pi(y_t) at temperature 1)  on a step that trains on the dataset's (or
+      --seq-kd teacher's) responses, not the student's (ms-swift's GKD sft_alpha)
     + kl_penalty_in_loss(KL(pi || ref), coef)      when --kl-placement loss
     + entropy_bonus(entropy, --entropy-coef)
     -> LOSS_AGGREGATIONS[--loss-agg] -> (numerator, units)
@@ -39,6 +41,8 @@ class LossTerms:
     # colocated teacher's logits beside each micro-batch (companion "teacher")
     on_policy: bool = False  # the on-policy shortcut: the old logprobs are this forward's own, detached
     hidden: bool = False  # the output is the final hidden states; the kernels form the logits chunk by chunk
+    sft: bool = False  # --sft-alpha's cross-entropy on the responses: the step trains on the dataset's (or
+    # the teacher's, --seq-kd) responses, not the student's samples
 
 
 def full_kl(args, vocab_size: int, logits: torch.Tensor, ref_logits: torch.Tensor,
@@ -78,7 +82,8 @@ class ActorLoss:
             is_weights, sums, maxes = self._rollout_correction(batch, old_logprobs)
         token_loss, pg_metrics = self.policy_loss(
             logprobs, old_logprobs, batch.advantages, args.clip_eps_low, args.clip_eps_high,
-            mask=mask, clip_ratio_c=args.dual_clip_c, skip_threshold=args.skip_threshold)
+            mask=mask, clip_ratio_c=args.dual_clip_c, skip_threshold=args.skip_threshold,
+            tau_pos=args.sapo_tau_pos, tau_neg=args.sapo_tau_neg)
         if is_weights is not None:
             token_loss = token_loss * is_weights
         token_loss = args.policy_loss_coef * token_loss
@@ -87,6 +92,10 @@ class ActorLoss:
             sums["distill_loss"] = (distill_loss * mask).sum()
             if topk_mass is not None:
                 sums["teacher_topk_mass"] = (topk_mass * mask).sum()
+        if terms.sft:
+            nll = -self._sft_logprobs(part, output, logprobs)
+            token_loss = token_loss + args.sft_alpha * nll
+            sums["sft_loss"] = (nll.detach() * mask).sum()
         kl = torch.zeros_like(token_loss)
         if kl_in_loss:
             kl = exact_kl if self.full_kl else self.kl_estimator(logprobs, batch.ref_logprobs)
@@ -113,7 +122,7 @@ class ActorLoss:
                    "grad_norm": grad_norm, "lr": lr}
         if self.terms.kl_coef > 0:
             metrics["kl_loss"] = sums["kl_loss"] / tokens
-        for name in ("distill_loss", "teacher_topk_mass"):
+        for name in ("distill_loss", "teacher_topk_mass", "sft_loss"):
             if name in sums:
                 metrics[name] = sums[name] / tokens
         if self.terms.on_policy:
@@ -134,6 +143,16 @@ class ActorLoss:
             entropy = naive.entropy(output, self.vocab_size, args.temperature, held_back)
         return kernels.token_logprobs(output, batch.labels, self.vocab_size, args.temperature, "naive",
                                       held_back=held_back), entropy
+
+    def _sft_logprobs(self, part, output: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """The response tokens' log-probs for --sft-alpha's cross-entropy: at temperature 1 and without the
+        --min-new-tokens constraint (ms-swift's language-model loss on the raw logits); the training
+        logprobs themselves when those are the same (--temperature 1: a response that is not the student's
+        sample has no held-back ids)."""
+        if self.args.temperature == 1.0:
+            return logprobs
+        return part.gather(kernels.token_logprobs(output, part.labels, self.vocab_size, 1.0, self.args.kernels,
+                                                  weight_shard=self._weight()))
 
     def _weight(self) -> torch.Tensor | None:
         return self.output_weight() if self.terms.hidden else None

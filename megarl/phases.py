@@ -320,6 +320,9 @@ def update(run: Run, batch: Batch, step: int, shortcut: bool = False) -> dict:
     update_actor = step >= args.critic_warmup
     kl_coef = run.kl_controller.value if run.kl_controller is not None and args.kl_placement == "loss" else 0.0
     policy_updates, critic_updates, padding = [], [], torch.zeros(2)
+    # --sft-alpha (ms-swift's GKD): the step trains on the dataset's (or --seq-kd teacher's) responses, which
+    # carry no rollout logprobs; a step's samples all come from one source (generation.response_source).
+    sft = args.sft_alpha > 0 and any(s.logprobs is None for s in batch.samples)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples] if args.balance_batch else None
     for epoch in range(args.ppo_epochs):
         seed = batching.shuffle_seed(args.seed, step, epoch) if args.shuffle else None
@@ -330,7 +333,7 @@ def update(run: Run, batch: Batch, step: int, shortcut: bool = False) -> dict:
                 critic_updates.append(run.critic.train_step(micro_batches))
             if update_actor:
                 policy_updates.append(run.actor.train_step(micro_batches, kl_coef, run.reference, run.teacher,
-                                                           on_policy=shortcut))
+                                                           on_policy=shortcut, sft=sft))
     metrics = {"padding_fraction": _padding_fraction(padding)}
     for updates in (policy_updates, critic_updates):
         if updates:

@@ -310,6 +310,9 @@ def _build_reward(args, colocated: bool):
     reward = build_reward(args.reward, args.reward_model, batch_size=args.reward_model_micro_batch_size,
                           max_length=args.reward_model_max_length,
                           offload=colocated)
+    from megarl.rewards import swift_rules
+
+    swift_rules.configure_from_args(args)  # ms-swift's reward parameters (workers get them at start)
     budget = sandbox_memory_budget_mb(args)
     if args.reward_timeout > 0:
         timed = TimedRewards(reward, args.reward_workers, args.reward_timeout, loaded_plugins(), budget)

@@ -314,14 +314,15 @@ def test_a_crash_on_a_teacher_rank_ends_every_rank(tiny_model, teacher_model):
 @pytest.mark.slow
 def test_gkd_lmbda_trains_some_steps_on_the_datasets_responses(tiny_model, teacher_model, tmp_path):
     """--gkd-lmbda 0.5 on the built-in task: the steps response_source picks from (seed, step) train on the
-    reference responses (all correct, so reward 1 on those steps); the others on the student's samples."""
+    reference responses (all correct, so reward 1 on those steps); the others on the student's samples.
+    --sft-alpha (ms-swift's GKD sft_alpha) adds the responses' cross-entropy on the dataset's steps alone."""
     from megarl.generation import response_source
 
     steps = 3  # seed 1234 draws student, student, dataset
     torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_colocate.yaml",
              "--model", tiny_model, "--teacher-model", teacher_model, *SMALL, "--train-steps", steps,
-             "--gkd-lmbda", "0.5", "--log-dir", tmp_path / "tb", timeout=900)
-    series = scalars(tmp_path / "tb", ["on_policy", "reward_mean", "distill_loss", "mismatch"])
+             "--gkd-lmbda", "0.5", "--sft-alpha", "0.5", "--log-dir", tmp_path / "tb", timeout=900)
+    series = scalars(tmp_path / "tb", ["on_policy", "reward_mean", "distill_loss", "mismatch", "sft_loss"])
     expected = [float(response_source(0.5, False, 1234, step) == "student") for step in range(steps)]
     assert [series["on_policy"][step] for step in range(steps)] == expected, series
     assert 0 < sum(expected) < steps  # both kinds of step happened (seed 1234)
@@ -329,8 +330,9 @@ def test_gkd_lmbda_trains_some_steps_on_the_datasets_responses(tiny_model, teach
         assert series["distill_loss"][step] > 0, series
         if not expected[step]:
             assert series["reward_mean"][step] == 1.0 and step not in series["mismatch"], series
+            assert series["sft_loss"][step] > 0, series
         else:
-            assert series["mismatch"][step] <= 1e-3, series
+            assert series["mismatch"][step] <= 1e-3 and step not in series["sft_loss"], series
 
 
 @pytest.mark.slow

@@ -142,8 +142,8 @@ def test_swift_sleep_level(tmp_path, tiny_model, level, expected):
     ("rlhf_type: gkd\ntrain_type: lora\nref_adapters: [ckpt/lora]\n", "ref_adapters=['ckpt/lora']: adapters for the reference"),
     ("rlhf_type: gkd\nexpert_tensor_parallel_size: 2\n", "megarl keeps each expert whole on its EP rank"),
     ("rlhf_type: dpo\n", "rlhf_type=dpo: megarl trains online RL (grpo) and distillation (gkd) only"),
-    ("rlhf_type: gkd\nsft_alpha: 0.5\n", "sft_alpha=0.5: sft_alpha > 0 adds an SFT loss"),
-    ("rlhf_type: grpo\nreward_funcs: [format]\n", "'format' is an ms-swift built-in reward megarl does not have"),
+    ("rlhf_type: grpo\nreward_funcs: [code_format]\n", "'code_format' is an ms-swift built-in reward megarl does not "
+                                                      "have"),
     ("rlhf_type: gkd\ndataset: AI-ModelScope/alpaca-gpt4-data-en#2000\n", "'#2000' samples 2000 rows of a hub"),
 ])
 def test_swift_unknown_and_refused_keys_are_one_line(tmp_path, text, message):

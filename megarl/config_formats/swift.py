@@ -73,6 +73,9 @@ def _reward_funcs(value, ctx):
         ctx.fail("reward_weights", f"{len(weights)} weights for {len(names)} reward_funcs")
     parts = []
     for name, weight in zip(names, weights):
+        if name == "soft_overlong" and weight != 1.0:
+            ctx.fail("reward_weights", f"soft_overlong weighted {weight:g}: megarl's overlong penalty "
+                                       f"(--overlong-buffer-len) enters the score with weight 1")
         name = SWIFT_REWARDS.get(name, name)
         if name is None:
             continue  # soft_overlong: a length penalty, see soft_cache_length
@@ -86,19 +89,50 @@ def _reward_funcs(value, ctx):
 
 
 # ms-swift's built-in reward names -> megarl's (None: not a reward in megarl, handled by another option).
-SWIFT_REWARDS = {"accuracy": "boxed", "soft_overlong": None}
-UNMATCHED_REWARDS = ("format", "react_format", "cosine", "repetition", "code_reward", "code_format")
+# format, react_format, cosine and repetition keep their names (megarl/rewards/swift_rules.py).
+SWIFT_REWARDS = {"accuracy": "boxed", "soft_overlong": None, "code_reward": "code"}
+UNMATCHED_REWARDS = ("code_format",)
 
 _LOSS_TYPES = {"grpo": "sample_level", "bnpo": "token_level", "dapo": "token_level",
-               "dr_grpo": "seq_mean_token_sum_norm"}
+               "dr_grpo": "seq_mean_token_sum_norm", "cispo": "token_level", "sapo": "sample_level"}
+# loss types that are their own policy loss (ms-swift's swift/rlhf_trainers grpo loss: compute_per_token_loss),
+# with its reduction (reduce_loss: cispo over the tokens, sapo over the samples)
+_POLICY_LOSS_TYPES = ("cispo", "sapo")
 _IS_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "mask"),
              "sequence_truncate": ("sequence", "truncate"), "sequence_mask": ("sequence", "mask")}
 
 
 def _loss_type(value, ctx):
+    if value in ("real", "fipo"):
+        what = "REAL: a group-level log-sum-exp loss" if value == "real" else "FIPO: future-KL influence weights"
+        ctx.fail("loss_type", f"{value!r} has no megarl counterpart yet ({what}; megarl: {', '.join(_LOSS_TYPES)})")
     if value not in _LOSS_TYPES:
         ctx.fail("loss_type", f"{value!r} has no megarl counterpart (megarl: {', '.join(_LOSS_TYPES)})")
-    return {"loss_agg": _LOSS_TYPES[value]}
+    if value not in _POLICY_LOSS_TYPES:
+        return {"loss_agg": _LOSS_TYPES[value]}
+    if ctx.get("importance_sampling_level", "token") != "token":
+        ctx.fail("importance_sampling_level", f"{ctx.get('importance_sampling_level')!r} with loss_type {value}: "
+                                              f"megarl's {value} uses the token ratio (token)")
+    if ctx.get("delta") is not None:
+        ctx.fail("delta", f"the dual clip applies to grpo-type losses; ms-swift ignores it with loss_type {value}")
+    out = {"loss_agg": _LOSS_TYPES[value], "policy_loss": value}
+    if value == "cispo":  # ms-swift caps the weight at epsilon_high itself: megarl at 1 + clip_eps_high
+        cap = ctx.get("epsilon_high")
+        if cap is None or cap <= 1.0:
+            ctx.fail("epsilon_high", f"{cap if cap is not None else 'unset (epsilon)'} with loss_type cispo: ms-swift "
+                                     f"caps the IS weight at epsilon_high itself, below 1 here; give the cap, "
+                                     f"> 1 (ms-swift's docs use 5.0)")
+        out["clip_eps_high"] = cap - 1.0
+    return out
+
+
+def _repetition_penalty(value, ctx):
+    if value is None or value == 1.0:
+        return {}
+    if not ctx.get("rollout_importance_sampling_mode"):
+        ctx.fail("repetition_penalty", f"{value}: vLLM samples from penalised logits the trained policy does not "
+                                       f"have; set rollout_importance_sampling_mode to correct for them")
+    return {"repetition_penalty": value}
 
 
 def _is_mode(value, ctx):
@@ -193,9 +227,7 @@ TABLE: dict[str, Rule] = {
     "lmbda": to("gkd_lmbda"),
     "seq_kd": to("seq_kd"),
     "offload_teacher_model": to("offload_teacher_model"),
-    "sft_alpha": ignore("0: pure generalized JSD, as megarl's loss", refuse_if=bool,
-                        refusal="sft_alpha > 0 adds an SFT loss to the JSD, which megarl's distillation loss does "
-                                "not have yet"),
+    "sft_alpha": to("sft_alpha", note="cross-entropy on the dataset's responses, on the off-policy steps"),
     "teacher_kl_coef": _INFORMS,
     "beta": _INFORMS,
     "temperature": _INFORMS,
@@ -208,16 +240,22 @@ TABLE: dict[str, Rule] = {
     "num_generations_eval": to("eval_samples"),
     "max_completion_length": to("max_new_tokens"),
     "max_length": to("max_prompt_length"),
-    "importance_sampling_level": custom(lambda v, ctx: {"policy_loss": {"token": "ppo_clip", "sequence": "gspo"}[v]}
+    "importance_sampling_level": custom(lambda v, ctx: ({} if ctx.get("loss_type") in _POLICY_LOSS_TYPES else
+                                                        {"policy_loss": {"token": "ppo_clip", "sequence": "gspo"}[v]})
                                         if v in ("token", "sequence") else ctx.fail(
                                             "importance_sampling_level", f"{v!r} has no megarl policy loss "
                                                                          f"(token: ppo_clip, sequence: gspo)")),
     "epsilon": to("clip_eps_low"),
-    "epsilon_high": to("clip_eps_high"),
+    "epsilon_high": custom(
+        lambda v, ctx: {} if v is None or ctx.get("loss_type") == "cispo" else {"clip_eps_high": v},
+        "cispo: the weight cap, clip_eps_high = epsilon_high - 1", dest="clip_eps_high"),
     "delta": to("dual_clip_c", note="two-sided clipping of negative-advantage ratios (dual clip)"),
     "top_k": to("top_k"),
     "top_p": to("top_p"),
-    "repetition_penalty": ignore("1.0 is no penalty", refuse_if=lambda v: v != 1.0),
+    "repetition_penalty": custom(_repetition_penalty,
+                                 "the engine's penalised logprobs correct it (--tis-level)",
+                                 refuse_if=lambda v: v is not None and v <= 0,
+                                 refusal="a repetition penalty is > 0 (1: none)", dest="repetition_penalty"),
     "use_vllm": ignore("megarl always generates with vLLM", refuse_if=lambda v: not v),
     "use_ray": ignore("Ray orchestration: megarl runs every role under torchrun"),
     "vllm_mode": ignore("the placement comes from colocate_groups", refuse_if=_not((None, "colocate"))),
@@ -230,6 +268,15 @@ TABLE: dict[str, Rule] = {
     "reward_model": to("reward_model", lambda v: expand_path(v[0] if isinstance(v, list) else v)),
     "reward_model_plugin": refuse("reward model plugins: register a reward with external_plugins"),
     "soft_max_length": _INFORMS,
+    "tau_pos": to("sapo_tau_pos"),
+    "tau_neg": to("sapo_tau_neg"),
+    "cosine_min_len_value_wrong": to("cosine_min_len_value_wrong"),
+    "cosine_max_len_value_wrong": to("cosine_max_len_value_wrong"),
+    "cosine_min_len_value_correct": to("cosine_min_len_value_correct"),
+    "cosine_max_len_value_correct": to("cosine_max_len_value_correct"),
+    "cosine_max_len": to("cosine_max_len"),
+    "repetition_n_grams": to("repetition_n_grams"),
+    "repetition_max_penalty": to("repetition_max_penalty"),
     "soft_cache_length": _INFORMS,
     "dynamic_sample": custom(lambda v, ctx: {"dynamic_sampling": [0.0, 1.0]} if v else {},
                              "keeps groups whose rewards differ"),
@@ -397,10 +444,8 @@ TABLE: dict[str, Rule] = {
         "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
         "vllm_server_group_port", "vllm_server_pass_dataset"]),
     **ignore_all("options of loss types and rewards this config does not select", [
-        "tau_pos", "tau_neg", "real_tau", "fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only",
-        "fipo_safety_threshold", "cosine_min_len_value_wrong", "cosine_max_len_value_wrong",
-        "cosine_min_len_value_correct", "cosine_max_len_value_correct", "cosine_max_len", "repetition_n_grams",
-        "repetition_max_penalty", "ref_model_sync_steps", "ref_model_mixup_alpha", "completion_length_limit_scope",
+        "real_tau", "fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only",
+        "fipo_safety_threshold", "ref_model_sync_steps", "ref_model_mixup_alpha", "completion_length_limit_scope",
         "rpo_alpha", "reference_free", "label_smoothing", "f_divergence_type", "desirable_weight",
         "undesirable_weight", "calculate_KL", "center_rewards_coefficient", "lr_wsd_decay_style",
         "lr_wsd_decay_iters", "fp8_recipe", "fp8_param_gather", "fp8_amax_history_len", "fp8_amax_compute_algo",
@@ -666,7 +711,8 @@ SEMANTICS = {
     "steps_per_generation": "`steps_per_generation` (generation_batch_size = global_batch_size x it)",
     "global_batch_size": "`global_batch_size` (completions; default 16)",
     "train_iters": "`train_steps` = ceil(train_iters / steps_per_generation)",
-    "reward_funcs": "`reward` (accuracy -> boxed; soft_overlong -> `overlong_buffer_len`)",
+    "reward_funcs": "`reward` (accuracy -> boxed; code_reward -> code; format, react_format, cosine, repetition "
+                    "by name; soft_overlong -> `overlong_buffer_len`, weight 1 only)",
     "reward_weights": "`reward` NAME:WEIGHT,...",
     "soft_max_length": "must equal max_completion_length",
     "soft_cache_length": "`overlong_buffer_len` (with reward_funcs soft_overlong)",
@@ -674,11 +720,13 @@ SEMANTICS = {
     "save_steps": "`save_interval` (with output_dir; default 500)",
     "wandb_project": "`wandb_project` (report_to wandb)",
     "eval_steps": "`eval_interval` (with val_dataset; default save_steps)",
-    "importance_sampling_level": "`policy_loss`: token -> ppo_clip, sequence -> gspo",
+    "importance_sampling_level": "`policy_loss`: token -> ppo_clip, sequence -> gspo (cispo and sapo: token only)",
     "sleep_level": "`rollout_sleep_level` (0 and 1: megarl's level 1; 2: level 2, the weights discarded while "
                    "the engine sleeps and re-sent by the next sync)",
     "dynamic_sample": "`dynamic_sampling` [0, 1]",
-    "loss_type": "`loss_agg`: grpo -> sample_level, bnpo and dapo -> token_level, dr_grpo -> seq_mean_token_sum_norm",
+    "loss_type": "`loss_agg`: grpo -> sample_level, bnpo and dapo -> token_level, dr_grpo -> seq_mean_token_sum_norm; "
+                 "cispo -> `policy_loss` cispo, token_level, `clip_eps_high` = epsilon_high - 1 (epsilon_high > 1); "
+                 "sapo -> `policy_loss` sapo, sample_level",
     "rollout_importance_sampling_mode": "`tis_level` and `tis_mode` (token_truncate, sequence_mask, ...)",
     "truncation_strategy": "`truncation` (left, right)",
     "dataset": "`train_data` (local files)",

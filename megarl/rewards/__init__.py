@@ -149,4 +149,5 @@ _BUILTIN_MODULES = [
     "megarl.rewards.math",
     "megarl.rewards.code",
     "megarl.rewards.verl_rules",
+    "megarl.rewards.swift_rules",
 ]

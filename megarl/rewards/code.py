@@ -10,8 +10,10 @@ Conventions:
               (any letter case); without one, the last fenced block of any language;
               no fenced block at all: score 0, reason "no code".
   test cases  row["test_cases"] = {"inputs": [stdin, ...], "outputs": [expected
-              stdout, ...]} (ColossalChat's layout), strings of equal count. Missing or
-              empty cases raise ValueError ("no test cases"): a dataset error, not a 0.
+              stdout, ...]} (ColossalChat's layout), strings of equal count; or, without
+              it, ms-swift's / open-r1's row["verification_info"] = {"language": "python",
+              "test_cases": [{"input", "output"}, ...]}. Missing or empty cases raise
+              ValueError ("no test cases"): a dataset error, not a 0.
   comparison  stdout and the expected output after `normalise_output`: trailing
               whitespace of every line ("\\r" included) and trailing blank lines dropped.
   reason      "correct" when every case passes, else the first failing case's:
@@ -66,9 +68,28 @@ def normalise_output(text: str) -> str:
     return "\n".join(lines)
 
 
+def _verification_info(row: dict) -> dict | None:
+    """ms-swift's / open-r1's layout, row["verification_info"] = {"language": "python", "test_cases":
+    [{"input": ..., "output": ...}, ...]} (or its JSON text), as megarl's {"inputs", "outputs"}; None
+    without one. Another language raises ValueError: megarl's sandbox runs Python."""
+    info = row.get("verification_info")
+    if not info:
+        return None
+    if isinstance(info, str):
+        import json
+
+        info = json.loads(info)
+    language = info.get("language", "python")
+    if language != "python":
+        raise ValueError(f"row {row.get('id')!r}: verification_info language {language!r}; megarl's code reward "
+                         f"runs Python only")
+    cases = info.get("test_cases") or []
+    return {"inputs": [case.get("input") for case in cases], "outputs": [case.get("output") for case in cases]}
+
+
 def read_test_cases(row: dict) -> tuple[list[str], list[str]]:
     """(inputs, outputs) of a row; ValueError when the row has no usable test cases."""
-    cases = row.get("test_cases") or {}
+    cases = row.get("test_cases") or _verification_info(row) or {}
     inputs, outputs = cases.get("inputs") or [], cases.get("outputs") or []
     if not inputs:
         raise ValueError(f"no test cases in row {row.get('id')!r}: the code reward needs "

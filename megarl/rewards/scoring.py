@@ -123,12 +123,15 @@ def check_sandbox(args) -> None:
 
 
 def reward_row(sample) -> dict:
-    """The row a reward reads for `sample`: its prompt's row and, for a multi-turn episode, the whole
-    conversation after the prompt under "conversation" (Sample.turns: assistant turns with their tool
-    calls, tool messages with their errors); the response is then the episode's last assistant turn."""
+    """The row a reward reads for `sample`: its prompt's row, "response_tokens" (the response's token
+    count: the policy's own tokens in a multi-turn episode; ms-swift's cosine reward reads it) and, for a
+    multi-turn episode, the whole conversation after the prompt under "conversation" (Sample.turns:
+    assistant turns with their tool calls, tool messages with their errors); the response is then the
+    episode's last assistant turn."""
+    tokens = len(sample.response_ids) if sample.policy_mask is None else sum(sample.policy_mask)
     if sample.turns is None:
-        return sample.metadata
-    return {**sample.metadata, "conversation": sample.turns}
+        return {**sample.metadata, "response_tokens": tokens}
+    return {**sample.metadata, "response_tokens": tokens, "conversation": sample.turns}
 
 
 class OverlappedScoring:

@@ -40,7 +40,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from megarl.rewards import SCORER_TIMEOUT, RewardOutput
+from megarl.rewards import SCORER_TIMEOUT, RewardOutput, swift_rules
 
 KILL_GRACE_S = 5.0
 """How long killing an overrunning worker may take before the pool gives up waiting for it."""
@@ -143,7 +143,7 @@ class RewardProcessPool:
         self.parts, self.timeout = list(parts), float(timeout)
         budget = None if sandbox_memory_budget_mb is None else sandbox_memory_budget_mb // workers
         self.setup = {"parts": self.parts, "plugins": list(plugins), "sys_path": list(sys_path or sys.path),
-                      "sandbox_memory_budget_mb": budget}
+                      "sandbox_memory_budget_mb": budget, "swift_rules": swift_rules.current_settings()}
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.replaced = 0  # workers killed or dead and started again
         self.workers: list[_Worker] = []
@@ -286,6 +286,9 @@ def _serve() -> None:
 
         load_plugins(setup["plugins"])
         specs = [get_reward(name) for name in setup["parts"]]
+        from megarl.rewards import swift_rules
+
+        swift_rules.configure(**setup["swift_rules"])  # the trainer's --cosine-* / --repetition-* settings
         if setup["sandbox_memory_budget_mb"] is not None:
             from megarl.rewards import code
 
