@@ -101,6 +101,12 @@ def _verl_interaction(path, key: str, ctx) -> dict:
     return {"interaction": VERL_INTERACTIONS[classes[0]]}
 
 
+def _megatron_backend(source: dict) -> bool:
+    """verl's Megatron back-end (ppo_megatron_trainer.yaml sets actor.strategy megatron; its recipes set
+    actor.megatron.* keys); the FSDP back-end otherwise. A few keys mean something in one back-end only."""
+    return source.get(f"{A}.strategy") == "megatron" or any(key.startswith(f"{A}.megatron.") for key in source)
+
+
 def _kl_name(key):
     def convert(value, ctx):
         if value not in KL_NAMES:
@@ -187,9 +193,12 @@ TABLE: dict[str, Rule] = {
                                              "is not there yet (issue 24, item 2)"),
     f"{F}.enable_gradient_checkpointing": custom(
         lambda v, ctx: {"recompute_granularity": "full", "recompute_method": "uniform",
-                        "recompute_num_layers": 1} if v else {}, "recompute every layer"),
+                        "recompute_num_layers": 1} if v and not _megatron_backend(ctx.source) else {},
+        "FSDP back-end: recompute every layer (the Megatron back-end reads override_transformer_config)"),
     f"{F}.enable_activation_offload": ignore("off", refuse_if=_truthy),
-    f"{F}.use_remove_padding": to("padding_free"),
+    f"{F}.use_remove_padding": custom(lambda v, ctx: {} if _megatron_backend(ctx.source) else {"padding_free": bool(v)},
+                                      "FSDP back-end: `padding_free` (the Megatron back-end reads "
+                                      "actor.megatron.use_remove_padding)"),
     f"{F}.use_fused_kernels": ignore("megarl picks its kernels (--kernels)"),
     f"{F}.fused_kernel_options.*": ignore("megarl picks its kernels (--kernels)"),
     f"{F}.trust_remote_code": ignore("no remote code"),
@@ -444,7 +453,7 @@ TABLE: dict[str, Rule] = {
                                                       "own sandbox"),
     # Newer verl configs (verl/trainer/config/_generated_ppo_megatron_trainer.yaml): its defaults walk in
     # tests/test_migrating.py reads every key of it.
-    f"{A}.megatron.use_remove_padding": to("padding_free", note="verl's Megatron back-end packs rows (default true)"),
+    f"{A}.megatron.use_remove_padding": to("padding_free", bool, "the Megatron back-end's packing (default true)"),
     f"{A}.rollout_n": ignore("rollout.n"),
     f"{REF}.rollout_n": ignore("rollout.n"),
     f"{A}.tau_pos": ignore("SAPO's temperature (policy_loss.loss_mode sapo)"),
@@ -542,7 +551,7 @@ TABLE: dict[str, Rule] = {
     "trainer.total_epochs": INF,
     "trainer.total_training_steps": to("train_steps"),
     "trainer.project_name": INF,
-    "trainer.experiment_name": to("wandb_name"),
+    "trainer.experiment_name": INF,
     "trainer.logger": INF,
     "trainer.nnodes": INF,
     "trainer.n_gpus_per_node": INF,
@@ -775,6 +784,32 @@ def _lora(out: Translation, flat: dict, ctx: Context) -> None:
                                                  ctx)}, note)
 
 
+# verl's defaults (verl/trainer/config/_generated_ppo_[megatron_]trainer.yaml) for the keys megarl maps that
+# change what a run does; tests/test_migrating.py walks both files and checks that a key left out reads as
+# given at its default. (key, its default, megarl's options for it); the back-end's own keys by back-end.
+BOTH_DEFAULTS = (
+    (f"{R}.tensor_model_parallel_size", 2, {"rollout_tensor_parallel_size": 2}),
+    ("trainer.resume_mode", "auto", {}),  # read below, with the checkpoint directory
+)
+MEGATRON_DEFAULTS = (
+    (f"{A}.megatron.use_remove_padding", True, {"padding_free": True}),
+    (f"{A}.megatron.use_distributed_optimizer", True, {"use_distributed_optimizer": True}),
+)
+FSDP_DEFAULTS = (
+    (f"{F}.enable_gradient_checkpointing", True, {"recompute_granularity": "full", "recompute_method": "uniform",
+                                                 "recompute_num_layers": 1}),
+    (f"{F}.use_remove_padding", True, {"padding_free": True}),
+)
+
+
+def _backend_defaults(out: Translation, flat: dict) -> None:
+    """verl's default for each key of BOTH_DEFAULTS and the back-end's table that the config leaves out."""
+    table = MEGATRON_DEFAULTS if _megatron_backend(flat) else FSDP_DEFAULTS
+    for key, value, targets in BOTH_DEFAULTS + table:
+        if key not in flat and targets and not any(dest in out.values for dest in targets):
+            out.set(key, value, DEFAULT, targets, "verl default")
+
+
 def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> None:
     _lora(out, flat, ctx)
     if out.values.get("rollout_backend") == "hf":  # verl's hf rollout reads none of the vLLM settings
@@ -824,6 +859,7 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
         per_rank = max(mini * n // dp, 1)
         out.set("(micro-batch size omitted)", None, DEFAULT, {"micro_batch_size": per_rank},
                 "one micro-batch per mini-batch and rank")
+    _backend_defaults(out, flat)
     # Clip: clip_ratio is both bounds unless clip_ratio_low/high are set.
     clip = get(f"{A}.clip_ratio", 0.2)
     targets = {}
@@ -913,9 +949,13 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
         out.set("trainer.default_local_dir", directory, DEFAULT, {"save_dir": expand_path(directory)},
                 "verl's default: checkpoints/${trainer.project_name}/${trainer.experiment_name}")
     # Logging and resuming.
-    loggers = as_list(get("trainer.logger", ["console"]))
+    if "trainer.save_freq" not in flat:
+        out.set("trainer.save_freq", -1, DEFAULT, {"save_interval": -1}, "verl default: nothing is saved")
+    loggers = as_list(get("trainer.logger", ["console", "wandb"]))  # verl's default logs to wandb
     if "wandb" in loggers:
-        put("trainer.logger", {"wandb_project": get("trainer.project_name", "verl_examples")}, "wandb")
+        put("trainer.logger", {"wandb_project": get("trainer.project_name", "verl_examples"),
+                               "wandb_name": get("trainer.experiment_name", "gsm8k")},
+            "wandb: the project and run name", "trainer.logger" in flat)
     elif "trainer.logger" in flat:
         out.set("trainer.logger", flat["trainer.logger"], "ignored", {}, "console and TensorBoard are always on")
     if "trainer.project_name" in flat and "wandb" not in loggers:
@@ -960,8 +1000,10 @@ SEMANTICS = {
     "algorithm.rollout_is": "`tis_level` / `tis_mode` from rollout_is_level / rollout_is_mode",
     "algorithm.rollout_is_level": "`tis_level`", "algorithm.rollout_is_mode": "`tis_mode`",
     "trainer.total_epochs": "`train_epochs` (default 30; unless total_training_steps)",
-    "trainer.project_name": "`wandb_project` (logger wandb)",
-    "trainer.logger": "wandb: `wandb_project`; console and TensorBoard are always on",
+    "trainer.project_name": "`wandb_project` (logger wandb); the default checkpoint directory",
+    "trainer.experiment_name": "`wandb_name` (logger wandb); the default checkpoint directory",
+    "trainer.logger": "wandb (in verl's default, console + wandb): `wandb_project`, `wandb_name`; console and "
+                      "TensorBoard are always on",
     "trainer.nnodes": "`train.gpus` = `rollout.gpus` = nnodes x n_gpus_per_node, colocated",
     "trainer.n_gpus_per_node": "`train.gpus` = `rollout.gpus` = nnodes x n_gpus_per_node (default 8), colocated",
     "trainer.resume_mode": "`resume`: auto, disable -> none, resume_path -> resume_from_path",
