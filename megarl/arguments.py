@@ -309,6 +309,18 @@ def _add_distillation_args(parser):
                         "metrics and evaluation)")
     g.add_argument("--offload-teacher-model", action="store_true",
                    help="keep the colocated teacher in host memory between its forwards")
+    g.add_argument("--teacher-server", default=None, metavar="URL",
+                   help="a teacher behind an OpenAI-compatible vLLM server (`vllm serve TEACHER --max-logprobs K`), "
+                        "e.g. http://host:8000: launch rank 0 asks it for the top-K prompt logprobs of each sample's "
+                        "prompt + response and every rank receives them (top-k distillation only: needs "
+                        "--gkd-logits-topk K; ms-swift's teacher_model_server; megarl/teacher_server.py)")
+    g.add_argument("--teacher-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="--teacher-server: each request must be answered within this (retries included), else "
+                        "the run stops with an error naming the URL, before the step's update")
+    g.add_argument("--teacher-server-batch", type=int, default=16,
+                   help="--teacher-server: sequences per request")
+    g.add_argument("--teacher-server-concurrency", type=int, default=4,
+                   help="--teacher-server: requests in flight at once")
     g.add_argument("--gkd-lmbda", type=float, default=1.0,
                    help="fraction of steps on the student's own samples (on-policy); the other steps train on "
                         "the dataset's responses, or the teacher's with --seq-kd (TRL/ms-swift lmbda; drawn per "
@@ -1253,10 +1265,15 @@ def _validate_teacher_group(args) -> None:
     placement, whose rank counts follow from it). --self-distill is a teacher on the train ranks read from
     --model (run.build_teacher shares the policy's base or the reference's weights where it can)."""
     standalone = args.teacher_gpus or args.standalone_teacher_model
+    if args.teacher_server and (args.teacher_model or standalone):
+        other = f"teacher_model={args.teacher_model}" if args.teacher_model else "the teacher: group (teacher.gpus)"
+        raise ConfigError(f"--teacher-server {args.teacher_server} and {other} are both set; keep one teacher")
     if args.self_distill:
         other = next((f"{flag} {value}" for flag, value in (("--teacher-model", args.teacher_model),
                                                             ("teacher.model", args.standalone_teacher_model),
-                                                            ("teacher.gpus", args.teacher_gpus)) if value), None)
+                                                            ("teacher.gpus", args.teacher_gpus),
+                                                            ("--teacher-server", args.teacher_server)) if value),
+                     None)
         if other:
             raise ConfigError(f"--self-distill (the teacher is the initial policy, --model) and {other} are both "
                               f"set; keep one")
@@ -1355,6 +1372,9 @@ def _validate_distillation(args) -> None:
                           f"{args.distill_coef}, {args.policy_loss_coef} and {args.distill_reward_coef}")
     if not 0.0 <= args.gkd_lmbda <= 1.0:
         raise ConfigError(f"--gkd-lmbda must be in [0, 1], got {args.gkd_lmbda}")
+    if args.teacher_server:
+        _validate_teacher_server(args)
+        return
     teacher_path = args.teacher_model or args.standalone_teacher_model
     if not teacher_path:
         needs_teacher = [flag for flag, used in (("--gkd-logits-topk", args.gkd_logits_topk),
@@ -1364,8 +1384,8 @@ def _validate_distillation(args) -> None:
                                                  ("--seq-kd", args.seq_kd)) if used]
         if needs_teacher:
             flag = needs_teacher[0]
-            raise ConfigError(f"{flag} needs a teacher: set --teacher-model, or a teacher: group "
-                              f"(teacher.gpus and teacher.model)")
+            raise ConfigError(f"{flag} needs a teacher: set --teacher-model, a teacher: group "
+                              f"(teacher.gpus and teacher.model) or --teacher-server")
         return
     if args.teacher_gpus:
         _validate_standalone_teacher(args)
@@ -1389,21 +1409,45 @@ def _validate_distillation(args) -> None:
 
 
 def _validate_standalone_teacher(args) -> None:
-    """vLLM's prompt_logprobs are of the raw logits (T = 1) and list the top K: what that allows."""
     k = args.gkd_logits_topk
-    if not k:
-        raise ConfigError(f"teacher.gpus={args.teacher_gpus} (standalone vLLM teacher) needs gkd_logits_topk K: "
-                          f"vLLM returns the teacher's top-K logprobs, not its full vocabulary")
+    _validate_vllm_teacher(args, f"teacher.gpus={args.teacher_gpus} (standalone vLLM teacher)", "a standalone teacher")
     max_logprobs = args.teacher_engine_kwargs.setdefault("max_logprobs", k)
     if not isinstance(max_logprobs, int) or max_logprobs < k:
         raise ConfigError(f"teacher.engine_kwargs.max_logprobs={max_logprobs} < gkd_logits_topk={k}: the "
                           f"teacher's vLLM engines would refuse to return the top {k}")
+
+
+def _validate_teacher_server(args) -> None:
+    """--teacher-server: a vLLM teacher too; what it serves (max_logprobs, vocabulary, length) is checked
+    against the server at start (teacher_server.connect), the options here."""
+    url = args.teacher_server
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--teacher-server {url}: expected an http:// or https:// URL")
+    if args.teacher_timeout <= 0 or args.teacher_server_batch < 1 or args.teacher_server_concurrency < 1:
+        raise ConfigError(f"--teacher-timeout must be > 0 and --teacher-server-batch and --teacher-server-concurrency "
+                          f">= 1, got {args.teacher_timeout}, {args.teacher_server_batch} and "
+                          f"{args.teacher_server_concurrency}")
+    if args.teacher_timeout >= args.distributed_timeout_minutes * 60:  # the others wait for rank 0's answer
+        raise ConfigError(f"--teacher-timeout {args.teacher_timeout:g} must be below --distributed-timeout-minutes "
+                          f"{args.distributed_timeout_minutes:g} (in seconds): the other ranks wait in a collective "
+                          f"while rank 0 asks the server, and should hear its error, not time out")
+    _validate_vllm_teacher(args, f"--teacher-server {url}", "--teacher-server")
+    if args.seq_kd:
+        raise ConfigError(f"--seq-kd with --teacher-server {url}: the server scores the student's samples but does "
+                          f"not write the teacher's responses here; use teacher ranks (teacher.gpus, teacher.model)")
+
+
+def _validate_vllm_teacher(args, which: str, short: str) -> None:
+    """vLLM's prompt_logprobs are of the raw logits (T = 1) and list the top K: what that allows."""
+    if not args.gkd_logits_topk:
+        raise ConfigError(f"{which} needs gkd_logits_topk K (--gkd-logits-topk): vLLM returns the teacher's top-K "
+                          f"logprobs, not its full vocabulary, so full-vocabulary distillation is not possible")
     if args.gkd_temperature != 1.0 and args.gkd_topk_mode != "renorm":
-        raise ConfigError(f"gkd_temperature={args.gkd_temperature} with gkd_topk_mode={args.gkd_topk_mode} and a "
-                          f"standalone teacher: vLLM's prompt logprobs are at T=1, and only the renormalised "
+        raise ConfigError(f"gkd_temperature={args.gkd_temperature} with gkd_topk_mode={args.gkd_topk_mode} and "
+                          f"{short}: vLLM's prompt logprobs are at T=1, and only the renormalised "
                           f"top-k (gkd_topk_mode renorm) can be rescaled exactly")
     if args.temperature != 1.0 and args.distill_reward_coef:
-        raise ConfigError(f"distill_reward_coef with temperature={args.temperature} and a standalone teacher: "
+        raise ConfigError(f"distill_reward_coef with temperature={args.temperature} and {short}: "
                           f"vLLM's prompt logprobs are at T=1, so the teacher's logprob of a sampled token at "
                           f"T={args.temperature} is not available; use temperature 1 or a teacher_model")
 

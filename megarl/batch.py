@@ -268,7 +268,7 @@ def two_pass_reason(args, step: int) -> str | None:
       - no reference (--kl-coef 0): its KL (ref_kl: kl_ref, the adaptive controller, the KL in the
         reward with --kl-placement reward) comes from the old logprobs, or from their pass with
         --kl-estimator full;
-      - no teacher (--teacher-model or standalone teacher ranks): --distill-reward-coef puts
+      - no teacher (--teacher-model, standalone teacher ranks or --teacher-server): --distill-reward-coef puts
         -(log pi_old - log pi_teacher) into the rewards, teacher_kl is measured from the old logprobs,
         and --gkd-lmbda < 1 trains on responses without rollout logprobs (they get the old ones);
       - TIS in truncate mode (or off): mask mode takes tokens out of the loss mask, which advantage_mean
@@ -284,7 +284,7 @@ def two_pass_reason(args, step: int) -> str | None:
         (args.steps_per_generation != 1, f"{args.steps_per_generation} mini-batches per generated batch"),
         (step < args.critic_warmup, f"critic warm-up (--critic-warmup {args.critic_warmup})"),
         (args.kl_coef > 0, "a reference model (--kl-coef > 0)"),
-        (bool(args.teacher_model or args.standalone_teacher_model), "a distillation teacher"),
+        (bool(args.teacher_model or args.standalone_teacher_model or args.teacher_server), "a distillation teacher"),
         (args.tis_level != "none" and args.tis_mode == "mask", "--tis-mode mask"),
         # The update computes them per row of its micro-batches, and a packed row holds several sequences.
         (args.padding_free and args.tis_level in ("sequence", "geometric"),

@@ -242,14 +242,12 @@ def all_gather_objects(obj, context: DistContext) -> list:
 
 def gather_tensor_dicts(mine: dict[str, torch.Tensor] | None, context: DistContext) -> list[dict | None]:
     """Every launched rank's dict of tensors (None where a rank contributes none), in launch-rank order, on
-    every rank, over the cross-role group (a placement with more than one world has it), as tensors, not
-    pickles: first each rank's layout (name, shape, dtype, byte offset per field: a small object gather),
-    then each contributing rank broadcasts its fields packed into one flat byte buffer. A receiver's
-    tensors are views into its copy of that buffer (host memory); the contributor gets its own dict back.
-    (all_gather_objects would pickle every rank's tensors and pad each to the longest, on every rank.)"""
-    group = context.cross_role_group
-    if group is None:
-        raise RuntimeError("gather_tensor_dicts runs over the cross-role group; this placement has one world")
+    every rank, over the cross-role group (a placement with more than one world has it; with one world, its
+    default group), as tensors, not pickles: first each rank's layout (name, shape, dtype, byte offset per
+    field: a small object gather), then each contributing rank broadcasts its fields packed into one flat
+    byte buffer. A receiver's tensors are views into its copy of that buffer (host memory); the contributor
+    gets its own dict back. (all_gather_objects would pickle every rank's tensors and pad each to the
+    longest, on every rank.)"""
     tensors, layout = None, None
     if mine is not None:
         tensors = {name: value.detach().cpu().contiguous() for name, value in mine.items()}
@@ -268,10 +266,22 @@ def gather_tensor_dicts(mine: dict[str, torch.Tensor] | None, context: DistConte
             for name, shape, dtype, offset in fields:
                 byte_view(buffer, shape, dtype, offset).copy_(tensors[name])
         if buffer.numel():
-            group.broadcast(buffer, source).wait()  # group rank = launch rank: the group spans every rank
+            buffer = _broadcast_bytes(buffer, source, context)
         gathered.append(mine if source == context.env.rank else
                         {name: byte_view(buffer, shape, dtype, offset) for name, shape, dtype, offset in fields})
     return gathered
+
+
+def _broadcast_bytes(buffer: torch.Tensor, source: int, context: DistContext) -> torch.Tensor:
+    """`buffer` from launch rank `source` on every rank (host memory): over the cross-role group (group rank
+    = launch rank: it spans every rank), else over the one world (world rank = launch rank), on this rank's
+    device where that world is NCCL's."""
+    if context.cross_role_group is not None:
+        context.cross_role_group.broadcast(buffer, source).wait()
+        return buffer
+    on_device = buffer.to(accelerator.device())
+    dist.broadcast(on_device, source)
+    return on_device.cpu()
 
 
 # Flat byte buffers holding several tensors (weight-sync buckets, gather_tensor_dicts): each tensor starts at

@@ -5,3 +5,8 @@ it the algorithms, rewards and models)."""
 
 class ConfigError(ValueError):
     """A configuration mistake; the message is one line that names the option."""
+
+
+class TeacherServerError(RuntimeError):
+    """The distillation teacher's server (--teacher-server) did not answer as it must during the run; every
+    rank raises it alike and the message is one line that names the URL (megarl/teacher_server.py)."""

@@ -18,8 +18,10 @@
                     the update's training forward gives them, and those metrics.
   teach             distillation: the teacher's logprobs of the sampled tokens and its
                     top-k per response position, from the colocated teacher (each
-                    data-parallel rank its shard) or the standalone teacher ranks (each
-                    engine its shard, sent to the train ranks over the cross-role group).
+                    data-parallel rank its shard), the standalone teacher ranks (each
+                    engine its shard, sent to the train ranks over the cross-role group)
+                    or a teacher server (--teacher-server: rank 0 asks for all of it and
+                    every rank receives it).
   compute_advantages  train ranks: advantages and returns over the whole batch (the KL
                     penalty enters the token rewards first when placed there).
   update            train ranks: --ppo-epochs passes over mini-batches of
@@ -49,6 +51,7 @@ from megarl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, distill_toke
                                sequence_rewards_to_tokens)
 from megarl.batch import Batch
 from megarl.data.dumps import write_samples
+from megarl.errors import TeacherServerError
 from megarl.generation import ShardSamples
 from megarl.model_runner import make_micro_batches, sequence_multiple
 from megarl.run import Run
@@ -200,6 +203,8 @@ def teach(run: Run, batch: Batch):
     args, placement = run.args, run.context.placement
     if run.teacher_engine_placed:
         scored = _score_on_teacher_ranks(run, batch)
+    elif args.teacher_server:
+        scored = _score_on_teacher_server(run, batch)
     elif run.teacher is not None:
         mine = batch.select(torch.arange(len(batch))[batching.data_parallel_shard(
             len(batch), placement.dp, placement.data_parallel_rank(run.context.rank))])
@@ -211,7 +216,7 @@ def teach(run: Run, batch: Batch):
         return batch, {}
     for name, value in scored.items():
         setattr(batch, name, value)
-    if batch.teacher_logprobs is None:  # a standalone teacher at --temperature != 1
+    if batch.teacher_logprobs is None:  # a vLLM teacher (ranks or server) at --temperature != 1
         return batch, {}
     batch.teacher_logprobs = batch.teacher_logprobs * batch.response_mask
     gap = (batch.old_logprobs - batch.teacher_logprobs) * batch.response_mask
@@ -233,6 +238,26 @@ def _score_on_teacher_ranks(run: Run, batch: Batch) -> dict[str, torch.Tensor]:
     whole = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
     if "teacher_topk_ids" in whole:
         whole["teacher_topk_ids"] = whole["teacher_topk_ids"].long()
+    return whole
+
+
+def _score_on_teacher_server(run: Run, batch: Batch) -> dict[str, torch.Tensor]:
+    """--teacher-server: launch rank 0 asks the server for the whole batch (megarl/teacher_server.py: its
+    requests batched and bounded in number) and every rank receives the fields from it. A server that does
+    not answer is a TeacherServerError on every rank alike, here, before the update: nothing is half-written."""
+    scored, failure = None, None
+    if run.teacher_server is not None:
+        try:
+            scored = run.teacher_server.score_samples(batch.samples, batch.width)
+        except TeacherServerError as error:
+            failure = str(error)
+    failure = distributed.all_gather_objects(failure, run.context)[0]
+    if failure is not None:
+        raise TeacherServerError(failure)
+    if scored is not None:  # as the standalone teacher's: ids as int32, half the bytes
+        scored["teacher_topk_ids"] = scored["teacher_topk_ids"].to(torch.int32)
+    whole = dict(distributed.gather_tensor_dicts(scored, run.context)[0])
+    whole["teacher_topk_ids"] = whole["teacher_topk_ids"].long()
     return whole
 
 

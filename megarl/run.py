@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the roles import vLLM or Megatron: only the ranks that play
     from megarl.rewards import RewardSpec
     from megarl.rollout import RolloutEngine
     from megarl.teacher import Teacher, TeacherEngine
+    from megarl.teacher_server import TeacherServer
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Run:
     reference: Reference | BaseOfPolicy | None  # on train ranks when a KL term needs one (LoRA: the policy's base)
     teacher: Teacher | None  # colocated distillation teacher: a frozen Megatron model on the train ranks
     teacher_engine: TeacherEngine | None  # standalone distillation teacher: a vLLM engine on the teacher ranks
+    teacher_server: TeacherServer | None  # --teacher-server's client, on launch rank 0 (the rank that asks)
     kl_controller: object | None  # an algorithms.KL_CONTROLLERS entry when --kl-coef > 0
     weight_sync: object  # a weight_sync.WEIGHT_SYNC_STRATEGIES entry
     weight_version: int = 0  # trainer -> rollout syncs so far, the same count on every rank (SPMD)
@@ -123,6 +125,7 @@ class Inputs:
     tokenizer: object
     prompts: object
     eval_sets: dict
+    teacher_server: object | None = None  # --teacher-server's client, its checks passed (teacher_server.connect)
 
 
 def load_inputs(args) -> Inputs:
@@ -157,8 +160,14 @@ def load_inputs(args) -> Inputs:
         from megarl.arguments import resolve_epochs
 
         resolve_epochs(args, len(prompts))
+    teacher_server = None
+    if args.teacher_server:  # the server answers, serves the top K and shares the student's tokenizer
+        from megarl.teacher_server import connect
+
+        teacher_server = connect(args, tokenizer, hf_config.vocab_size)
     return Inputs(hf_config, tokenizer, prompts,
-                  eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {})
+                  eval_prompts(args, tokenizer, system_prompt or None) if args.eval_datasets else {},
+                  teacher_server)
 
 
 def check_model_dir(flag: str, path: str, megatron: bool = True):
@@ -249,7 +258,8 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
         args=args, context=context, hf_config=hf_config, tokenizer=tokenizer,
         prompts=inputs.prompts, eval_sets=inputs.eval_sets,
         reward=reward, rollout=rollout, actor=actor, critic=critic, reference=reference, teacher=teacher,
-        teacher_engine=teacher_engine, kl_controller=kl_controller, timed_rewards=timed_rewards,
+        teacher_engine=teacher_engine, teacher_server=inputs.teacher_server if rank == 0 else None,
+        kl_controller=kl_controller, timed_rewards=timed_rewards,
         activity=activity or Activity(), episodes=episodes,
         weight_sync=build_weight_sync(context, int(args.sync_bucket_mb * 2**20)))
 

@@ -13,7 +13,9 @@ full-vocabulary distillation, beside each student micro-batch so that only one
 micro-batch of teacher logits exists at a time.
 
 `TeacherEngine`, standalone: a vLLM engine on the teacher ranks (the `teacher:`
-group), with `score_samples` from vLLM's prompt logprobs and `generate` for --seq-kd.
+group), with `score_samples` from vLLM's prompt logprobs and `generate` for --seq-kd. Its alignment
+of those logprobs to the responses (`response_topk`) also serves a teacher behind a vLLM server
+(megarl/teacher_server.py, --teacher-server).
 
 OPSD rows (a teacher prompt) are scored after that prompt; every output is
 response-aligned, so it lines up with the student's response token by token.
@@ -182,23 +184,34 @@ class TeacherEngine(VllmEngine):
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences],
                                     [params] * len(sequences), use_tqdm=False)
-        n = len(samples)
-        ids = torch.zeros(n, width, k, dtype=torch.long)
-        logprobs = torch.zeros(n, width, k)
-        sampled = torch.zeros(n, width)
-        for i, (sample, sequence, output) in enumerate(zip(samples, sequences, outputs)):
-            start = len(sequence) - len(sample.response_ids)  # position of response token 0
-            for j, token in enumerate(sample.response_ids):
-                # Entry t of prompt_logprobs is the distribution of token t given the tokens before it:
-                # the top K by rank, plus token t itself when it ranks lower.
-                candidates = output.prompt_logprobs[start + j]
-                best = sorted(candidates.items(), key=lambda item: item[1].rank)[:k]
-                ids[i, j] = torch.tensor([token_id for token_id, _ in best])
-                logprobs[i, j] = torch.tensor([entry.logprob for _, entry in best])
-                sampled[i, j] = candidates[token].logprob
-        if self.args.gkd_temperature != 1.0:  # exact for the renormalised top-k support only
-            logprobs = torch.log_softmax(logprobs / self.args.gkd_temperature, dim=-1)
-        scored = {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
-        if self.args.temperature == 1.0:
-            scored["teacher_logprobs"] = sampled
-        return scored
+        # Entry t of prompt_logprobs is the distribution of token t given the tokens before it.
+        positions = [[{token: (entry.logprob, entry.rank) for token, entry in candidates.items()}
+                      for candidates in output.prompt_logprobs[len(sequence) - len(sample.response_ids):]]
+                     for sample, sequence, output in zip(samples, sequences, outputs)]
+        return response_topk(samples, positions, width, k, self.args.gkd_temperature, self.args.temperature)
+
+
+def response_topk(samples, positions, width: int, k: int, gkd_temperature: float,
+                  temperature: float) -> dict[str, torch.Tensor]:
+    """A vLLM teacher's scores of `samples` (this engine's, or a teacher server's), response-aligned:
+    `positions[i][j]` is {token id: (logprob, rank)} of response token j of sample i, as vLLM's prompt
+    logprobs list it: the top K by rank, plus the response token itself when it ranks lower. Gives
+    `teacher_topk_ids` [n, width, k] (long), `teacher_topk_logprobs` [n, width, k] (at `gkd_temperature`)
+    and, at `temperature` 1, `teacher_logprobs` [n, width] (vLLM's prompt logprobs are at T = 1)."""
+    n = len(samples)
+    ids = torch.zeros(n, width, k, dtype=torch.long)
+    logprobs = torch.zeros(n, width, k)
+    sampled = torch.zeros(n, width)
+    for i, sample in enumerate(samples):
+        for j, token in enumerate(sample.response_ids):
+            candidates = positions[i][j]
+            best = sorted(candidates.items(), key=lambda item: item[1][1])[:k]
+            ids[i, j] = torch.tensor([token_id for token_id, _ in best])
+            logprobs[i, j] = torch.tensor([logprob for _, (logprob, _) in best])
+            sampled[i, j] = candidates[token][0]
+    if gkd_temperature != 1.0:  # exact for the renormalised top-k support only
+        logprobs = torch.log_softmax(logprobs / gkd_temperature, dim=-1)
+    scored = {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
+    if temperature == 1.0:
+        scored["teacher_logprobs"] = sampled
+    return scored

@@ -19,7 +19,7 @@ import traceback  # noqa: E402
 
 from megarl.arguments import parse_args  # noqa: E402
 from megarl import cpu_affinity, host_memory  # noqa: E402
-from megarl.errors import ConfigError  # noqa: E402
+from megarl.errors import ConfigError, TeacherServerError  # noqa: E402
 from megarl.checkpoint import CheckpointError  # noqa: E402
 from megarl.distributed import init_distributed, launch_env  # noqa: E402
 from megarl.metrics import MetricsLogger  # noqa: E402
@@ -193,7 +193,9 @@ def _report_failure(rank: int, error: BaseException, activity: Activity) -> None
         return
     doing = str(activity)
     message = (str(error).strip().splitlines() or [""])[0][:300]
-    if isinstance(error, CheckpointError):  # every rank raises it alike; one prints
+    # Every rank raises these alike (a checkpoint written or read by all, the teacher server's answer shared
+    # by rank 0: phases._score_on_teacher_server); one prints.
+    if isinstance(error, (CheckpointError, TeacherServerError)):
         if rank == 0:
             print(f"megarl: error: {error}", file=sys.stderr, flush=True)
         return

@@ -11,8 +11,8 @@ Semantics that differ from megarl's own and are applied here:
     steps_per_generation, and prompts per generation = generation_batch_size / num_generations;
   * `train_iters` counts optimizer steps (megarl's train_steps count generation batches);
   * Megatron's optimizer defaults: cosine decay, weight decay 0.1, Adam beta2 0.95, distributed optimizer;
-  * a `teacher_model` on a GRPO run is OPD-RL: the teacher's log-ratio enters the token rewards
-    (`teacher_kl_coef`), not a distillation loss.
+  * a `teacher_model` (or `teacher_model_server`) on a GRPO run is OPD-RL: the teacher's log-ratio enters the
+    token rewards (`teacher_kl_coef`), not a distillation loss.
 Role groups: `train.X` is X for the trainer; `rollout.vllm_X` and `teacher.vllm_X` are the vLLM settings
 of the rollout and of the standalone teacher; `<role>.gpus` the rank counts; `teacher.model` the standalone
 teacher's checkpoint.
@@ -216,8 +216,7 @@ TABLE: dict[str, Rule] = {
     "teacher_model": to("teacher_model", expand_path),
     "ref_model": to("ref_model", expand_path),
     "external_plugins": to("external_plugins", lambda v: [expand_path(p) for p in (v if isinstance(v, list) else [v])]),
-    "teacher_model_server": refuse("a teacher behind an HTTP server: megarl's standalone teacher is a teacher: "
-                                   "group of vLLM ranks (teacher.gpus, teacher.model)"),
+    "teacher_model_server": to("teacher_server"),
     "teacher_tag_key": ignore("multi-teacher routing over teacher servers"),
     "tuner_type": custom(lambda v, ctx: {}, refuse_if=_not(("full", "lora")), refusal=TUNERS),
     "train_type": custom(lambda v, ctx: {}, refuse_if=_not(("full", "lora")), refusal=TUNERS),
@@ -624,7 +623,8 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
         num_generations = 8 if num_generations is None else num_generations
         put("beta", beta, {"kl_coef": 0.04 if beta is None else beta}, "GRPO: KL coefficient",
             "mapped" if beta is not None else DEFAULT)
-        if flat.get("teacher_model"):  # OPD-RL: the teacher's log-ratio as a per-token reward
+        # OPD-RL: the teacher's log-ratio as a per-token reward
+        if flat.get("teacher_model") or flat.get("teacher_model_server"):
             coef = flat.get("teacher_kl_coef", 1.0)
             put("teacher_kl_coef", coef, {"distill_reward_coef": coef, "distill_coef": 0.0},
                 "GRPO + teacher = OPD-RL", "mapped" if "teacher_kl_coef" in flat else DEFAULT)
