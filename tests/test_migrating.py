@@ -219,7 +219,7 @@ def test_verl_seed_config_with_overrides(tiny_model):
         kl_placement="reward", kl_estimator="k1", kl_coef=0.005, kl_controller="fixed",
         reward="verl_data_source", system_prompt="", max_new_tokens=512, max_prompt_length=512,
         train_data=[f"{home}/data/rlhf/gsm8k/train.parquet"], eval_datasets={"val": f"{home}/data/rlhf/gsm8k/test.parquet"},
-        eval_interval=2, save_dir="checkpoints/verl_examples/gsm8k", save_interval=0, resume="auto",
+        eval_interval=2, save_dir="checkpoints/verl_examples/gsm8k", save_interval=-1, resume="auto",
         rollout_engine_kwargs={"enforce_eager": True, "max_num_batched_tokens": 8192, "max_num_seqs": 1024}))
     assert args.config_notes[0].startswith(f"read {VERL} as verl PPO trainer config with 7 override(s): ")
     assert "fsdp_config" in args.config_notes[1] and "HDFS" in args.config_notes[1]
@@ -817,23 +817,27 @@ def test_verl_moe_lora_recipe_translates_whole(random_qwen3_moe_untied, tmp_path
 
 
 def test_verl_save_freq_saves_where_verl_does(tiny_model):
-    """trainer.save_freq without trainer.default_local_dir: verl's default directory,
-    checkpoints/${trainer.project_name}/${trainer.experiment_name} (verl_examples / gsm8k unless set); with
-    save_freq -1 nothing is saved, as in verl."""
+    """trainer.default_local_dir omitted: verl's default directory, checkpoints/${trainer.project_name}/
+    ${trainer.experiment_name} (verl_examples / gsm8k unless set), which resume_mode auto (its default) reads;
+    save_freq -1 (its default) or 0 saves nothing, as in verl (megarl's --save-interval -1)."""
     def overrides(*extra):
         return _parse(["--config-format", "verl", f"actor_rollout_ref.model.path={tiny_model}",
                        "trainer.n_gpus_per_node=2", "data.train_files=[x.parquet]", "data.train_batch_size=4",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", *extra], 2)
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.logger=[console]", *extra], 2)
 
-    _check(overrides("trainer.save_freq=5"), dict(save_interval=5, save_dir="checkpoints/verl_examples/gsm8k"))
+    _check(overrides("trainer.save_freq=5"), dict(save_interval=5, save_dir="checkpoints/verl_examples/gsm8k",
+                                                  resume="auto"))
     assert overrides("trainer.save_freq=5", "trainer.experiment_name=run1").save_dir == "checkpoints/verl_examples/run1"
-    assert not overrides("trainer.save_freq=-1").save_dir
+    for given in ([], ["trainer.save_freq=-1"], ["trainer.save_freq=0"]):
+        _check(overrides(*given), dict(save_interval=-1, save_dir="checkpoints/verl_examples/gsm8k"))
+    assert not overrides("trainer.default_local_dir=null").save_dir
 
 
 def test_verl_overrides_alone_on_the_command_line(tiny_model):
     args = _parse(["--config-format", "verl", f"actor_rollout_ref.model.path={tiny_model}", "trainer.n_gpus_per_node=2",
                    "data.train_files=[x.parquet]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=3"], 2)
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=3",
+                   "trainer.logger=[console]"], 2)
     # verl's own defaults where the overrides say nothing: GAE, AdamW weight decay 0.01, lr 1e-6
     _check(args, dict(advantage_estimator="gae", weight_decay=0.01, lr=1e-6, train_steps=3, train_epochs=None,
                       global_batch_size=4, micro_batch_size=2, kl_coef=0.0))
@@ -949,3 +953,46 @@ def test_verl_fsdp_offload_flags_are_megarls(tiny_model):
                  "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
     _check(args, dict(offload_model=True, offload_optimizer=True))
     _check(_verl(tiny_model), dict(offload_model=False, offload_optimizer=False))
+
+
+# ------------------------------------------------------------- defaults walk ----------
+#
+# Issue 53, item 1: a key the user leaves out reads as that framework's default. verl's full default configs
+# (tests/data/migrating/defaults: _generated_ppo_[megatron_]trainer.yaml, as verl generates them) are read
+# as the config file, and must give every megarl option the value the same overrides give without the file.
+DEFAULTS = DATA / "defaults"
+# Placeholders the user always replaces (verl's file names a model and data it does not ship).
+VERL_USER_GIVEN = ("actor_rollout_ref.model.path", "data.train_files", "data.val_files", "critic.model.path",
+                   "critic.model.tokenizer_path", "reward_model.model.path")
+# vLLM's throughput settings and the sync's bucket size: passed when given, never defaulted (they change
+# how fast, not what a run computes; docs/migrating.md).
+NOT_DEFAULTED = ("rollout_engine_kwargs", "sync_bucket_mb", "config_notes")
+
+
+def _without(config: dict, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        config = config.get(part) or {}
+    config.pop(leaf, None)
+
+
+@pytest.mark.parametrize("backend,name", [("megatron", "verl_generated_ppo_megatron_trainer.yaml"),
+                                          ("fsdp", "verl_generated_ppo_trainer.yaml")])
+def test_verl_keys_left_out_read_as_verls_own_defaults(backend, name, tiny_model, tmp_path):
+    path = DEFAULTS / name
+    if not path.exists():
+        pytest.skip(f"{path.name} is not in tests/data/migrating/defaults")
+    config = yaml.safe_load(path.read_text())
+    for key in VERL_USER_GIVEN:
+        _without(config, key)
+    (tmp_path / name).write_text(yaml.safe_dump(config))
+    base = [f"actor_rollout_ref.model.path={tiny_model}", "trainer.n_gpus_per_node=2", "data.train_files=[x.parquet]",
+            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.logger=[console]",
+            f"critic.model.path={tiny_model}"]
+    left_out = _parse(["--config-format", "verl", *base] +
+                      (["actor_rollout_ref.actor.strategy=megatron"] if backend == "megatron" else []), 2)
+    given = _parse(["--config", tmp_path / name, *base], 2)
+    assert "as verl PPO trainer config" in given.config_notes[0], given.config_notes
+    differ = {dest: (value, getattr(given, dest)) for dest, value in vars(left_out).items()
+              if dest not in NOT_DEFAULTED and getattr(given, dest) != value}
+    assert not differ, f"left out vs given at verl's default ({backend} back-end): {differ}"

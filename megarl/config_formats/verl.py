@@ -664,6 +664,8 @@ def script_overrides(tokens: list[str], where) -> list[str]:
             continue
         if token.startswith("--config-"):
             if _verl_own_config(token):  # verl's packaged trainer config: the defaults megarl applies anyway
+                if "megatron" in token:  # ppo_megatron_trainer.yaml: what sets the Megatron back-end's defaults
+                    out.insert(0, f"{A}.strategy=megatron")
                 continue
             raise ConfigError(f"{where}: {token}: Hydra composes that config; give it to megarl as --config FILE "
                               f"and the overrides after it")
