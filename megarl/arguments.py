@@ -382,6 +382,9 @@ def _add_dapo_and_off_policy_args(parser):
                    help="dynamic sampling: generated batches per step before topping up with dropped groups")
     g.add_argument("--overlong-buffer-len", type=int, default=0,
                    help="DAPO soft overlong punishment over the last N tokens of max_new_tokens (0: off)")
+    g.add_argument("--overlong-penalty-factor", type=float, default=1.0,
+                   help="the soft overlong punishment reaches -factor at max_new_tokens (verl's DAPO "
+                        "overlong_buffer_cfg.penalty_factor)")
     g.add_argument("--filter-truncated", action="store_true",
                    help="mask responses that hit max_new_tokens out of the loss")
     g.add_argument("--tis-level", default="none", choices=["none", "token", "sequence", "geometric"],
@@ -895,6 +898,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.filter_truncated and args.min_new_tokens == args.max_new_tokens:
         raise ConfigError(f"--filter-truncated with --min-new-tokens = --max-new-tokens = {args.max_new_tokens} "
                           f"would mask every response out of the loss (each one hits the limit)")
+    if args.overlong_penalty_factor < 0:
+        raise ConfigError(f"--overlong-penalty-factor must be >= 0, got {args.overlong_penalty_factor}")
     if not 0 <= args.overlong_buffer_len <= args.max_new_tokens:
         raise ConfigError(f"--overlong-buffer-len must be in [0, max_new_tokens={args.max_new_tokens}], "
                           f"got {args.overlong_buffer_len}")

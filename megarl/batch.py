@@ -85,7 +85,7 @@ def response_aligned(rows: list[list[float]], width: int) -> torch.Tensor:
 
 
 def score_and_filter(samples, max_new_tokens: int, overlong_buffer_len: int = 0,
-                     filter_truncated: bool = False) -> tuple[Batch, dict]:
+                     filter_truncated: bool = False, overlong_penalty_factor: float = 1.0) -> tuple[Batch, dict]:
     """The step's Batch: scores (reward, minus DAPO's soft overlong penalty when its buffer is set)
     and masks (responses that hit max_new_tokens leave the loss with --filter-truncated; they
     keep their reward in the group statistics). Also the filters' metrics."""
@@ -99,7 +99,7 @@ def score_and_filter(samples, max_new_tokens: int, overlong_buffer_len: int = 0,
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     metrics = {}
     if overlong_buffer_len:
-        penalty = soft_overlong_penalty(lengths, max_new_tokens, overlong_buffer_len)
+        penalty = overlong_penalty_factor * soft_overlong_penalty(lengths, max_new_tokens, overlong_buffer_len)
         scores = scores + penalty
         metrics["overlong_penalty_mean"] = penalty.mean().item()
     if filter_truncated:

@@ -136,7 +136,8 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
 @phase
 def score_and_filter(run: Run, samples):
     args = run.args
-    return batching.score_and_filter(samples, args.max_new_tokens, args.overlong_buffer_len, args.filter_truncated)
+    return batching.score_and_filter(samples, args.max_new_tokens, args.overlong_buffer_len, args.filter_truncated,
+                                     args.overlong_penalty_factor)
 
 
 # ------------------------------------------------------------------- prepare ----

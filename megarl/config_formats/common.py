@@ -299,9 +299,18 @@ _ASSIGNMENT = re.compile(r"(?:export\s+)?([A-Za-z_]\w*)=(.*)")
 
 def shell_command(text: str, where: str, marker: str) -> list[str]:
     """The arguments after `marker` (e.g. `rl_example.py`, `verl.trainer.main_ppo`, `megatron rlhf`) in a
-    shell snippet: backslash continuations joined; lines that begin with a flag continue the command (the
-    way READMEs write them); `$NAME` of the snippet's own assignments before the command (`gsm8k=$HOME/x`)
-    and of the environment expanded as the shell would (a name set nowhere is left as written)."""
+    shell script, as bash computes them (`bash_command`: arrays, arithmetic, conditionals, defaults), or,
+    where bash finds no such command (a README snippet that is not a script), as read here: backslash
+    continuations joined; lines that begin with a flag continue the command (the way READMEs write them);
+    `$NAME` of the snippet's own assignments before the command (`gsm8k=$HOME/x`) and of the environment
+    expanded as the shell would (a name set nowhere is left as written)."""
+    found, bash_error = bash_command(text, marker)
+    if bash_error:  # a script the shell cannot parse does not run: its launcher's users would see this too
+        raise ConfigError(f"{where}: bash cannot parse it: {bash_error}")
+    return found if found is not None else _read_snippet(text, where, marker)
+
+
+def _read_snippet(text: str, where: str, marker: str) -> list[str]:
     variables: dict[str, str] = {}
 
     def expand(value: str) -> str:
@@ -335,6 +344,76 @@ def shell_command(text: str, where: str, marker: str) -> list[str]:
         return shlex.split(_without_comment(expand(command)))
     except ValueError as error:
         raise ConfigError(f"{where}: cannot split the command line ({error})") from None
+
+
+# Runs a launch script under bash with no command on its PATH: every command it would run (python3, megatron,
+# torchrun, mkdir, nvidia-smi, ...) reaches bash's command_not_found_handle instead, which records its
+# arguments (one NUL-separated record per line of the capture file) and returns 0. So the shell computes
+# the command line exactly (arrays, $((...)), if/case, ${X:-default}) and nothing but bash's builtins runs.
+# `set` is a no-op: a recipe's `set -euo pipefail` would otherwise stop at the first missing command.
+_BASH_PRELUDE = r"""
+command_not_found_handle() {
+    printf '%s\0' "$@" "$MEGARL_END" >> "$MEGARL_CAPTURE"
+    return 0
+}
+set() { :; }
+"""
+BASH_SECONDS = 20
+_RECORD_END = "\x01megarl-end-of-command\x01"
+
+
+def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None]:
+    """The arguments after `marker` (its words in sequence, or a word ending with it: `rl_example.py` of
+    `examples/rl_example.py`) of the first command of the script that has it, as bash computes them (None
+    without bash, when the script fails to run, or when no command has the marker), and bash's syntax
+    error, if it reported one."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    bash = shutil.which("bash")
+    if bash is None:
+        return None, None
+    with tempfile.TemporaryDirectory(prefix="megarl-shell-") as scratch:
+        script, capture = os.path.join(scratch, "script.sh"), os.path.join(scratch, "capture")
+        with open(script, "w") as handle:
+            handle.write(text)
+        env = {**os.environ, "PATH": os.path.join(scratch, "no-commands"), "MEGARL_CAPTURE": capture,
+               "MEGARL_END": _RECORD_END}
+        try:
+            ran = subprocess.run([bash, "--noprofile", "--norc", "-c", _BASH_PRELUDE + '\n. "$0"', script],
+                                 env=env, cwd=scratch, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, timeout=BASH_SECONDS, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None, None
+        errors = ran.stderr.decode("utf-8", "replace").splitlines()
+        syntax = next((line.split(": ", 1)[-1] for line in errors if "syntax error" in line), None)
+        if not os.path.exists(capture):
+            return None, syntax
+        with open(capture, "rb") as handle:
+            words = [word.decode("utf-8", "replace") for word in handle.read().split(b"\0")[:-1]]
+    records, record = [], []
+    for word in words:  # one record per command: its words, then _RECORD_END
+        if word == _RECORD_END:
+            records.append(record)
+            record = []
+        else:
+            record.append(word)
+    marker_words = marker.split()
+    for number, args in enumerate(records):
+        for index in range(len(args) - len(marker_words) + 1):
+            window = args[index:index + len(marker_words)]
+            if window[:-1] == marker_words[:-1] and (window[-1] == marker_words[-1] or
+                                                     window[-1].endswith("/" + marker_words[-1])):
+                found = args[index + len(marker_words):]
+                # A README's flag lines after a line without its backslash ran as commands of their own
+                # ("-t 16 ..."): they belong to the command, as its reader means them.
+                for following in records[number + 1:]:
+                    if not (following and following[0].startswith("-")):
+                        break
+                    found += following
+                return found, syntax
+    return None, syntax
 
 
 def _expand_shell(value: str, lookup) -> str:

@@ -104,7 +104,8 @@ def _verl_interaction(path, key: str, ctx) -> dict:
 def _megatron_backend(source: dict) -> bool:
     """verl's Megatron back-end (ppo_megatron_trainer.yaml sets actor.strategy megatron; its recipes set
     actor.megatron.* keys); the FSDP back-end otherwise. A few keys mean something in one back-end only."""
-    return source.get(f"{A}.strategy") == "megatron" or any(key.startswith(f"{A}.megatron.") for key in source)
+    return source.get(f"{A}.strategy") == "megatron" or source.get("model_engine") == "megatron" or \
+        any(key.startswith(f"{A}.megatron.") for key in source)
 
 
 def _kl_name(key):
@@ -117,6 +118,8 @@ def _kl_name(key):
 
 def _choice(key, allowed, dest, names=None):
     def convert(value, ctx):
+        if value is None:  # null: unset (verl's deprecated names default to it)
+            return {}
         if value not in allowed:
             ctx.fail(key, f"{value!r} has no megarl counterpart (megarl reads: {', '.join(allowed)})")
         return {dest: (names or {}).get(value, value)}
@@ -451,6 +454,9 @@ TABLE: dict[str, Rule] = {
     "reward_model.sandbox_fusion.url": ignore("no sandbox server", refuse_if=_nonempty,
                                               refusal="a sandbox_fusion server: megarl runs code rewards in its "
                                                       "own sandbox"),
+    "model_engine": ignore("megatron or fsdp: which back-end's defaults apply (megarl trains with Megatron-core "
+                           "either way)", refuse_if=lambda v: v not in (None, "megatron", "fsdp", "dtensor"),
+                           refusal="megarl reads the megatron and fsdp back-ends' configurations"),
     # Newer verl configs (verl/trainer/config/_generated_ppo_megatron_trainer.yaml): its defaults walk in
     # tests/test_migrating.py reads every key of it.
     f"{A}.megatron.use_remove_padding": to("padding_free", bool, "the Megatron back-end's packing (default true)"),
@@ -515,8 +521,72 @@ TABLE: dict[str, Rule] = {
                    "model.use_shm", "model.use_remove_padding", "model.use_fused_kernels", "model.fsdp_config.*",
                    "use_dynamic_bsz", "forward_max_token_len_per_gpu", "launch_reward_fn_async",
                    "sandbox_fusion.max_concurrent", "sandbox_fusion.memory_limit_mb", "profiler.*",
-                   "ulysses_sequence_parallel_size", "megatron.*", "reward_kwargs.*", "enable_resource_pool",
+                   "ulysses_sequence_parallel_size", "megatron.*", "enable_resource_pool",
                    "n_gpus_per_node", "nnodes", "nccl_timeout", "load_weight")},
+    # DAPO's reward manager kwargs (its overlong buffer): megarl's overlong penalty.
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": INF,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": INF,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": INF,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": ignore("megarl logs overlong_penalty_mean"),
+    "reward_model.reward_kwargs.max_resp_len": INF,
+    "reward_model.reward_kwargs.*": ignore("", refuse_if=_nonempty, refusal="this reward manager argument has no "
+                                                                            "megarl counterpart"),
+    "reward_model.sandbox_fusion.*": ignore("no sandbox server"),
+    # Newer verl (generated ppo_trainer.yaml): the parts megarl has no use for, refused where they would matter.
+    "distillation.enabled": ignore("off", refuse_if=_truthy,
+                                   refusal="verl's distillation section is not read yet: give the teacher with "
+                                           "megarl's --teacher-model or a teacher: group, GKD's loss with --gkd-*"),
+    "distillation.*": ignore("distillation settings (distillation.enabled false)"),
+    "trainer.use_v1": ignore("verl's trainer implementation"),
+    "trainer.v1.trainer_mode": ignore("sync", refuse_if=lambda v: v not in (None, "sync"),
+                                      refusal="verl's asynchronous trainer modes: megarl's --async-generation "
+                                              "overlaps one step"),
+    "trainer.v1.*": ignore("verl's v1 trainer settings (trainer_mode sync)"),
+    **{f"skip.{kind}.enable": ignore("off", refuse_if=_truthy, refusal="skipping rollouts from a dump: not in megarl")
+       for kind in ("rollout", "rollout_tq", "async_rollout")},
+    "skip.*": ignore("rollout skipping (off)"),
+    "algorithm.filter_groups.max_inflight_gen_batches": ignore("megarl generates one batch at a time"),
+    "data.gen_batch_size": ignore("train_batch_size prompts per round", refuse_if=lambda v: v is not None,
+                                  refusal="a generation batch larger than data.train_batch_size: megarl's dynamic "
+                                          "sampling generates train_batch_size prompts per round "
+                                          "(filter_groups.max_num_gen_batches rounds)"),
+    "data.function_tool_path": ignore("no tools", refuse_if=_nonempty,
+                                      refusal="verl's function tools: megarl's tools are registered functions "
+                                              "(--tools, --external-plugins)"),
+    "data.audio_key": ignore("multimodal data (megarl is text only)"),
+    "data.mm_processor_kwargs": ignore("multimodal data (megarl is text only)"),
+    "data.mm_processor_kwargs.*": ignore("multimodal data (megarl is text only)"),
+    f"{A}.optim.zero_indexed_step": ignore("the LR schedule's step indexing"),
+    f"{A}.optim.optimizer_impl": ignore("AdamW"),
+    f"{A}.optim.override_optimizer_config.*": ignore("Megatron optimizer tuning (CPU offload of the step, precision-"
+                                                     "aware states): performance only"),
+    f"{A}.policy_loss.dro_beta": ignore("options of policy losses this config does not select"),
+    f"{A}.calculate_sum_pi_squared": ignore("a diagnostic metric"),
+    f"{A}.qat.enable": ignore("off", refuse_if=_truthy, refusal="quantization-aware training: not in megarl"),
+    f"{A}.qat.*": ignore("quantization-aware training (off)"),
+    f"{A}.entropy_from_logits_chunk_size": ignore(PERF),
+    f"{A}.pad_to_length": ignore(PERF),
+    f"{REF}.entropy_from_logits_chunk_size": ignore(PERF),
+    f"{REF}.pad_to_length": ignore(PERF),
+    f"{R}.nnodes": ignore("0: the rollout shares the trainer's nodes", refuse_if=_truthy,
+                          refusal="rollout replicas on nodes of their own: megarl's separate placement "
+                                  "(colocate_groups [], rollout.gpus) in its own YAML"),
+    f"{R}.n_gpus_per_node": ignore("trainer.n_gpus_per_node"),
+    f"{R}.full_determinism": ignore("megarl's engines are seeded per step"),
+    f"{R}.checkpoint_engine.custom_backend_module": ignore("none", refuse_if=_nonempty),
+    f"{R}.moe_load_balance_metrics_interval": ignore("megarl logs routing metrics every step"),
+    f"{R}.moe_tensor_parallel_size": ignore("vLLM's expert sharding (performance)"),
+    f"{R}.qat": ignore("quantization-aware training (off)"),
+    f"{R}.qat.*": ignore("quantization-aware training (off)"),
+    f"{R}.disaggregation.enabled": ignore("off", refuse_if=_truthy,
+                                          refusal="prefill/decode disaggregation: not in megarl"),
+    f"{R}.disaggregation.*": ignore("prefill/decode disaggregation (off)"),
+    **{f"critic.{key}": ignore("megarl's critic shares the actor's parallelism, micro-batches, epochs and LR "
+                               "schedule (its own: critic_lr, value_clip)")
+       for key in ("fsdp.*", "optim.optimizer_impl", "optim.zero_indexed_step", "loss_scale_factor",
+                   "model.hf_config_path", "model.custom_chat_template", "model.exclude_modules",
+                   "model.lora_adapter_path", "model.use_liger", "model.use_fused_kernels",
+                   "model.fused_kernel_options.*", "model.tiled_mlp.*", "model.mtp.*")},
     "custom_reward_function.path": ignore("no custom reward", refuse_if=_nonempty,
                                           refusal="register the function as a megarl reward (@register_reward) "
                                                   "in a file given to --external-plugins, and name it in --reward"),
@@ -660,7 +730,7 @@ def script_overrides(tokens: list[str], where) -> list[str]:
     for token in tokens:
         if token in ("|", "||", "&&", ";", "&") or token.startswith(("2>", ">", "1>")):
             break
-        if token in ("$@", "$*", '"$@"'):
+        if token in ("$@", "$*", '"$@"', "\\"):  # the script's own arguments; a stray trailing backslash
             continue
         if token.startswith("--config-"):
             if _verl_own_config(token):  # verl's packaged trainer config: the defaults megarl applies anyway
@@ -709,7 +779,7 @@ def apply_overrides(tree: dict, overrides: list[str], where: str) -> dict:
             continue
         if mode == "+" and exists:
             raise ConfigError(f"override {token}: {key} is already in {where} (use {key}=... or ++{key}=...)")
-        if not exists and not mode and lookup(TABLE, key) is None:
+        if not exists and not mode and lookup(TABLE, _older_names({key: None}, where)[0].popitem()[0]) is None:
             known = [k for k in TABLE if not k.endswith(".*")]
             raise ConfigError(f"override {token}: unknown verl key{closest(key, known)}")
         try:
@@ -719,14 +789,47 @@ def apply_overrides(tree: dict, overrides: list[str], where: str) -> dict:
     return tree
 
 
+# Newer verl moved the reward settings under `reward.` (verl/trainer/config/reward/): each new name, read as
+# the older one it replaces (the import table keeps the name the file used).
+RENAMED = (("reward.reward_model.model_path", "reward_model.model.path"),
+           ("reward.reward_manager.", "reward_manager."),
+           ("reward.custom_reward_function.", "custom_reward_function."),
+           ("reward.reward_kwargs.", "reward_model.reward_kwargs."),
+           ("reward.sandbox_fusion.", "reward_model.sandbox_fusion."),
+           ("reward.reward_model.", "reward_model."),
+           ("reward.num_workers", "reward_model.num_workers"),
+           ("sandbox_fusion.", "reward_model.sandbox_fusion."))
+
+
+def _older_names(flat: dict, where: str) -> tuple[dict, dict]:
+    """`flat` with RENAMED's new names as the older ones, and {older name: the name the file used}. verl's
+    newer defaults keep the older keys at null beside the new ones: a null yields to the other name."""
+    out, used = dict(flat), {}
+    for key, value in flat.items():
+        older = next((old + key[len(new):] for new, old in RENAMED if key == new or
+                      (new.endswith(".") and key.startswith(new))), key)
+        if older == key:
+            continue
+        del out[key]
+        if flat.get(older) is not None and value is not None and flat[older] != value:
+            raise ConfigError(f"{where}: {key}={value!r} and its older name {older}={flat[older]!r} disagree; "
+                              f"keep one")
+        if value is not None or older not in flat:
+            out[older], used[older] = value, key
+    return out, used
+
+
 def translate(raw: dict, where: str, megarl_options, overrides: list[str] = ()) -> Translation:
     tree = _resolve(apply_overrides(raw, list(overrides), where), where)
     flat = {key: value for key, value in flatten(tree).items() if not key.endswith("._target_")}
+    flat, used = _older_names(flat, where)
     out = Translation("verl", where, how="verl PPO trainer config"
                       + (f" with {len(overrides)} override(s)" if overrides else ""))
     ctx = Context(flat, where)
     apply_table(out, TABLE, flat, ctx)
     _semantics(out, flat, ctx, megarl_options)
+    for row in out.rows:
+        row.key = used.get(row.key, row.key)
     return out
 
 
@@ -801,6 +904,7 @@ FSDP_DEFAULTS = (
     (f"{F}.enable_gradient_checkpointing", True, {"recompute_granularity": "full", "recompute_method": "uniform",
                                                  "recompute_num_layers": 1}),
     (f"{F}.use_remove_padding", True, {"padding_free": True}),
+    (f"{A}.optim.min_lr_ratio", 0.0, {"min_lr_ratio": 0.0}),
 )
 
 
@@ -919,6 +1023,15 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
                 "verl's rule rewards by data_source; no system prompt added")
     if get("reward_model.overlong_buffer.enable"):
         put("reward_model.overlong_buffer.len", {"overlong_buffer_len": get("reward_model.overlong_buffer.len", 0)})
+    buffer = "reward_model.reward_kwargs.overlong_buffer_cfg"
+    if get(f"{buffer}.enable"):  # DAPO's reward manager: -(L - (max_resp_len - len)) / len * penalty_factor
+        limit = get("reward_model.reward_kwargs.max_resp_len", get("data.max_response_length", 512))
+        if limit != get("data.max_response_length", 512):
+            ctx.fail("reward_model.reward_kwargs.max_resp_len", f"{limit} differs from data.max_response_length: "
+                                                                 f"megarl counts the buffer back from the latter")
+        put(f"{buffer}.len", {"overlong_buffer_len": get(f"{buffer}.len", 0),
+                              "overlong_penalty_factor": float(get(f"{buffer}.penalty_factor", 1.0))},
+            "DAPO's soft overlong penalty, times penalty_factor")
     # Rollout importance sampling (older key names).
     if get("algorithm.rollout_is"):
         put("algorithm.rollout_is", {"tis_level": get("algorithm.rollout_is_level", "token"),
