@@ -787,3 +787,17 @@ def test_recomputation_reruns_the_layers_it_names(world, tiny_model):
     for name in RECOMPUTE:
         error = ulps(grads[name], grads["none"])
         assert error <= 2 * FP32_ULPS, f"{name}: gradients {error:.0f} ulps from the run without recomputation"
+
+
+def test_the_overlong_penalty_factor_scales_dapos_penalty():
+    """--overlong-penalty-factor (verl's overlong_buffer_cfg.penalty_factor): the soft penalty times it, so a
+    response at max_new_tokens loses the factor, one inside the buffer's first token nothing."""
+    from megarl.batch import score_and_filter
+    from megarl.samples import Sample
+
+    samples = [Sample(prompt_index=0, prompt_ids=[1], response_ids=[5] * length, response_text="", truncated=False,
+                      reward=1.0, logprobs=[0.0] * length) for length in (4, 6, 8)]
+    base, _ = score_and_filter(samples, 8, overlong_buffer_len=4)
+    half, _ = score_and_filter(samples, 8, overlong_buffer_len=4, overlong_penalty_factor=0.5)
+    assert base.scores.tolist() == [1.0, 0.5, 0.0]
+    assert half.scores.tolist() == [1.0, 0.75, 0.5]

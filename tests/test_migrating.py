@@ -996,3 +996,37 @@ def test_verl_keys_left_out_read_as_verls_own_defaults(backend, name, tiny_model
     differ = {dest: (value, getattr(given, dest)) for dest, value in vars(left_out).items()
               if dest not in NOT_DEFAULTED and getattr(given, dest) != value}
     assert not differ, f"left out vs given at verl's default ({backend} back-end): {differ}"
+
+
+def test_launch_scripts_are_read_as_bash_computes_them(tmp_path):
+    """Arrays, arithmetic, conditionals and `set -euo pipefail` with commands that are not there (nothing but
+    bash's builtins runs: the mkdir below never happens); a README line without its backslash still has its
+    flag lines; a script bash cannot parse stops in one line with bash's reason."""
+    from megarl.config_formats.common import shell_command
+
+    text = ("set -xeuo pipefail\nmkdir -p made_by_the_script\nN=${N:-3}\nif [ \"$N\" -gt 2 ]; then MODE=big; "
+            "else MODE=small; fi\nARGS=(\n    a.b=$((N * 4))\n    c.d=\"x y\"\n)\n"
+            "python3 -m verl.trainer.main_ppo \\\n    \"${ARGS[@]}\" e.f=$MODE \"$@\"\n")
+    assert shell_command(text, "t.sh", "verl.trainer.main_ppo") == ["a.b=12", "c.d=x y", "e.f=big"]
+    assert not (tmp_path / "made_by_the_script").exists() and not os.path.exists("made_by_the_script")
+    readme = "python rl_example.py\n-m /m \\\n-t 2\n-s \"say \\\\boxed{}\"\n"
+    assert shell_command(readme, "r.sh", "rl_example.py") == ["-m", "/m", "-t", "2", "-s", "say \\boxed{}"]
+    with pytest.raises(ConfigError) as error:
+        shell_command("case x in\n  x) A=1\n;;\n  *) if true; then B=2\n;;\nesac\n", "bad.sh", "x.py")
+    assert "bad.sh: bash cannot parse it: line" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("prefix", ["reward_model", "reward"])
+def test_verl_dapo_overlong_buffer_is_megarls(prefix, tiny_model):
+    """DAPO's reward manager kwargs (verl's recipes, in the older reward_model.* and the newer reward.* layout):
+    the overlong buffer and its penalty factor; a max_resp_len other than the response length stops."""
+    def parse(*extra):
+        return _verl(tiny_model, "data.max_response_length=8", f"{prefix}.reward_manager{'.name' * (prefix == 'reward')}"
+                     "=dapo", f"+{prefix}.reward_kwargs.overlong_buffer_cfg.enable=True",
+                     f"+{prefix}.reward_kwargs.overlong_buffer_cfg.len=4",
+                     f"+{prefix}.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5", *extra)
+
+    _check(parse(f"+{prefix}.reward_kwargs.max_resp_len=8"), dict(overlong_buffer_len=4, overlong_penalty_factor=0.5))
+    with pytest.raises(ConfigError) as error:
+        parse(f"+{prefix}.reward_kwargs.max_resp_len=16")
+    assert "max_resp_len" in str(error.value) and "\n" not in str(error.value)
