@@ -412,10 +412,14 @@ def _add_data_args(parser):
                         "model to add, with --tools calculator or python to add them")
     g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
     g.add_argument("--max-prompt-length", type=int, default=128, help="longest prompt in tokens")
-    g.add_argument("--truncation", default="error", choices=["error", "left", "right"],
-                   help="a prompt over --max-prompt-length: error (naming file and line), keep its end, or its start")
+    g.add_argument("--truncation", default="error", choices=["error", "left", "right", "drop"],
+                   help="a prompt over --max-prompt-length: error (naming file and line), keep its end, its start, "
+                        "or leave its row out (verl's filter_overlong_prompts)")
     g.add_argument("--system-prompt", default=None,
                    help="system prompt for rows without one (default: the reward's; '' for none)")
+    g.add_argument("--chat-template-kwargs", type=_json_dict, default={},
+                   help="JSON arguments of every chat-template rendering, e.g. '{\"enable_thinking\": false}' (Qwen3; "
+                        "ms-swift enable_thinking, verl data.apply_chat_template_kwargs)")
 
 
 def _add_reward_args(parser):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -151,11 +152,16 @@ def load_inputs(args) -> Inputs:
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, TypeError, ...
         raise ConfigError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer "
                           f"({_first_line(error)})") from None
+    if args.chat_template_kwargs:  # every rendering (prompts, episodes' turns) goes through this method
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **args.chat_template_kwargs)
     if len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(f"--tokenizer {args.tokenizer} has {len(tokenizer)} tokens but --model {args.model} has "
                           f"vocab_size={hf_config.vocab_size} (config.json): the tokenizer is not this model's")
     system_prompt = args.system_prompt if args.system_prompt is not None else default_system_prompt(args.reward)
     prompts = prompt_source(args, tokenizer, system_prompt or None)
+    if getattr(prompts, "dropped", 0) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"megarl: {prompts.dropped} training rows are over --max-prompt-length {args.max_prompt_length} and "
+              f"left out (--truncation drop); {len(prompts)} remain", flush=True)
     if args.train_epochs is not None:  # the run's length follows from the data set's
         from megarl.arguments import resolve_epochs
 

@@ -174,8 +174,36 @@ def test_truncation(tmp_path, tokenizer):
         render(row, tokenizer, max_prompt_length=10)
     with pytest.raises(DatasetError, match=rf"^{path}:1: prompt is {len(full)} tokens"):  # found at start
         PromptDataset([row], tokenizer, prompts_per_step=1, max_prompt_length=10)
-    with pytest.raises(DatasetError, match="truncation must be one of error, left, right, got 'middle'"):
+    with pytest.raises(DatasetError, match="truncation must be one of error, left, right, drop, got 'middle'"):
         PromptDataset([row], tokenizer, prompts_per_step=1, truncation="middle")
+
+
+def test_truncation_drop_leaves_over_long_rows_out(tmp_path, tokenizer):
+    """truncation "drop" (verl's filter_overlong_prompts, ms-swift's truncation_strategy delete): rows whose
+    prompt, or OPSD teacher prompt, is over the limit are not in the set, and counted; none left is one error."""
+    rows = load_rows(write_jsonl(tmp_path / "t.jsonl", [{"messages": user("x" * 40)}, {"messages": user("y")},
+                                                        {"messages": user("z"), "teacher_prompt": "w" * 40}]))
+    short = len(render(rows[1], tokenizer))
+    data = PromptDataset(rows, tokenizer, prompts_per_step=1, max_prompt_length=short, truncation="drop")
+    assert (len(data), data.dropped) == (1, 2)
+    assert [p.ids for p in data.batch(0)] == [render(rows[1], tokenizer)]
+    with pytest.raises(DatasetError, match="every one of the 1 training rows is over --max-prompt-length 4"):
+        PromptDataset(rows[:1], tokenizer, prompts_per_step=1, max_prompt_length=4, truncation="drop")
+
+
+def test_a_file_name_with_a_count_draws_that_many_rows(tmp_path, tokenizer):
+    """ms-swift's `name#N`: N distinct rows (its data seed) when the set has them, else the set repeated and
+    the rest drawn; a file whose own name ends so is read whole."""
+    path = write_jsonl(tmp_path / "n.jsonl", numbered(5))
+    three = load_rows(f"{path}#3")
+    assert len(three) == 3 == len({r.messages[0]["content"] for r in three})
+    seven = load_rows([f"{path}#7"])
+    assert len(seven) == 7 and len({r.messages[0]["content"] for r in seven}) == 5
+    assert [r.messages for r in load_rows(f"{path}#3")] == [r.messages for r in three]  # seeded
+    odd = tmp_path / "odd#2"
+    odd.mkdir()
+    write_jsonl(odd / "rows.jsonl", numbered(4))
+    assert len(load_rows(str(odd))) == 4  # a directory whose name ends in #2: every file's rows
 
 
 # ----------------------------------------------------------------- ordering ----

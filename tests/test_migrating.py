@@ -144,7 +144,7 @@ def test_swift_sleep_level(tmp_path, tiny_model, level, expected):
     ("rlhf_type: dpo\n", "rlhf_type=dpo: megarl trains online RL (grpo) and distillation (gkd) only"),
     ("rlhf_type: grpo\nreward_funcs: [code_format]\n", "'code_format' is an ms-swift built-in reward megarl does not "
                                                       "have"),
-    ("rlhf_type: gkd\ndataset: AI-ModelScope/alpaca-gpt4-data-en#2000\n", "'#2000' samples 2000 rows of a hub"),
+    ("rlhf_type: gkd\ndataset: AI-ModelScope/alpaca-gpt4-data-en#all\n", "'#all' is not a row count"),
 ])
 def test_swift_unknown_and_refused_keys_are_one_line(tmp_path, text, message):
     config = tmp_path / "c.yaml"

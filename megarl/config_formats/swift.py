@@ -27,6 +27,7 @@ from megarl.config_formats.common import (
     DEFAULT, LORA_LAYOUT, Context, Rule, Translation, apply_table, custom, expand_path, ignore, ignore_all, informs,
     lora_targets, refuse, rslora_alpha, to,
 )
+from megarl.errors import ConfigError
 
 ROLES = ("train", "rollout", "teacher")
 
@@ -143,20 +144,20 @@ def _is_mode(value, ctx):
 
 
 def _truncation(value, ctx):
-    if value in (None, "left", "right"):
-        return {"truncation": value} if value else {}
-    ctx.fail("truncation_strategy", f"{value!r} drops or splits over-long rows; megarl stops on them or cuts "
-                                    f"them (left|right)")
+    if value in (None, "left", "right", "delete"):
+        return {"truncation": "drop" if value == "delete" else value} if value else {}
+    ctx.fail("truncation_strategy", f"{value!r} splits over-long rows; megarl stops on them, cuts them (left, "
+                                    f"right) or leaves them out (delete)")
 
 
 def _dataset(value, ctx):
     paths = []
     for item in value if isinstance(value, list) else [value]:
-        path, _, count = str(item).partition("#")
-        if count:
-            ctx.fail("dataset", f"{item!r}: '#{count}' samples {count} rows of a hub dataset; megarl reads local "
-                                f"files whole: give the file")
-        paths.append(expand_path(path, "dataset"))
+        path, mark, count = str(item).rpartition("#")
+        if mark and not count.isdigit():
+            ctx.fail("dataset", f"{item!r}: '#{count}' is not a row count (ms-swift's name#N)")
+        # name#N: megarl's data loader draws N rows as ms-swift does (megarl/data/datasets.py sample_rows)
+        paths.append(expand_path(path, "dataset") + f"#{count}" if mark else expand_path(str(item), "dataset"))
     return {"train_data": paths}
 
 
@@ -312,6 +313,9 @@ TABLE: dict[str, Rule] = {
     "gym_env": ignore("no gym environment", refuse_if=lambda v: v is not None,
                       refusal="ms-swift's gym environments: megarl's counterpart is an --interaction plugin "
                               "(megarl/tools/interactions.py)"),
+    "enable_thinking": custom(lambda v, ctx: {} if v is None else {"chat_template_kwargs": {"enable_thinking": v}},
+                              "`chat_template_kwargs` enable_thinking (Qwen3's template)"),
+    "log_interval": to("log_interval"),
     "load_safetensors": ignore("megarl reads the HF checkpoint's safetensors (mcore-bridge loading)"),
     # training
     "micro_batch_size": to("micro_batch_size"),
@@ -510,6 +514,9 @@ def flatten(raw: dict, where: str) -> dict:
     return flat
 
 
+# ms-swift's Megatron arguments take Megatron-LM's names for some of its trainer keys: read as those keys.
+MEGATRON_NAMES = {"save_interval": "save_steps", "eval_interval": "eval_steps", "num_workers": "dataloader_num_workers"}
+
 # megarl flags that name a teacher: given after the config, ms-swift's "no teacher_model" is not self-distillation.
 TEACHER_FLAGS = ("--teacher-model", "--standalone-teacher-model", "--teacher-gpus", "--teacher-server")
 
@@ -519,6 +526,15 @@ def translate(raw: dict, where: str, megarl_options, command_line: list[str] = (
     from megarl.config_formats.common import lookup
 
     flat = flatten(raw, where)
+    used = {}
+    for megatron_name, name in MEGATRON_NAMES.items():  # ms-swift's Megatron spellings of its own keys
+        for prefix in ("", "train."):
+            if prefix + megatron_name in flat:
+                if prefix + name in flat:
+                    raise ConfigError(f"{where}: {prefix + megatron_name} and {prefix + name} name one setting; "
+                                      f"keep one")
+                flat[prefix + name] = flat.pop(prefix + megatron_name)
+                used[prefix + name] = prefix + megatron_name
     out = Translation("swift", where, how="ms-swift Megatron RLHF config")
     ctx = Context(flat, where)
     table = dict(TABLE)
@@ -537,6 +553,8 @@ def translate(raw: dict, where: str, megarl_options, command_line: list[str] = (
     apply_table(out, table, flat, ctx)
     teacher_given = any(arg.split("=")[0] in TEACHER_FLAGS for arg in command_line)
     _semantics(out, flat, ctx, rlhf, megarl_options, teacher_given)
+    for row in out.rows:
+        row.key = used.get(row.key, row.key)
     return out
 
 
@@ -728,7 +746,7 @@ SEMANTICS = {
                  "cispo -> `policy_loss` cispo, token_level, `clip_eps_high` = epsilon_high - 1 (epsilon_high > 1); "
                  "sapo -> `policy_loss` sapo, sample_level",
     "rollout_importance_sampling_mode": "`tis_level` and `tis_mode` (token_truncate, sequence_mask, ...)",
-    "truncation_strategy": "`truncation` (left, right)",
+    "truncation_strategy": "`truncation` (left, right; delete: drop)",
     "dataset": "`train_data` (local files)",
     "val_dataset": "`eval_dataset` val=PATH",
     "recompute_granularity": "`recompute_granularity` (none: off)",

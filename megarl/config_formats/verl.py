@@ -155,8 +155,9 @@ TABLE: dict[str, Rule] = {
     "data.val_batch_size": ignore("megarl evaluates each set in one generate call (vLLM batches it), as verl "
                                   "does since it deprecated val_batch_size"),
     "data.truncation": _choice("data.truncation", ("error", "left", "right"), "truncation"),
-    "data.filter_overlong_prompts": ignore("megarl checks every prompt at start and stops on an over-long one "
-                                           "(data.truncation)"),
+    "data.filter_overlong_prompts": custom(lambda v, ctx: {"truncation": "drop"} if v else {},
+                                           "true: `truncation` drop (over-long rows left out, before data.truncation "
+                                           "would apply)"),
     "data.filter_overlong_prompts_workers": ignore("data loading workers"),
     "data.return_raw_input_ids": ignore("megarl's reward model re-renders the conversation itself"),
     "data.return_raw_chat": ignore("megarl keeps each row's chat"),
@@ -180,8 +181,7 @@ TABLE: dict[str, Rule] = {
     "data.sampler.*": ignore("the built-in sampler", refuse_if=_nonempty,
                              refusal="a custom sampler has no megarl counterpart"),
     "data.datagen.*": ignore("dynamic data generation", refuse_if=_nonempty),
-    "data.apply_chat_template_kwargs.*": ignore("", refuse_if=_nonempty,
-                                                refusal="chat template arguments have no megarl counterpart"),
+    "data.apply_chat_template_kwargs.*": INF,
     "data.apply_chat_template_kwargs": ignore("none given"),
     "data.tool_config_path": custom(lambda v, ctx: _verl_tools(v, "data.tool_config_path", ctx),
                                     "verl's tool-config YAML: its tool classes as megarl's tools"),
@@ -966,6 +966,8 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
         out.set("(micro-batch size omitted)", None, DEFAULT, {"micro_batch_size": per_rank},
                 "one micro-batch per mini-batch and rank")
     _backend_defaults(out, flat)
+    if get("data.filter_overlong_prompts"):  # verl filters before data.truncation could apply to any row
+        out.values["truncation"] = "drop"
     # Clip: clip_ratio is both bounds unless clip_ratio_low/high are set.
     clip = get(f"{A}.clip_ratio", 0.2)
     targets = {}
@@ -1036,6 +1038,12 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
     if get("algorithm.rollout_is"):
         put("algorithm.rollout_is", {"tis_level": get("algorithm.rollout_is_level", "token"),
                                      "tis_mode": get("algorithm.rollout_is_mode", "truncate")})
+    template = {key[len("data.apply_chat_template_kwargs."):]: value for key, value in flat.items()
+                if key.startswith("data.apply_chat_template_kwargs.")}
+    if template:
+        for key in template:
+            put(f"data.apply_chat_template_kwargs.{key}", {"chat_template_kwargs": template},
+                "every chat-template rendering")
     # vLLM engine arguments.
     for key, value in flat.items():
         if key.startswith(f"{R}.engine_kwargs.vllm."):

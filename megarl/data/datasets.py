@@ -58,7 +58,9 @@ System prompt rule
 Truncation (`max_prompt_length`, `truncation=`)
     "error" (default) raises naming the file, line, length and limit; "left"
     keeps the last tokens (the end of the question and the generation prompt);
-    "right" keeps the first tokens (this can cut off the generation prompt).
+    "right" keeps the first tokens (this can cut off the generation prompt); "drop" leaves
+    such rows out of the set (verl's data.filter_overlong_prompts, ms-swift's truncation_strategy
+    delete), counted in `PromptDataset.dropped`.
     `PromptDataset` renders every row once at start in "error" mode so an overlong
     prompt fails before training rather than at step 5000 (`check_lengths=False`
     skips that for very large files).
@@ -101,7 +103,7 @@ from megarl.errors import ConfigError
 from megarl.registry import Registry, register
 
 FORMATS = ("auto", "colossalchat", "verl", "swift")
-TRUNCATIONS = ("error", "left", "right")
+TRUNCATIONS = ("error", "left", "right", "drop")
 FILE_TYPES = (".jsonl", ".json", ".parquet")
 # Normalised field names: a leftover column with one of these names would shadow one.
 RESERVED = ("id", "messages", "gt_answer", "test_cases", "data_source", "teacher_prompt", "origin")
@@ -249,15 +251,42 @@ def load_rows(paths, format: str = "auto", prompt_key: str = "prompt",
         raise DatasetError(f"unknown dataset format '{format}'; known: {', '.join(FORMATS)}")
     prepare = _preprocessor(preprocessor)
     rows = []
-    for path in expand_paths(paths):
-        for number, raw in read_file(path):
-            where = f"{path}:{number}"
-            if prepare is not None:
-                raw = _apply_preprocessor(prepare, preprocessor, raw, where)
-            if id_key not in (None, "id"):
-                raw = _id_from(raw, id_key, where)
-            rows.append(normalize(raw, where, format, prompt_key))
+    for given in [paths] if isinstance(paths, (str, os.PathLike)) else list(paths):
+        pattern, count = sample_count(os.fspath(given))
+        chosen = []
+        for path in expand_paths(pattern):
+            for number, raw in read_file(path):
+                where = f"{path}:{number}"
+                if prepare is not None:
+                    raw = _apply_preprocessor(prepare, preprocessor, raw, where)
+                if id_key not in (None, "id"):
+                    raw = _id_from(raw, id_key, where)
+                chosen.append(normalize(raw, where, format, prompt_key))
+        rows += chosen if count is None else sample_rows(chosen, count, given)
     return rows
+
+
+SAMPLE_SEED = 42  # ms-swift's data_seed default: the rows `name#N` draws
+
+
+def sample_count(path: str) -> tuple[str, int | None]:
+    """ms-swift's `name#N` (N rows of the set): the path and N; a file whose own name ends so is read whole."""
+    base, mark, count = path.rpartition("#")
+    if not mark or not count.isdigit() or os.path.exists(path):
+        return path, None
+    return base, int(count)
+
+
+def sample_rows(rows: list, count: int, given: str) -> list:
+    """ms-swift's sampling of `name#N`: N distinct rows drawn with its data seed when the set has as many;
+    otherwise the whole set repeated, then a draw for the rest. Drawn rows keep their file order."""
+    import random
+
+    if not rows:
+        raise DatasetError(f"{given}: no rows to draw {count} from")
+    draw = random.Random(SAMPLE_SEED)
+    whole, rest = divmod(count, len(rows))
+    return rows * whole + [rows[i] for i in sorted(draw.sample(range(len(rows)), rest))]
 
 
 def load_eval_dataset(paths, format: str = "auto", prompt_key: str = "prompt",
@@ -485,15 +514,32 @@ def fit_length(ids: list[int], limit: int | None, truncation: str, where: str) -
         raise DatasetError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got '{truncation}'")
     if limit is None or len(ids) <= limit:
         return ids
-    if truncation == "error":
+    if truncation in ("error", "drop"):  # drop: the row should have been left out (fitting_rows)
         raise DatasetError(f"{where}: prompt is {len(ids)} tokens, over --max-prompt-length {limit} "
-                           f"(truncation 'left' or 'right' cuts it instead)")
+                           f"(truncation 'left' or 'right' cuts it instead, 'drop' leaves the row out)")
     return ids[-limit:] if truncation == "left" else ids[:limit]
+
+
+def fitting_rows(rows: list[Row], tokenizer, system_prompt: str | None, max_prompt_length: int | None,
+                 tools: list[str] = ()) -> list[Row]:
+    """The rows whose prompt (and OPSD teacher prompt) fit --max-prompt-length: truncation "drop"."""
+    if max_prompt_length is None:
+        return list(rows)
+
+    def fits(row):
+        options = (tokenizer, system_prompt, None, "error")
+        teacher = render_teacher_prompt(row, *options)
+        return len(render(row, *options, tools=tools)) <= max_prompt_length and \
+            (teacher is None or len(teacher) <= max_prompt_length)
+    return [row for row in rows if fits(row)]
 
 
 def make_prompts(rows: Iterable[Row], tokenizer, system_prompt: str | None = None,
                  max_prompt_length: int | None = None, truncation: str = "error", tools: list[str] = ()) -> list[Prompt]:
-    """Rendered prompts, indexed 0.. in order, each carrying its row as metadata (`tools`: as `render`)."""
+    """Rendered prompts, indexed 0.. in order, each carrying its row as metadata (`tools`: as `render`;
+    truncation "drop" leaves over-long rows out)."""
+    if truncation == "drop":
+        rows = fitting_rows(list(rows), tokenizer, system_prompt, max_prompt_length, tools)
     options = (tokenizer, system_prompt, max_prompt_length, truncation)
     return [Prompt(index, render(row, *options, tools=tools), row.as_metadata(), render_teacher_prompt(row, *options))
             for index, row in enumerate(rows)]
@@ -520,6 +566,14 @@ class PromptDataset:
                  truncation: str = "error", check_lengths: bool = True, tools: list[str] = ()):
         if not rows:
             raise DatasetError("the training set has no rows")
+        self.dropped = 0  # rows left out as over-long (truncation "drop")
+        if truncation == "drop":
+            kept = fitting_rows(rows, tokenizer, system_prompt, max_prompt_length, tools)
+            self.dropped = len(rows) - len(kept)
+            if not kept:
+                raise DatasetError(f"every one of the {len(rows)} training rows is over --max-prompt-length "
+                                   f"{max_prompt_length} (truncation drop)")
+            rows = kept
         if prompts_per_step < 1:
             raise DatasetError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         self.rows, self.tokenizer = rows, tokenizer
