@@ -24,7 +24,7 @@ import json
 import math
 
 from megarl.config_formats.common import (
-    DEFAULT, LORA_LAYOUT, Context, Rule, Translation, apply_table, custom, expand_path, ignore, ignore_all, informs,
+    DEFAULT, IGNORED, LORA_LAYOUT, Context, Rule, Translation, apply_table, custom, expand_path, ignore, ignore_all, informs,
     lora_targets, refuse, rslora_alpha, to,
 )
 from megarl.errors import ConfigError
@@ -143,6 +143,13 @@ def _is_mode(value, ctx):
     return {"tis_level": level, "tis_mode": mode}
 
 
+def _constant_weight_decay(key, value, ctx):
+    """Megatron's start/end weight decay: the same as weight_decay (0.1 by default) under the constant style."""
+    if value != ctx.get("weight_decay", 0.1):
+        ctx.fail(key, f"{value} differs from weight_decay: megarl's weight decay is constant")
+    return {}
+
+
 def _truncation(value, ctx):
     if value in (None, "left", "right", "delete"):
         return {"truncation": "drop" if value == "delete" else value} if value else {}
@@ -224,7 +231,8 @@ TABLE: dict[str, Rule] = {
     "task_type": ignore("causal LM is megarl's task", refuse_if=_not((None, "causal_lm"))),
     # GKD
     "gkd_logits_topk": to("gkd_logits_topk", lambda v: v or 0),
-    "lmbda": to("gkd_lmbda"),
+    "lmbda": custom(lambda v, ctx: {"gkd_lmbda": v} if ctx.get("rlhf_type") == "gkd" else {},
+                    "gkd: `gkd_lmbda` (a GRPO run has no off-policy steps: ignored)"),
     "seq_kd": to("seq_kd"),
     "offload_teacher_model": to("offload_teacher_model"),
     "sft_alpha": to("sft_alpha", note="cross-entropy on the dataset's responses, on the off-policy steps"),
@@ -316,6 +324,18 @@ TABLE: dict[str, Rule] = {
     "enable_thinking": custom(lambda v, ctx: {} if v is None else {"chat_template_kwargs": {"enable_thinking": v}},
                               "`chat_template_kwargs` enable_thinking (Qwen3's template)"),
     "log_interval": to("log_interval"),
+    "moe_aux_loss_coeff": to("moe_aux_loss_coeff"),
+    "moe_z_loss_coeff": to("moe_z_loss_coeff"),
+    "moe_router_load_balancing_type": ignore("aux_loss (Switch's, per micro-batch)",
+                                             refuse_if=lambda v: v not in (None, "aux_loss", "none"),
+                                             refusal="megarl's load-balancing loss is aux_loss (moe_aux_loss_coeff)"),
+    "moe_expert_capacity_factor": ignore("no capacity: every routed token is computed", refuse_if=lambda v: v is not None,
+                                         refusal="expert capacity (token dropping): megarl computes every routed token"),
+    **{key: ignore("MoE performance settings megarl sets itself (dispatcher, overlap, recomputation)")
+       for key in ("moe_router_dtype", "moe_token_dispatcher_type", "moe_enable_deepep", "moe_shared_expert_overlap",
+                   "moe_layer_recompute", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy")},
+    "manual_gc_interval": ignore("Python's garbage collector (megarl collects at start-up only)"),
+    "gradient_checkpointing_kwargs": ignore("recomputation: recompute_granularity"),
     "load_safetensors": ignore("megarl reads the HF checkpoint's safetensors (mcore-bridge loading)"),
     # training
     "micro_batch_size": to("micro_batch_size"),
@@ -338,8 +358,10 @@ TABLE: dict[str, Rule] = {
     "min_lr": to("min_lr"),
     "weight_decay": to("weight_decay"),
     "weight_decay_incr_style": ignore("constant weight decay", refuse_if=_not(("constant",))),
-    "start_weight_decay": ignore("constant weight decay", refuse_if=lambda v: v is not None),
-    "end_weight_decay": ignore("constant weight decay", refuse_if=lambda v: v is not None),
+    "start_weight_decay": custom(lambda v, ctx: _constant_weight_decay("start_weight_decay", v, ctx),
+                                 "constant weight decay: must equal weight_decay"),
+    "end_weight_decay": custom(lambda v, ctx: _constant_weight_decay("end_weight_decay", v, ctx),
+                               "constant weight decay: must equal weight_decay"),
     "clip_grad": to("clip_grad"),
     "max_grad_norm": to("clip_grad"),
     "adam_beta1": to("adam_beta1"),
@@ -550,6 +572,11 @@ def translate(raw: dict, where: str, megarl_options, command_line: list[str] = (
     rlhf = flat.get("rlhf_type")
     if rlhf is None:
         ctx.fail("rlhf_type", "missing: an ms-swift RLHF config names grpo or gkd")
+    # ms-swift's arguments are dataclass fields whose null is "unset": ms-swift's own default (or the one its
+    # __post_init__ computes) applies, as when the key is left out.
+    for key in [key for key, value in flat.items() if value is None and key != "rlhf_type"]:
+        out.set(key, None, IGNORED, {}, "null: ms-swift's default, as when left out")
+        del flat[key]
     apply_table(out, table, flat, ctx)
     teacher_given = any(arg.split("=")[0] in TEACHER_FLAGS for arg in command_line)
     _semantics(out, flat, ctx, rlhf, megarl_options, teacher_given)
@@ -676,6 +703,12 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
         default("clip_eps_high", flat["epsilon"], "epsilon_high unset: epsilon")
     if rlhf == "grpo":
         default("truncation", "left", "truncation_strategy default for grpo")
+        default("loss_agg", "sample_level", "loss_type default for grpo: grpo")
+    else:
+        default("truncation", "drop", "truncation_strategy default for gkd: delete")
+    # ms-swift's sampling defaults (RolloutTrainerArgumentsMixin): top_k 50, top_p 0.9 (temperature above).
+    default("top_k", 50, "top_k default")
+    default("top_p", 0.9, "top_p default")
     # Soft overlong punishment (DAPO): megarl counts its buffer back from max_new_tokens.
     funcs = flat.get("reward_funcs") or []
     if "soft_overlong" in (funcs if isinstance(funcs, list) else [funcs]):
