@@ -223,6 +223,13 @@ def tiny_tool_model(tiny_model) -> str:
     return str(TINY_TOOL_MODEL)
 
 
+@pytest.fixture(scope="session")
+def tiny_hint_model(tiny_model) -> str:
+    """The self-distillation quickstart's policy (tools/make_tiny_model.py --hints: the tiny model fine-tuned to
+    read an answer hint, ~1 minute); built once if absent."""
+    return _tiny_build(ROOT / "artifacts" / "tiny-qwen2-hints", "--hints", "--base", tiny_model)
+
+
 @pytest.fixture(scope="module")
 def megatron_rank():
     """Megatron's parallel state over a world of one gloo rank in this process (TP = PP = DP = 1)."""

@@ -461,3 +461,20 @@ def nll(batch, logits, companion_outputs):
     logprobs = logits.float().log_softmax(-1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
     loss = -(logprobs * batch.loss_mask).sum()
     return loss, batch.loss_mask.sum().to(torch.int), {"sums": {"loss": loss.detach()}}
+
+
+def opsd_step_batch(run):
+    """The step-0 samples of `run`, every other one made an OPSD row whose privileged teacher prompt is longer
+    than the student's, scored and prepared (old logprobs): what a teach phase reads."""
+    from megarl import phases
+    from megarl.data.prompts import render_chat
+
+    samples, _ = phases.generate(run, 0)
+    for i, sample in enumerate(samples):
+        if i % 2 == 0:
+            sample.teacher_prompt_ids = render_chat(
+                run.tokenizer, f"Hint: the answer is {sample.metadata['answer']}. Add the numbers carefully.",
+                system_prompt="You are a careful calculator.")
+    batch, _ = phases.score_and_filter(run, samples)
+    batch, _ = phases.prepare(run, batch)
+    return batch

@@ -18,6 +18,7 @@ from megarl.data.datasets import register_preprocessor
 def arithmetic_opsd(raw: dict) -> dict:
     """A raw problem -> an ms-swift row with a privileged teacher prompt (the `answer` column stays,
     for the arithmetic reward)."""
+    from megarl.data.tasks.arithmetic import hinted
+
     return {"messages": [{"role": "user", "content": raw["prompt"]}], "solution": raw["answer"],
-            "teacher_prompt": f"{raw['prompt']} (A hint only you can see: the answer is {raw['answer']}.)",
-            "answer": raw["answer"]}
+            "teacher_prompt": hinted(raw), "answer": raw["answer"]}

@@ -23,7 +23,8 @@ from megarl.config_formats.common import Translation, load_yaml_mapping, shell_c
 from megarl.errors import ConfigError
 
 FORMATS = ("megarl", "swift", "verl", "colossalchat")
-SWIFT_COMMAND = re.compile(r"\b(megatron|swift) rlhf\b")
+# `megatron rlhf` / `swift rlhf`, or the script behind them run directly (swift/cli/_megatron/rlhf.py)
+SWIFT_COMMAND = re.compile(r"\b(megatron|swift) rlhf\b|swift/cli/_megatron/rlhf\.py")
 VERL_SECTIONS = ("actor_rollout_ref", "data", "algorithm", "trainer", "critic", "reward_model", "ray_init",
                  "custom_reward_function")
 

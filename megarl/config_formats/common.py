@@ -304,9 +304,11 @@ def shell_command(text: str, where: str, marker: str) -> list[str]:
     continuations joined; lines that begin with a flag continue the command (the way READMEs write them);
     `$NAME` of the snippet's own assignments before the command (`gsm8k=$HOME/x`) and of the environment
     expanded as the shell would (a name set nowhere is left as written)."""
-    found, bash_error = bash_command(text, marker)
+    found, bash_error, stopped = bash_command(text, marker)
     if bash_error:  # a script the shell cannot parse does not run: its launcher's users would see this too
         raise ConfigError(f"{where}: bash cannot parse it: {bash_error}")
+    if found is None and stopped:  # the script's own check (a usage line, a missing variable) ended it
+        raise ConfigError(f"{where}: the script stopped before its {marker} command: {stopped}")
     return found if found is not None else _read_snippet(text, where, marker)
 
 
@@ -362,18 +364,19 @@ BASH_SECONDS = 20
 _RECORD_END = "\x01megarl-end-of-command\x01"
 
 
-def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None]:
+def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None, str | None]:
     """The arguments after `marker` (its words in sequence, or a word ending with it: `rl_example.py` of
     `examples/rl_example.py`) of the first command of the script that has it, as bash computes them (None
-    without bash, when the script fails to run, or when no command has the marker), and bash's syntax
-    error, if it reported one."""
+    without bash, when the script fails to run, or when no command has the marker), bash's syntax error, if
+    it reported one, and the last line the script printed to stderr when it exited non-zero (its own usage or
+    check; not a command bash could not find, such as an absolute path to another machine's python)."""
     import shutil
     import subprocess
     import tempfile
 
     bash = shutil.which("bash")
     if bash is None:
-        return None, None
+        return None, None, None
     with tempfile.TemporaryDirectory(prefix="megarl-shell-") as scratch:
         script, capture = os.path.join(scratch, "script.sh"), os.path.join(scratch, "capture")
         with open(script, "w") as handle:
@@ -385,11 +388,13 @@ def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None]:
                                  env=env, cwd=scratch, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, timeout=BASH_SECONDS, check=False)
         except (OSError, subprocess.TimeoutExpired):
-            return None, None
-        errors = ran.stderr.decode("utf-8", "replace").splitlines()
+            return None, None, None
+        errors = [line for line in ran.stderr.decode("utf-8", "replace").splitlines() if line.strip()]
         syntax = next((line.split(": ", 1)[-1] for line in errors if "syntax error" in line), None)
+        own = [line for line in errors if "No such file or directory" not in line and "command not found" not in line]
+        stopped = own[-1].strip() if ran.returncode != 0 and own else None
         if not os.path.exists(capture):
-            return None, syntax
+            return None, syntax, stopped
         with open(capture, "rb") as handle:
             words = [word.decode("utf-8", "replace") for word in handle.read().split(b"\0")[:-1]]
     records, record = [], []
@@ -412,8 +417,8 @@ def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None]:
                     if not (following and following[0].startswith("-")):
                         break
                     found += following
-                return found, syntax
-    return None, syntax
+                return found, syntax, None
+    return None, syntax, stopped
 
 
 def _expand_shell(value: str, lookup) -> str:

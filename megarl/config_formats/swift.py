@@ -643,8 +643,9 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
     elif flat.get("vllm_mode", "colocate") == "colocate":
         default("colocate_groups", [["train", "rollout"]], "no Ray: vllm_mode colocate, every rank")
     else:
-        ctx.fail("vllm_mode", f"{flat['vllm_mode']}: an external vLLM server; megarl's engines run in-process "
-                              f"(vllm_mode colocate, or a Ray config with role groups)")
+        ctx.fail("vllm_mode", f"{flat['vllm_mode']}: an external rollout server (swift rollout); megarl's engines run "
+                              f"in-process: its counterpart is the separate placement, a Ray-style YAML with "
+                              f"colocate_groups [] and rollout.gpus (the server's GPUs)")
     if _tuner(flat) == "lora":
         _lora(out, flat, ctx)
     beta = flat.get("beta")

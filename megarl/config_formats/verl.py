@@ -386,8 +386,10 @@ TABLE: dict[str, Rule] = {
     f"{R}.profiler.*": ignore("profiler"),
     f"{R}.use_fire_sampling": ignore("off", refuse_if=_truthy),
     f"{R}.chat_scheduler": ignore("single-turn", refuse_if=_nonempty),
-    f"{R}.data_parallel_size": ignore("vLLM's own data parallelism", refuse_if=lambda v: v not in (None, 1)),
-    f"{R}.expert_parallel_size": ignore("dense models", refuse_if=lambda v: v not in (None, 1)),
+    f"{R}.data_parallel_size": ignore("vLLM's data parallelism inside an engine (performance): megarl runs an engine "
+                                      "per rollout TP group"),
+    f"{R}.expert_parallel_size": ignore("vLLM's expert parallelism (performance): megarl's engines shard experts "
+                                        "over their tensor parallelism"),
     f"{R}.pipeline_model_parallel_size": ignore("vLLM engines run tensor parallel only",
                                                 refuse_if=lambda v: v not in (None, 1)),
     f"{R}.quantization": ignore("unquantized rollout weights", refuse_if=_truthy),
@@ -480,6 +482,21 @@ TABLE: dict[str, Rule] = {
     f"{A}.router_replay.replay_file": ignore("none", refuse_if=_nonempty,
                                              refusal="routes to or from a file: megarl replays the rollout's"),
     f"{REF}.router_replay.*": ignore("the reference replays the policy's routes when routing replay is on"),
+    f"{A}.megatron.router_replay.mode": custom(lambda v, ctx: {"routing_replay": "on"} if v == "R3" else
+                                               {"routing_replay": "off"} if v == "disabled" else {},
+                                               "R3: `routing_replay` on (the rollout's routes); disabled: off",
+                                               refuse_if=lambda v: v not in (None, "disabled", "R3"),
+                                               refusal="R2 replays routes recorded in the trainer's own old-logprob "
+                                                       "forward; megarl replays the rollout's (R3)"),
+    f"{A}.megatron.router_replay.*": ignore("routes to or from a file: none"),
+    f"{A}.megatron.use_megatron_fsdp": ignore("Megatron's FSDP sharding (memory): megarl's distributed optimizer "
+                                              "shards the optimizer states"),
+    f"{F}.use_prefix_tree": ignore("prefix-tree attention over a group's shared prompt (performance)"),
+    f"{R}.enable_sleep_mode": ignore("colocated engines always sleep while training"),
+    f"{R}.moe_tp_size": ignore("vLLM's expert sharding (performance)"),
+    f"{R}.moe_ep_size": ignore("vLLM's expert sharding (performance)"),
+    f"{F}.prefix_tree_attention": ignore("prefix-tree attention over a group's shared prompt (performance)"),
+    f"{R}.enable_expert_parallel": ignore("vLLM's expert sharding (performance)"),
     f"{R}.enable_rollout_routing_replay": custom(lambda v, ctx: {"routing_replay": "on"} if v else {},
                                                  "the engine records routes: `routing_replay` on"),
     f"{R}.logprobs_mode": ignore("megarl's engines return processed_logprobs (after temperature)",
@@ -641,6 +658,7 @@ TABLE: dict[str, Rule] = {
     "trainer.rollout_data_dir": to("rollout_save_dir", expand_path),
     "trainer.validation_data_dir": to("rollout_save_dir", expand_path),
     "trainer.balance_batch": to("balance_batch", bool),
+    "trainer.balance_keep_minibatch": ignore("megarl balances each mini-batch's share by tokens (balance_batch)"),
     "trainer.device": ignore("the launcher's device"),
     "trainer.esi_redundant_time": ignore("elastic preemption margin"),
     "trainer.ray_wait_register_center_timeout": ignore("Ray"),
@@ -754,8 +772,8 @@ def _verl_own_config(token: str) -> bool:
     """`--config-path=config` (verl/trainer's own folder) or `--config-name=ppo_[megatron_]trainer[.yaml]`."""
     flag, _, value = token.partition("=")
     value = value.strip("'\"")
-    if flag == "--config-path":
-        return value == "config"
+    if flag == "--config-path":  # verl/trainer/config, named from verl/trainer or from the repository
+        return value.rstrip("/") in ("config", "./config") or value.rstrip("/").endswith("verl/trainer/config")
     return flag == "--config-name" and value.removesuffix(".yaml") in VERL_OWN_CONFIGS
 
 

@@ -19,14 +19,13 @@ import torch  # noqa: E402
 
 from megarl import distributed, phases  # noqa: E402
 from megarl.arguments import parse_args  # noqa: E402
-from megarl.data.prompts import render_chat  # noqa: E402
 from megarl.errors import TeacherServerError  # noqa: E402
 from megarl.rollout import release_shared_memory  # noqa: E402
 from megarl.run import build_run  # noqa: E402
 from megarl.teacher_server import TeacherServer, connect  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers (also under torchrun)
-from helpers import fp32_paths_ulps  # noqa: E402
+from helpers import fp32_paths_ulps, opsd_step_batch  # noqa: E402
 
 FIELDS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_logprobs")
 
@@ -36,14 +35,7 @@ def main():
     args = parse_args(argv)
     context = distributed.init_distributed(args)
     run = build_run(args, context)
-    samples, _ = phases.generate(run, 0)
-    for i, sample in enumerate(samples):  # OPSD rows: a privileged prompt, longer than the student's
-        if i % 2 == 0:
-            sample.teacher_prompt_ids = render_chat(
-                run.tokenizer, f"Hint: the answer is {sample.metadata['answer']}. Add the numbers carefully.",
-                system_prompt="You are a careful calculator.")
-    batch, _ = phases.score_and_filter(run, samples)
-    batch, _ = phases.prepare(run, batch)
+    batch = opsd_step_batch(run)
     batch, _ = phases.teach(run, batch)  # the colocated Megatron teacher
     colocated = {name: getattr(batch, name).clone() for name in FIELDS}
     # The same batch through the teach phase's server path (rank 0 asks, every rank receives).

@@ -55,6 +55,16 @@ def format_response(answer):
     return f"\\boxed{{{answer}}}"
 
 
+# OPSD's privileged prompt of a problem (examples/plugins/opsd_arithmetic.py): the problem with its answer as a
+# hint; the tiny hint model (tools/make_tiny_model.py --hints) has learned to read it.
+HINT = "{prompt} (A hint only you can see: the answer is {answer}.)"
+
+
+def hinted(problem):
+    """The problem's prompt with its answer as a hint (OPSD's teacher prompt)."""
+    return HINT.format(prompt=problem["prompt"], answer=problem["answer"])
+
+
 def write_jsonl(path, problems):
     """Write one problem dict per line."""
     with open(path, "w") as f:
