@@ -350,18 +350,18 @@ def _read_snippet(text: str, where: str, marker: str) -> list[str]:
 
 # Runs a launch script under bash with no command on its PATH: every command it would run (python3, megatron,
 # torchrun, mkdir, nvidia-smi, ...) reaches bash's command_not_found_handle instead, which records its
-# arguments (one NUL-separated record per line of the capture file) and returns 0. So the shell computes
+# arguments (NUL-separated, a file per command named by its time and process: the two sides of a pipeline run
+# at once) and returns 0. So the shell computes
 # the command line exactly (arrays, $((...)), if/case, ${X:-default}) and nothing but bash's builtins runs.
 # `set` is a no-op: a recipe's `set -euo pipefail` would otherwise stop at the first missing command.
 _BASH_PRELUDE = r"""
 command_not_found_handle() {
-    printf '%s\0' "$@" "$MEGARL_END" >> "$MEGARL_CAPTURE"
+    printf '%s\0' "$@" > "$MEGARL_CAPTURE/$EPOCHREALTIME-$BASHPID-$RANDOM"
     return 0
 }
 set() { :; }
 """
 BASH_SECONDS = 20
-_RECORD_END = "\x01megarl-end-of-command\x01"
 
 
 def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None, str | None]:
@@ -379,10 +379,10 @@ def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None, 
         return None, None, None
     with tempfile.TemporaryDirectory(prefix="megarl-shell-") as scratch:
         script, capture = os.path.join(scratch, "script.sh"), os.path.join(scratch, "capture")
+        os.mkdir(capture)
         with open(script, "w") as handle:
             handle.write(text)
-        env = {**os.environ, "PATH": os.path.join(scratch, "no-commands"), "MEGARL_CAPTURE": capture,
-               "MEGARL_END": _RECORD_END}
+        env = {**os.environ, "PATH": os.path.join(scratch, "no-commands"), "MEGARL_CAPTURE": capture}
         try:
             ran = subprocess.run([bash, "--noprofile", "--norc", "-c", _BASH_PRELUDE + '\n. "$0"', script],
                                  env=env, cwd=scratch, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -393,17 +393,11 @@ def bash_command(text: str, marker: str) -> tuple[list[str] | None, str | None, 
         syntax = next((line.split(": ", 1)[-1] for line in errors if "syntax error" in line), None)
         own = [line for line in errors if "No such file or directory" not in line and "command not found" not in line]
         stopped = own[-1].strip() if ran.returncode != 0 and own else None
-        if not os.path.exists(capture):
-            return None, syntax, stopped
-        with open(capture, "rb") as handle:
-            words = [word.decode("utf-8", "replace") for word in handle.read().split(b"\0")[:-1]]
-    records, record = [], []
-    for word in words:  # one record per command: its words, then _RECORD_END
-        if word == _RECORD_END:
-            records.append(record)
-            record = []
-        else:
-            record.append(word)
+        records = []
+        # in time order (bash 5's EPOCHREALTIME; older bash leaves it empty: the order is then the listing's)
+        for name in sorted(os.listdir(capture), key=lambda name: float(name.split("-")[0] or 0)):
+            with open(os.path.join(capture, name), "rb") as handle:
+                records.append([word.decode("utf-8", "replace") for word in handle.read().split(b"\0")[:-1]])
     marker_words = marker.split()
     for number, args in enumerate(records):
         for index in range(len(args) - len(marker_words) + 1):
