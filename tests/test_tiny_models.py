@@ -19,6 +19,7 @@ def test_every_checkpoint_an_example_names_is_one_the_builder_makes():
     assert tiny["quickstart_grpo_moe.yaml"] == [Path("artifacts/tiny-qwen3-moe")]
     assert tiny["quickstart_grpo_tools.yaml"] == [Path("artifacts/tiny-qwen2-tools")]
     assert tiny["quickstart_gkd_qwen3_5.yaml"] == [Path("artifacts/tiny-qwen3_5"), Path("artifacts/tiny-qwen3_5-teacher")]
+    assert tiny["quickstart_opsd.yaml"] == [Path("artifacts/tiny-qwen2-hints")]
 
 
 def test_role_sections_name_models_too(tmp_path):

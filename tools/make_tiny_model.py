@@ -539,10 +539,22 @@ def models_named(config_path: Path) -> list[Path]:
     return [Path(section[key]) for section in sections for key in MODEL_KEYS if isinstance(section.get(key), str)]
 
 
+# The arithmetic problems file the OPSD examples read (their preprocessor gives each a hinted teacher prompt).
+PROBLEMS_FILE = dict(path="artifacts/arithmetic.jsonl", num=5000, seed=5)
+
+
 def build_for_config(config_path: Path) -> None:
     """Build, one subprocess each (so that each gets this file's pins), the tiny models the config names that
-    are missing; the tool model's base first. Paths that are no tiny model of this script are left alone."""
+    are missing; the tool model's base first. Paths that are no tiny model of this script are left alone. The
+    arithmetic problems file, where the config trains on it and it is missing, is written too."""
     import subprocess
+
+    import yaml
+
+    data = (yaml.safe_load(config_path.read_text()) or {}).get("train_data") or []
+    if PROBLEMS_FILE["path"] in data and not Path(PROBLEMS_FILE["path"]).exists():
+        Path(PROBLEMS_FILE["path"]).parent.mkdir(parents=True, exist_ok=True)
+        arithmetic.write_jsonl(PROBLEMS_FILE["path"], arithmetic.make_problems(PROBLEMS_FILE["num"], PROBLEMS_FILE["seed"]))
 
     flags = {Path(out): (family, kind) for (family, kind), out in OUTS.items()}
     wanted = [path for path in models_named(config_path) if path in flags]
