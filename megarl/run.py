@@ -152,6 +152,11 @@ def load_inputs(args) -> Inputs:
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, TypeError, ...
         raise ConfigError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer "
                           f"({_first_line(error)})") from None
+    limit = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
+    asked = args.rollout_engine_kwargs.get("max_model_len")
+    if limit and asked and asked > limit:  # vLLM's own check fails at engine start with a validation traceback
+        raise ConfigError(f"rollout.engine_kwargs.max_model_len={asked} (vLLM's max_model_len) is over --model "
+                          f"{args.model}'s max_position_embeddings={limit}")
     if args.chat_template_kwargs:  # every rendering (prompts, episodes' turns) goes through this method
         tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **args.chat_template_kwargs)
     if len(tokenizer) > hf_config.vocab_size:

@@ -312,6 +312,8 @@ CASES = [
          ["--tokenizer", "279 tokens", "vocab_size=259"]),
     Case("tokenizer-dir-empty", lambda d: ["--tokenizer", os.path.dirname(write(d / "tok" / "README", "x"))],
          ["--tokenizer", "cannot load a tokenizer"]),
+    Case("engine-context-over-the-model", lambda d: ["--rollout-engine-kwargs", '{"max_model_len": 4096}'],
+         ["max_model_len=4096", "max_position_embeddings=512"]),
 ]
 
 

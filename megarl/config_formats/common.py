@@ -121,9 +121,12 @@ class Translation:
         self.rows = kept
         self.rows.append(Row(key, value, status, dict(targets), note))
         for dest, item in targets.items():
-            if "." in dest:
-                dest, sub = dest.split(".", 1)
-                self.values.setdefault(dest, {})[sub] = item
+            if "." in dest:  # `dest.a.b`: key a of the mapping, itself a mapping with key b (vLLM's compilation_config)
+                dest, *path, leaf = dest.split(".")
+                node = self.values.setdefault(dest, {})
+                for part in path:
+                    node = node.setdefault(part, {})
+                node[leaf] = item
             else:
                 self.values[dest] = item
 

@@ -52,6 +52,10 @@ def _val_files(value, ctx):
                              for i, p in enumerate(files)]} if files else {}
 
 
+# vLLM engine arguments about images and video (some of older vLLM versions): nothing to a text-only run.
+VLLM_MULTIMODAL = ("disable_mm_preprocessor_cache", "mm_processor_cache_gb", "limit_mm_per_prompt", "mm_processor_kwargs",
+                   "mm_encoder_tp_mode", "skip_mm_profiling")
+
 # verl's tool classes (verl/tools/) with a megarl counterpart: the tool megarl runs in their place.
 VERL_TOOLS = {"Gsm8kTool": "calc_gsm8k_reward", "SandboxFusionTool": "python"}
 VERL_INTERACTIONS = {"Gsm8kInteraction": "retry"}
@@ -1065,7 +1069,11 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
     # vLLM engine arguments.
     for key, value in flat.items():
         if key.startswith(f"{R}.engine_kwargs.vllm."):
-            put(key, {f"rollout_engine_kwargs.{key[len(f'{R}.engine_kwargs.vllm.'):]}": value})
+            name = key[len(f"{R}.engine_kwargs.vllm."):]
+            if name.split(".")[0] in VLLM_MULTIMODAL:
+                out.set(key, value, IGNORED, {}, "vLLM's multimodal settings (megarl is text only)")
+            else:
+                put(key, {f"rollout_engine_kwargs.{name}": value})
     megatron_backend = any(key.startswith(f"{A}.megatron.") for key in flat)
     if f"{A}.megatron.sequence_parallel" not in flat and megatron_backend and tp > 1:
         # ppo_megatron_trainer.yaml's default (megatron.sequence_parallel: True), which Megatron's MoE needs at TP > 1
