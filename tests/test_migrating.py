@@ -1169,7 +1169,7 @@ def _verl_recipe_flags(model, ranks, moe, tmp_path):
             f"{megatron}.tensor_model_parallel_size={1 if moe else 2}", f"{megatron}.pipeline_model_parallel_size=1",
             f"{megatron}.context_parallel_size=1", f"{megatron}.expert_model_parallel_size={2 if moe else 1}",
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={1 if moe else 2}",
-            "actor_rollout_ref.rollout.max_model_len=256"]
+            "actor_rollout_ref.rollout.max_model_len=256", "++actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=256"]
 
 
 def _swift_recipe_flags(model, teacher, ranks, moe, gkd, opsd, tmp_path):
