@@ -75,6 +75,17 @@ def refuse(reason: str) -> Rule:
     return Rule(REFUSED, None, reason)
 
 
+def routing_replay_mode() -> Rule:
+    """A router replay mode key (ms-swift router_replay_mode, verl router_replay.mode): R3 is megarl's routing
+    replay, disabled is off; R2 (routes recorded by the trainer's own forward) stops."""
+    return custom(lambda v, ctx: {"routing_replay": "on"} if v == "R3" else
+                  {"routing_replay": "off"} if v == "disabled" else {},
+                  "R3: `routing_replay` on (the rollout's routes); disabled: off",
+                  refuse_if=lambda v: v not in (None, "disabled", "R3"),
+                  refusal="R2 replays routes recorded in the trainer's own old-logprob forward; megarl replays "
+                          "the rollout's (R3)")
+
+
 def ignore_all(reason: str, keys) -> dict[str, Rule]:
     rule = ignore(reason)
     return {key: rule for key in keys}

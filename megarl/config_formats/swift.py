@@ -25,7 +25,7 @@ import math
 
 from megarl.config_formats.common import (
     DEFAULT, IGNORED, LORA_LAYOUT, Context, Rule, Translation, apply_table, custom, expand_path, ignore, ignore_all, informs,
-    lora_targets, refuse, rslora_alpha, to,
+    lora_targets, refuse, routing_replay_mode, rslora_alpha, to,
 )
 from megarl.errors import ConfigError
 
@@ -299,11 +299,7 @@ TABLE: dict[str, Rule] = {
     "rollout_importance_sampling_threshold": to("tis_threshold"),
     "off_policy_sequence_mask_delta": ignore("off", refuse_if=lambda v: v is not None),
     "top_entropy_quantile": ignore("1.0 trains on every token", refuse_if=lambda v: v != 1.0),
-    "router_replay_mode": custom(lambda v, ctx: {"routing_replay": "on" if v == "R3" else "off"},
-                                 "R3: `routing_replay` on (the rollout's routes); disabled: off",
-                                 refuse_if=_not(("disabled", "R3")),
-                                 refusal="R2 replays routes recorded in the trainer's own old-logprob forward; "
-                                         "megarl replays the rollout's (R3)"),
+    "router_replay_mode": routing_replay_mode(),
     "sync_ref_model": ignore("the reference stays frozen", refuse_if=bool),
     "async_generate": to("async_generation"),
     "num_iterations": to("ppo_epochs"),

@@ -28,7 +28,7 @@ import yaml
 
 from megarl.config_formats.common import (
     DEFAULT, IGNORED, LORA_LAYOUT, Context, Rule, Translation, apply_table, as_list, closest, custom, expand_path, flatten,
-    ignore, informs, lora_targets, lookup, rslora_alpha, to,
+    ignore, informs, lora_targets, lookup, routing_replay_mode, rslora_alpha, to,
 )
 from megarl.errors import ConfigError
 
@@ -475,23 +475,13 @@ TABLE: dict[str, Rule] = {
                                              "tokens, samples or max length"),
     f"{A}.calculate_entropy": ignore("megarl logs the entropy of every step"),
     f"{A}.use_prefix_grouper": ignore("shared-prefix batching (performance)"),
-    f"{A}.router_replay.mode": custom(lambda v, ctx: {"routing_replay": "on"} if v == "R3" else
-                                      {"routing_replay": "off"} if v == "disabled" else {},
-                                      "R3: `routing_replay` on (the rollout's routes); disabled: off",
-                                      refuse_if=lambda v: v not in (None, "disabled", "R3"),
-                                      refusal="R2 replays routes recorded in the trainer's own old-logprob "
-                                              "forward; megarl replays the rollout's (R3)"),
+    f"{A}.router_replay.mode": routing_replay_mode(),
     f"{A}.router_replay.record_file": ignore("none", refuse_if=_nonempty,
                                              refusal="routes to or from a file: megarl replays the rollout's"),
     f"{A}.router_replay.replay_file": ignore("none", refuse_if=_nonempty,
                                              refusal="routes to or from a file: megarl replays the rollout's"),
     f"{REF}.router_replay.*": ignore("the reference replays the policy's routes when routing replay is on"),
-    f"{A}.megatron.router_replay.mode": custom(lambda v, ctx: {"routing_replay": "on"} if v == "R3" else
-                                               {"routing_replay": "off"} if v == "disabled" else {},
-                                               "R3: `routing_replay` on (the rollout's routes); disabled: off",
-                                               refuse_if=lambda v: v not in (None, "disabled", "R3"),
-                                               refusal="R2 replays routes recorded in the trainer's own old-logprob "
-                                                       "forward; megarl replays the rollout's (R3)"),
+    f"{A}.megatron.router_replay.mode": routing_replay_mode(),
     f"{A}.megatron.router_replay.*": ignore("routes to or from a file: none"),
     f"{A}.megatron.use_megatron_fsdp": ignore("Megatron's FSDP sharding (memory): megarl's distributed optimizer "
                                               "shards the optimizer states"),
