@@ -258,14 +258,14 @@ def test_self_distillation_with_lora_scores_opsd_rows_on_the_policys_base(tiny_m
             assert base[tag][step] == pytest.approx(copy_series[tag][step], rel=1e-4, abs=1e-6), (tag, series)
 
 
-def test_self_distillation_refusals():
+def test_self_distillation_refusals(tiny_model):
     for argv, words in (
-            (["--self-distill", "--teacher-model", "artifacts/tiny-qwen2"], ["--self-distill", "--teacher-model"]),
+            (["--self-distill", "--teacher-model", tiny_model], ["--self-distill", "--teacher-model"]),
             (["--self-distill", "--seq-kd", "--gkd-lmbda", "0.5"], ["--seq-kd", "--self-distill"])):
         with pytest.raises(ConfigError) as error:
-            parse_args(["--model", "artifacts/tiny-qwen2", "--policy-loss-coef", "0", *argv], world_size=1)
+            parse_args(["--model", tiny_model, "--policy-loss-coef", "0", *argv], world_size=1)
         assert "\n" not in str(error.value) and all(word in str(error.value) for word in words), str(error.value)
-    args = parse_args(["--model", "artifacts/tiny-qwen2", "--policy-loss-coef", "0", "--self-distill"], world_size=1)
+    args = parse_args(["--model", tiny_model, "--policy-loss-coef", "0", "--self-distill"], world_size=1)
     assert args.teacher_model == args.model
 
 
