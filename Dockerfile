@@ -33,8 +33,11 @@ RUN [ ! -f /etc/pip/constraint.txt ] || : > /etc/pip/constraint.txt \
 
 # Transformer Engine for the new torch: its torch extension is compiled here against the
 # installed torch (no build isolation) with the image's nvcc; this takes tens of minutes.
+# 2.11.0: the newest release megatron-core 0.16.1 declares (transformer-engine>=2.9,<2.12, in its
+# dev extra). Every pin here and in setup.py is checked against its packages' declared
+# requirements by tools/image_pins.py (CI: tests/test_image_pins.py).
 RUN NVTE_FRAMEWORK=pytorch MAX_JOBS=8 \
-    pip install --no-cache-dir --no-build-isolation "transformer_engine[core_cu13,pytorch]==2.20.2"
+    pip install --no-cache-dir --no-build-isolation "transformer_engine[core_cu13,pytorch]==2.11.0"
 
 # megarl and its pins (megatron-core==0.16.1, transformers <5.20, ...); vLLM is already there.
 WORKDIR /workspace/megarl

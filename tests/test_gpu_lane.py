@@ -2,6 +2,7 @@
 its bookkeeping of carried wheels judges what it should. The lane itself runs on a GPU machine only
 (tests/gpu/run.sh LOGDIR)."""
 
+import os
 import subprocess
 
 import pytest
@@ -13,15 +14,25 @@ RUN = ["bash", str(ROOT / "tests" / "gpu" / "run.sh")]
 lane = load_script(ROOT / "tests" / "gpu" / "lane.py")  # standard library only at import
 
 
-@pytest.mark.slow  # ~10-30 s: imports torch, transformers and Megatron and parses every command line
-def test_dry_run_passes(tmp_path):
-    """Imports (or carried wheels for them), paths, every entry point's arguments and the trainer's command
-    lines through megarl's parser, as on a one-GPU host."""
-    result = subprocess.run([*RUN, str(tmp_path / "logs"), "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+@pytest.mark.slow  # ~10-30 s: fetches 4 wheels (pip's cache), imports torch, transformers and Megatron
+def test_fetch_then_dry_run_passes(tmp_path, tiny_model):
+    """The lane's one fetch command, then its dry run on what it fetched: the carried wheels and tiny model,
+    the travelling size, the part limits against the budget, run.sh's output files, imports, paths, every
+    entry point's arguments and the trainer's command lines through megarl's parser, as on a one-GPU host."""
+    env = dict(os.environ, GPU_LANE_CARRY=str(tmp_path / "carry"))
+    fetch = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "fetch.sh")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert fetch.returncode == 0, (fetch.stdout + fetch.stderr)[-4000:]
+    result = subprocess.run([*RUN, str(tmp_path / "logs"), "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.splitlines()[-1] == "dry run: PASS", \
         (result.stdout + result.stderr)[-4000:]
     assert (tmp_path / "logs" / "dry_run.log").read_text() == result.stdout
+    lines = result.stdout.splitlines()
+    for check in ("carry/wheels/ covers every carried package", "carry/tiny-qwen2/ is the tiny model",
+                  "what travels fits the device tool", "the part limits fit the lane's budget",
+                  "run.sh rehearsed: its summary on stdout, its output files"):
+        assert any(line.startswith("ok   ") and check in line for line in lines), check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
@@ -52,8 +63,8 @@ def test_wheel_folder_problems(tmp_path, monkeypatch):
             "torch-2.11.0-cp312-cp312-macosx_11_0_arm64.whl", "math_verify-0.8.0-py3-none-any.whl", "notes.txt")
     problems = lane.wheel_problems()
     assert problems == [
-        "gpu_wheels/ holds files that are not wheels: notes.txt",
-        "gpu_wheels/ holds two versions of math_verify (math_verify-0.8.0-py3-none-any.whl, "
+        f"{tmp_path / 'w'}/ holds files that are not wheels: notes.txt",
+        f"{tmp_path / 'w'}/ holds two versions of math_verify (math_verify-0.8.0-py3-none-any.whl, "
         "math_verify-0.9.0-py3-none-any.whl): pip would refuse to install both",
         "numpy-2.0.0-cp311-cp311-manylinux_2_17_x86_64.whl: not for CPython 3.12 (cp311)",
         "torch-2.11.0-cp312-cp312-macosx_11_0_arm64.whl: not for manylinux x86-64 (macosx_11_0_arm64)",
@@ -123,3 +134,51 @@ def test_train_part_verdict(name, losses, grad_norms, verdict, tmp_path, monkeyp
     _fake_run(tmp_path, monkeypatch, losses, grad_norms)
     assert lane.train(name, tmp_path) == verdict.startswith("PASS")
     assert capsys.readouterr().out.splitlines()[-1] == verdict
+
+
+def test_the_parts_fit_the_budget_and_one_second_more_fails(monkeypatch, capsys):
+    assert lane.budget_problem() is None
+    assert lane.PARTS[0][0] == "setup" and [n for n, _, _ in lane.PARTS[2:]][:2] == ["train_bf16", "kernels"]
+    spare = lane.BUDGET - sum(limit for _, limit, _ in lane.PARTS)
+    monkeypatch.setattr(lane, "PARTS", [(name, limit + (spare + 1) * (name == "train_bf16"), need)
+                                        for name, limit, need in lane.PARTS])
+    assert lane.budget_problem() == f"the part limits add up to {lane.BUDGET + 1} s, over the {lane.BUDGET} s budget"
+
+
+@pytest.mark.parametrize("selected,expected", [
+    ("", [name for name, _, _ in lane.PARTS]),
+    ("bench kernels", ["setup", "kernels", "bench"]),  # in the lane's order, setup always
+    ("train_fp16", ["setup", "nccl", "train_fp16"]),  # and what it needs
+    ("sleep_level2", ["setup", "nccl", "sleep_level2"]),  # an extra part only when named
+])
+def test_plan(selected, expected):
+    assert [name for name, _, _ in lane.plan(selected)] == expected
+
+
+def test_an_unknown_part_gets_one_line(tmp_path):
+    env = dict(os.environ, GPU_LANE_PARTS="kernels nope", GPU_LANE_REHEARSE="1")
+    result = subprocess.run([*RUN, str(tmp_path / "logs")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and result.stderr == \
+        f"gpu lane: GPU_LANE_PARTS names no part nope (parts: {' '.join(lane.PART_NAMES)})\n", result.stderr
+
+
+def test_the_rehearsal_counts_run_shs_own_output_files(monkeypatch):
+    """run.sh run for real with no-op parts: its files under LOGDIR are what the device tool must bring back."""
+    assert lane.rehearsal_problem() is None
+    monkeypatch.setattr(lane, "OUTPUT_FILES_LIMIT", 1)
+    assert lane.rehearsal_problem() == "2 output files, over the 1 the device tool brings back"
+
+
+def test_travel_and_carried_model_problems(tmp_path, monkeypatch, tiny_model):
+    monkeypatch.setattr(lane, "CARRY", tmp_path / "carry")
+    monkeypatch.setattr(lane, "CARRIED_MODEL", tmp_path / "carry" / "tiny-qwen2")
+    assert lane.carried_model_problem() == \
+        f"no tiny model at {tmp_path / 'carry' / 'tiny-qwen2'} (run bash tests/gpu/fetch.sh)"
+    (tmp_path / "carry" / "tiny-qwen2").mkdir(parents=True)
+    (tmp_path / "carry" / "tiny-qwen2" / "megarl_tiny.json").write_text("{}")  # another build's
+    assert "is not artifacts/tiny-qwen2" in lane.carried_model_problem()
+    tree, carried = lane.travelling_bytes()
+    assert carried == 2 and tree > 0
+    monkeypatch.setattr(lane, "TRAVEL_LIMIT", tree)
+    assert lane.travel_problem().endswith(f"would travel, over {tree / 2**20:.0f} MiB")

@@ -1,16 +1,23 @@
 """The GPU lane: megarl's CUDA paths on one GPU in a few minutes. tests/gpu/run.sh drives it:
 
+    bash tests/gpu/fetch.sh                  # here, once: what must travel, into gpu_carry/
     bash tests/gpu/run.sh LOGDIR             # a machine with one CUDA GPU; one line and exit 0 without one
     bash tests/gpu/run.sh LOGDIR --dry-run   # anywhere: checks what the lane needs; nothing runs on a GPU
 
 Made for a machine that has Python 3.12, its own torch, Triton and transformers and no network: what it
-lacks (MODULES) travels as wheels in gpu_wheels/ (git-ignored; tests/gpu/fetch_wheels.sh fills it here) and
-is installed offline into WORK/site. vLLM and Transformer Engine are not there (nor carried: too large), so
-the trainer runs Megatron's local layer spec and generates with the HF rollout backend.
+lacks travels in gpu_carry/ (git-ignored; tests/gpu/fetch.sh fills it here): the wheels of MODULES, installed
+offline into WORK/site, and the tiny model. vLLM and Transformer Engine are not there (nor carried: too
+large), so the trainer runs Megatron's local layer spec and generates with the HF rollout backend.
 
-run.sh runs each part as `python tests/gpu/lane.py part NAME --work WORK`, its output in LOGDIR/NAME.log, and
-reads its verdict from the last line that starts with PASS, FAIL or SKIP:
-  setup         install what is missing from the carried wheels; build artifacts/tiny-qwen2 if absent
+run.sh runs each part of `plan` as `python tests/gpu/lane.py part NAME --work WORK` under its limit (PARTS),
+its output in WORK/NAME.log (appended to LOGDIR/parts.log), and reads its verdict from the last line that
+starts with PASS, FAIL or SKIP. In the order they run, by what a failure would tell:
+  setup         install what is missing from the carried wheels; the carried tiny model into artifacts/
+  nccl          a one-rank NCCL world on the GPU and an all-reduce in NCCL_CHECK_S seconds: the parts that
+                start one are not run when it fails, instead of each waiting out its limit
+  train_bf16    (c) torchrun --nproc_per_node 1 megarl/train.py: GRPO steps on the tiny model, bf16, the
+                distributed optimizer, --offload-model/--offload-optimizer, packed rows, the HF rollout
+                backend on the same GPU, a one-rank NCCL world: every step's loss and grad norm finite
   kernels       (a) every Triton kernel of megarl/kernels/triton_ops.py against the chunked torch path
                 (kernels/torch_ops.py) compiled on the GPU at V = 151,936, fp32 and bf16 (the CPU test's
                 cases, tests/workers/triton_kernels_worker.py, at GPU sizes): each per-chunk function, then
@@ -18,23 +25,21 @@ reads its verdict from the last line that starts with PASS, FAIL or SKIP:
                 a gradient of a [16384, 151936] tensor, whose last rows lie past 2^31 elements
   offload       (c) tests/workers/offload_worker.py on one NCCL rank with the distributed optimizer in bf16:
                 offload/onload bit for bit, host copies pinned, device memory handed back
-  train_bf16    (c) torchrun --nproc_per_node 1 megarl/train.py: GRPO steps on the tiny model, bf16, the
-                distributed optimizer, --offload-model/--offload-optimizer, packed rows, the HF rollout
-                backend on the same GPU, a one-rank NCCL world: every step's loss and grad norm finite
   train_fp16    (c) the same in fp16 with dynamic loss scaling: every loss finite, at least one step taken
-  train_lora    (c) the bf16 run with rank-8 LoRA adapters and a KL term: every step's loss and grad norm finite
-  reward_model  (d) tests/test_reward_model.py on the GPU (the reward model's device is the rank's GPU)
   bench         (b) bench/kernels.py at 8192 tokens: time and memory of naive, chunked and triton
+  reward_model  (d) tests/test_reward_model.py on the GPU (the reward model's device is the rank's GPU)
+  train_lora    (c) the bf16 run with rank-8 LoRA adapters and a KL term: every step's loss and grad norm finite
   sleep_level2  (c) tests/workers/sleep_level_worker.py on one rank with vLLM (the default rollout backend):
                 --rollout-sleep-level 2's real discard of the weights pool, then the sync: samples, greedy ids
                 and the trainer-vs-rollout mismatch equal a level-1 engine's, and a turn with no sync before it
-                gets the weights back; SKIP (not a failure) where vLLM is not installed, as on the lane's machine
+                gets the weights back; SKIP (not a failure) where vLLM is not installed, as on the lane's machine.
+                Not in the lane's 8 minutes (it would only SKIP there): GPU_LANE_PARTS=sleep_level2 runs it
 
 Tolerances are tests/helpers.py's: fp32 results within FP32_PATHS_ULPS of the other path, bf16 ones within
 BF16_PATHS_ULPS bf16 ulps, the TF32 weight gradient within TF32_PATHS_ULPS TF32 ulps (all of the compared
 tensor's scale). Every case's error is printed, so a first run shows the measured margins.
 
-Only the standard library is imported at the top: `wheel-specs` (fetch_wheels.sh) and `setup` run before
+Only the standard library is imported at the top: `wheel-specs` (fetch.sh), `plan` and `setup` run before
 torch or the carried packages are importable.
 """
 
@@ -48,6 +53,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -55,9 +61,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
-WHEELS = ROOT / "gpu_wheels"
+# What travels beside the working tree (git-ignored: the device tool's `carry` names it); GPU_LANE_CARRY
+# elsewhere (the CI test fetches into a temporary folder).
+CARRY = Path(os.environ.get("GPU_LANE_CARRY") or ROOT / "gpu_carry")
+WHEELS = CARRY / "wheels"
 TINY_MODEL = ROOT / "artifacts" / "tiny-qwen2"
-WHEELS_LIMIT = 64 * 2**20  # what the device tool carries in all (the working tree included)
+CARRIED_MODEL = CARRY / "tiny-qwen2"  # artifacts/ is git-ignored: the model travels in CARRY, setup puts it back
+TRAVEL_LIMIT = 64 * 2**20  # what the device tool carries in all: the working tree and the carried paths
+OUTPUT_FILES_LIMIT = 8  # what the device tool brings back from $OUT
 
 # What the lane imports: (module, the distribution of a carried wheel, its version). No distribution: the
 # GPU machine must have it (its image lists these). Carried: megatron-core, pinned exactly (megarl relies on
@@ -75,14 +86,24 @@ MODULES = [
 ]
 PINNED = {"megatron-core"}
 
-PARTS = ("setup", "kernels", "offload", "train_bf16", "train_fp16", "train_lora", "reward_model", "bench",
-         "sleep_level2")
+# (part, its limit in seconds, the part it needs to have passed), in the order they run: what a failure tells
+# most first (bf16 training is megarl's main CUDA path end to end). The limits, the cold start's included (setup's
+# install, the first torch.compile of Megatron's fused SwiGLU and bias-dropout in train_bf16, whose caches
+# run.sh keeps in WORK for the later runs, Triton's first compilations in kernels), add up to BUDGET: no part
+# is cut short by the ones before it. Estimated, not yet measured on a GPU: each part prints its own times.
+BUDGET = 480  # the lane's 8 minutes, inside the device tool's 10 per command (timeout's kill grace included)
+PARTS = [("setup", 35, None), ("nccl", 15, "setup"), ("train_bf16", 90, "nccl"), ("kernels", 120, "setup"),
+         ("offload", 40, "nccl"), ("train_fp16", 55, "nccl"), ("bench", 40, "setup"), ("reward_model", 40, "setup"),
+         ("train_lora", 45, "nccl")]
+# Run only when GPU_LANE_PARTS names them: nothing to learn on the lane's machine (no vLLM there: it SKIPs).
+EXTRA_PARTS = [("sleep_level2", 150, "nccl")]
+PART_NAMES = tuple(name for name, _, _ in PARTS + EXTRA_PARTS)
+NCCL_CHECK_S = 5
 
 # --------------------------------------------------------------- command lines ----
 # The runs' command lines, defined once: the parts run them, the dry run parses them.
 VOCAB = 151_936  # Qwen2's vocabulary, the size the kernels are tuned for
 BENCH_ARGS = ["--tokens", "8192", "--device", "cuda"]
-TINY_BUILD_ARGS = ["--out", str(TINY_MODEL), "--quiet"]
 OFFLOAD_ARGS = ["--model", str(TINY_MODEL), "--offload-model", "--offload-optimizer", "--advantage-estimator", "gae",
                 "--micro-batch-size", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--use-distributed-optimizer",
                 "--bf16"]
@@ -124,8 +145,10 @@ EIGHT_GPU_RUNS = {
 
 
 def torchrun_command(script: Path, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script),
-            *map(str, args)]
+    # --local-addr: the agent publishes this as the ranks' MASTER_ADDR, not the host's FQDN, which need not
+    # resolve on a bare VM (--standalone's rendezvous store is on localhost already)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc_per_node=1", str(script), *map(str, args)]
 
 
 def first_error(output: str) -> str:
@@ -156,8 +179,12 @@ def _normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def wheel_for(distribution: str, version: str) -> Path | None:
-    """The carried wheel of distribution==version in gpu_wheels/, if any."""
+    """The carried wheel of distribution==version in WHEELS, if any."""
     for path in sorted(WHEELS.glob("*.whl")):
         name, found_version = (path.name.split("-") + [""])[:2]
         if _normalized(name) == _normalized(distribution) and found_version == version:
@@ -185,18 +212,14 @@ def missing_modules() -> list[tuple[str, str | None, str | None, str]]:
 
 
 def wheel_problems() -> list[str]:
-    """What is wrong with gpu_wheels/ for a CPython 3.12 x86-64 machine (nothing when it is absent)."""
+    """What is wrong with WHEELS for a CPython 3.12 x86-64 machine (nothing when it is absent)."""
     if not WHEELS.is_dir():
         return []
     problems, seen = [], {}
     wheels = sorted(WHEELS.glob("*.whl"))
     others = [path.name for path in WHEELS.iterdir() if path.suffix != ".whl"]
     if others:
-        problems.append(f"gpu_wheels/ holds files that are not wheels: {', '.join(others)}")
-    total = sum(path.stat().st_size for path in wheels)
-    if total > WHEELS_LIMIT:
-        problems.append(f"gpu_wheels/ holds {total / 2**20:.1f} MiB, over the {WHEELS_LIMIT / 2**20:.0f} MiB "
-                        f"the device tool carries")
+        problems.append(f"{_shown(WHEELS)}/ holds files that are not wheels: {', '.join(others)}")
     for path in wheels:
         parts = path.stem.split("-")
         if len(parts) < 5:
@@ -210,15 +233,15 @@ def wheel_problems() -> list[str]:
             problems.append(f"{path.name}: not for manylinux x86-64 ({platform})")
         name = _normalized(parts[0])
         if name in seen:
-            problems.append(f"gpu_wheels/ holds two versions of {parts[0]} ({seen[name]}, {path.name}): pip would "
+            problems.append(f"{_shown(WHEELS)}/ holds two versions of {parts[0]} ({seen[name]}, {path.name}): pip would "
                             f"refuse to install both")
         seen[name] = path.name
     return problems
 
 
 def setup(work: Path) -> bool:
-    """Install the carried wheels of what is missing into WORK/site (on PYTHONPATH through run.sh), then
-    build the tiny model if absent."""
+    """Install the carried wheels of what is missing into WORK/site (on PYTHONPATH through run.sh), then put
+    the carried tiny model where the runs read it (artifacts/, which does not travel) if it is not there."""
     ok = True
     missing = missing_modules()
     needed, uncovered = [], []
@@ -226,7 +249,7 @@ def setup(work: Path) -> bool:
         wheel = wheel_for(distribution, version) if distribution else None
         (needed if wheel else uncovered).append((module, why, wheel))
     for module, why, _ in uncovered:
-        print(f"FAIL-ITEM {module}: {why}, and no wheel of it in gpu_wheels/ (tests/gpu/fetch_wheels.sh)")
+        print(f"FAIL-ITEM {module}: {why}, and no wheel of it in {_shown(WHEELS)}/ (tests/gpu/fetch.sh)")
         ok = False
     if needed:
         site = work / "site"
@@ -249,13 +272,68 @@ def setup(work: Path) -> bool:
           f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
           + ", ".join(f"{d} {importlib.metadata.version(d)}" for d in ("triton", "transformers", "megatron-core")
                       if _installed(d)), flush=True)
+    # megarl_tiny.json is written last: its presence marks a complete model (tools/make_tiny_model.py)
     if not (TINY_MODEL / "megarl_tiny.json").exists():
-        print(f"building {TINY_MODEL} (not carried)", flush=True)
-        rc, _ = run_streaming([sys.executable, "tools/make_tiny_model.py", *TINY_BUILD_ARGS])
-        if rc != 0:
-            print(f"FAIL-ITEM tools/make_tiny_model.py exited {rc}")
-            ok = False
+        if not (CARRIED_MODEL / "megarl_tiny.json").exists():
+            # not built here: a build takes a minute of the lane's budget (tests/gpu/fetch.sh builds it at home)
+            print(f"FAIL-ITEM no tiny model at {_shown(TINY_MODEL)} nor carried at {_shown(CARRIED_MODEL)} "
+                  f"(tests/gpu/fetch.sh)")
+            return False
+        shutil.rmtree(TINY_MODEL, ignore_errors=True)
+        shutil.copytree(CARRIED_MODEL, TINY_MODEL)
+        print(f"tiny model: {_shown(CARRIED_MODEL)} copied to {_shown(TINY_MODEL)}", flush=True)
     return ok
+
+
+def nccl() -> bool:
+    """A one-rank NCCL world on the GPU and an all-reduce, given NCCL_CHECK_S seconds: a bare VM's NCCL that
+    hangs in its start-up fails here in seconds, with one line, instead of in every torchrun part at its
+    limit. In process, over a TCP store on 127.0.0.1 (the host's name need not resolve)."""
+    import datetime
+    import socket
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    torch.zeros(1, device="cuda")  # the CUDA context first: its start is not NCCL's
+    result = {}
+
+    def check():
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=NCCL_CHECK_S),
+                                    device_id=torch.device("cuda", torch.cuda.current_device()))
+            value = torch.full((1024,), 3.0, device="cuda")
+            dist.all_reduce(value)
+            torch.cuda.synchronize()
+            result["sum"] = value.sum().item()
+            dist.destroy_process_group()
+        except Exception as error:  # noqa: BLE001 - reported as one line
+            result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+    started = time.perf_counter()
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(NCCL_CHECK_S)
+    seconds = time.perf_counter() - started
+    if thread.is_alive():
+        # a hung NCCL call cannot be interrupted, and its destructors could hang the exit too
+        print(f"FAIL NCCL: a one-rank init and all-reduce did not finish in {NCCL_CHECK_S} s "
+              f"(rerun with NCCL_DEBUG=INFO to see where it waits)", flush=True)
+        os._exit(1)
+    if "error" in result:
+        print(f"FAIL NCCL: {result['error']}")
+        return False
+    if result["sum"] != 3.0 * 1024:
+        print(f"FAIL NCCL: a one-rank all-reduce of 1024 threes summed to {result['sum']}, not 3072")
+        return False
+    print(f"PASS NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}: one-rank init and all-reduce in "
+          f"{seconds:.1f} s")
+    return True
 
 
 def _installed(distribution: str) -> bool:
@@ -514,12 +592,17 @@ def _load_bench():
     return load_script(ROOT / "bench" / "kernels.py")
 
 
-def run_part(name: str, work: Path) -> bool:
+def run_part(name: str, work: Path, rehearse: bool = False) -> bool:
+    if rehearse:  # the dry run's rehearsal of run.sh: its bookkeeping and output files, nothing run
+        print("PASS rehearsal: nothing run")
+        return True
     sys.path.insert(0, str(TESTS))  # helpers
     if name == "setup":
         ok = setup(work)
         print("PASS packages and tiny model ready" if ok else "FAIL setup (lines FAIL-ITEM above)")
         return ok
+    if name == "nccl":
+        return nccl()
     if name == "kernels":
         return kernels()
     if name == "offload":
@@ -533,7 +616,88 @@ def run_part(name: str, work: Path) -> bool:
     return bench()
 
 
+def plan(selected: str) -> list[tuple[str, int, str | None]]:
+    """The parts run.sh runs, in order: PARTS; or, `selected` naming some (GPU_LANE_PARTS, space-separated),
+    those and what they need (setup, nccl). ValueError on a name that is no part."""
+    names = set(selected.split())
+    unknown = sorted(names - set(PART_NAMES))
+    if unknown:
+        raise ValueError(f"GPU_LANE_PARTS names no part {' '.join(unknown)} (parts: {' '.join(PART_NAMES)})")
+    if not names:
+        return list(PARTS)
+    needs = {name: need for name, _, need in PARTS + EXTRA_PARTS}
+    for name in list(names):
+        while needs[name]:
+            name = needs[name]
+            names.add(name)
+    return [part for part in PARTS + EXTRA_PARTS if part[0] in names]
+
+
 # -------------------------------------------------------------------- dry run ----
+def budget_problem() -> str | None:
+    """The lane's parts (PARTS) must fit BUDGET in sum: a part that overran into the next ones' time would
+    cut them short, and the last ones would be reported as not run."""
+    total = sum(limit for _, limit, _ in PARTS)
+    print("     part limits: " + ", ".join(f"{name} {limit}" for name, limit, _ in PARTS)
+          + f" = {total} s of the {BUDGET} s budget")
+    return f"the part limits add up to {total} s, over the {BUDGET} s budget" if total > BUDGET else None
+
+
+def travelling_bytes() -> tuple[int, int]:
+    """(working tree, carried) bytes the device tool sends: the files git tracks or would (untracked, not
+    ignored), links as links, and CARRY."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    tree = sum(os.lstat(ROOT / name).st_size for name in set(listed) if name and os.path.lexists(ROOT / name))
+    carried = sum(path.lstat().st_size for path in CARRY.rglob("*") if not path.is_dir()) if CARRY.is_dir() else 0
+    return tree, carried
+
+
+def travel_problem() -> str | None:
+    try:
+        tree, carried = travelling_bytes()
+    except (OSError, subprocess.CalledProcessError) as error:
+        return f"git ls-files failed: {error}"
+    total = tree + carried
+    print(f"     travelling: {total / 2**20:.1f} MiB of {TRAVEL_LIMIT / 2**20:.0f} MiB (working tree "
+          f"{tree / 2**20:.1f}, {_shown(CARRY)} {carried / 2**20:.1f})")
+    return f"{total / 2**20:.1f} MiB would travel, over {TRAVEL_LIMIT / 2**20:.0f} MiB" if total > TRAVEL_LIMIT else None
+
+
+def carried_model_problem() -> str | None:
+    info = CARRIED_MODEL / "megarl_tiny.json"
+    if not info.exists():
+        return f"no tiny model at {_shown(CARRIED_MODEL)} (run bash tests/gpu/fetch.sh)"
+    here = TINY_MODEL / "megarl_tiny.json"
+    if here.exists() and here.read_text() != info.read_text():
+        return f"{_shown(CARRIED_MODEL)} is not {_shown(TINY_MODEL)} (rebuilt since? run bash tests/gpu/fetch.sh)"
+    return None
+
+
+def rehearsal_problem() -> str | None:
+    """run.sh itself, each part a no-op that passes (GPU_LANE_REHEARSE=1): its table on stdout and at most
+    OUTPUT_FILES_LIMIT files under LOGDIR (all the device tool brings back from $OUT)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logdir = Path(tmp) / "logs"
+        env = {key: value for key, value in os.environ.items() if key != "GPU_LANE_PARTS"}
+        env.update(GPU_LANE_REHEARSE="1", GPU_LANE_WORK=str(Path(tmp) / "work"), PYTHON=sys.executable)
+        result = subprocess.run(["bash", str(TESTS / "gpu" / "run.sh"), str(logdir)], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        files = sorted(str(path.relative_to(logdir)) for path in logdir.rglob("*") if not path.is_dir())
+        summary = (logdir / "summary.txt").read_text() if (logdir / "summary.txt").exists() else ""
+    print(f"     rehearsal: {len(files)} output files ({', '.join(files)}) of at most {OUTPUT_FILES_LIMIT}")
+    if result.returncode != 0:
+        return f"run.sh exited {result.returncode}: {(result.stdout + result.stderr).strip()[-300:]}"
+    absent = [name for name, _, _ in PARTS if not re.search(rf"^{name} +PASS ", result.stdout, re.M)]
+    if absent or not summary or summary not in result.stdout:
+        return f"the summary on stdout lacks {', '.join(absent) or 'summary.txt'}"
+    if len(files) > OUTPUT_FILES_LIMIT:
+        return f"{len(files)} output files, over the {OUTPUT_FILES_LIMIT} the device tool brings back"
+    return None
+
+
 @contextlib.contextmanager
 def as_gpu_host():
     """megarl's host checks answer as on a CUDA host while a command line is parsed (a stand-in for the GPU
@@ -550,8 +714,9 @@ def as_gpu_host():
 
 
 def dry_run() -> bool:
-    """What the lane needs, checked without a GPU: imports (or carried wheels for them), paths, every entry
-    point's arguments, and the trainer's command lines through megarl's own parser."""
+    """What the lane needs, checked without a GPU: what travels (the carried wheels and tiny model, its size),
+    the parts' limits against the budget, run.sh's output files, imports, paths, every entry point's arguments,
+    and the trainer's command lines through megarl's own parser."""
     sys.path.insert(0, str(TESTS))
     failures = []
 
@@ -564,35 +729,33 @@ def dry_run() -> bool:
     for module, distribution, version, why in missing_modules():
         wheel = wheel_for(distribution, version) if distribution else None
         report(f"import {module}", None if wheel else
-               f"{why}; {'no wheel of ' + distribution + '==' + version + ' in gpu_wheels/ (run tests/gpu/fetch_wheels.sh)' if distribution else 'the GPU machine must have it'}")
+               f"{why}; {'no wheel of ' + distribution + '==' + version + ' in ' + _shown(WHEELS) + '/ (run bash tests/gpu/fetch.sh)' if distribution else 'the GPU machine must have it'}")
         if wheel:
-            print(f"     (carried: gpu_wheels/{wheel.name})")
+            print(f"     (carried: {_shown(wheel)})")
     if not missing_modules():
         report(f"imports: {', '.join(module for module, _, _ in MODULES)}", None)
-    report("gpu_wheels/", "; ".join(wheel_problems()) or None)
-    if WHEELS.is_dir():
-        wheels = sorted(WHEELS.glob("*.whl"))
-        print(f"     {len(wheels)} wheels, {sum(p.stat().st_size for p in wheels) / 2**20:.1f} MiB: "
-              + ", ".join(p.name for p in wheels))
-        absent = [f"{d}=={v}" for _, d, v in MODULES if d and wheel_for(d, v) is None]
-        report("gpu_wheels/ covers every carried package", f"lacks {', '.join(absent)}" if absent else None)
-    else:
-        print("     gpu_wheels/ absent: nothing carried (tests/gpu/fetch_wheels.sh fills it)")
-    for path in ("tests/gpu/run.sh", "tests/gpu/fetch_wheels.sh", "megarl/train.py", "bench/kernels.py",
-                 "tools/make_tiny_model.py", "tests/workers/offload_worker.py", "tests/workers/triton_kernels_worker.py",
+    # The GPU machine lacks every MODULES entry with a distribution: its wheel must travel, whatever this host has.
+    wheels = sorted(WHEELS.glob("*.whl"))
+    print(f"     {len(wheels)} wheels, {sum(p.stat().st_size for p in wheels) / 2**20:.1f} MiB: "
+          + ", ".join(p.name for p in wheels))
+    absent = [f"{d}=={v}" for _, d, v in MODULES if d and wheel_for(d, v) is None]
+    report(f"{_shown(WHEELS)}/ covers every carried package", "; ".join(
+        wheel_problems() + ([f"lacks {', '.join(absent)} (run bash tests/gpu/fetch.sh)"] if absent else [])) or None)
+    report(f"{_shown(CARRIED_MODEL)}/ is the tiny model", carried_model_problem())
+    report("what travels fits the device tool", travel_problem())
+    report("the part limits fit the lane's budget", budget_problem())
+    report("run.sh rehearsed: its summary on stdout, its output files", rehearsal_problem())
+    for path in ("tests/gpu/run.sh", "tests/gpu/fetch.sh", "megarl/train.py", "bench/kernels.py",
+                 "tests/workers/offload_worker.py", "tests/workers/triton_kernels_worker.py",
                  "tests/test_reward_model.py", "tools/make_tiny_reward_model.py",
                  "tests/workers/sleep_level_worker.py"):
         report(f"path {path}", None if (ROOT / path).is_file() else "missing")
-    print(f"     tiny model: {'present' if (TINY_MODEL / 'megarl_tiny.json').exists() else 'absent (setup builds it)'}"
-          f" at {TINY_MODEL.relative_to(ROOT)}")
 
     from helpers import load_script
 
     entry_points = [("bench/kernels.py", lambda: _load_bench().build_parser(), BENCH_ARGS),
-                    ("tools/make_tiny_model.py", lambda: load_script(ROOT / "tools" / "make_tiny_model.py")
-                     .build_parser(), TINY_BUILD_ARGS),
                     *((f"tests/gpu/lane.py part {part}", build_parser, ["part", part, "--work", "/tmp/w"])
-                      for part in PARTS)]
+                      for part in PART_NAMES)]
     for what, parser, argv in entry_points:
         report(f"{what} {' '.join(argv)}", _parse_problem(lambda: parser().parse_args(argv)))
     worker = load_script(TESTS / "workers" / "triton_kernels_worker.py")
@@ -634,10 +797,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     part = sub.add_parser("part", help="run one part of the lane (run.sh does, each under its time limit)")
-    part.add_argument("name", choices=PARTS)
+    part.add_argument("name", choices=PART_NAMES)
     part.add_argument("--work", type=Path, required=True, help="scratch folder (installed packages, runs' output)")
+    part.add_argument("--rehearse", action="store_true", help="run nothing, pass (the dry run's rehearsal of run.sh)")
+    sub.add_parser("plan", help="print the budget and the parts run.sh runs (GPU_LANE_PARTS), as NAME:LIMIT:NEEDS")
     sub.add_parser("dry-run", help="check what the lane needs, without a GPU")
-    sub.add_parser("wheel-specs", help="print NAME==VERSION of every carried package (tests/gpu/fetch_wheels.sh)")
+    sub.add_parser("wheel-specs", help="print NAME==VERSION of every carried package (tests/gpu/fetch.sh)")
     sub.add_parser("eight-gpu-commands", help="print the command lines of a first run on one node of 8 GPUs")
     return parser
 
@@ -652,10 +817,19 @@ def main() -> int:
         for name, argv in EIGHT_GPU_RUNS.items():
             print(f"# {name}\ntorchrun --nproc_per_node 8 megarl/train.py {' '.join(argv)}")
         return 0
+    if args.command == "plan":
+        try:
+            parts = plan(os.environ.get("GPU_LANE_PARTS", ""))
+        except ValueError as error:
+            print(f"gpu lane: {error}", file=sys.stderr)
+            return 2
+        print(os.environ.get("GPU_LANE_BUDGET") or BUDGET,
+              *(f"{name}:{limit}:{need or '-'}" for name, limit, need in parts))
+        return 0
     if args.command == "dry-run":
         return 0 if dry_run() else 1
     args.work.mkdir(parents=True, exist_ok=True)
-    return 0 if run_part(args.name, args.work) else 1
+    return 0 if run_part(args.name, args.work, args.rehearse) else 1
 
 
 if __name__ == "__main__":
