@@ -410,6 +410,9 @@ def _add_data_args(parser):
                    help="the built-in arithmetic task's operands are drawn from [0, N] (default 19, what the tiny "
                         "model learns); a large N (e.g. 10**15) makes the tool task: numbers too long for a small "
                         "model to add, with --tools calculator or python to add them")
+    g.add_argument("--train-max-samples", type=int, default=0,
+                   help="train on N distinct rows of --train-data, drawn with --seed and kept in file order (0: "
+                        "every row; verl's data.train_max_samples)")
     g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per generated batch, all ranks")
     g.add_argument("--max-prompt-length", type=int, default=128, help="longest prompt in tokens")
     g.add_argument("--truncation", default="error", choices=["error", "left", "right", "drop"],
@@ -417,6 +420,10 @@ def _add_data_args(parser):
                         "or leave its row out (verl's filter_overlong_prompts)")
     g.add_argument("--system-prompt", default=None,
                    help="system prompt for rows without one (default: the reward's; '' for none)")
+    g.add_argument("--chat-template", default=None, metavar="JINJA|@FILE",
+                   help="the chat template every rendering uses instead of the tokenizer's (a Jinja string, or @FILE "
+                        "to read one; verl's model.custom_chat_template / custom_chat_template_file); HF exports "
+                        "carry it")
     g.add_argument("--chat-template-kwargs", type=_json_dict, default={},
                    help="JSON arguments of every chat-template rendering, e.g. '{\"enable_thinking\": false}' (Qwen3; "
                         "ms-swift enable_thinking, verl data.apply_chat_template_kwargs)")
@@ -503,6 +510,8 @@ def _add_eval_args(parser):
                    help="evaluate every this many steps, and after the last (0: only with --eval-dataset, "
                         "after the last step)")
     g.add_argument("--eval-samples", type=int, default=1, help="samples per evaluation prompt (k of mean@k)")
+    g.add_argument("--eval-max-samples", type=int, default=0,
+                   help="evaluate on the first N prompts of each --eval-dataset (0: all; verl's data.val_max_samples)")
     g.add_argument("--eval-temperature", type=float, default=0.0,
                    help="evaluation sampling temperature (0: greedy; needs --eval-samples 1)")
     g.add_argument("--rollout-save-dir", default=None,
@@ -1545,6 +1554,19 @@ def _validate_data_and_eval(args) -> None:
             raise ConfigError(f"--eval-dataset {item!r}: builtin:N needs a positive number of problems")
         datasets[name] = path
     args.eval_datasets = datasets
+    if args.chat_template is not None and args.chat_template.startswith("@"):
+        try:
+            with open(os.path.expanduser(args.chat_template[1:]), encoding="utf-8") as handle:
+                args.chat_template = handle.read()
+        except OSError as error:
+            raise ConfigError(f"--chat-template {args.chat_template}: cannot read the template file "
+                              f"({error.strerror})") from None
+    if args.chat_template is not None and not args.chat_template.strip():
+        raise ConfigError("--chat-template is empty: give a Jinja template or @FILE (leave it out for the "
+                          "tokenizer's own)")
+    for flag, value in (("--train-max-samples", args.train_max_samples), ("--eval-max-samples", args.eval_max_samples)):
+        if value < 0:
+            raise ConfigError(f"{flag} must be >= 0 (0: every row), got {value}")
     if args.eval_interval < 0 or args.eval_samples < 1:
         raise ConfigError(f"--eval-interval must be >= 0 and --eval-samples >= 1, got {args.eval_interval} "
                           f"and {args.eval_samples}")

@@ -152,11 +152,15 @@ def load_inputs(args) -> Inputs:
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, TypeError, ...
         raise ConfigError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer "
                           f"({_first_line(error)})") from None
-    limit = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
+    overridden = (args.rollout_engine_kwargs.get("hf_overrides") or {}).get("max_position_embeddings")
+    limit = overridden or getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     asked = args.rollout_engine_kwargs.get("max_model_len")
     if limit and asked and asked > limit:  # vLLM's own check fails at engine start with a validation traceback
         raise ConfigError(f"rollout.engine_kwargs.max_model_len={asked} (vLLM's max_model_len) is over --model "
-                          f"{args.model}'s max_position_embeddings={limit}")
+                          f"{args.model}'s max_position_embeddings={limit}"
+                          f"{' (as rollout.engine_kwargs.hf_overrides sets it)' if overridden else ''}")
+    if args.chat_template is not None:  # rendering and HF exports (save_pretrained writes it) use it
+        tokenizer.chat_template = args.chat_template
     if args.chat_template_kwargs:  # every rendering (prompts, episodes' turns) goes through this method
         tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **args.chat_template_kwargs)
     if len(tokenizer) > hf_config.vocab_size:

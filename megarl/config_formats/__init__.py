@@ -19,7 +19,7 @@ import re
 
 import yaml
 
-from megarl.config_formats.common import Translation, load_yaml_mapping, shell_command
+from megarl.config_formats.common import Translation, bash_command, load_yaml_mapping, shell_command
 from megarl.errors import ConfigError
 
 FORMATS = ("megarl", "swift", "verl", "colossalchat")
@@ -130,11 +130,14 @@ def translate(fmt: str, path: str | None, rest: list[str], megarl_options) -> tu
         from megarl.config_formats import swift
 
         match = SWIFT_COMMAND.search(text)
+        server = None
         if match:  # a `megatron rlhf --key value ...` command line
             raw = swift.parse_flags(shell_command(text, path, match.group(0)), path)
+            started, _, _ = bash_command(text, "swift rollout")  # vllm_mode server: the server it starts
+            server = swift.parse_flags(started, path) if started is not None else None
         else:
             raw = load_yaml_mapping(path, text)
-        return swift.translate(raw, path, megarl_options, rest), rest
+        return swift.translate(raw, path, megarl_options, rest, server), rest
     if fmt == "verl":
         from megarl.config_formats import verl
 

@@ -308,6 +308,11 @@ def reference(table: dict[str, Rule], semantics: dict[str, str]) -> list[str]:
     return [line.replace("||", "| |") for line in lines]
 
 
+# Megatron's interleaved (virtual) pipeline stages change the schedule, not the model or its gradients.
+VIRTUAL_PIPELINE = ("interleaved pipeline stages, a schedule of the same math: megarl runs one model chunk per "
+                    "stage (plain 1F1B: a larger pipeline bubble, no more activation memory)")
+
+
 _ASSIGNMENT = re.compile(r"(?:export\s+)?([A-Za-z_]\w*)=(.*)")
 
 
@@ -367,13 +372,16 @@ def _read_snippet(text: str, where: str, marker: str) -> list[str]:
 # arguments (NUL-separated, a file per command named by its time and process: the two sides of a pipeline run
 # at once) and returns 0. So the shell computes
 # the command line exactly (arrays, $((...)), if/case, ${X:-default}) and nothing but bash's builtins runs.
-# `set` is a no-op: a recipe's `set -euo pipefail` would otherwise stop at the first missing command.
+# `set` is a no-op: a recipe's `set -euo pipefail` would otherwise stop at the first missing command. The EXIT
+# trap waits for the commands a script starts in the background (`swift rollout ... &`): their records are
+# written before the capture folder is read.
 _BASH_PRELUDE = r"""
 command_not_found_handle() {
     printf '%s\0' "$@" > "$MEGARL_CAPTURE/$EPOCHREALTIME-$BASHPID-$RANDOM"
     return 0
 }
 set() { :; }
+trap wait EXIT
 """
 BASH_SECONDS = 20
 

@@ -25,7 +25,7 @@ import math
 
 from megarl.config_formats.common import (
     DEFAULT, IGNORED, LORA_LAYOUT, Context, Rule, Translation, apply_table, custom, expand_path, ignore, ignore_all, informs,
-    lora_targets, refuse, routing_replay_mode, rslora_alpha, to,
+    VIRTUAL_PIPELINE, lora_targets, refuse, routing_replay_mode, rslora_alpha, to,
 )
 from megarl.errors import ConfigError
 
@@ -266,7 +266,8 @@ TABLE: dict[str, Rule] = {
                                  refusal="a repetition penalty is > 0 (1: none)", dest="repetition_penalty"),
     "use_vllm": ignore("megarl always generates with vLLM", refuse_if=lambda v: not v),
     "use_ray": ignore("Ray orchestration: megarl runs every role under torchrun"),
-    "vllm_mode": ignore("the placement comes from colocate_groups", refuse_if=_not((None, "colocate"))),
+    "vllm_mode": ignore("the placement: colocate, every rank; server, the separate placement",
+                        refuse_if=_not((None, "colocate", "server"))),
     "sleep_level": custom(_sleep_level, "megarl has no level 0: it reads as level 1"),
     "offload_optimizer": to("offload_optimizer"),
     "offload_model": to("offload_model"),
@@ -373,7 +374,7 @@ TABLE: dict[str, Rule] = {
     "expert_tensor_parallel_size": ignore("1: each expert whole on its EP rank", refuse_if=lambda v: v not in (None, 1),
                                           refusal="megarl keeps each expert whole on its EP rank "
                                                   "(expert_tensor_parallel_size 1)"),
-    "virtual_pipeline_model_parallel_size": ignore("one stage per rank", refuse_if=lambda v: v is not None),
+    "virtual_pipeline_model_parallel_size": ignore(VIRTUAL_PIPELINE),
     "decoder_first_pipeline_num_layers": ignore("even split", refuse_if=lambda v: v is not None),
     "decoder_last_pipeline_num_layers": ignore("even split", refuse_if=lambda v: v is not None),
     "pipeline_model_parallel_layout": ignore("even split", refuse_if=lambda v: v is not None),
@@ -461,7 +462,7 @@ TABLE: dict[str, Rule] = {
     **ignore_all("logging back-ends and extra logs (megarl logs to TensorBoard, wandb, --rollout-save-dir)", [
         "log_completions", "wandb_log_unique_prompts", "log_entropy", "log_rollout_offpolicy_metrics",
         "tensorboard_queue_size", "swanlab_project", "swanlab_exp_name", "eval_iters"]),
-    **ignore_all("external vLLM server mode (megarl's engines run in-process)", [
+    **ignore_all("the server's address (vllm_mode server: megarl's rollout ranks stand in for the server)", [
         "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
         "vllm_server_group_port", "vllm_server_pass_dataset"]),
     **ignore_all("options of loss types and rewards this config does not select", [
@@ -539,11 +540,15 @@ MEGATRON_NAMES = {"save_interval": "save_steps", "eval_interval": "eval_steps", 
 TEACHER_FLAGS = ("--teacher-model", "--standalone-teacher-model", "--teacher-gpus", "--teacher-server")
 
 
-def translate(raw: dict, where: str, megarl_options, command_line: list[str] = ()) -> Translation:
-    """`command_line`: megarl's flags given after the config (they win over it)."""
+def translate(raw: dict, where: str, megarl_options, command_line: list[str] = (),
+              server: dict | None = None) -> Translation:
+    """`command_line`: megarl's flags given after the config (they win over it); `server`: the flags of the
+    `swift rollout` command a launch script starts beside it (vllm_mode server)."""
     from megarl.config_formats.common import lookup
 
     flat = flatten(raw, where)
+    if flat.get("vllm_mode") == "server":
+        _server_settings(flat, server or {})
     used = {}
     for megatron_name, name in MEGATRON_NAMES.items():  # ms-swift's Megatron spellings of its own keys
         for prefix in ("", "train."):
@@ -579,6 +584,31 @@ def translate(raw: dict, where: str, megarl_options, command_line: list[str] = (
     for row in out.rows:
         row.key = used.get(row.key, row.key)
     return out
+
+
+# The `swift rollout` server's engine settings that become the rollout role's (megarl's rollout ranks stand in
+# for the server): its vLLM options, and its size, tensor x data parallel, as the rollout's rank count.
+SERVER_ENGINE_KEYS = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_len",
+                      "vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_max_num_seqs", "vllm_engine_kwargs")
+SERVER_EPISODE_KEYS = ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env")
+
+
+def _server_settings(flat: dict, server: dict) -> None:
+    """vllm_mode server: the trainer command's own vllm_* engine settings are the colocated engine's, unused
+    by ms-swift with a server (dropped here); the server's (its `swift rollout` flags) are the rollout role's,
+    `rollout.X`, unless the config gives those, and its GPU count (vllm_tensor_parallel_size x
+    vllm_data_parallel_size, 1 x 1 by default) is rollout.gpus; its multi-turn scheduler is the run's."""
+    for key in SERVER_ENGINE_KEYS:
+        flat.pop(key, None)
+    for key in SERVER_ENGINE_KEYS:
+        if server.get(key) is not None:
+            flat.setdefault(f"rollout.{key}", server[key])
+    for key in SERVER_EPISODE_KEYS:  # the server runs the episodes: its scheduler is the run's
+        if server.get(key) is not None:
+            flat.setdefault(key, server[key])
+    if server or "rollout.gpus" not in flat:
+        flat.setdefault("rollout.gpus", (server.get("vllm_tensor_parallel_size") or 1) *
+                        (server.get("vllm_data_parallel_size") or 1))
 
 
 def _given(flat, key):
@@ -634,14 +664,13 @@ def _semantics(out: Translation, flat: dict, ctx: Context, rlhf: str, megarl_opt
     ray = flat.get("use_ray") or any("." in key for key in flat) or "colocate_groups" in flat
     if "colocate_groups" in flat:
         put("colocate_groups", flat["colocate_groups"], {"colocate_groups": flat["colocate_groups"] or []})
+    elif flat.get("vllm_mode") == "server":  # a `swift rollout` server on GPUs of its own, synced every step
+        default("colocate_groups", [], "vllm_mode server: the separate placement, rollout.gpus ranks in the "
+                                       "server's place (launch train + rollout ranks)")
     elif ray:
         default("colocate_groups", [], "colocate_groups omitted: separate placement")
-    elif flat.get("vllm_mode", "colocate") == "colocate":
-        default("colocate_groups", [["train", "rollout"]], "no Ray: vllm_mode colocate, every rank")
     else:
-        ctx.fail("vllm_mode", f"{flat['vllm_mode']}: an external rollout server (swift rollout); megarl's engines run "
-                              f"in-process: its counterpart is the separate placement, a Ray-style YAML with "
-                              f"colocate_groups [] and rollout.gpus (the server's GPUs)")
+        default("colocate_groups", [["train", "rollout"]], "no Ray: vllm_mode colocate, every rank")
     if _tuner(flat) == "lora":
         _lora(out, flat, ctx)
     beta = flat.get("beta")

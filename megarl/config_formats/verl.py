@@ -27,8 +27,8 @@ import re
 import yaml
 
 from megarl.config_formats.common import (
-    DEFAULT, IGNORED, LORA_LAYOUT, Context, Rule, Translation, apply_table, as_list, closest, custom, expand_path, flatten,
-    ignore, informs, lora_targets, lookup, routing_replay_mode, rslora_alpha, to,
+    DEFAULT, IGNORED, INFORMS, LORA_LAYOUT, VIRTUAL_PIPELINE, Context, Rule, Translation, apply_table, as_list, closest,
+    custom, expand_path, flatten, ignore, informs, lora_targets, lookup, routing_replay_mode, rslora_alpha, to,
 )
 from megarl.errors import ConfigError
 
@@ -135,6 +135,28 @@ def _truthy(value):
     return bool(value)
 
 
+# verl's own rule scorers (verl/utils/reward_score/), named as a custom reward function file, that megarl has.
+VERL_SCORERS = {"gsm8k.py": "gsm8k"}
+
+
+def _verl_scorer(path, name=None) -> str | None:
+    """megarl's reward for a custom_reward_function that is one of verl's own scorer modules (its
+    compute_score), or None."""
+    if not isinstance(path, str) or name not in (None, "compute_score"):
+        return None
+    directory, _, file = path.replace("\\", "/").rpartition("/")
+    return VERL_SCORERS.get(file) if directory.endswith("verl/utils/reward_score") else None
+
+
+def _max_samples(value, key: str, ctx) -> int:
+    """verl's data.*_max_samples: a positive N keeps N rows; -1 (its default), 0 or null keeps every row."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        ctx.fail(key, f"{value!r}: expected a whole number of rows (-1: every row)")
+    return max(value, 0)
+
+
 def _nonempty(value):
     return value not in (None, {}, [], "", 0, False)
 
@@ -174,10 +196,12 @@ TABLE: dict[str, Rule] = {
     "data.trust_remote_code": ignore("no remote code"),
     "data.image_key": ignore("multimodal data (megarl is text only)"),
     "data.image_patch_size": ignore("multimodal data (megarl is text only)"),
-    "data.train_max_samples": ignore("-1: every row", refuse_if=lambda v: v not in (None, -1),
-                                     refusal="sampling a subset of the rows: give megarl the subset as a file"),
-    "data.val_max_samples": ignore("-1: every row", refuse_if=lambda v: v not in (None, -1),
-                                   refusal="sampling a subset of the rows: give megarl the subset as a file"),
+    "data.train_max_samples": custom(lambda v, ctx: {"train_max_samples":
+                                                         _max_samples(v, "data.train_max_samples", ctx)},
+                                     "N rows drawn with --seed (verl: with data.seed when data.shuffle)"),
+    "data.val_max_samples": custom(lambda v, ctx: {"eval_max_samples":
+                                                       _max_samples(v, "data.val_max_samples", ctx)},
+                                   "the first N prompts of each evaluation set (verl draws N when data.shuffle)"),
     "data.video_key": ignore("multimodal data (megarl is text only)"),
     "data.return_multi_modal_inputs": ignore("multimodal data (megarl is text only)"),
     "data.custom_cls.*": ignore("the built-in dataset class", refuse_if=_nonempty,
@@ -195,9 +219,14 @@ TABLE: dict[str, Rule] = {
     f"{F}.external_lib": ignore("none", refuse_if=_nonempty,
                                 refusal="external_lib registers models with HF; megarl's families are built in"),
     f"{F}.override_config": ignore("empty"),
+    # The model's positions as the engine sees them (verl's recipes raise them to prompt + response): vLLM's
+    # hf_overrides. Megatron's rotary embedding has no table to size.
+    f"{F}.override_config.model_config.max_position_embeddings": custom(
+        lambda v, ctx: {"rollout_engine_kwargs.hf_overrides": {"max_position_embeddings": v}},
+        "vLLM's hf_overrides (Megatron's rotary embedding needs no table)", dest="rollout_engine_kwargs"),
     f"{F}.override_config.*": ignore("empty", refuse_if=_nonempty,
-                                     refusal="model.override_config needs megarl's model-config override, which "
-                                             "is not there yet (issue 24, item 2)"),
+                                     refusal="megarl overrides only model_config.max_position_embeddings (the "
+                                             "engine's positions); change the model in its config.json"),
     f"{F}.enable_gradient_checkpointing": custom(
         lambda v, ctx: {"recompute_granularity": "full", "recompute_method": "uniform",
                         "recompute_num_layers": 1} if v and not _megatron_backend(ctx.source) else {},
@@ -211,7 +240,9 @@ TABLE: dict[str, Rule] = {
     f"{F}.trust_remote_code": ignore("no remote code"),
     f"{F}.use_shm": ignore("shared-memory model loading"),
     f"{F}.use_liger": ignore("megarl picks its kernels (--kernels)"),
-    f"{F}.custom_chat_template": ignore("the tokenizer's template", refuse_if=_nonempty),
+    f"{F}.custom_chat_template": to("chat_template"),
+    f"{F}.custom_chat_template_file": custom(lambda v, ctx: {"chat_template": f"@{expand_path(v)}"} if v else {},
+                                             "the template read from the file", dest="chat_template"),
     # LoRA: the FSDP back-end's PEFT keys (model.lora_rank ...) and the Megatron back-end's (model.lora.*),
     # read by _lora; at rank 0 they are ignored.
     **{f"{F}.{key}": INF for key in ("lora_rank", "lora_alpha", "target_modules", "lora_dropout", "use_rslora",
@@ -309,7 +340,7 @@ TABLE: dict[str, Rule] = {
     f"{A}.megatron.param_offload": to("offload_model"),
     f"{A}.megatron.optimizer_offload": to("offload_optimizer"),
     f"{A}.megatron.sequence_parallel": INF,
-    f"{A}.megatron.virtual_pipeline_model_parallel_size": ignore("one stage per rank", refuse_if=_nonempty),
+    f"{A}.megatron.virtual_pipeline_model_parallel_size": ignore(VIRTUAL_PIPELINE),
     f"{A}.megatron.expert_model_parallel_size": to("expert_model_parallel_size"),
     f"{A}.megatron.expert_tensor_parallel_size": ignore("1: each expert whole on its EP rank",
                                                         refuse_if=lambda v: v not in (None, 1),
@@ -598,7 +629,8 @@ TABLE: dict[str, Rule] = {
                    "model.hf_config_path", "model.custom_chat_template", "model.exclude_modules",
                    "model.lora_adapter_path", "model.use_liger", "model.use_fused_kernels",
                    "model.fused_kernel_options.*", "model.tiled_mlp.*", "model.mtp.*")},
-    "custom_reward_function.path": ignore("no custom reward", refuse_if=_nonempty,
+    "custom_reward_function.path": custom(lambda v, ctx: {}, INFORMS,
+                                          refuse_if=lambda v: _nonempty(v) and not _verl_scorer(v),
                                           refusal="register the function as a megarl reward (@register_reward) "
                                                   "in a file given to --external-plugins, and name it in --reward"),
     "custom_reward_function.name": ignore("no custom reward"),
@@ -1032,6 +1064,10 @@ def _semantics(out: Translation, flat: dict, ctx: Context, megarl_options) -> No
         if not path:
             ctx.fail("reward_model.model.path", "reward_model.enable needs the reward model's path")
         put("reward_model.enable", {"reward": "rm", "reward_model": expand_path(path)}, "scores with the RM alone")
+    elif _verl_scorer(get("custom_reward_function.path"), get("custom_reward_function.name")):
+        reward = _verl_scorer(get("custom_reward_function.path"), get("custom_reward_function.name"))
+        put("custom_reward_function.path", {"reward": reward, "system_prompt": ""},
+            f"verl's own scorer module: megarl's `{reward}` reward for every row")
     else:
         out.set("(rule reward)", None, DEFAULT, {"reward": "verl_data_source", "system_prompt": ""},
                 "verl's rule rewards by data_source; no system prompt added")

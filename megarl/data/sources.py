@@ -69,6 +69,11 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
         return ArithmeticPrompts(args, tokenizer)
     rows = load_rows(args.train_data, format=args.data_format, prompt_key=args.prompt_key,
                      preprocessor=args.preprocessor, id_key=args.prompt_id_key)
+    if 0 < args.train_max_samples < len(rows):  # a seeded subset, as verl's data.train_max_samples draws one
+        import numpy as np
+
+        drawn = np.random.default_rng(args.seed).choice(len(rows), size=args.train_max_samples, replace=False)
+        rows = [rows[i] for i in sorted(drawn.tolist())]
     if args.gkd_lmbda < 1.0 and not args.seq_kd:  # some steps train on the rows' own responses
         missing = next((row for row in rows if not (row.extra.get("reference_solution") or row.extra.get("response"))),
                        None)
@@ -87,6 +92,7 @@ def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[P
     for name, path in args.eval_datasets.items():
         if path.split(":")[0] == BUILTIN_EVAL:
             count = int(path.split(":")[1]) if ":" in path else 200
+            count = min(count, args.eval_max_samples or count)
             problems = arithmetic.make_problems(count, seed=BUILTIN_EVAL_SEED,
                                                 max_operand=args.task_max_operand or arithmetic.MAX_OPERAND)
             sets[name] = arithmetic_prompts(problems, tokenizer,
@@ -95,6 +101,8 @@ def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[P
             try:
                 rows = load_eval_dataset(path, format=args.data_format, prompt_key=args.prompt_key,
                                          preprocessor=args.preprocessor, id_key=args.prompt_id_key)
+                if args.eval_max_samples:
+                    rows = rows[:args.eval_max_samples]
                 sets[name] = make_prompts(rows, tokenizer, system_prompt, args.max_prompt_length, args.truncation,
                                           args.tools)
             except DatasetError as error:  # which set, as well as which file and line
