@@ -261,7 +261,7 @@ def check_supported(args, on_cuda: bool | None = None, transformer_engine: bool 
     te = transformer_engine_available(on_cuda) if transformer_engine is None else transformer_engine
     if not on_cuda and args.params_dtype == "float16":
         return ("--fp16 (--params-dtype float16) needs a GPU host: vLLM's CPU backend does not run float16 "
-                "and Megatron's loss scaler keeps its scale on a CUDA device; use --bf16 on CPU ranks")
+                "(CPU ranks train in fp32 or bf16; tests build the fp16 optimizer directly); use --bf16 on CPU ranks")
     if args.kernels == "triton" and not triton_available(on_cuda):
         return ("--kernels triton needs Triton and a GPU (or Triton's interpreter, TRITON_INTERPRET=1, "
                 "for tests); use --kernels chunked on this host")
@@ -539,14 +539,15 @@ def apply_megatron_shims() -> None:
 
     # Literal device="cuda" scalars and buffers: the fp32 optimizer's loss scale,
     # grad-norm reductions (and the local multi-tensor L2 norm in utils.py), the
-    # schedules' token counter.
+    # schedules' token counter, the fp16 optimizer's loss scaler (its scale and factors:
+    # the fp16 tests build it on CPU ranks).
     from megatron.core import utils as megatron_utils
-    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import clip_grads, grad_scaler
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.pipeline_parallel import schedules
 
     cpu_torch = _TorchWithCpuFactories()
-    for module in (clip_grads, megatron_optimizer, schedules, megatron_utils):
+    for module in (clip_grads, grad_scaler, megatron_optimizer, schedules, megatron_utils):
         module.torch = cpu_torch
     # Grad clipping asserts param.grad.type() == 'torch.cuda.FloatTensor'.
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32

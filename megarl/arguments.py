@@ -71,8 +71,14 @@ def _add_model_args(parser):
                         "--loss-scale); GPU hosts only")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="--fp16: a static loss scale (default: dynamic loss scaling)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
-                   help="--fp16, dynamic loss scaling: the first scale (halved on each overflow, Megatron's rule)")
+    # 2^10, not Megatron-LM's 2^32: a skipped step costs a whole rollout here, and Megatron's hysteresis lets two
+    # overflows pass before the first halving, so 2^32 would skip ~18 RL steps before a scale fp16 can hold. megarl's
+    # loss is a per-token sum (calculate_per_token_loss), not a mean, so its activation gradients are larger than a
+    # mean loss's by the token count: on the tiny model, its own samples, the largest at scale 1 measured 16 (layer
+    # 0's attention probabilities; 25 on random tokens), so 2^12 overflows fp16 (65504) and 2^10 leaves a factor 4.
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**10,
+                   help="--fp16, dynamic loss scaling: the first scale (halved on overflow after Megatron's "
+                        "hysteresis of 2; 2^10 suits megarl's per-token-sum loss)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times the TP size (Megatron)")
     g.add_argument("--seed", type=int, default=1234, help="seeds prompts, Megatron RNG and vLLM engines")

@@ -497,6 +497,12 @@ def build_trainable(module, args, lr: float, weight_decay: float):
                         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                         use_distributed_optimizer=args.use_distributed_optimizer),
         [model])
+    # Megatron's schedules multiply the last stage's loss by config.grad_scale_func before its backward
+    # (schedules.backward_step; the MoE and MTP auxiliary losses take the same scale) and the optimizer divides
+    # the gradients by its scale before the step. Megatron-core leaves the wiring to the caller (Megatron-LM's
+    # training.py sets it): without it an fp16 step divides unscaled gradients by the loss scale and never
+    # sees an overflow. The fp32 and bf16 optimizers' scale is 1.
+    config.grad_scale_func = optimizer.scale_loss
     accelerator.fuse_torch_adam(optimizer)
     accelerator.allocate_adam_states_on_host(optimizer)
     total_updates = max(args.train_steps * args.steps_per_generation * args.ppo_epochs, 1)

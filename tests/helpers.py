@@ -266,6 +266,10 @@ BF16_ULPS = 8
 # Two bf16 paths (the GPU lane's Triton kernels against the chunked torch ones, both rounding fp32 results to
 # bf16): each within BF16_ULPS of the exact value, so within twice that of each other (as FP32_PATHS_ULPS).
 BF16_PATHS_ULPS = 2 * BF16_ULPS
+# fp16 results (the --fp16 trainer's gradients) are judged as bf16 ones, in fp16 ulps (10-bit mantissa) of the
+# compared tensor's scale: two fp16 paths (a loss scale of 2^10 against 1) within BF16_PATHS_ULPS of each other.
+FP16_EPS = 2.0**-10
+FP16_PATHS_ULPS = BF16_PATHS_ULPS
 # An fp32 matmul on CUDA tensor cores in TF32 (megarl's fused weight gradient, accelerator.tf32_matmuls)
 # rounds its inputs to 10 mantissa bits: two paths whose inputs differ by fp32 rounding can round one
 # term's input to neighbouring TF32 values, a TF32 ulp of that term, which may be the largest one. Judged

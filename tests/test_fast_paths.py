@@ -329,3 +329,44 @@ def test_swiglu_equals_megatrons_gated_unit_and_is_the_dense_mlps_activation(meg
     # and the model still checkpoints: Megatron's MLP asks every child for its sharded state
     assert {key.split(".mlp.")[1] for key in model.sharded_state_dict() if ".mlp." in key} == \
         {"linear_fc1.weight", "linear_fc2.weight", "linear_fc1._extra_state", "linear_fc2._extra_state"}
+
+
+def _nll_through_kernels(actor, hidden: bool):
+    """helpers.nll's loss through the loss kernels: the chunked ones from the final hidden states and the output
+    weight (its gradient added into main_grad by the kernel), or the naive one from the logits (the output
+    layer's own backward)."""
+    from megarl import kernels
+    from megarl.model_runner import output_weight
+
+    def loss(batch, output, companion_outputs):
+        vocab = actor.hf_config.vocab_size
+        logprobs = (kernels.token_logprobs(output, batch.labels, vocab, 1.0, "chunked",
+                                           weight_shard=output_weight(actor.model)) if hidden
+                    else kernels.token_logprobs(output, batch.labels, vocab, 1.0, "naive"))
+        total = -(logprobs * batch.loss_mask).sum()
+        return total, batch.loss_mask.sum().to(torch.int), {"sums": {"loss": total.detach()}}
+
+    return loss
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "random_qwen2_untied"], ids=["tied", "untied"])
+def test_the_kernels_output_weight_gradient_reaches_main_grad_once(megatron_rank, model, request):
+    """Under Megatron's DDP the fused kernels add the output weight's gradient into its main_grad themselves and
+    hand autograd a placeholder marked grad_added_to_main_grad: every main_grad equals the one from the logits'
+    path (the output layer's backward), within fp32 rounding. Added a second time by DDP's hook, the output
+    weight's would be twice it; a tied weight's (the embedding's) also holds the lookup's gradient, which
+    the hook still adds (zero_out_wgrad)."""
+    from megarl.model_runner import forward_backward
+
+    actor = actor_of(request.getfixturevalue(model))
+    grads = {}
+    for hidden in (False, True):
+        actor.model.train()
+        actor.model.zero_grad_buffer()
+        forward_backward(actor.model, micro_batches(count=2, seed=2), _nll_through_kernels(actor, hidden), False, 2,
+                         hidden=hidden)
+        grads[hidden] = {key: param.main_grad.clone() for key, param in actor.model.named_parameters()}
+    assert any("output_layer" in key or "word_embeddings" in key for key in grads[True])
+    for key, grad in grads[True].items():
+        assert grad.abs().max() > 0, key
+        assert_fp32_paths_agree(grad, grads[False][key], key)

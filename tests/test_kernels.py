@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import (FP32_ULPS, WORKERS, assert_fp32_close, assert_runs_agree, assert_signal_alive, load_script, read_json, scalars,
-                     torchrun)
+                     torchrun, ulps)
 
 
 worker = load_script(WORKERS / "kernels_worker.py")
@@ -130,6 +130,91 @@ def test_bf16_inputs_and_inputs_untouched(tp1):
         results = [*from_logits, *from_hidden, *(leaf.grad for leaf in leaves)]
         for name, result, exact in zip(names, results, expected):
             assert_fp32_close(result.float(), exact, what=f"{impl} {name}", bf16=True)
+
+
+def _exact_inputs(dtype, seed: int = 0, weight_step: float = 1 / 4):
+    """hidden [2, 6, 16] of multiples of 1/4 in [-1, 1] and weight [256, 16] of multiples of `weight_step` within
+    4 of them: every logit (a sum of 16 products, a multiple of weight_step / 4 within 16 x 4 weight_step) is
+    exact in bf16 and fp16 (up to 8 significant bits), so a float64 reference needs no rounding model and the
+    16-bit paths differ from it by their gradients' rounding alone."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-4, 5, (2, 6, 16), generator=generator).to(dtype) / 4
+    weight = torch.randint(-4, 5, (256, 16), generator=generator).to(dtype) * weight_step
+    labels = torch.randint(0, 250, (2, 6), generator=generator)
+    return hidden, weight, labels
+
+
+def _reference_grads(hidden, weight, labels, g_lp, g_h):
+    """float64 d(sum(g_lp logprob + g_h entropy))/d(hidden, weight) over the real vocabulary (250 of 256 rows)."""
+    leaves = [t.double().requires_grad_(True) for t in (hidden, weight)]
+    logprob, entropy = worker._reference({"labels": labels}, leaves[0] @ leaves[1].t(), 250, 1.0)
+    (g_lp.double() * logprob + g_h.double() * entropy).sum().backward()
+    return [leaf.grad for leaf in leaves]
+
+
+def test_the_output_weights_gradient_goes_into_its_main_grad_in_fp32(tp1):
+    """A weight under Megatron's DDP (an fp32 `main_grad` and `grad_added_to_main_grad`, as DDP's constructor
+    gives every trained parameter) gets the fused kernels' fp32 gradient added into main_grad, within the fp32
+    rule of float64 (rounded to bf16 first it would be ~2^14 fp32 ulps off), accumulating over backward passes;
+    autograd gets Megatron's placeholder, marked so that DDP's hook does not add it again, zeros where the weight
+    is also the embedding's (zero_out_wgrad: the hook adds the lookup's gradient plus it)."""
+    from megarl import kernels
+
+    hidden, weight, labels = _exact_inputs(torch.bfloat16)
+    g_lp, g_h = torch.randn(2, 6, generator=torch.Generator().manual_seed(1)), torch.full((2, 6), 0.3)
+    expected = _reference_grads(hidden, weight, labels, g_lp, g_h)[1]
+    for tied in (False, True):
+        leaf = torch.nn.Parameter(weight.clone())
+        leaf.main_grad = torch.zeros(leaf.shape, dtype=torch.float32)
+        leaf.grad_added_to_main_grad = False
+        if tied:
+            leaf.zero_out_wgrad = True
+        for passes in (1, 2):
+            logprob, entropy = kernels.logprobs_and_entropy_from_hidden(hidden, leaf, labels, 250, 1.0, "chunked",
+                                                                        chunk_tokens=5)
+            (g_lp * logprob.float() + g_h * entropy.float()).sum().backward()
+            assert_fp32_close(leaf.main_grad / passes, expected, what=f"main_grad after {passes} (tied {tied})")
+            assert leaf.grad_added_to_main_grad and leaf.grad.dtype == torch.bfloat16
+            leaf.grad = None
+        assert not torch.equal(leaf.main_grad, leaf.main_grad.bfloat16().float())  # fp32, not bf16 values
+        if tied:
+            kernels.logprobs_and_entropy_from_hidden(hidden, leaf, labels, 250, 1.0, "chunked")[0].sum().backward()
+            assert not leaf.grad.any()
+
+
+def test_fp16_hidden_gradient_under_a_loss_scale_does_not_overflow(tp1):
+    """fp16 hidden states and a weight of LLM-like size (|w| <= 1/16), the upstream gradient scaled by 2^17 (a
+    loss scale): the logit gradient reaches ~2^17, past fp16's 65504, while the hidden's gradient made from it
+    (at most 2 x 2^17 x 1/16) fits; it is finite and S times the float64 one within fp16 rounding. Casting the
+    fp32 logit gradient to fp16 whole made such rows inf. The weight's, a sum over tokens that does not fit fp16
+    here, goes into its fp32 main_grad (under DDP, as in training): S times the float64 one within the fp32 rule."""
+    from helpers import FP16_EPS, FP16_PATHS_ULPS
+
+    from megarl import kernels
+
+    scale = 2.0**17
+    hidden, weight, labels = _exact_inputs(torch.float16, seed=2, weight_step=1 / 64)
+    g_lp, g_h = torch.ones(2, 6), torch.zeros(2, 6)
+    expected = _reference_grads(hidden, weight, labels, g_lp, g_h)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    leaves[1].main_grad, leaves[1].grad_added_to_main_grad = torch.zeros(weight.shape), False
+    logprob, _ = kernels.logprobs_and_entropy_from_hidden(*leaves, labels, 250, 1.0, "chunked", chunk_tokens=5)
+    (scale * logprob.float()).sum().backward()
+    assert leaves[0].grad.dtype == torch.float16 and torch.isfinite(leaves[0].grad).all()
+    assert ulps(leaves[0].grad.float() / scale, expected[0], eps=FP16_EPS) <= FP16_PATHS_ULPS
+    assert leaves[1].main_grad.abs().max() > 65504
+    assert_fp32_close(leaves[1].main_grad / scale, expected[1], what="weight main_grad")
+    assert (scale * (1 - logprob.detach().float().exp())).max() > 65504  # some logit's gradient did pass fp16's max
+
+
+def test_triton_warps_grow_with_the_block():
+    """triton_ops.num_warps: 8 values per thread per live vector, 4 warps (Triton's default) up to 1024-wide
+    blocks, 8 at 2048, 16 at 4096 (the widest the kernels use on a GPU), never past CUDA's 32."""
+    triton_ops = pytest.importorskip("megarl.kernels.triton_ops")
+
+    assert [triton_ops.num_warps(block) for block in (16, 64, 256, 1024, 2048, 4096, 8192, 2**16)] == \
+        [4, 4, 4, 4, 8, 16, 32, 32]
+    assert triton_ops.num_warps(triton_ops.MAX_BLOCK_V) == 16
 
 
 def _saved_sizes(fn) -> list[tuple[int, int]]:

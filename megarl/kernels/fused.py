@@ -136,9 +136,29 @@ class LogitsSource:
         return (self.grad.view_as(self.logits),)
 
 
+# fp16's largest finite value is 65504. Under a loss scale a logit's gradient reaches the scale times the
+# per-token gradient (docs/scale.md), while the hidden state's gradient it makes, a sum over the vocabulary
+# weighted by the output weights, is far smaller: a row of the fp32 logit gradient whose largest entry passes
+# FP16_ROW_LIMIT is divided by a power of two before its cast to fp16 and the product multiplied back, which
+# changes no mantissa (only entries over 2^28 times smaller than their row's largest fall below fp16's normal
+# range and lose bits, which they would in the product's fp32 sum anyway).
+FP16_ROW_LIMIT = 2.0**15
+
+
+def _rows_to_fp16(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp32 rows [n, r] in fp16, each divided by the power of two 2^k >= 1 that brings its largest entry
+    within FP16_ROW_LIMIT, 2^k per row [n, 1]), in place in `buffer` before the cast. A non-finite row stays
+    non-finite (the loss scaler must see it)."""
+    if buffer.shape[-1] == 0:  # a shard of padding only
+        return buffer.to(torch.float16), buffer.new_ones(buffer.shape[0], 1)
+    peak = buffer.abs().amax(dim=-1, keepdim=True)
+    up = torch.exp2(torch.ceil(torch.log2(peak / FP16_ROW_LIMIT)).clamp_(min=0.0))
+    return buffer.div_(up).to(torch.float16), up
+
+
 class HiddenSource:
     """Chunks of hidden [*, H] @ weight_shard[:real].T; the gradients of both are accumulated chunk by
-    chunk (the weight's in fp32)."""
+    chunk (the weight's in fp32: into its `main_grad`, where Megatron's DDP gave it one)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, group,
                  held_back: HeldBack | None = None, temperature: float = 1.0):
@@ -156,16 +176,23 @@ class HiddenSource:
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         self.want_hidden, self.want_weight = needs
         self.grad_hidden = torch.zeros_like(self.h) if self.want_hidden else None
-        self.grad_weight = (torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
-                            if self.want_weight else None)
+        # Under Megatron's DDP the weight has an fp32 `main_grad` (grad_reduce_in_fp32) that its backward hook adds
+        # each micro-batch's gradient into: the fp32 gradient goes straight there, as Megatron's gradient-
+        # accumulation fusion does (tensor_parallel/layers.py), not rounded to the weight's 16 bits first.
+        main_grad = getattr(self.weight, "main_grad", None)
+        self.into_main_grad = (self.want_weight and main_grad is not None and main_grad.dtype == torch.float32
+                               and hasattr(self.weight, "grad_added_to_main_grad"))
+        if self.into_main_grad:
+            self.grad_weight = main_grad
+        else:
+            self.grad_weight = (torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+                                if self.want_weight else None)
 
     def grad_buffer(self, rows: slice) -> torch.Tensor:
         n = len(range(*rows.indices(self.rows)))
         return torch.empty(n, self.real, dtype=torch.float32, device=self.h.device)
 
     def add_grad(self, rows: slice, buffer: torch.Tensor) -> None:
-        if self.want_hidden:  # in the hidden's dtype, as Megatron's input gradient (tensor cores in 16 bits)
-            self.grad_hidden[rows] = cpu_gemm.matmul(buffer.to(self.h.dtype), self.w)
         if self.want_weight:
             # From the fp32 logit gradient as the backend wrote it (not rounded to a 16-bit hidden's dtype
             # first), accumulated in fp32; on CUDA in TF32 on tensor cores (accelerator.tf32_matmuls),
@@ -173,12 +200,30 @@ class HiddenSource:
             # 16-bit weight-gradient GEMM gets.
             with accelerator.tf32_matmuls(self.h.device.type):
                 cpu_gemm.accumulate(self.grad_weight[:self.real], buffer.t(), self.h[rows].float())
+        if self.want_hidden:  # in the hidden's dtype, as Megatron's input gradient (tensor cores in 16 bits)
+            if self.h.dtype == torch.float16:  # after the weight's: scales `buffer` in place
+                scaled, up = _rows_to_fp16(buffer)
+                self.grad_hidden[rows] = cpu_gemm.matmul(scaled, self.w).float().mul_(up).to(torch.float16)
+            else:
+                self.grad_hidden[rows] = cpu_gemm.matmul(buffer.to(self.h.dtype), self.w)
 
     def grads(self, group) -> tuple:
         if self.want_hidden and _tp_size(group) > 1:  # every shard's logits depend on the hidden
             dist.all_reduce(self.grad_hidden, group=group)
-        return (self.grad_hidden.view_as(self.hidden) if self.want_hidden else None,
-                self.grad_weight.to(self.weight.dtype) if self.want_weight else None)
+        return (self.grad_hidden.view_as(self.hidden) if self.want_hidden else None, self._weight_grad())
+
+    def _weight_grad(self) -> torch.Tensor | None:
+        """The weight's gradient for autograd: the fp32 one in its dtype, or, when it went into `main_grad`,
+        Megatron's placeholder (layers.py, LinearWithGradAccumulationAndAsyncCommunication.backward): marked
+        grad_added_to_main_grad, so that DDP's hook does not add it again, and zeros where the weight is also
+        the embedding's on this stage (zero_out_wgrad: the hook then adds the lookup's gradient plus these)."""
+        if not self.want_weight:
+            return None
+        if not self.into_main_grad:
+            return self.grad_weight.to(self.weight.dtype)
+        self.weight.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(self.weight, "zero_out_wgrad", False) else torch.empty
+        return make(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
 
 
 def _chunks(total: int, chunk: int):

@@ -50,6 +50,16 @@ MAX_K_BLOCK = 16
 # the online softmax only needs more, narrower blocks for that.
 TOPK_TILE = 4096
 TOPK_NUM_WARPS = 4
+# Warps per program of the other kernels, by block width (`num_warps`). Triton spreads a block's BLOCK_V columns
+# over num_warps x 32 threads, so every fp32 vector a kernel keeps live across a block costs BLOCK_V / (32 x
+# num_warps) registers per thread; the gradient kernels keep about six (z, z - m, p, the coefficient, the gradient,
+# the column indices). At a fixed 4 warps a 4096-wide block is 32 registers per vector, ~190 for six, near the
+# 255 a thread may have (estimated, not measured): likely spills to local memory. VALUES_PER_THREAD values per
+# vector per thread instead: 4 warps (Triton's default) up to 1024 columns, 8 at 2048, 16 at 4096. Unsloth's and
+# Liger-Kernel's row kernels (calculate_settings) take 8 warps from 2048 columns and 16 from 8192; these hold
+# more live vectors per column, hence 16 one step earlier. The GPU lane prints each kernel's n_regs and n_spills.
+VALUES_PER_THREAD = 8
+MIN_NUM_WARPS, MAX_NUM_WARPS = 4, 32  # 32 warps: CUDA's 1,024 threads per block
 
 # The running max starts here, not at -inf (see _token_stats_kernel); also torch_ops' max of a shard
 # of padding only.
@@ -63,6 +73,12 @@ def block_v(r: int) -> int:
     """BLOCK_V for rows of r columns: a power of two, no wider than the row needs."""
     cap = INTERPRETER_BLOCK_V if os.environ.get("TRITON_INTERPRET") == "1" else MAX_BLOCK_V
     return max(16, min(cap, triton.next_power_of_2(max(r, 1))))
+
+
+def num_warps(block: int) -> int:
+    """Warps per program for blocks of `block` columns: VALUES_PER_THREAD per thread, within Triton's 4 and
+    CUDA's 32 (4 up to 1024, 8 at 2048, 16 at 4096)."""
+    return max(MIN_NUM_WARPS, min(MAX_NUM_WARPS, block // (32 * VALUES_PER_THREAD)))
 
 
 def _k_block(k: int) -> int:
@@ -330,7 +346,7 @@ def token_stats(x: torch.Tensor, labels: torch.Tensor, temperature: float) -> to
     stats = _empty_stats(x, 5)
     if n and r:
         _token_stats_kernel[(n,)](x, x.stride(0), x.stride(1), labels, labels.stride(0), stats, r, float(temperature),
-                                  FLOAT32_MIN=_FLOAT32_MIN, BLOCK_V=block_v(r))
+                                  FLOAT32_MIN=_FLOAT32_MIN, BLOCK_V=block_v(r), num_warps=num_warps(block_v(r)))
     return stats
 
 
@@ -343,7 +359,8 @@ def token_grad(x, labels, temperature, m, log_sum, expected, g_lp, g_h, out) -> 
     _token_grad_kernel[(n,)](x, x.stride(0), x.stride(1), labels, labels.stride(0), m, log_sum,
                              m if expected is None else expected, m if g_lp is None else g_lp,
                              m if g_h is None else g_h, out, out.stride(0), out.stride(1), r, float(temperature),
-                             HAS_LP=g_lp is not None, HAS_H=g_h is not None, BLOCK_V=block_v(r))
+                             HAS_LP=g_lp is not None, HAS_H=g_h is not None, BLOCK_V=block_v(r),
+                             num_warps=num_warps(block_v(r)))
 
 
 def topk_stats(x: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -381,7 +398,7 @@ def lse_stats(x: torch.Tensor, temperature: float) -> torch.Tensor:
     stats = _empty_stats(x, 2)
     if n and r:
         _lse_stats_kernel[(n,)](x, x.stride(0), x.stride(1), stats, r, float(temperature),
-                                FLOAT32_MIN=_FLOAT32_MIN, BLOCK_V=block_v(r))
+                                FLOAT32_MIN=_FLOAT32_MIN, BLOCK_V=block_v(r), num_warps=num_warps(block_v(r)))
     return stats
 
 
@@ -405,7 +422,8 @@ def _full(output: int, xs, xt, temperature, log_zs, log_zt, beta, g=None, direct
     _full_kernel[(n,)](xs, xs.stride(0), xs.stride(1), xt, xt.stride(0), xt.stride(1), log_zs, log_zt,
                        log_zs if g is None else g, log_zs if direct_sum is None else direct_sum, result,
                        stride_on, stride_ov, r, float(temperature), float(beta), log_1m_beta, log_beta,
-                       FLOOR=LOGPROB_FLOOR, MODE=mode, OUTPUT=output, BLOCK_V=block_v(r))
+                       FLOOR=LOGPROB_FLOOR, MODE=mode, OUTPUT=output, BLOCK_V=block_v(r),
+                       num_warps=num_warps(block_v(r)))
     return result
 
 

@@ -25,7 +25,8 @@ starts with PASS, FAIL or SKIP. In the order they run, by what a failure would t
                 a gradient of a [16384, 151936] tensor, whose last rows lie past 2^31 elements
   offload       (c) tests/workers/offload_worker.py on one NCCL rank with the distributed optimizer in bf16:
                 offload/onload bit for bit, host copies pinned, device memory handed back
-  train_fp16    (c) the same in fp16 with dynamic loss scaling: every loss finite, at least one step taken
+  train_fp16    (c) the same in fp16 with dynamic loss scaling: every loss finite, at least 2 steps taken, their
+                grad norms within a factor of 4 of train_bf16's
   bench         (b) bench/kernels.py at 8192 tokens: time and memory of naive, chunked and triton
   reward_model  (d) tests/test_reward_model.py on the GPU (the reward model's device is the rank's GPU)
   train_lora    (c) the bf16 run with rank-8 LoRA adapters and a KL term: every step's loss and grad norm finite
@@ -92,9 +93,10 @@ PINNED = {"megatron-core"}
 # run.sh keeps in WORK for the later runs, Triton's first compilations in kernels), add up to BUDGET: no part
 # is cut short by the ones before it. Estimated, not yet measured on a GPU: each part prints its own times.
 BUDGET = 480  # the lane's 8 minutes, inside the device tool's 10 per command (timeout's kill grace included)
+# train_fp16 needs train_bf16's grad norms (its check compares them).
 PARTS = [("setup", 35, None), ("nccl", 15, "setup"), ("train_bf16", 90, "nccl"), ("kernels", 120, "setup"),
-         ("offload", 40, "nccl"), ("train_fp16", 55, "nccl"), ("bench", 40, "setup"), ("reward_model", 40, "setup"),
-         ("train_lora", 45, "nccl")]
+         ("offload", 40, "nccl"), ("train_fp16", 55, "train_bf16"), ("bench", 40, "setup"),
+         ("reward_model", 40, "setup"), ("train_lora", 45, "nccl")]
 # Run only when GPU_LANE_PARTS names them: nothing to learn on the lane's machine (no vLLM there: it SKIPs).
 EXTRA_PARTS = [("sleep_level2", 150, "nccl")]
 PART_NAMES = tuple(name for name, _, _ in PARTS + EXTRA_PARTS)
@@ -117,8 +119,8 @@ _TRAIN_COMMON = ["--model", str(TINY_MODEL), "--rollout-backend", "hf", "--promp
 TRAIN_ARGS = {
     "train_bf16": _TRAIN_COMMON + ["--bf16", "--use-distributed-optimizer", "--offload-model", "--offload-optimizer",
                                    "--padding-free"],
-    # 2^16, not Megatron's 2^32: a few steps must include taken ones (each overflow halves the scale and skips).
-    "train_fp16": _TRAIN_COMMON + ["--fp16", "--initial-loss-scale", "65536"],
+    # megarl's default initial loss scale (2^10): the one users get
+    "train_fp16": _TRAIN_COMMON + ["--fp16"],
     # LoRA's adapters on CUDA (the local spec a LoRA policy takes on every host), their merged sync to the HF
     # engine, the KL to the base with the adapters off
     "train_lora": _TRAIN_COMMON + ["--bf16", "--lora-rank", "8", "--lr", "2e-3", "--kl-coef", "0.05", "--padding-free"],
@@ -432,6 +434,7 @@ def kernels() -> bool:
     distributed.destroy_single_process_world()
     assert (OVERFLOW_ROWS - 1) * VOCAB > 2**31, "the last row must start past 2^31 elements"
     overflow(worker, verdicts, OVERFLOW_ROWS, VOCAB, DEVICE)
+    kernel_resources(VOCAB, DEVICE)
     for group, (_, text) in sorted(verdicts.worst.items()):
         print(f"worst {group}: {text}")
     return _verdict(verdicts)
@@ -473,6 +476,75 @@ def overflow(worker, verdicts: Verdicts, n: int, v: int, device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
     print(f"[{n}, {v}] overflow checks: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def kernel_resources(v: int, device: str, n: int = API_TOKENS) -> None:
+    """Printed, not judged: the peak device memory of each per-chunk function on [n, v] bf16 logits (triton and
+    chunked torch side by side: above what was allocated before the call), then every Triton kernel compiled so
+    far with its warps, registers and spills per thread (spills go to local memory: triton_ops.num_warps).
+    Off CUDA (the interpreter) the calls run and nothing is measured."""
+    import torch
+    import triton
+
+    from megarl.kernels import torch_ops, triton_ops
+
+    cuda = device == "cuda"
+    g = torch.Generator(device).manual_seed(0)
+    x, teacher = (torch.randn(n, v, generator=g, device=device, dtype=torch.bfloat16).mul_(3) for _ in range(2))
+    labels = torch.randint(0, v, (n,), generator=g, device=device)
+    ids = (torch.randint(0, v, (n, 1), generator=g, device=device) + v // 20 * torch.arange(20, device=device)) % v
+    stats = torch_ops.token_stats(x, labels, 1.0)
+    m, log_sum, expected = stats[:, 0], stats[:, 1].log(), stats[:, 2] / stats[:, 1]
+    ones, out = torch.ones(n, device=device), torch.empty(n, v, device=device)
+    log_z, log_zt = ((lse[:, 0] + lse[:, 1].log()) for lse in (torch_ops.lse_stats(t, 1.0) for t in (x, teacher)))
+    calls = {
+        "token_stats": lambda ops: ops.token_stats(x, labels, 1.0),
+        "token_grad": lambda ops: ops.token_grad(x, labels, 1.0, m, log_sum, expected, ones, ones, out),
+        "topk_stats": lambda ops: ops.topk_stats(x, ids, 1.0),
+        "topk_grad": lambda ops: ops.topk_grad(x, ids, 1.0, m, log_sum, torch.full_like(m, math.inf),
+                                               torch.ones(n, 20, device=device), None, out),
+        "lse_stats": lambda ops: ops.lse_stats(x, 1.0),
+        "full_terms": lambda ops: ops.full_terms(x, teacher, 1.0, log_z, log_zt, 0.5),
+        "full_grad": lambda ops: ops.full_grad(x, teacher, 1.0, log_z, log_zt, 0.5, ones, ones, out),
+    }
+    print(f"peak memory above the inputs per call on [{n}, {v}] bf16 (fp32 gradients: out is allocated before):")
+    for name, call in calls.items():
+        peaks = []
+        for ops in (triton_ops, torch_ops):
+            if cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            call(ops)
+            if cuda:
+                torch.cuda.synchronize()
+                peaks.append((torch.cuda.max_memory_allocated() - before) / 2**20)
+        if cuda:
+            print(f"  {name:12s} triton {peaks[0]:8.1f} MiB   chunked {peaks[1]:8.1f} MiB")
+    del x, teacher, out
+    if cuda:
+        torch.cuda.empty_cache()
+    print("compiled Triton kernels (num_warps, registers and spills per thread):")
+    for name, fn in sorted(vars(triton_ops).items()):
+        if not isinstance(fn, triton.runtime.jit.JITFunction):
+            continue
+        for device_cache in getattr(fn, "device_caches", {}).values():
+            for compiled in device_cache[0].values():
+                compiled._init_handles()  # loads the binary: n_regs and n_spills come from the driver
+                print(f"  {name:20s} {_block_constants(fn, compiled)} num_warps {compiled.metadata.num_warps:2d}  "
+                      f"n_regs {compiled.n_regs:3d}  n_spills {compiled.n_spills}")
+
+
+def _block_constants(fn, compiled) -> dict:
+    """BLOCK_V and K_BLOCK of a compiled kernel, from its source's constants (keyed by argument index, or by a
+    1-tuple of it, or by name, depending on Triton's version); {} where this Triton keeps them elsewhere."""
+    wanted = {}
+    for key, value in (getattr(getattr(compiled, "src", None), "constants", None) or {}).items():
+        index = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+        name = fn.arg_names[index] if isinstance(index, int) and index < len(fn.arg_names) else index
+        if name in ("BLOCK_V", "K_BLOCK"):
+            wanted[name] = value
+    return wanted
 
 
 def _verdict(verdicts: Verdicts) -> bool:
@@ -525,15 +597,46 @@ def train(name: str, work: Path) -> bool:
     if sorted(losses) != list(range(TRAIN_STEPS)) or not all(math.isfinite(v) for v in losses.values()):
         problems.append(f"finite losses at steps {sorted(losses)}, expected all of 0..{TRAIN_STEPS - 1}")
     taken = sorted(series.get("grad_norm", {}))  # a skipped step (fp16 overflow) has no finite grad norm
-    if name == "train_fp16" and not taken:
-        problems.append("no optimizer step taken (every step overflowed the fp16 loss scale)")
-    if name != "train_fp16" and taken != list(range(TRAIN_STEPS)):
+    if name == "train_fp16":
+        problems += fp16_problems(series.get("grad_norm", {}), work)
+    elif taken != list(range(TRAIN_STEPS)):
         problems.append(f"finite grad norms at steps {taken}, expected all")
     if problems:
         print("FAIL " + "; ".join(problems))
         return False
     print(f"PASS {TRAIN_STEPS} steps, losses finite, optimizer steps taken at {taken}")
     return True
+
+
+# fp16 against bf16 (train_bf16 runs first, into the same WORK): the same model, prompts and seeds, so their
+# gradient norms (unscaled: the optimizer divides by the loss scale before it measures) differ only by the
+# samples each dtype drew. A loss scale missing from the backward, or applied twice, puts fp16's off by the scale
+# itself (2^10 by default); a step skipped on every overflow of a scale too high leaves too few steps.
+FP16_GRAD_NORM_FACTOR = 4
+FP16_MIN_STEPS = 2
+
+
+def fp16_problems(grad_norms: dict[int, float], work: Path) -> list[str]:
+    """What is wrong with the fp16 run's optimizer steps (their grad norms by step) against train_bf16's."""
+    import statistics
+
+    from helpers import scalars
+
+    problems = []
+    if len(grad_norms) < FP16_MIN_STEPS:
+        problems.append(f"optimizer steps taken at {sorted(grad_norms)}, expected at least {FP16_MIN_STEPS} (every "
+                        "other step overflowed the fp16 loss scale)")
+    bf16 = scalars(work / "tb_train_bf16", ("grad_norm",)).get("grad_norm", {})
+    if not bf16:
+        problems.append("no train_bf16 grad norms to compare with (train_bf16 runs first, into the same --work)")
+    elif grad_norms:
+        ratio = statistics.median(grad_norms.values()) / statistics.median(bf16.values())
+        print(f"grad norm median fp16 / bf16: {ratio:.3g} (fp16 {[round(v, 4) for v in grad_norms.values()]}, "
+              f"bf16 {[round(v, 4) for v in bf16.values()]})")
+        if not 1 / FP16_GRAD_NORM_FACTOR <= ratio <= FP16_GRAD_NORM_FACTOR:
+            problems.append(f"fp16's median grad norm is {ratio:.3g} x bf16's, outside a factor of "
+                            f"{FP16_GRAD_NORM_FACTOR} (is the loss scaled once in the backward?)")
+    return problems
 
 
 def sleep_level2(work: Path) -> bool:
@@ -618,7 +721,7 @@ def run_part(name: str, work: Path, rehearse: bool = False) -> bool:
 
 def plan(selected: str) -> list[tuple[str, int, str | None]]:
     """The parts run.sh runs, in order: PARTS; or, `selected` naming some (GPU_LANE_PARTS, space-separated),
-    those and what they need (setup, nccl). ValueError on a name that is no part."""
+    those and what they need (setup, nccl, train_bf16 for train_fp16). ValueError on a name that is no part."""
     names = set(selected.split())
     unknown = sorted(names - set(PART_NAMES))
     if unknown:
