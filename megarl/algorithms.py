@@ -6,7 +6,7 @@ tensors to tensors, so each one is testable against its paper formula
 
 Registries (flag value -> function):
 
-  ADVANTAGE_ESTIMATORS  grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae
+  ADVANTAGE_ESTIMATORS  grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae, real
   POLICY_LOSSES         ppo_clip, gspo, skip_threshold, cispo, sapo
   LOSS_AGGREGATIONS     token_level, sample_level, seq_mean_token_sum_norm
   KL_ESTIMATORS         k1, abs, mse (= k2), low_var_kl (= k3), full
@@ -187,7 +187,7 @@ EPS = 1e-6  # group-std epsilon, outside the sqrt (verl)
 WHITEN_EPS = 1e-8  # whitening epsilon, inside the sqrt (verl's masked_whiten)
 LOG_RATIO_BOUND = 20.0  # |log ratio| clamp before exp (verl)
 
-ADVANTAGE_OPTIONS = frozenset({"scale_rewards", "eps", "gamma", "lam", "values", "whiten"})
+ADVANTAGE_OPTIONS = frozenset({"scale_rewards", "eps", "gamma", "lam", "values", "whiten", "real_tau"})
 POLICY_LOSS_OPTIONS = frozenset({"mask", "clip_ratio_c", "skip_threshold", "tau_pos", "tau_neg"})
 
 
@@ -328,6 +328,38 @@ def reinforce_plus_plus_baseline(token_rewards, mask, group_size=None, **options
     groups = _grouped(_scores(token_rewards, mask), group_size)
     centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
     advantages = masked_whiten(_broadcast(centred, mask), mask)
+    return advantages, advantages
+
+
+def real_advantages(rewards: torch.Tensor, group_size: int, tau: float) -> torch.Tensor:
+    """REAL's per-sample weights [B] (ms-swift's loss_type real), as advantages of the on-policy update.
+
+    REAL scores each sample by its mean token log-ratio s_i = mean_t(log pi - log pi_old) and, per group with
+    both signs of advantage (positive: reward above the group's mean; the others negative), takes
+    L_g = log(1 + sum_neg e^(s_i/tau)) + log(1 + sum_pos e^(-s_i/tau)), averaged over the groups. Its
+    gradient is sum_i (dL/ds_i) grad s_i; on-policy (one optimizer step per generated batch, so s_i = 0 when it
+    is taken) dL/ds_i = 1/(tau (1 + n_neg)) for a negative sample and -1/(tau (1 + n_pos)) for a positive one.
+    With megarl's sample-level loss (the mean over B samples of each one's token mean of -A_i logp) the same
+    gradient is A_i = -G dL/ds_i, G = group_size (B/G groups): G/(tau (1 + n_pos)) for a positive sample,
+    -G/(tau (1 + n_neg)) for a negative one, 0 in a group whose rewards are all equal."""
+    groups = _grouped(rewards, group_size)
+    positive = groups > groups.mean(dim=1, keepdim=True)
+    n_pos = positive.sum(dim=1, keepdim=True).to(groups.dtype)
+    n_neg = group_size - n_pos
+    weights = torch.where(positive, group_size / (tau * (1 + n_pos)), -group_size / (tau * (1 + n_neg)))
+    mixed = (n_pos > 0) & (n_neg > 0)
+    return (weights * mixed).reshape(-1)
+
+
+@register(ADVANTAGE_ESTIMATORS, "real")
+@torch.no_grad()
+def real(token_rewards, mask, group_size=None, *, real_tau: float = 0.5, **options):
+    """REAL (ms-swift's loss_type real): its group log-sum-exp loss's on-policy gradient as per-sample advantages
+    (real_advantages), broadcast to the valid tokens. returns = advantages."""
+    _check_options(options, ADVANTAGE_OPTIONS)
+    if real_tau <= 0:
+        raise ValueError(f"real_tau must be > 0, got {real_tau}")
+    advantages = _broadcast(real_advantages(_scores(token_rewards, mask), group_size, real_tau), mask)
     return advantages, advantages
 
 

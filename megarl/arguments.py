@@ -261,6 +261,8 @@ def _add_algorithm_args(parser):
                    help="advantage estimator (megarl/algorithms.py or a plugin)")
     g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
                    help="grpo: divide by the group's std, the batch's, or not at all (Dr. GRPO)")
+    g.add_argument("--real-tau", type=float, default=0.5,
+                   help="real: the temperature of REAL's group log-sum-exp (ms-swift real_tau)")
     g.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce_plus_plus returns, gae)")
     g.add_argument("--lam", type=float, default=1.0, help="gae lambda")
     g.add_argument("--policy-loss", default="ppo_clip", choices=sorted(algorithms.POLICY_LOSSES),
@@ -1542,6 +1544,20 @@ def _validate_kl_and_critic(args) -> None:
         critic_flags = [f"--{name.replace('_', '-')}" for name in ("critic_warmup",) if getattr(args, name)]
         if critic_flags:
             raise ConfigError(f"{critic_flags[0]} needs a critic: set --advantage-estimator gae")
+    if args.advantage_estimator == "real":  # its advantages are REAL's gradient where s_i = 0 (algorithms.real)
+        reasons = [(args.real_tau <= 0, f"--real-tau must be > 0, got {args.real_tau}"),
+                   (args.ppo_epochs != 1 or args.steps_per_generation != 1,
+                    f"--ppo-epochs {args.ppo_epochs} / --steps-per-generation {args.steps_per_generation}: REAL's "
+                    f"weights are its gradient on-policy only: one optimizer step per generated batch"),
+                   (args.loss_agg != "sample_level", f"--loss-agg {args.loss_agg}: REAL averages over groups; its "
+                                                     f"advantages are scaled for sample_level"),
+                   (args.policy_loss != "ppo_clip", f"--policy-loss {args.policy_loss}: REAL's gradient is the "
+                                                    f"plain policy gradient of its weights (ppo_clip at ratio 1)"),
+                   (args.tis_level != "none", f"--tis-level {args.tis_level}: REAL applies no importance weights"),
+                   (args.num_generations < 2, "--num-generations 1: REAL compares the samples of a group")]
+        reason = next((why for applies, why in reasons if applies), None)
+        if reason:
+            raise ConfigError(f"--advantage-estimator real: {reason}")
     if args.critic_warmup < 0 or args.value_clip <= 0 or args.critic_lr <= 0:
         raise ConfigError(f"--critic-warmup must be >= 0, --value-clip and --critic-lr > 0; got "
                           f"{args.critic_warmup}, {args.value_clip}, {args.critic_lr}")

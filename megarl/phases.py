@@ -319,9 +319,10 @@ def compute_advantages(run: Run, batch: Batch):
         token_rewards = token_rewards + args.distill_reward_coef * distill_token_rewards(
             batch.old_logprobs, batch.teacher_logprobs, mask)
     values = batch.old_values if batch.old_values is not None else torch.zeros_like(token_rewards)
+    options = {"real_tau": args.real_tau} if args.advantage_estimator == "real" else {}
     batch.advantages, batch.returns = ADVANTAGE_ESTIMATORS[args.advantage_estimator](
         token_rewards, mask, args.num_generations, scale_rewards=args.scale_rewards, gamma=args.gamma,
-        lam=args.lam, values=values * mask)
+        lam=args.lam, values=values * mask, **options)
     loss_mask = batch.loss_mask
     tokens = loss_mask.sum().clamp(min=1)
     metrics["advantage_mean"] = ((batch.advantages * loss_mask).sum() / tokens).item()

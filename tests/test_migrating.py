@@ -1058,7 +1058,6 @@ REFUSED_RECIPES = {
     "verl/run_nemotron_3_5_lightning_30b_a3b_megatron.sh": ("mtp.enable",),
     "swift/gkd_multi_turn.sh": ("multi_turn_scheduler", "math_tip_trick"),
     "swift/grpo_multi_turn_frozen_lake.sh": ("multi_turn_scheduler", "gym_scheduler"),
-    "swift/grpo_real.sh": ("loss_type", "real"),
     # Megatron's token dropping: the trainer would drop tokens the rollout engine computed
     "swift/grpo_moe_server_lora.sh": ("moe_expert_capacity_factor", "token dropping"),
     "swift/grpo_multi_turn_frozen_lake_server.sh": ("multi_turn_scheduler", "gym_scheduler"),  # its server's

@@ -1,6 +1,7 @@
 """ms-swift's GRPO/GKD extras (issue 53 item 5), each against ms-swift's definition computed here by hand:
 its shaping rewards (format, cosine, repetition; soft_overlong = megarl's overlong buffer), the cispo and
-sapo policy losses (values and gradients, with the clip / gate active), GKD's sft_alpha term, the
+sapo policy losses (values and gradients, with the clip / gate active), REAL (its on-policy gradient),
+GKD's sft_alpha term, the
 repetition penalty's sampling parameters and refusals, and the ms-swift reader's rows for all of them."""
 
 from __future__ import annotations
@@ -185,6 +186,78 @@ def test_sapo_gradcheck_and_first_step():
         assert torch.allclose(x.grad, -adv)  # r = 1: the plain policy gradient
 
 
+# -------------------------------------------------------------------- REAL ----
+def swift_real_loss(logp, old, mask, advantages, group_size, tau):
+    """ms-swift's loss_type real (its Megatron GRPO trainer), written out: per sample the mean token log-ratio
+    s, per group with both signs of advantage log(1 + sum_neg e^(s/tau)) + log(1 + sum_pos e^(-s/tau)), summed
+    over those groups and divided by the number of groups."""
+    s = ((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    seq_adv = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    scores, rewards = s.view(-1, group_size) / tau, seq_adv.view(-1, group_size)
+    pos, neg = rewards > 0, rewards <= 0
+    valid = (pos.sum(1) != 0) & (neg.sum(1) != 0)
+    zeros = torch.zeros(int(valid.sum()), 1, dtype=s.dtype)
+    neg_loss = torch.logsumexp(torch.cat([scores[valid].masked_fill(~neg[valid], float("-inf")), zeros], 1), 1)
+    pos_loss = torch.logsumexp(torch.cat([(-scores[valid]).masked_fill(~pos[valid], float("-inf")), zeros], 1), 1)
+    return (neg_loss + pos_loss).sum() / rewards.shape[0]
+
+
+def test_real_advantages_give_swifts_real_gradient_on_policy():
+    """megarl's `real` estimator with its sample-level PG loss has the gradient of ms-swift's REAL loss at the
+    on-policy point (old = the current logprobs), for groups with 1..3 positives, ties at the mean and a group
+    of equal rewards (no gradient); a sign, the 1 + n or the group-size scale wrong would fail."""
+    torch.manual_seed(0)
+    group, tau = 4, 0.5
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,  0.0, 1.0, 1.0, 0.0,  1.0, 1.0, 1.0, 0.0,  0.5, 0.5, 0.5, 0.5,
+                            0.0, 0.5, 1.0, 0.2], dtype=torch.float64)
+    lengths = torch.randint(1, 7, (rewards.numel(),))
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).to(torch.float64)
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[torch.arange(rewards.numel()), lengths - 1] = rewards
+    advantages, _ = A.ADVANTAGE_ESTIMATORS["real"](token_rewards, mask, group, real_tau=tau)
+    grpo, _ = A.ADVANTAGE_ESTIMATORS["grpo"](token_rewards, mask, group)
+    logp = (torch.randn(mask.shape, dtype=torch.float64) - 2.0).requires_grad_(True)
+
+    token_loss, _ = A.POLICY_LOSSES["ppo_clip"](logp, logp.detach(), advantages, 0.2, 0.2, mask=mask)
+    numerator, units = A.LOSS_AGGREGATIONS["sample_level"](token_loss, mask)
+    (mine,) = torch.autograd.grad(numerator / units, logp)
+    swift = swift_real_loss(logp, logp.detach(), mask, grpo, group, tau)
+    (theirs,) = torch.autograd.grad(swift, logp)
+    assert torch.allclose(mine, theirs, rtol=1e-12, atol=1e-15), (mine - theirs).abs().max()
+    assert theirs[12:16].abs().max() == 0 and theirs.abs().sum() > 0  # the equal group: nothing to learn
+    # at s = 0 ms-swift's loss is log(1 + n_neg) + log(1 + n_pos) per mixed group, over all 5 groups
+    expected = (math.log(2 * 4) + math.log(3 * 3) + math.log(4 * 2) + math.log(3 * 3)) / 5
+    assert swift.item() == pytest.approx(expected)
+    # a positive sample is pushed up, a negative one down, by 1/(tau (1 + n)) x group size
+    assert advantages[0, 0].item() == pytest.approx(group / (tau * 2)) and \
+        advantages[1, 0].item() == pytest.approx(-group / (tau * 4))
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--ppo-epochs", "2"], ["--advantage-estimator real", "--ppo-epochs 2", "on-policy only"]),
+    (["--loss-agg", "token_level"], ["--loss-agg token_level", "sample_level"]),
+    (["--tis-level", "token"], ["--tis-level token", "no importance weights"]),
+    (["--real-tau", "0"], ["--real-tau must be > 0"]),
+    (["--num-generations", "1"], ["--num-generations 1"]),
+])
+def test_real_refuses_what_its_weights_do_not_hold_for(flags, words, tiny_model):
+    base = ["--model", tiny_model, "--advantage-estimator", "real", "--loss-agg", "sample_level"]
+    with pytest.raises(ConfigError) as error:
+        parse_args([*base, *flags], world_size=1)
+    assert "\n" not in str(error.value) and all(w in str(error.value) for w in words), str(error.value)
+
+
+def test_swift_loss_type_real_is_the_real_estimator(tiny_model, tmp_path):
+    config = tmp_path / "real.yaml"
+    config.write_text(f"rlhf_type: grpo\nmodel: {tiny_model}\nloss_type: real\nreal_tau: 0.25\nnum_generations: 4\n"
+                      f"global_batch_size: 8\n")
+    args = parse_args(["--config", str(config), "--train-data", "x.jsonl"], world_size=1)
+    assert (args.advantage_estimator, args.loss_agg, args.real_tau) == ("real", "sample_level", 0.25)
+    config.write_text(config.read_text() + "advantage_estimator: rloo\n")
+    with pytest.raises(ConfigError, match="advantage_estimator: 'rloo' with loss_type real"):
+        parse_args(["--config", str(config), "--train-data", "x.jsonl"], world_size=1)
+
+
 # --------------------------------------------------------------- sft_alpha ----
 class Part:
     """A micro-batch stand-in for ActorLoss: logits output, naive kernels, no context parallelism."""
@@ -317,7 +390,7 @@ def test_reader_maps_cispo_and_sapo(tmp_path, tiny_model):
     ("loss_type: cispo\n", "epsilon_high: unset (epsilon) with loss_type cispo"),
     ("loss_type: cispo\nepsilon_high: 0.3\n", "caps the IS weight at epsilon_high itself"),
     ("loss_type: sapo\nimportance_sampling_level: sequence\n", "megarl's sapo uses the token ratio"),
-    ("loss_type: real\n", "REAL: a group-level"),
+    ("loss_type: real\nsteps_per_generation: 2\n", "REAL's weights are its gradient on-policy only"),
     ("loss_type: fipo\n", "FIPO: future-KL"),
     ("reward_funcs: [soft_overlong]\nreward_weights: [0.5]\nsoft_cache_length: 8\n", "soft_overlong weighted 0.5"),
     ("reward_funcs: [code_format]\n", "'code_format' is an ms-swift built-in reward megarl does not have"),

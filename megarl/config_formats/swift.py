@@ -104,9 +104,14 @@ _IS_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "m
 
 
 def _loss_type(value, ctx):
-    if value in ("real", "fipo"):
-        what = "REAL: a group-level log-sum-exp loss" if value == "real" else "FIPO: future-KL influence weights"
-        ctx.fail("loss_type", f"{value!r} has no megarl counterpart yet ({what}; megarl: {', '.join(_LOSS_TYPES)})")
+    if value == "real":  # its on-policy gradient as advantages (megarl/algorithms.py, real_advantages)
+        if ctx.get("advantage_estimator", "grpo") != "grpo":
+            ctx.fail("advantage_estimator", f"{ctx.get('advantage_estimator')!r} with loss_type real: REAL splits "
+                                            f"each group by grpo's advantage sign")
+        return {"advantage_estimator": "real", "loss_agg": "sample_level"}
+    if value == "fipo":
+        ctx.fail("loss_type", f"{value!r} has no megarl counterpart yet (FIPO: future-KL influence weights; "
+                              f"megarl: {', '.join(_LOSS_TYPES)}, real)")
     if value not in _LOSS_TYPES:
         ctx.fail("loss_type", f"{value!r} has no megarl counterpart (megarl: {', '.join(_LOSS_TYPES)})")
     if value not in _POLICY_LOSS_TYPES:
@@ -296,6 +301,7 @@ TABLE: dict[str, Rule] = {
     "advantage_estimator": to("advantage_estimator"),
     "kl_in_reward": to("kl_placement", lambda v: "reward" if v else "loss"),
     "loss_type": custom(_loss_type),
+    "real_tau": to("real_tau"),
     "rollout_importance_sampling_mode": custom(_is_mode),
     "rollout_importance_sampling_threshold": to("tis_threshold"),
     "off_policy_sequence_mask_delta": ignore("off", refuse_if=lambda v: v is not None),
@@ -466,7 +472,7 @@ TABLE: dict[str, Rule] = {
         "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
         "vllm_server_group_port", "vllm_server_pass_dataset"]),
     **ignore_all("options of loss types and rewards this config does not select", [
-        "real_tau", "fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only",
+        "fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only",
         "fipo_safety_threshold", "ref_model_sync_steps", "ref_model_mixup_alpha", "completion_length_limit_scope",
         "rpo_alpha", "reference_free", "label_smoothing", "f_divergence_type", "desirable_weight",
         "undesirable_weight", "calculate_KL", "center_rewards_coefficient", "lr_wsd_decay_style",
