@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 
 from megarl.tools import INTERACTION, TOOL_PARSERS, CallContext, ToolResult, ToolRunner
+from megarl.tools.interactions import Continue
 
 
 @dataclass
@@ -79,6 +80,7 @@ class _Episode:
     truncated: bool = False
     done: bool = False
     ended_with_stop: bool = True  # the last turn ended on a stop token (not a --stop string)
+    turn_start: int = 0  # where the last assistant turn's tokens begin in response_ids
     result: object = None  # the rollout Sample, once the episode has ended
 
     @property
@@ -112,6 +114,31 @@ class TurnMessages:
             raise ValueError(f"the chat template renders a {messages[0]['role']} message that changes the assistant "
                              f"turn before it; cannot cut the message's tokens out of it")
         return (self.after_stop if ended_with_stop else self.end_of_turn) + full[len(self.base):]
+
+
+def continue_turn(episode: _Episode, reply: Continue, tokenizer, stop_ids: tuple[int, ...]) -> list[int]:
+    """An interaction's Continue on the episode's last assistant turn: its tokens cut where its text reaches
+    the first of `reply.cut_before` (whole tokens, the last one kept only if its text ends at or before the
+    cut) and without its end-of-turn (stop ids), the turn's record made the kept text plus the reply's
+    (marked `continued`); the reply's text as tokens, to append (policy mask 0)."""
+    turn = episode.turns[-1]
+    text, ids = turn["content"], episode.response_ids[episode.turn_start:]
+    cut = min([text.index(marker) for marker in reply.cut_before if marker in text], default=len(text))
+
+    def length(k: int) -> int:
+        return len(tokenizer.decode(ids[:k], skip_special_tokens=True))
+
+    low, high = 0, len(ids)  # the most tokens whose text fits within text[:cut] (decoded lengths grow with k)
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if length(middle) <= cut else (low, middle - 1)
+    while low and ids[low - 1] in stop_ids:
+        low -= 1
+    end = episode.turn_start + low
+    del episode.response_ids[end:], episode.policy_mask[end:], episode.logprobs[end:]
+    kept = tokenizer.decode(ids[:low], skip_special_tokens=True)
+    turn.update(content=kept + reply.text, continued=True)
+    return tokenizer.encode(reply.text, add_special_tokens=False)
 
 
 def tool_messages(results: list[ToolResult]) -> list[dict]:
@@ -178,6 +205,7 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
 
     def turn_done(episode: _Episode, completion):
         token_ids = list(completion.token_ids)
+        episode.turn_start = len(episode.response_ids)
         episode.response_ids += token_ids
         episode.policy_mask += [1] * len(token_ids)
         episode.logprobs += [lp[token].logprob for token, lp in zip(token_ids, completion.logprobs)]
@@ -207,6 +235,16 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
                 episode.turns[-1]["interaction_error"] = reply.error
             if reply.error is not None or reply.content is None:
                 return finish(episode)
+            if isinstance(reply.content, Continue):
+                ids = continue_turn(episode, reply.content, settings.tokenizer, stop_ids)
+                room = budget - len(episode.response_ids)
+                episode.response_ids += ids[:room]
+                episode.policy_mask += [0] * len(ids[:room])
+                episode.logprobs += [0.0] * len(ids[:room])
+                if len(ids) >= room:
+                    episode.truncated = True
+                    return finish(episode)
+                return enqueue(episode)
             said = [{"role": "user", "content": reply.content}]
             episode.turns.append({**said[0], "seconds": reply.seconds})
         else:

@@ -1056,7 +1056,6 @@ REFUSED_RECIPES = {
     "verl/run_qwen3-30b_dapo_megatron_fp8_trtllm.sh": ("quantization", "unquantized"),
     "verl/run_qwen3_8b_trtllm_megatron.sh": ("hybrid_engine",),  # TensorRT-LLM rollout servers
     "verl/run_nemotron_3_5_lightning_30b_a3b_megatron.sh": ("mtp.enable",),
-    "swift/gkd_multi_turn.sh": ("multi_turn_scheduler", "math_tip_trick"),
     "swift/grpo_multi_turn_frozen_lake.sh": ("multi_turn_scheduler", "gym_scheduler"),
     # Megatron's token dropping: the trainer would drop tokens the rollout engine computed
     "swift/grpo_moe_server_lora.sh": ("moe_expert_capacity_factor", "token dropping"),

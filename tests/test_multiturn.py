@@ -408,6 +408,25 @@ def test_episodes_on_the_engine(tiny_model, tmp_path):
         last = max(i for i, role in enumerate(roles) if role == "assistant")
         assert record["response"] == record["conversation"][last]["content"]
     _check_user_turns(report["interaction"], tokenizer)
+    _check_tips(report["tip"], tokenizer)
+
+
+def _check_tips(report, tokenizer):
+    """math_tip_trick on the engine: every (wrong) first turn is kept without its end-of-turn, followed by
+    ms-swift's tip as non-policy tokens and the model's continuation in the same turn, once."""
+    from megarl.tools.interactions import SWIFT_MATH_TIP
+
+    tip_ids = tokenizer.encode(SWIFT_MATH_TIP, add_special_tokens=False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for episode in report["episodes"]:
+        mask, logprobs, ids, turns = (episode[k] for k in ("policy_mask", "logprobs", "response_ids", "turns"))
+        assert all((lp == 0.0) == (m == 0) for m, lp in zip(mask, logprobs)), episode
+        assert [t["role"] for t in turns] == ["assistant", "assistant"] and turns[0]["continued"], turns
+        start = [i for i in range(len(ids)) if mask[i] == 0]
+        assert start and ids[start[0]:start[0] + len(tip_ids)] == tip_ids and len(start) == len(tip_ids), episode
+        kept, after = ids[:start[0]], ids[start[0] + len(tip_ids):]
+        assert end not in kept and all(mask[:start[0]]) and after and all(mask[start[0] + len(tip_ids):]), episode
+        assert turns[0]["content"] == tokenizer.decode(kept, skip_special_tokens=True) + SWIFT_MATH_TIP
 
 
 def _check_user_turns(report, tokenizer):
@@ -541,6 +560,29 @@ def test_tool_options_are_checked_in_one_line():
     args = parse_args(["--model", "artifacts/tiny-qwen2", "--tools", " calculator, python "], world_size=1)
     assert args.tools == ["calculator", "python"]
     assert parse_args(["--model", "artifacts/tiny-qwen2"], world_size=1).tools == []
+
+
+@pytest.mark.parametrize("text,kept", [("Let me see. <answer>7</answer>", "Let me see. "),
+                                       ("a</think>b<answer>c", "a"), ("no marker at all", "no marker at all")])
+def test_a_continue_cuts_its_turn_before_the_marker_and_drops_the_end_of_turn(text, kept, tiny_model):
+    from transformers import AutoTokenizer
+
+    from megarl.multiturn import _Episode, continue_turn
+    from megarl.tools.interactions import Continue
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    before = tokenizer.encode("<|im_start|>tool\nx<|im_end|>\n", add_special_tokens=False)  # an earlier turn's
+    turn = tokenizer.encode(text, add_special_tokens=False) + [end]
+    episode = _Episode(0, 0, [1, 2], {}, response_ids=before + turn, policy_mask=[0] * len(before) + [1] * len(turn),
+                       logprobs=[0.0] * len(before) + [-0.5] * len(turn),
+                       turns=[{"role": "assistant", "content": text}], turn_start=len(before))
+    ids = continue_turn(episode, Continue("TIP!", ("<answer>", "</think>")), tokenizer, (end,))
+    assert episode.response_ids[:len(before)] == before and tokenizer.decode(episode.response_ids[len(before):]) == kept
+    assert len(episode.policy_mask) == len(episode.logprobs) == len(episode.response_ids)
+    assert episode.policy_mask[len(before):] == [1] * (len(episode.response_ids) - len(before))
+    assert tokenizer.decode(ids) == "TIP!" and episode.turns[-1] == {"role": "assistant", "content": kept + "TIP!",
+                                                                     "continued": True}
 
 
 def test_verls_gsm8k_tool_and_swifts_tip_interaction():

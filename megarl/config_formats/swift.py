@@ -311,12 +311,13 @@ TABLE: dict[str, Rule] = {
     "async_generate": to("async_generation"),
     "num_iterations": to("ppo_epochs"),
     "multi_turn_scheduler": custom(lambda v, ctx: {"interaction": v} if v else {},
-                                   "math_tip_trick_multi_turn: the `interaction` of that name (the tip as a user turn, "
-                                   "once)", refuse_if=lambda v: v not in (None, "", "math_tip_trick_multi_turn"),
-                                   refusal="megarl maps math_tip_trick_multi_turn (an --interaction); math_tip_trick "
-                                           "rewrites the assistant's own turn (cut at <answer>, a tip appended for "
-                                           "it to continue), which megarl's episodes do not do, and a custom "
-                                           "scheduler is an --interaction or tool plugin in megarl"),
+                                   "the `interaction` of that name: math_tip_trick_multi_turn (the tip as a user "
+                                   "turn, once), math_tip_trick (the answer cut at <answer>, the tip appended in "
+                                   "the assistant's own turn for it to go on, once)",
+                                   refuse_if=lambda v: v not in (None, "", "math_tip_trick_multi_turn",
+                                                                 "math_tip_trick"),
+                                   refusal="megarl maps math_tip_trick and math_tip_trick_multi_turn (--interaction); "
+                                           "a custom scheduler is an --interaction or tool plugin in megarl"),
     "max_turns": to("max_turns"),
     "use_gym_env": ignore("no gym environment", refuse_if=bool,
                           refusal="ms-swift's gym environments: megarl's counterpart is an --interaction plugin "

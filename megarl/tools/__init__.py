@@ -265,6 +265,8 @@ class ToolRunner:
             value = running.future.result()
             if name == INTERACTION and value is None:
                 return ToolResult(name, None, None, seconds)
+            if name == INTERACTION and not isinstance(value, str):  # a Continue (tools/interactions.py)
+                return ToolResult(name, value, None, seconds)
             text = str(value)
             if len(text) > MAX_RESULT_CHARS:
                 text = text[:MAX_RESULT_CHARS] + f"\n... ({len(text) - MAX_RESULT_CHARS} more characters cut)"

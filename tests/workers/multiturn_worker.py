@@ -17,6 +17,7 @@ assistant turn calls `probe` (the tiny model writes no tool calls of its own), -
   interaction episodes without tools whose user answers (the plugin's `probe_user`: the built-in `retry`
               on the arithmetic reward, or per row a user who hangs past a 2 s timeout, raises, or ends),
               up to 3 assistant turns; report: the episodes, their rows, the request log, tool metrics.
+  tip         ms-swift's math_tip_trick (an interaction that continues the assistant's own turn): the episodes.
 Rank 0 writes the report (JSON) to argv[1].
 """
 
@@ -76,6 +77,21 @@ def interaction(run, plugin):
             "metrics": tool_metrics(samples)}
 
 
+def tip(run):
+    """ms-swift's math_tip_trick on 2 prompts x 2 samples: the tiny model writes no \\boxed answer, so every
+    first turn is judged wrong and continued after the tip, once."""
+    from megarl.multiturn import EpisodeSettings
+    from megarl.tools import ToolRunner
+    from megarl.tools.interactions import INTERACTIONS
+
+    settings = EpisodeSettings(ToolRunner([], 4, timeout=30.0), run.tokenizer, 3, "hermes",
+                               INTERACTIONS["math_tip_trick"](run.reward))
+    texts, rows = ["What is 12 + 30?", "What is 7 + 88?"], [{"gt_answer": "42"}, {"gt_answer": "95"}]
+    samples = run.rollout.generate([render_chat(run.tokenizer, t) for t in texts], [0, 1], 9, n=2,
+                                   seed_key=("tip",), rows=rows, episodes=settings)
+    return {"episodes": episodes_report(samples)}
+
+
 def main():
     out, argv = sys.argv[1], sys.argv[2:]
     args = parse_args(argv)
@@ -110,6 +126,7 @@ def main():
     phases.sync(run)
     _, report["mismatch_after"] = measure(run, 1)
     report["interaction"] = interaction(run, plugin)
+    report["tip"] = tip(run)
     dump = os.path.join(args.rollout_save_dir, "train_step2.jsonl")
     with open(dump) as f:
         report["dump"] = [json.loads(line) for line in f]
