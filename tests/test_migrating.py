@@ -891,9 +891,9 @@ def test_swift_gkd_without_a_teacher_is_self_distillation(tmp_path, tiny_model, 
 
 
 def test_swift_multi_turn_scheduler_router_replay_and_loading_keys(tmp_path, tiny_model, stand_in_teacher):
-    """ms-swift's GKD multi_turn.sh keys: math_tip_trick_multi_turn is the interaction of that name, max_turns
-    megarl's; router_replay_mode R3 / disabled is routing replay on / off; load_safetensors means nothing here.
-    math_tip_trick (which rewrites the assistant's own turn) and R2 stop in one line naming the key."""
+    """ms-swift's GKD multi_turn.sh keys: math_tip_trick_multi_turn and math_tip_trick are the interactions of
+    those names, max_turns megarl's; router_replay_mode R3 / disabled is routing replay on / off;
+    load_safetensors means nothing here. A gym scheduler and R2 stop in one line naming the key."""
     def parse(*flags):
         return _parse(["--config", _swift_gkd_script(tmp_path, f"--teacher_model {stand_in_teacher}", "--lmbda 1", *flags),
                        "--model", tiny_model, "--train-data", "x.jsonl"], 1)
@@ -901,8 +901,9 @@ def test_swift_multi_turn_scheduler_router_replay_and_loading_keys(tmp_path, tin
     args = parse("--multi_turn_scheduler math_tip_trick_multi_turn", "--max_turns 2", "--load_safetensors true")
     _check(args, dict(interaction="math_tip_trick_multi_turn", max_turns=2))
     assert parse("--router_replay_mode disabled").routing_replay == "off"
-    for flag, words in (("--multi_turn_scheduler math_tip_trick", ["multi_turn_scheduler", "math_tip_trick_multi_turn",
-                                                                  "rewrites the assistant's own turn"]),
+    assert parse("--multi_turn_scheduler math_tip_trick").interaction == "math_tip_trick"
+    for flag, words in (("--multi_turn_scheduler gym_scheduler", ["multi_turn_scheduler", "math_tip_trick_multi_turn",
+                                                                 "plugin"]),
                         ("--router_replay_mode R2", ["router_replay_mode", "R3"])):
         with pytest.raises(ConfigError) as error:
             parse(flag)
