@@ -79,10 +79,23 @@ def packed_sequence_params(lengths: list[int]):
 
     from megarl.packing import offsets
 
-    cu_seqlens = torch.tensor(offsets(lengths), dtype=torch.int32, device=device())
+    bounds = offsets(lengths)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device())
+    # The same boundaries as Python ints, made once per micro-batch and carried by the tensor every layer is
+    # handed: the paths without TE (packed attention, Gated DeltaNet, Megatron's THD RoPE as
+    # elementwise.install routes it) cut the row with them, where reading cu_seqlens back would be a host sync
+    # in every layer (and one per sequence in Megatron's RoPE).
+    cu_seqlens.megarl_bounds = tuple(bounds)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+def packed_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """A packed row's boundaries as Python ints: the host copy `packed_sequence_params` keeps on the tensor,
+    or, for a tensor made elsewhere (Megatron's, a test's), its values read back (one host sync)."""
+    bounds = getattr(cu_seqlens, "megarl_bounds", None)
+    return list(bounds) if bounds is not None else cu_seqlens.tolist()
 
 
 @contextlib.contextmanager

@@ -220,6 +220,10 @@ def _add_rollout_args(parser):
     g.add_argument("--rollout-backend", default="vllm", choices=["vllm", "hf"],
                    help="what generates the samples: vllm (an in-process vLLM engine), or hf (transformers on the "
                         "rollout ranks' devices, megarl/hf_rollout.py: no vLLM needed; TP 1, no standalone teacher)")
+    g.add_argument("--hf-rollout-batch-tokens", type=int, default=131072,
+                   help="--rollout-backend hf: the most cache tokens one micro-batch of samples holds, each row "
+                        "counted at its micro-batch's longest prompt + --max-new-tokens (a row longer than that "
+                        "runs alone)")
     g.add_argument("--rollout-model", default=None, help="checkpoint the rollout engine starts from (default: --model)")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1, help="vLLM TP size per engine")
     g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0,
@@ -1049,7 +1053,9 @@ def _validate_rollout_backend(args) -> None:
     needs vLLM is refused (before anything would import it)."""
     if args.rollout_backend != "hf":
         return
-    refused = [(args.rollout_tensor_parallel_size != 1,
+    refused = [(args.hf_rollout_batch_tokens < 1,
+                f"--hf-rollout-batch-tokens {args.hf_rollout_batch_tokens}: give a positive number of tokens"),
+               (args.rollout_tensor_parallel_size != 1,
                 f"--rollout-tensor-parallel-size {args.rollout_tensor_parallel_size}: the HF backend runs one whole "
                 f"model per rank; use 1"),
                (bool(args.rollout_engine_kwargs), "--rollout-engine-kwargs (rollout.engine_kwargs) are vLLM's"),

@@ -27,9 +27,18 @@ What it matches, and how:
 
 Why its own decoding loop rather than `model.generate`: generate draws from one process-wide
 RNG for the whole batch (a sample would depend on its batch neighbours) and returns logprobs of
-its own processing; the loop here is a prefill of the left-padded prompts (attention mask,
-positions counted from each prompt's first real token) and one cached forward per new token
-(`past_key_values`), with the rows that finished dropped from the batch and its KV cache.
+its own processing. The loop here (issue 54: it gives the tokens and logprobs of the loop before it,
+tests/hf_rollout_reference.py, bit for bit on the Zen 4 development host; bench/hf_rollout.py times both):
+  * the rows go in micro-batches of at most --hf-rollout-batch-tokens cache tokens (rows x (longest
+    prompt + max_new_tokens)), in row order; a prompt's samples may span two;
+  * each prompt is prefilled once (left-padded, positions counted from its first real token) and its
+    cache and logits copied to its samples' rows;
+  * the cache is preallocated for the micro-batch (`_PrefixLayer`, transformers' StaticLayer handing
+    attention the filled prefix: no concatenation per step), and on CPU attention shares the key/value
+    heads inside torch's kernel (`_grouped_sdpa`) instead of repeating them into a copy per layer;
+  * a step is one forward, the whole batch's logit processing and draw (each row's noise from its own
+    generator, drawn for several steps at once: `_Noise`), and one transfer to the host: the tokens for
+    the stop checks, with their logprobs; the rows that finish leave the batch and the cache.
 
 Weights: one full model per rank (no tensor parallelism), loaded in --params-dtype from
 --rollout-model; a weight sync copies each (hf_name, tensor) into the parameter of that name in
@@ -37,13 +46,14 @@ place (a tied model's lm_head.weight is its embedding, which the stream sends: l
 skipped, as vLLM's loader does) and checks that every parameter was written. Memory: colocated, the
 weights go to host memory while the trainer works (`offload`, megarl.offload.Offloader: pinned
 buffers on GPU, kept across steps; on CPU the same copies run, so the tests exercise it). There is
-no KV cache between calls: each `generate` builds one for its batch and hands the memory back at
-the end, so the "kv_cache" tag is bookkeeping only. All of this engine's prompts are one batch.
+no KV cache between calls: each micro-batch preallocates one and it is handed back at the end of
+`generate`, so the "kv_cache" tag is bookkeeping only.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import StaticLayer
 
 from megarl import accelerator
 from megarl.offload import Offloader
@@ -77,6 +87,9 @@ class HfRolloutEngine(EngineMemory):
         self.model = AutoModelForCausalLM.from_pretrained(args.rollout_model, config=config,
                                                           dtype=getattr(torch, args.params_dtype))
         self.model.to(self.device).eval().requires_grad_(False)
+        if not accelerator.ON_CUDA:  # see _grouped_sdpa
+            _register_attention()
+            self.model.set_attn_implementation(ATTENTION_NAME)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
             # Storage of its own for every tensor: loaded on the CPU, a checkpoint's tensors may share the
             # file's mapped storage, which cannot be resized, and offloading resizes storages to 0.
@@ -132,23 +145,45 @@ class HfRolloutEngine(EngineMemory):
         return [s for samples in per_prompt for s in samples]
 
     def _decode(self, prompts, rows: list[_Row], temperature: float, min_tokens: int, held_back, finished) -> None:
-        """Prefill every row's prompt (left-padded), then one token per step for the rows still going."""
-        from transformers import DynamicCache
+        """The rows in micro-batches of at most --hf-rollout-batch-tokens cache tokens, in row order."""
+        budget, new = self.args.hf_rollout_batch_tokens, self.args.max_new_tokens
+        batch, width = [], 0
+        for row in rows:
+            wider = max(width, len(prompts[row.prompt]))
+            if batch and (len(batch) + 1) * (wider + new) > budget:
+                self._decode_batch(prompts, batch, temperature, min_tokens, held_back, finished)
+                batch, wider = [], len(prompts[row.prompt])
+            batch.append(row)
+            width = wider
+        self._decode_batch(prompts, batch, temperature, min_tokens, held_back, finished)
 
+    def _decode_batch(self, prompts, rows: list[_Row], temperature: float, min_tokens: int, held_back,
+                      finished) -> None:
+        """Prefill the rows' prompts (left-padded), then one token per step for the rows still going, into a
+        cache preallocated for the whole micro-batch (`_prefix_cache`). Per step: one forward, the batch's
+        logit processing and draw, and one transfer to the host (the tokens, for the stop checks, with their
+        logprobs). The finished rows leave the batch and the cache at the step they finish."""
         args, device = self.args, self.device
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, row in enumerate(rows):
-            prompt = prompts[row.prompt]
-            ids[r, width - len(prompt):], mask[r, width - len(prompt):] = torch.tensor(prompt), 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt's first token at position 0
-        cache = DynamicCache(config=self.model.config)
+        width = max(len(prompts[row.prompt]) for row in rows)
+        # each prompt is prefilled once and its cache and logits copied to its samples' rows (a row's prefill
+        # does not depend on the others': the same values as prefilling every row)
+        distinct = list(dict.fromkeys(row.prompt for row in rows))
+        ids = torch.zeros(len(distinct), width, dtype=torch.long)
+        mask = torch.zeros(len(distinct), width + args.max_new_tokens, dtype=torch.long)
+        for d, i in enumerate(distinct):
+            ids[d, width - len(prompts[i]):], mask[d, width - len(prompts[i]):] = torch.tensor(prompts[i]), 1
+        ids, mask = ids.to(device), mask.to(device)  # every generated position is real from the start
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # each prompt's first token at position 0
+        cache = _prefix_cache(self.model.config, width + args.max_new_tokens)
+        logits = self.model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        rows_of = torch.tensor([distinct.index(row.prompt) for row in rows], device=device)
+        cache.reorder_cache(rows_of)
+        logits, mask, positions = logits[rows_of], mask[rows_of], positions[rows_of]
         held = torch.tensor(held_back, dtype=torch.long, device=device)
         active = list(range(len(rows)))  # rows still generating, in batch order
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1]
+        noise = _Noise([row.generator for row in rows], logits.shape[-1], args.max_new_tokens,
+                       device) if temperature else None
         for t in range(args.max_new_tokens):
             logits = logits.float()
             if t < min_tokens and held.numel():
@@ -157,30 +192,31 @@ class HfRolloutEngine(EngineMemory):
             if temperature == 0.0:
                 tokens = logits.argmax(dim=-1)
             else:  # vLLM's random_sample with per-request generators: argmax of probs / Exp(1) noise
-                noise = torch.empty_like(logprobs)
-                for b, r in enumerate(active):
-                    noise[b].exponential_(generator=rows[r].generator)
-                tokens = (logprobs.exp() / noise).argmax(dim=-1)
-            chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+                tokens = (logprobs.exp() / noise.next()).argmax(dim=-1)
+            chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+            # the step's one transfer: fp32 logprobs and token ids are exact in float64
+            host_tokens, host_logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
             going = []
-            for b, (r, token, logprob) in enumerate(zip(active, tokens.tolist(), chosen)):
+            for b, (r, token, logprob) in enumerate(zip(active, host_tokens, host_logprobs)):
                 row = rows[r]
-                row.add(token, logprob, self.stop_ids, args.max_new_tokens, min_tokens, args.stop, self.tokenizer)
+                row.add(int(token), logprob, self.stop_ids, args.max_new_tokens, min_tokens, args.stop,
+                        self.tokenizer)
                 if row.done:
                     finished(row)
                 else:
                     going.append(b)
             if not going:
                 return
-            if len(going) < len(active):  # drop the finished rows from the batch and the cache
+            if len(going) < len(active):  # drop the finished rows from the batch, the cache and the noise
                 keep = torch.tensor(going, device=device)
                 cache.reorder_cache(keep)
                 mask, positions, tokens = mask[keep], positions[keep], tokens[keep]
+                if noise is not None:
+                    noise.keep(keep, going)
                 active = [active[b] for b in going]
-            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = self.model(input_ids=tokens[:, None], attention_mask=mask[:, :width + t + 1],
+                                position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
 
     # ------------------------------------------------------------------------------ weights ----
 
@@ -212,6 +248,97 @@ class HfRolloutEngine(EngineMemory):
     def _wake(self, tags: list[str]) -> None:
         if "weights" in tags:
             self._offloader.onload()
+
+
+NOISE_BYTES = 64 << 20  # the most a micro-batch's pre-drawn sampling noise holds at once
+
+
+class _Noise:
+    """The Exp(1) noise of the exponential race, [rows, vocab] a step, each row's from its own generator, drawn
+    for several steps at a time: `exponential_` of a generator fills a tensor from one stream in element order
+    (torch's CPU kernel; checked by tests/test_hf_rollout.py), so a row's [steps, vocab] block holds exactly the
+    values that one [vocab] draw per step would. One draw per row every `steps` steps instead of every step;
+    `steps` keeps the block within NOISE_BYTES."""
+
+    def __init__(self, generators, vocab: int, max_new_tokens: int, device):
+        self.generators, self.vocab, self.device = list(generators), vocab, device
+        self.steps = max(1, min(max_new_tokens, NOISE_BYTES // (4 * vocab * len(self.generators))))
+        self.block, self.t = None, self.steps
+
+    def next(self) -> torch.Tensor:
+        if self.t == self.steps:
+            self.block = torch.empty(len(self.generators), self.steps, self.vocab, device=self.device)
+            for row, generator in zip(self.block, self.generators):
+                row.exponential_(generator=generator)
+            self.t = 0
+        self.t += 1
+        return self.block[:, self.t - 1]
+
+    def keep(self, keep: torch.Tensor, going: list[int]) -> None:
+        """Only the batch's rows that go on: `going`, and the same indices on the device as `keep`."""
+        self.generators = [self.generators[b] for b in going]
+        self.block = self.block[keep]
+
+
+class _PrefixLayer(StaticLayer):
+    """transformers' StaticLayer (keys and values preallocated for the micro-batch's longest sequence, written in
+    place) that hands attention only the filled prefix, so each step attends over the tokens so far as a
+    DynamicCache's concatenation did (the same shapes, the same masks, the same sums), without the copy."""
+
+    def __init__(self, max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.length = 0  # tokens written (a Python int: no sync)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def _prefix_cache(config, max_len: int):
+    """A cache of `_PrefixLayer`s for the full-attention layers; the other kinds (linear attention's states,
+    sliding windows) are transformers' own dynamic layers, as a DynamicCache of this config holds."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return Cache(layers=[_PrefixLayer(max_len) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
+                         for kind, kw in zip(types, kwargs)])
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                  **kwargs):
+    """transformers' sdpa attention with the key/value heads shared by their query groups inside torch's kernel
+    (enable_gqa) rather than repeated into a copy of the cache per layer and step. Registered as
+    ATTENTION_NAME for CPU models: there torch's flash kernel takes a mask with grouped heads and gives the
+    bits of the repeated heads (checked by tests/test_hf_rollout.py); on CUDA a mask sends enable_gqa to the
+    math kernel, so CUDA keeps transformers' own."""
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+ATTENTION_NAME = "megarl_grouped_sdpa"
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, _grouped_sdpa)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 class _Row:

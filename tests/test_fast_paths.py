@@ -370,3 +370,36 @@ def test_the_kernels_output_weight_gradient_reaches_main_grad_once(megatron_rank
     for key, grad in grads[True].items():
         assert grad.abs().max() > 0, key
         assert_fp32_paths_agree(grad, grads[False][key], key)
+
+
+def test_a_packed_rows_layers_cut_it_by_its_host_bounds_and_give_the_same_logits(megatron_rank, tiny_model):
+    """accelerator.packed_sequence_params hands every layer the row's boundaries as Python ints once per
+    micro-batch: with its cu_seqlens moved to the meta device (any read of them back to the host raises, as a
+    per-layer .tolist() or .item() would), the model's logits on a packed row are bit for bit those of the
+    same row whose boundaries are read from its tensors (Megatron's own THD RoPE and the attention's reads),
+    and each sequence's logits are those of the sequence alone, within two fp32 paths' rule."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megarl import accelerator
+
+    model = actor_of(tiny_model).model
+    model.eval()
+    lengths = [9, 1, 23, 14]
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 250, (1, sum(lengths)), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    host = accelerator.packed_sequence_params(lengths)
+    meta = torch.empty(len(lengths) + 1, dtype=torch.int32, device="meta")
+    meta.megarl_bounds = host.cu_seqlens_q.megarl_bounds
+    host.cu_seqlens_q = host.cu_seqlens_kv = host.cu_seqlens_q_padded = host.cu_seqlens_kv_padded = meta
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                            cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
+                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    with torch.no_grad():
+        packed = model(tokens, positions, attention_mask=None, packed_seq_params=host)
+        read_back = model(tokens, positions, attention_mask=None, packed_seq_params=plain)
+        alone = torch.cat([model(piece, torch.arange(piece.shape[1])[None], attention_mask=None)[0]
+                           for piece in tokens.split(lengths, dim=1)])
+    assert torch.equal(packed, read_back)
+    assert_fp32_paths_agree(packed[0], alone, "packed vs each sequence alone")

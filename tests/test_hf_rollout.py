@@ -8,6 +8,7 @@ On torchrun ranks (slow): parity with the vLLM backend and the trainer (tests/wo
 and megarl/train.py end to end with vLLM blocked; the learning run is outside CI (-m learning).
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -136,6 +137,56 @@ def test_min_tokens_holds_the_stop_ids_back_and_greedy_is_one_sample(engine):
     assert all(s.min_tokens == 0 and s.held_back_ids == () for s in free)
 
 
+# ------------------------------------------------------------------ the decoding loop against the old one ----
+
+
+@pytest.mark.parametrize("flags,min_tokens,greedy", [
+    (["--temperature", "0.7"], 0, False), (["--temperature", "1.3", "--top-k", "5"], 0, False),
+    (["--temperature", "1.0", "--top-k", "20", "--top-p", "0.6"], 0, False),
+    (["--temperature", "1.0", "--top-p", "0.9"], 4, False), ([], 0, True), ([], 3, True)])
+@pytest.mark.parametrize("batch_tokens,noise_bytes", [(None, None), (250, 4 * 259 * 4 * 3)])
+def test_the_decoding_gives_the_old_loops_tokens_and_logprobs(tiny_model, monkeypatch, flags, min_tokens, greedy,
+                                                               batch_tokens, noise_bytes):
+    """The preallocated cache, grouped-head attention, prompts prefilled once, the batched draw from noise blocks
+    and the micro-batches give the tokens of the loop before issue 54 (tests/hf_rollout_reference.py: one padded
+    batch, a cache grown by concatenation, one exponential_ per row and step) for the same seeds, and its logprobs
+    (bit for bit on the Zen 4 development host; asserted within two fp32 paths' rule). Second case: micro-batches of
+    a few rows that cut a prompt's samples apart, and noise blocks of 3 steps (refilled, and cut when rows
+    finish)."""
+    from hf_rollout_reference import old_engine
+
+    from megarl import hf_rollout
+
+    if noise_bytes is not None:
+        monkeypatch.setattr(hf_rollout, "NOISE_BYTES", noise_bytes)
+    engine = _engine(tiny_model, "--num-generations", "3", *flags,
+                     *(["--hf-rollout-batch-tokens", str(batch_tokens)] if batch_tokens else []))
+    prompts = _prompts(engine)
+    for step in (0, 5):
+        done = {True: [], False: []}
+        runs = {}
+        for old in (False, True):
+            with old_engine(engine) if old else contextlib.nullcontext():
+                runs[old] = engine.generate(prompts, [2, 0, 7], step=step, greedy=greedy, min_tokens=min_tokens,
+                                            on_prompt_done=lambda i, s, old=old: done[old].append((i, len(s))))
+        new, reference = runs[False], runs[True]
+        assert sorted(done[False]) == sorted(done[True]) and len(done[False]) == 3 and len(new) == (3 if greedy else 9)
+        assert [s.response_ids for s in new] == [s.response_ids for s in reference], (flags, step)
+        assert [(s.truncated, s.response_text) for s in new] == [(s.truncated, s.response_text) for s in reference]
+        assert_fp32_paths_agree([x for s in new for x in s.logprobs], [x for s in reference for x in s.logprobs],
+                                "logprobs against the old loop")
+    if not greedy:  # the samples of a prompt differ (the draws are not all alike)
+        assert len({tuple(s.response_ids) for s in new}) > 3
+
+
+def test_a_generators_block_of_draws_is_its_draws_step_by_step():
+    """What hf_rollout._Noise rests on: exponential_ of a seeded generator into [steps, vocab] gives the values of
+    one [vocab] draw per step, in order (torch's CPU kernel fills from one stream in element order)."""
+    block = torch.empty(7, 259).exponential_(generator=torch.Generator().manual_seed(11))
+    generator = torch.Generator().manual_seed(11)
+    assert torch.equal(block, torch.stack([torch.empty(259).exponential_(generator=generator) for _ in range(7)]))
+
+
 # ------------------------------------------------------------------ weights and memory ----
 
 
@@ -182,7 +233,8 @@ def test_offload_empties_the_weights_and_onload_brings_them_back_bit_identical(t
     (["--rollout-tensor-parallel-size", "2"], "--rollout-tensor-parallel-size 2"),
     (["--rollout-engine-kwargs", '{"max_num_seqs": 8}'], "--rollout-engine-kwargs"),
     (["--colocate-groups", "train,rollout;teacher", "--teacher-gpus", "1", "--standalone-teacher-model", "x",
-      "--gkd-logits-topk", "4"], "teacher.gpus")])
+      "--gkd-logits-topk", "4"], "teacher.gpus"),
+    (["--hf-rollout-batch-tokens", "0"], "--hf-rollout-batch-tokens 0")])
 def test_what_needs_vllm_is_refused_in_one_line(tiny_model, flags, named):
     with pytest.raises(ConfigError) as error:
         parse_args(["--model", tiny_model, *HF, *flags], world_size=2)

@@ -127,5 +127,6 @@ def _cpu_fp32(query: torch.Tensor) -> bool:
 
 
 def _bounds(cu_seqlens, cu_seqlens_padded) -> list[int]:
-    """The slots' boundaries: the padded ones where given (context parallelism), else the sequences'."""
-    return (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).tolist()
+    """The slots' boundaries: the padded ones where given (context parallelism), else the sequences'; from the
+    host copy megarl's micro-batches carry (no sync per layer)."""
+    return accelerator.packed_bounds(cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded)

@@ -182,6 +182,36 @@ def rotary_bshd(original):
     return apply
 
 
+def rotary_thd(original):
+    """Megatron's `_apply_rotary_pos_emb_thd` (rope_utils.py, the unfused packed-row RoPE) with the row's
+    boundaries from the host copy megarl's micro-batches carry (accelerator.packed_bounds): Megatron reads
+    cu_seqlens back in every layer, and once per sequence where the frequencies span the whole row. The same
+    steps as Megatron's on the same values (its per-sequence frequencies, one rotation of the whole row);
+    a cu_seqlens without the host copy goes to `original`."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    @functools.wraps(original)
+    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+              cp_group=None):
+        bounds = getattr(cu_seqlens, "megarl_bounds", None)
+        if bounds is None or cp_group is None:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        seqlens = [(end - start) // cp_size for start, end in zip(bounds[:-1], bounds[1:])]
+        # Megatron's two cases: frequencies for every position of the row (offset by each sequence's start),
+        # or for the longest sequence only (each sequence from position 0)
+        offsets = bounds[:-1] if freqs.dim() >= 1 and freqs.size(0) == bounds[-1] else [0] * len(seqlens)
+        freqs_packed = torch.cat([rope_utils._get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs, offset)
+                                  for x, offset in zip(torch.split(t, seqlens), offsets)], dim=0)
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs_packed, rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    apply.megarl_original = original
+    return apply
+
+
 def bias_dropout_add(training: bool, fused: bool):
     """Megatron's `get_bias_dropout_add` (a layer spec's residual step, fused_bias_dropout.py) that adds the
     residual directly when there is no bias and no dropout: torch's dropout at p = 0 in training mode still
@@ -202,8 +232,10 @@ def bias_dropout_add(training: bool, fused: bool):
 
 @functools.cache
 def install() -> None:
-    """Route Megatron's unfused rotary embedding through `rotary_bshd` (idempotent). The norms are megarl's
-    own spec entries (megatron_gpt.SequenceParallelRMSNorm builds `RMSNorm`)."""
+    """Route Megatron's unfused rotary embedding through `rotary_bshd` and its packed rows' through `rotary_thd`
+    (idempotent). The norms are megarl's own spec entries (megatron_gpt.SequenceParallelRMSNorm builds
+    `RMSNorm`)."""
     from megatron.core.models.common.embeddings import rope_utils
 
     rope_utils._apply_rotary_pos_emb_bshd = rotary_bshd(rope_utils._apply_rotary_pos_emb_bshd)
+    rope_utils._apply_rotary_pos_emb_thd = rotary_thd(rope_utils._apply_rotary_pos_emb_thd)

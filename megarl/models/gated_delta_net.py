@@ -127,8 +127,7 @@ def _rows(mixed: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor, list[in
     if packed_seq_params.qkv_format != "thd":
         raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}: only 'thd' is supported")
     cu = packed_seq_params.cu_seqlens_q_padded
-    cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-    bounds = cu.tolist()
+    bounds = accelerator.packed_bounds(packed_seq_params.cu_seqlens_q if cu is None else cu)
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     pieces = mixed[: bounds[-1], 0].split(lengths)
     return torch.nn.utils.rnn.pad_sequence(list(pieces), batch_first=True), lengths
