@@ -511,6 +511,13 @@ def apply_megatron_shims() -> None:
         # RouterGatingLinearFunction) tests `te_general_gemm is not None`, a name bound only when TE imports
         # (a NameError otherwise); None selects its torch.mm path.
         moe_utils.te_general_gemm = None
+        # Multi-latent attention (DeepSeek-V3) tests `HAVE_TE and isinstance(linear_proj, TELinear)` at
+        # construction (multi_latent_attention.py: MultiLatentAttention.__init__); without TE its import of
+        # megatron.core.extensions.transformer_engine succeeds with TELinear a MagicMock placeholder, so
+        # HAVE_TE is True there and isinstance raises a TypeError. The flag as this host has it:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
     if ON_CUDA:
         return
     # Apex and Transformer Engine are GPU libraries: their absence is expected here.

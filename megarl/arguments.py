@@ -1229,15 +1229,17 @@ def _validate_moe(args) -> None:
         if value != off]
     if not asked and not args.lora_rank:
         return
+    from megarl.models.families import num_experts
+
     hf_config, family = _policy_family(args)
     if family is None:
         return
     if asked and not family.moe:
         raise ConfigError(f"{asked[0]} needs a mixture-of-experts model; --model {args.model} is {family.name} "
                           f"(dense)")
-    if family.moe and hf_config.num_experts % args.expert_model_parallel_size:
+    if family.moe and num_experts(hf_config) % args.expert_model_parallel_size:
         raise ConfigError(f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the "
-                          f"model's num_experts={hf_config.num_experts}")
+                          f"model's num_experts={num_experts(hf_config)}")
 
 
 def _validate_model_layout(args) -> None:

@@ -78,6 +78,9 @@ class VllmEngine:
         kwargs.update(engine_kwargs)
         if is_multimodal(model):  # its language model alone: vLLM then builds no vision tower
             kwargs.setdefault("limit_mm_per_prompt", {"image": 0, "video": 0})
+        overrides = router_overrides(model)
+        if overrides:
+            kwargs["hf_overrides"] = {**overrides, **kwargs.get("hf_overrides", {})}
         from megarl.vllm_logging import quiet_expected_reload_warnings
         quiet_expected_reload_warnings()
         startup_gc.freeze_what_lives_for_the_run()  # vLLM's full collections while it loads then skip it
@@ -384,6 +387,21 @@ def is_multimodal(model: str) -> bool:
     return hf_name_prefix(load_hf_config(model)) != "model."
 
 
+def router_overrides(model: str) -> dict:
+    """The config fields vLLM needs to route a DeepSeek-V3 model as transformers and Megatron do, where its
+    config.json lacks them: vLLM's deepseek_v2 model builds the expert bias (e_score_correction_bias) only when
+    `topk_method` is "noaux_tc" and scores by `scoring_func` with "softmax" as its default, while transformers'
+    DeepseekV3 always scores by sigmoid plus the bias (and writes neither field: its tiny models lack them; the
+    released configs carry both, and any other value is refused at start, megatron_gpt.SIGMOID_ROUTER)."""
+    from megarl.models.families import family_of, load_hf_config
+    from megarl.models.megatron_gpt import SIGMOID_ROUTER
+
+    config = load_hf_config(model)
+    if not family_of(config).sigmoid_router:
+        return {}
+    return {field: allowed[0] for field, allowed in SIGMOID_ROUTER.items() if getattr(config, field, None) is None}
+
+
 def check_cpu_engine(model: str, params_dtype: str) -> bool:
     """Whether a CPU engine of `model` needs megarl/vllm_cpu.py (a Gated DeltaNet model: Qwen3.5); the other
     models' engines start as before, vLLM untouched. Refuses, in one line, a bf16 CPU engine of such a model:
@@ -399,6 +417,24 @@ def check_cpu_engine(model: str, params_dtype: str) -> bool:
         raise ValueError(f"{model}: a {params_dtype} vLLM engine of a Gated DeltaNet model (Qwen3.5) on CPU ranks "
                          f"would serve stale weights after the second weight sync; use --params-dtype float32 on CPU")
     return True
+
+
+def kv_cache_bytes_per_token(worker) -> dict:
+    """This engine worker's KV cache per token, from vLLM's own cache specs (what it allocates its blocks by):
+    {"bytes": summed over its attention layers, "per_layer": each layer's (the first's), "head_size": the width a
+    layer caches per token and KV head, "kv_heads": those heads, "spec": vLLM's spec class}. A multi-latent
+    attention model (DeepSeek-V3) caches one latent per token and layer, kv_lora_rank + qk_rope_head_dim wide
+    (vLLM's MLAAttentionSpec: one KV head), not keys and values of every head. A hybrid model's other layers
+    (Qwen3.5's Gated DeltaNet: a fixed state per sequence, not per token) are left out."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    specs = {name: spec for name, spec in worker.model_runner.get_kv_cache_spec().items()
+             if isinstance(spec, AttentionSpec)}
+    first = next(iter(specs.values()))
+    per_token = [spec.page_size_bytes / spec.block_size for spec in specs.values()]
+    return {"bytes": sum(per_token), "per_layer": per_token[0], "layers": len(specs),
+            "head_size": getattr(first, "head_size", None), "kv_heads": getattr(first, "num_kv_heads", None),
+            "dtype_bytes": first.dtype.itemsize, "spec": type(first).__name__}
 
 
 def _load_in_place(worker, weights) -> None:
@@ -431,14 +467,17 @@ def _load_in_place(worker, weights) -> None:
         return
     by_block = {}
     for layer, kept, block in layers:
-        for name, weight in (kept or {}).items():
-            setattr(layer, name, weight)
+        _bind_kept(layer, kept)
         by_block.setdefault(block, []).append((layer, kept))
     pending = set(by_block)
+
+    latent = _latent_attention_layers(worker)
 
     def process(block):
         for layer, kept in by_block.get(block, ()):
             process_after_load(layer, kept)
+        for attention in latent.get(block, ()):  # after its kv_b_proj's own processing, as vLLM's loader orders it
+            attention.process_weights_after_loading(worker.model_runner.vllm_config.model_config.dtype)
         pending.discard(block)
 
     def stream():
@@ -451,7 +490,12 @@ def _load_in_place(worker, weights) -> None:
             if block != current:
                 if current is not None:
                     process(current)
-                pending.add(block)  # a block seen again is processed again
+                # A block seen again is loaded and processed again: into and from its kept copies, not what
+                # the last processing left bound (an emptied linear weight; the CPU experts' packed w13 / w2,
+                # packed twice, were garbage: a DeepSeek-V3 stream whose expert biases came after every parameter).
+                for layer, kept in by_block.get(block, ()):
+                    _bind_kept(layer, kept)
+                pending.add(block)
                 current = block
             yield name, tensor
 
@@ -522,6 +566,13 @@ def _keep_allocations_beyond_parameters(worker, layers) -> None:
              freed_bytes / 2**30, kept_bytes / 2**30)
 
 
+def _bind_kept(layer, kept: dict | None) -> None:
+    """Bind a layer's kept weights (`_kept_weights`) as its parameters: what the loaders write and the
+    post-load processing reads."""
+    for name, weight in (kept or {}).items():
+        setattr(layer, name, weight)
+
+
 def process_after_load(layer, kept: dict | None) -> None:
     """A layer's post-load processing once a sync has loaded its (kept) weights: a repack on CPU."""
     if kept and _is_fused_moe(layer):
@@ -574,8 +625,31 @@ def _in_place_layers(worker):
                 break
             layers.append((layer, _kept_weights(layer, ("weight",)), _block_of(module_name + ".")))
     worker._megarl_in_place = layers
-    worker._megarl_param_names = {name for name, _ in model.named_parameters()}
+    # Every parameter a sync must load: not the ones multi-latent attention derives from kv_b_proj after
+    # loading (`_latent_attention_layers`), which no checkpoint has.
+    derived = {f"{name}.{param}" for name, attention in _named_latent_attention(model)
+               for param, _ in attention.named_parameters(recurse=False)}
+    worker._megarl_param_names = {name for name, _ in model.named_parameters()} - derived
     return layers
+
+
+def _named_latent_attention(model):
+    from vllm.model_executor.layers.attention import MLAAttention
+
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, MLAAttention)]
+
+
+def _latent_attention_layers(worker) -> dict:
+    """{block: [its MLAAttention modules]} (DeepSeek-V3 in vLLM): after loading, each splits kv_b_proj's weight
+    into the absorbed decode's own parameters (mla_attention.py, process_weights_after_loading: W_UK_T, W_UV;
+    on AMX CPUs packed copies), which vLLM's loader derives once. A sync that loads kv_b_proj must derive them
+    again, or the engine's decode would keep the previous weights' (its prefill reads kv_b_proj itself)."""
+    if not hasattr(worker, "_megarl_latent_attention"):
+        by_block = {}
+        for name, module in _named_latent_attention(worker.model_runner.model):
+            by_block.setdefault(_block_of(name + "."), []).append(module)
+        worker._megarl_latent_attention = by_block
+    return worker._megarl_latent_attention
 
 
 def _is_fused_moe(layer) -> bool:

@@ -67,6 +67,7 @@ RANDOM_MODELS = {
     "random_qwen3_5_untied": ("qwen3_5", False, 14, None),
     "random_qwen3_5_tied": ("qwen3_5", True, 15, None),
     "random_qwen3_5_moe_untied": ("qwen3_5_moe", False, 16, None),
+    "random_deepseek_v3_untied": ("deepseek_v3", False, 23, None),  # q through q_a_proj / q_b_proj
 }
 
 
@@ -82,6 +83,13 @@ def _random_model_fixture(name: str):
 
 for _name in RANDOM_MODELS:
     globals()[_name] = _random_model_fixture(_name)
+
+
+@pytest.fixture(scope="session")
+def random_deepseek_v3_q_proj_tied(tmp_path_factory) -> str:
+    """A random DeepSeek-V3 whose queries come from one q_proj (q_lora_rank None, as DeepSeek-V2-Lite), tied."""
+    return make_random_model(tmp_path_factory.mktemp("random_deepseek_v3_q_proj_tied"), "deepseek_v3", True, 24,
+                             q_lora_rank=None)
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +111,19 @@ def random_moe_policy(tiny_model, tmp_path_factory) -> str:
                                  max_position_embeddings=512, **tokens)
 
     return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_moe_policy"), make)
+
+
+@pytest.fixture(scope="session")
+def random_deepseek_v3_policy(tiny_model, tmp_path_factory) -> str:
+    """A random DeepSeek-V3 (tests/helpers.py's shape at vLLM's CPU MLA widths: a latent of 512 plus a rope key
+    of 64; 8 experts of width 64 under the sigmoid router, top 4 of the best 2 of 4 groups) with the tiny
+    tokenizer; its expert bias small beside the router's scores, so that the routes depend on the token (the
+    default bias, and the tiny build's, choose the same experts for nearly every token)."""
+    def make(path, tokens):
+        return make_random_model(path, "deepseek_v3", False, 25, kv_lora_rank=512, qk_rope_head_dim=64,
+                                 moe_intermediate_size=64, expert_bias_std=0.01, **tokens)
+
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_deepseek_v3_policy"), make)
 
 
 @pytest.fixture(scope="session")
@@ -195,6 +216,14 @@ def _tiny_build(out: Path, *flags: str) -> str:
         subprocess.run([sys.executable, "tools/make_tiny_model.py", *flags, "--out", str(out), "--quiet"], cwd=ROOT,
                        check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory) -> str:
+    """A random DeepSeek-V3 policy with the tiny tokenizer (tools/make_tiny_model.py --family deepseek_v3: no
+    warm-up, seconds; vLLM's CPU MLA widths), built per session rather than into artifacts/."""
+    out = tmp_path_factory.mktemp("tiny_deepseek_v3") / "tiny-deepseek-v3"
+    return _tiny_build(out, "--family", "deepseek_v3")
 
 
 @pytest.fixture(scope="session")

@@ -150,15 +150,29 @@ _FAMILIES = {
     "qwen3_5_moe": (("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
                     dict(QWEN3_5_FIELDS, moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
                          num_experts_per_tok=2), 0.1),
+    # DeepSeek-V3: multi-latent attention (q through its low-rank pair, or with q_lora_rank None one q_proj; the
+    # rope dims interleaved, as the released checkpoints), a sigmoid router with a random expert bias (a buffer:
+    # set below), groups of 2 experts of which the best 2 groups are kept (8 experts, top 4: HF's group score,
+    # the top 2 of a group, is Megatron's top_k / topk_group), routed_scaling_factor 2.5, one shared expert, the
+    # first layer dense; values narrower than keys (v_head_dim 24 against 32 + 16); two MTP layers' tensors after
+    # the last layer, as the released checkpoints carry them (left out).
+    "deepseek_v3": (("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+                    dict(max_position_embeddings=512, num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=48,
+                         kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+                         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+                         n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+                         num_nextn_predict_layers=2), 0.1),
 }
+DEEPSEEK_MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
 
 
 def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: int = 250,
-                      llama3_rope: str | None = None, **config_fields) -> str:
+                      llama3_rope: str | None = None, expert_bias_std: float = 0.2, **config_fields) -> str:
     """A small random HF checkpoint of `family` in which every tensor is N(0, std).
 
-    `llama3_rope` names an entry of LLAMA3_ROPE (Llama only); `config_fields` override the
-    tiny config.
+    `llama3_rope` names an entry of LLAMA3_ROPE (Llama only); `expert_bias_std` DeepSeek-V3's expert bias
+    (on the scale of the router's scores: 0.2 outweighs them, so that its effect shows; smaller, routes that
+    follow the token); `config_fields` override the tiny config.
     """
     import torch
     import transformers
@@ -177,8 +191,30 @@ def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: 
     with torch.no_grad():  # default init leaves biases and norms at 0/1; make every tensor matter
         for param in model.parameters():
             param.normal_(std=std)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias: on the scale of the scores
+                buffer.normal_(std=expert_bias_std)
     model.save_pretrained(path)
+    if family == "deepseek_v3":
+        _add_mtp_layers(path, config, seed)
     return str(path)
+
+
+def _add_mtp_layers(path, config, seed: int) -> None:
+    """A DeepSeek-V3 checkpoint's multi-token-prediction layers as the released ones store them: decoder layers
+    numbered after the last (model.layers.{num_hidden_layers + j}.*), here a few of their tensors each
+    (transformers builds none of them; megarl leaves them out)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(Path(path) / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    hidden = config.hidden_size
+    for layer in range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers):
+        for name in DEEPSEEK_MTP_TENSORS:
+            shape = (hidden, 2 * hidden) if name == "eh_proj.weight" else (hidden,)
+            tensors[f"model.layers.{layer}.{name}"] = torch.randn(*shape, generator=generator)
+    save_file(tensors, Path(path) / "model.safetensors", metadata={"format": "pt"})
 
 
 def make_random_multimodal_qwen3_5(path, tied: bool = True, seed: int = 0, vocab_size: int = 250) -> str:

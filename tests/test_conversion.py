@@ -98,6 +98,43 @@ def test_moe_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
         assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
+DEEPSEEK_CHECKPOINTS = ["random_deepseek_v3_untied", "random_deepseek_v3_q_proj_tied"]
+DEEPSEEK_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,ep", DEEPSEEK_LAYOUTS, ids=[f"tp{tp}-pp{pp}-ep{ep}" for tp, pp, ep in DEEPSEEK_LAYOUTS])
+def test_deepseek_v3_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
+    """DeepSeek-V3 (Megatron's multi-latent attention, q through its low-rank pair and through one q_proj; the
+    sigmoid router with its expert bias, group-limited top-k and routed scaling; a shared expert; the first
+    layer dense) against transformers in float64 at TP 1, at TP 2 with EP 2 (latents and heads split over TP,
+    four experts per rank), and the bit-exact HF round trip (the expert bias, a buffer, included) at each and
+    at PP 2 (the dense layer and an MoE layer on stage 0); the checkpoint's MTP layers neither read nor written.
+    Each feature moves transformers' own logits by far more than the fp32 rule allows (`*_effect`), so a
+    model that ignored one, or laid the rope dims out otherwise, would fail the logit check."""
+    paths = [request.getfixturevalue(name) for name in DEEPSEEK_CHECKPOINTS]
+    out = tmp_path / "report.json"
+    torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep, nproc=2)
+    run = read_json(out)
+    assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
+    assert [(r["family"], r["tied"]) for r in run["models"]] == [("deepseek_v3", False), ("deepseek_v3", True)]
+    for report in run["models"]:
+        if pp == 1:
+            _assert_parity(report)
+            limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
+            for effect in ("expert_bias", "routed_scaling", "group_limit", "rope_interleave"):
+                assert report[f"{effect}_effect"] > 2 * limit, (effect, report)
+        # 3 MoE layers x 8 experts x 3 tensors; the router's weight and expert bias in each; 2 MTP layers x 4
+        names = report["exported_names"]
+        assert sum(".mlp.experts." in name for name in names) == 3 * 8 * 3, report
+        assert sorted(n for n in names if "e_score_correction_bias" in n) == [
+            f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)], report
+        assert "model.layers.0.mlp.gate_proj.weight" in names and not any("layers.0.mlp.gate." in n for n in names)
+        assert ("model.layers.0.self_attn.q_proj.weight" in names) is report["tied"], report
+        assert report["left_out"] == 8, report
+        assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
+
+
 def _assert_parity(report):
     """Every float check within the fp32 rule (tests/helpers.py) of its float64 reference, and each
     compared quantity far enough from 0 (or from its alternative) that a wrong path would show."""
@@ -130,19 +167,25 @@ def _assert_parity(report):
 # ------------------------------------------------------------ config checks --
 
 def _config(family, **fields):
-    from transformers import (LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
     config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
                     "qwen2_moe": Qwen2MoeConfig, "qwen3_5": Qwen3_5TextConfig,
-                    "qwen3_5_moe": Qwen3_5MoeTextConfig}[family]
+                    "qwen3_5_moe": Qwen3_5MoeTextConfig, "deepseek_v3": DeepseekV3Config}[family]
     if family.startswith("qwen3_5"):
         fields = {"head_dim": 32, "layer_types": ["linear_attention", "full_attention"], **fields}
-    return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+    kv_heads = 2
+    if family == "deepseek_v3":  # DeepSeek-V3's router and MLA widths at a tiny scale; MLA expands every head
+        kv_heads = 4
+        fields = {**dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+                         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+                         first_k_dense_replace=1), **fields}
+    return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=2,
                         max_position_embeddings=16384, **fields)
 
 
-@pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe", "qwen3_5_moe", "deepseek_v3"])
 def test_family_of_picks_by_architecture_then_model_type(family):
     from megarl.models.families import FAMILIES, family_of
 
@@ -187,7 +230,44 @@ REFUSED = [
     ("qwen3_5", dict(layer_types=["linear_attention", "sliding_attention"]), "layer_types[1]='sliding_attention'"),
     ("qwen3_5", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.3)),
      "partial_rotary_factor=0.3"),
+    # DeepSeek-V3: a router or attention variant its Megatron model would compute otherwise
+    ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    ("deepseek_v3", dict(topk_method="greedy"), "topk_method='greedy'"),
+    ("deepseek_v3", dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False"),
+    ("deepseek_v3", dict(n_group=2, topk_group=1), "topk_group=1"),
+    ("deepseek_v3", dict(n_shared_experts=0), "n_shared_experts=0"),
+    ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
+    ("deepseek_v3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0,
+                                              original_max_position_embeddings=4096)), "rope_type='yarn'"),
 ]
+
+
+@pytest.mark.parametrize("groups,group_topk,megatron_groups", [(4, 2, (4, 2)), (1, 1, (None, None)), (4, 4, (None, None))])
+def test_deepseek_v3_config_reaches_megatron(groups, group_topk, megatron_groups):
+    """DeepSeek-V3's config as Megatron's MLATransformerConfig: the latent and head widths, the sigmoid router
+    with its expert bias frozen (update rate 0), routed scaling, group-limited top-k only where it limits
+    (Moonlight's and Kimi's n_group = topk_group = 1 keep every group), the ungated shared experts, the first
+    layer dense (moe_layer_freq), the value width as kv_channels."""
+    import torch
+
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import check_supported, transformer_config
+
+    config = _config("deepseek_v3", n_group=groups, topk_group=group_topk, num_experts_per_tok=2 * group_topk,
+                     routed_scaling_factor=2.5, n_shared_experts=2)
+    family = family_of(config)
+    check_supported(config, family)
+    megatron = transformer_config(config, family, 1, 1, 1, torch.float32)
+    assert type(megatron).__name__ == "MLATransformerConfig" and megatron.multi_latent_attention
+    assert (megatron.q_lora_rank, megatron.kv_lora_rank, megatron.qk_head_dim, megatron.qk_pos_emb_head_dim,
+            megatron.v_head_dim, megatron.kv_channels) == (48, 32, 32, 16, 24, 24)
+    assert megatron.rope_type == "rope" and megatron.rotary_scaling_factor == 1.0 and megatron.mscale_all_dim == 0.0
+    assert (megatron.moe_router_score_function, megatron.moe_router_enable_expert_bias,
+            megatron.moe_router_bias_update_rate, megatron.moe_router_topk_scaling_factor) == ("sigmoid", True, 0.0, 2.5)
+    assert (megatron.moe_router_num_groups, megatron.moe_router_group_topk) == megatron_groups
+    assert megatron.moe_shared_expert_intermediate_size == 64 and not megatron.moe_shared_expert_gate
+    assert megatron.moe_layer_freq == [0, 1] and megatron.ffn_hidden_size == config.intermediate_size
 
 
 def test_qwen3_5_partial_rope_and_layer_pattern_reach_megatron():

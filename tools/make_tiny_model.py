@@ -5,6 +5,7 @@
     python tools/make_tiny_model.py --moe       # a mixture-of-experts policy, artifacts/tiny-qwen3-moe
     python tools/make_tiny_model.py --tools     # the tool-use policy, artifacts/tiny-qwen2-tools
     python tools/make_tiny_model.py --hints     # reads an answer hint (OPSD), artifacts/tiny-qwen2-hints
+    python tools/make_tiny_model.py --family deepseek_v3   # a random DeepSeek-V3 (seconds), artifacts/tiny-deepseek-v3
 
 Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
@@ -148,11 +149,23 @@ QWEN3_5 = dict(head_dim=32, layer_types=["linear_attention", "full_attention"], 
                linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
 QWEN3_5_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
 QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128)
+# --family deepseek_v3: DeepSeek-V3's architecture on the same trunk (hidden 128, 4 heads), random weights unless
+# --steps asks for the warm-up (0 by default: built in seconds, for engine and RL-machinery checks; no pass@1 is
+# measured then): multi-latent attention (q through a rank-64 pair, a kv latent of 512 plus a shared rope key of
+# 64: the released models' widths, the only latent vLLM's CPU MLA decode kernel takes; heads of 32 nope + 64 rope
+# dims and values of 32), 3 layers of which the first is dense, then 8 routed
+# experts of width 64 under a sigmoid router with a random expert bias (e_score_correction_bias, std 0.2), 4 groups
+# of 2 of which the best 2 are kept, top 4, routed_scaling_factor 2.5, one shared expert; untied embeddings.
+DEEPSEEK_V3 = dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
+                   qk_rope_head_dim=64, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8,
+                   num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                   first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=0)
+DEEPSEEK_V3_BIAS_STD = 0.2
 # Where each build goes by default: (family, kind) -> directory
 OUTS = {("qwen2", "policy"): "artifacts/tiny-qwen2", ("qwen2", "teacher"): TEACHER["out"],
         ("qwen2", "moe"): MOE["out"], ("qwen2", "tools"): TOOL_MODEL["out"], ("qwen2", "hints"): HINT_MODEL["out"],
         ("qwen3_5", "policy"): "artifacts/tiny-qwen3_5", ("qwen3_5", "teacher"): "artifacts/tiny-qwen3_5-teacher",
-        ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe"}
+        ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe", ("deepseek_v3", "policy"): "artifacts/tiny-deepseek-v3"}
 
 
 def build_tokenizer():
@@ -182,6 +195,19 @@ def build_model(tokenizer, seed, moe: bool = False, family: str = "qwen2"):
     torch.manual_seed(seed)
     special = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                    dtype="float32")
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        trunk = {**MODEL, **DEEPSEEK_V3}
+        config = DeepseekV3Config(vocab_size=len(tokenizer), tie_word_embeddings=False,
+                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0), **special, **trunk)
+        config.architectures = ["DeepseekV3ForCausalLM"]
+        model = DeepseekV3ForCausalLM._from_config(config, experts_implementation="eager")
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(std=DEEPSEEK_V3_BIAS_STD)
+        return model
     if family == "qwen3_5":
         trunk = {key: value for key, value in MODEL.items() if not (moe and key == "intermediate_size")}
         if moe:
@@ -500,9 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None,
                     help=f"default: artifacts/tiny-<family>, -teacher with --teacher ({TEACHER['out']} for qwen2), "
                          f"-moe with --moe")
-    ap.add_argument("--family", choices=("qwen2", "qwen3_5"), default="qwen2",
+    ap.add_argument("--family", choices=("qwen2", "qwen3_5", "deepseek_v3"), default="qwen2",
                     help="qwen3_5: Qwen3.5's hybrid Gated DeltaNet / gated-attention layers on the same trunk "
-                         "(the policy, --teacher or --moe; the same tokenizer, recipe and pins)")
+                         "(the policy, --teacher or --moe; the same tokenizer, recipe and pins); deepseek_v3: "
+                         "DeepSeek-V3's MLA and sigmoid-routed MoE layers, random unless --steps (the policy only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None,
                     help=f"warm-up steps (default: {TRAIN['steps']}, or {TEACHER['steps']} with --teacher)")
@@ -582,9 +609,12 @@ def main():
     kind = "teacher" if args.teacher else "moe" if args.moe else "tools" if args.tools else \
         "hints" if args.hints else "policy"
     if (args.family, kind) not in OUTS:
-        sys.exit(f"--family {args.family} builds the policy, --teacher and --moe, not --{kind}")
+        builds = "the policy" if args.family == "deepseek_v3" else "the policy, --teacher and --moe"
+        sys.exit(f"--family {args.family} builds {builds}, not --{kind}")
     if args.out is None:
         args.out = Path(OUTS[args.family, kind])
+    if args.steps is None and args.family == "deepseek_v3":
+        args.steps = 0  # random weights: seconds to build
     if args.steps is None:
         args.steps = TEACHER["steps"] if args.teacher else TOOL_MODEL["steps"] if args.tools else \
             HINT_MODEL["steps"] if args.hints else TRAIN["steps"]
@@ -616,14 +646,18 @@ def main():
     train(model, tokenizer, args.seed, quiet=args.quiet, **settings)
 
     held_out = arithmetic.make_problems(EVAL["num"], args.seed + EVAL["seed_offset"])
-    pass1 = accuracy(model, tokenizer, held_out, 1.0, args.seed, EVAL["max_new_tokens"])
-    greedy = accuracy(model, tokenizer, held_out, 0.0, args.seed, EVAL["max_new_tokens"])
+    if settings["steps"] == 0:  # a random model (deepseek_v3's default): nothing learnt to measure
+        pass1 = greedy = None
+    else:
+        pass1 = accuracy(model, tokenizer, held_out, 1.0, args.seed, EVAL["max_new_tokens"])
+        greedy = accuracy(model, tokenizer, held_out, 0.0, args.seed, EVAL["max_new_tokens"])
     if args.moe:
         load = expert_load(model, tokenizer, held_out[:100])
         print("expert load per layer (share of routed tokens):",
               [[round(share, 3) for share in layer] for layer in load])
     shape = dict(MODEL, **QWEN3_5, rope=QWEN3_5_ROPE, **(QWEN3_5_MOE if args.moe else {})) \
-        if args.family == "qwen3_5" else dict(MODEL, **MOE) if args.moe else MODEL
+        if args.family == "qwen3_5" else dict(MODEL, **DEEPSEEK_V3) if args.family == "deepseek_v3" \
+        else dict(MODEL, **MOE) if args.moe else MODEL
     report = dict(seed=args.seed, family=args.family, params=n_params, model=shape,
                   train=settings, eval=EVAL,
                   max_operand=arithmetic.MAX_OPERAND, pass_at_1_t1=pass1, greedy_accuracy=greedy,
@@ -631,8 +665,9 @@ def main():
                   torch=torch.__version__, transformers=transformers.__version__,
                   cpu_capability=capability, pinned_env={k: os.environ.get(k) for k in PINNED_ENV})
     save(model, tokenizer, args.out, report)
-    print(f"{args.out}: {n_params} params, pass@1 (T=1) {pass1:.3f}, greedy {greedy:.3f}, "
-          f"{report['build_seconds']}s\nweights sha256 {report['weights_sha256']}")
+    measured = "random weights (no warm-up)" if pass1 is None else f"pass@1 (T=1) {pass1:.3f}, greedy {greedy:.3f}"
+    print(f"{args.out}: {n_params} params, {measured}, {report['build_seconds']}s\n"
+          f"weights sha256 {report['weights_sha256']}")
 
 
 if __name__ == "__main__":

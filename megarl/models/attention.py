@@ -35,7 +35,11 @@ from megarl.models.causal_attention import run_path
 
 
 class PackedDotProductAttention(DotProductAttention):
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        # Multi-latent attention (DeepSeek-V3) passes its key and value widths (k_channels: qk_nope + qk_rope,
+        # v_channels: v_head_dim), which Megatron's local attention does not take (TE's does): its matmuls read
+        # them off the tensors, and its output width is kv_channels per head, which megarl's MLA config sets to
+        # v_head_dim (megatron_gpt.mla_config).
         # Megatron's local attention asserts CP == 1 when built; the packed path below does CP itself.
         cp, config.context_parallel_size = config.context_parallel_size, 1
         try:
@@ -84,7 +88,8 @@ class PackedDotProductAttention(DotProductAttention):
         (16 sequences of 80-200 tokens, 8 heads of 64, 2 groups, one thread): 67 ms forward and backward per
         layer against 95 ms for the local attention per sequence; the outputs agree within fp32 rounding."""
         heads, groups, dim = query.shape[1], key.shape[1], query.shape[2]
-        measured = _cpu_fp32(query)
+        # megarl's own CPU paths take one width for queries, keys and values; MLA's values are narrower
+        measured = _cpu_fp32(query) and value.shape[-1] == query.shape[-1]
         outputs = []  # [s_i, heads, dim] each
         for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
             path = attention_paths.path_for(q.shape[0], heads, groups, dim) if measured else "flash"

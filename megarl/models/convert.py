@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from megarl.models.families import TE_FUSED_NAMES, Family, Rule, family_of, hf_name_prefix
+from megarl.models.families import (BUFFER_NAMES, TE_FUSED_NAMES, Family, Rule, family_of, hf_name_prefix, layer_kinds,
+                                    num_experts)
 from megarl.models.megatron_gpt import head_dim
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -218,6 +219,12 @@ def _expert_parallel() -> tuple[int, int]:
     return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
 
 
+def _layer_key(name: str) -> str:
+    """A Megatron name's decoder layer ('decoder.layers.3'), or the name itself outside the layers."""
+    match = _LAYER_NAME.fullmatch(name)
+    return f"decoder.layers.{match.group(1)}" if match else name
+
+
 def _local_entries(model, hf_config) -> list[tuple[str, Rule, dict | None, torch.nn.Parameter]]:
     """(canonical name, rule, index, parameter) for every parameter of this stage; index is None for
     global parameters, else {"i": global layer} and, for a routed expert, "e": the expert's index on
@@ -225,7 +232,16 @@ def _local_entries(model, hf_config) -> list[tuple[str, Rule, dict | None, torch
     gpt = unwrap(model)
     table = _rule_table(family_of(hf_config), hf_config)
     entries, unknown = [], []
-    for name, param in gpt.named_parameters():
+    # Parameters, and the buffers that are weights of the checkpoint (BUFFER_NAMES: DeepSeek-V3's expert bias)
+    buffers = [(name, buffer) for name, buffer in gpt.named_buffers() if name.endswith(BUFFER_NAMES)]
+    tensors = [*gpt.named_parameters(), *buffers]
+    # Each buffer with its layer's parameters: a weight sync then streams a decoder block in one go (an engine
+    # processes a block once the stream has moved past it: rollout._load_in_place; back at it, again).
+    first = {}
+    for n, (name, _) in enumerate(tensors):
+        first.setdefault(_layer_key(name), n)
+    tensors.sort(key=lambda item: first[_layer_key(item[0])])  # stable: the model's order otherwise
+    for name, param in tensors:
         if getattr(param, "lora_adapter", False):  # LoRA adapters (models/lora.py): exported merged into their base
             continue
         index = None
@@ -256,7 +272,7 @@ def _ep_indices(index: dict, hf_config, ep_rank: int, ep_size: int) -> dict:
     (Megatron's MoELayer: local_expert_indices)."""
     if index is None or "e" not in index:
         return index
-    return {**index, "e": ep_rank * (hf_config.num_experts // ep_size) + index["e"]}
+    return {**index, "e": ep_rank * (num_experts(hf_config) // ep_size) + index["e"]}
 
 
 def _hf_names(rule: Rule, index: dict | None, prefix: str = "model.") -> list[str]:
@@ -273,15 +289,15 @@ def expected_hf_names(hf_config, output_layer: bool = True) -> list[str]:
     family = family_of(hf_config)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     prefix = hf_name_prefix(hf_config)
-    kinds = getattr(hf_config, "layer_types", None) if family.hybrid_linear_attention else None
+    kinds = layer_kinds(hf_config)
     rules = [rule for rule in family.rules(tied)
              if rule.export and (output_layer or rule.megatron != "output_layer.weight")]
     names = [name for rule in rules for name in _hf_names(rule, None, prefix)]
     for layer in range(hf_config.num_hidden_layers):
         for rule in family.layer_rules:
-            if rule.layer_type is not None and kinds is not None and rule.layer_type != kinds[layer]:
+            if rule.layer_type is not None and kinds is not None and rule.layer_type not in kinds[layer]:
                 continue
-            experts = range(hf_config.num_experts) if rule.layout in EXPERT_LAYOUTS else (None,)
+            experts = range(num_experts(hf_config)) if rule.layout in EXPERT_LAYOUTS else (None,)
             for expert in experts:
                 index = {"i": layer} if expert is None else {"i": layer, "e": expert}
                 names += _hf_names(rule, index, prefix)
@@ -305,15 +321,31 @@ def check_checkpoint_tensors(hf_config, checkpoint: HFCheckpoint, output_layer: 
 _NOT_TEXT_PREFIXES = {"model.visual.": "vision-tower", "mtp.": "multi-token-prediction (MTP) head"}
 
 
-def _report_left_out(checkpoint: HFCheckpoint, prefix: str) -> None:
+def mtp_layer_names(hf_config, names) -> list[str]:
+    """The names among `names` of a DeepSeek-V3 checkpoint's multi-token-prediction layers: its MTP modules
+    are saved as decoder layers after the last one (`model.layers.{num_hidden_layers + j}.*`, j <
+    num_nextn_predict_layers), which megarl neither trains nor serves (transformers does not build them either)."""
+    if not family_of(hf_config).multi_latent_attention:
+        return []
+    prefix = hf_name_prefix(hf_config) + "layers."
+    return [name for name in names if name.startswith(prefix)
+            and int(name[len(prefix):].split(".", 1)[0]) >= hf_config.num_hidden_layers]
+
+
+def _report_left_out(checkpoint: HFCheckpoint, prefix: str, hf_config=None) -> None:
     """One line on the first rank naming the checkpoint's tensors that are not the text model's, when it has
-    any: they are never read."""
-    if prefix == "model.":
-        return
-    counts = {what: sum(name.startswith(start) for name in checkpoint.weight_map)
-              for start, what in _NOT_TEXT_PREFIXES.items()}
-    left_out = [f"{count} {what} tensors ({start}*)" for (start, what), count
-                in zip(_NOT_TEXT_PREFIXES.items(), counts.values()) if count]
+    any: they are never read (a multimodal checkpoint's vision tower and MTP head, DeepSeek-V3's MTP layers)."""
+    left_out = []
+    if prefix != "model.":
+        counts = {what: sum(name.startswith(start) for name in checkpoint.weight_map)
+                  for start, what in _NOT_TEXT_PREFIXES.items()}
+        left_out = [f"{count} {what} tensors ({start}*)" for (start, what), count
+                    in zip(_NOT_TEXT_PREFIXES.items(), counts.values()) if count]
+    mtp = mtp_layer_names(hf_config, checkpoint.weight_map) if hf_config is not None else []
+    if mtp:
+        left_out.append(f"{len(mtp)} multi-token-prediction (MTP) layer tensors ({prefix}layers."
+                        f"{hf_config.num_hidden_layers}+.*, num_nextn_predict_layers="
+                        f"{getattr(hf_config, 'num_nextn_predict_layers', None)})")
     if left_out and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"megarl: {checkpoint.path}: left out {' and '.join(left_out)}; megarl trains the language model",
               flush=True)
@@ -324,7 +356,7 @@ def load_hf_weights(model, hf_path: str, hf_config) -> None:
 
     checkpoint = HFCheckpoint(hf_path)
     prefix = hf_name_prefix(hf_config)
-    _report_left_out(checkpoint, prefix)
+    _report_left_out(checkpoint, prefix, hf_config)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank, ep_size = _expert_parallel()

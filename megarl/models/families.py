@@ -20,6 +20,12 @@ built from which HF tensors, and how it is laid out over tensor parallelism:
               in_proj_a) as Megatron's one in_proj: each TP rank holds cat(q_r, k_r, v_r, z_r, b_r, a_r)
   gdn_conv    the depthwise conv1d over [q; k; v] channels: each TP rank holds cat(q_r, k_r, v_r)
 
+DeepSeek-V3's multi-latent attention needs no layout of its own: each of its projections is one of Megatron's
+column-parallel linears (split on dim 0: the down projections' latent rows, the up projections' heads), the
+two latent norms are replicated, and both sides keep each head's rows in the same order ([nope; rope] for q,
+[k_nope; v] for kv_b_proj; the rope rows interleaved in pairs, which Megatron's MLA RoPE de-interleaves as
+HF's rope_interleave does).
+
 `{i}` stands for the global layer index, `{e}` for the global index of a routed expert (MoE
 families: the EP rank that holds experts [r * E/EP, (r + 1) * E/EP) names them by their local index). With the Transformer Engine layer spec
 the two pre-norms live inside the following linear (`*.layer_norm_weight`);
@@ -46,7 +52,9 @@ class Rule:
     hf: tuple[str, ...]
     layout: str
     export: bool = True  # False for a tied copy that has no HF tensor of its own
-    layer_type: str | None = None  # hybrid families: the HF layer_types entry whose layers have it (else every layer)
+    # The kind of layer that has it (`layer_kinds`: Qwen3.5's HF layer_types entry; DeepSeek-V3's dense or MoE
+    # MLP, q_proj or its low-rank pair), else every layer.
+    layer_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,12 @@ class Family:
     # others are left out (`convert.HFCheckpoint`).
     multimodal_architectures: tuple[str, ...] = ()
     text_model_types: tuple[str, ...] = ()  # HF model_type of the text config alone (qwen3_5_text)
+    # DeepSeek-V3: Megatron's multi-latent attention (MLASelfAttention), a sigmoid router whose choice adds the
+    # checkpoint's expert bias (e_score_correction_bias), group-limited top-k and a routed scaling factor, and
+    # dense MLPs in the first `first_k_dense_replace` layers (the others MoE, with shared experts).
+    multi_latent_attention: bool = False
+    sigmoid_router: bool = False
+    first_dense_layers: bool = False
 
     def rules(self, tied_embeddings: bool) -> tuple[Rule, ...]:
         output = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False) \
@@ -158,6 +172,41 @@ _HYBRID_LAYER_RULES = (  # each layer has one of the two attentions' parameters;
          "replicated"),
 ) + _GATED_ATTENTION_RULES + _GATED_DELTA_NET_RULES
 
+# DeepSeek-V3 (transformers' DeepseekV3Model): multi-latent attention, q through a low-rank pair (q_a_proj, its
+# norm, q_b_proj) or one q_proj (q_lora_rank None), kv through kv_a_proj_with_mqa (the latent and the shared
+# rope key) and kv_b_proj; the first first_k_dense_replace layers dense MLPs, the others routed experts (a
+# sigmoid router with its expert bias) plus shared experts (one dense MLP of n_shared_experts * width).
+_DENSE_MLP, _MOE_MLP, _Q_LORA, _Q_PROJ = "dense_mlp", "moe_mlp", "q_lora", "q_proj"
+_MLA_RULES = (
+    Rule(_LAYER + "input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "replicated"),
+    Rule(_LAYER + "self_attention.linear_q_down_proj.weight", (_ATTN + "q_a_proj.weight",), "column",
+         layer_type=_Q_LORA),
+    Rule(_LAYER + "self_attention.q_layernorm.weight", (_ATTN + "q_a_layernorm.weight",), "replicated",
+         layer_type=_Q_LORA),
+    Rule(_LAYER + "self_attention.linear_q_up_proj.weight", (_ATTN + "q_b_proj.weight",), "column",
+         layer_type=_Q_LORA),
+    Rule(_LAYER + "self_attention.linear_q_proj.weight", (_ATTN + "q_proj.weight",), "column", layer_type=_Q_PROJ),
+    Rule(_LAYER + "self_attention.linear_kv_down_proj.weight", (_ATTN + "kv_a_proj_with_mqa.weight",), "column"),
+    Rule(_LAYER + "self_attention.kv_layernorm.weight", (_ATTN + "kv_a_layernorm.weight",), "replicated"),
+    Rule(_LAYER + "self_attention.linear_kv_up_proj.weight", (_ATTN + "kv_b_proj.weight",), "column"),
+    Rule(_LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",), "row"),
+    Rule(_LAYER + "pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
+         "replicated"),
+)
+_DEEPSEEK_MLP_RULES = tuple(Rule(rule.megatron, rule.hf, rule.layout, layer_type=_DENSE_MLP)
+                            for rule in _DENSE_MLP_RULES) + tuple(
+    Rule(megatron, hf, layout, layer_type=_MOE_MLP) for megatron, hf, layout in (
+        (_LAYER + "mlp.router.weight", (_MLP + "gate.weight",), "replicated"),
+        # a buffer, not a parameter: the router's expert bias, frozen at the checkpoint's values (docs/models.md)
+        (_LAYER + "mlp.router.expert_bias", (_MLP + "gate.e_score_correction_bias",), "replicated"),
+        *((rule.megatron, rule.hf, rule.layout) for rule in _MOE_RULES[1:]),
+        (_LAYER + "mlp.shared_experts.linear_fc1.weight",
+         (_MLP + "shared_experts.gate_proj.weight", _MLP + "shared_experts.up_proj.weight"), "gate_up"),
+        (_LAYER + "mlp.shared_experts.linear_fc2.weight", (_MLP + "shared_experts.down_proj.weight",), "row"),
+    ))
+# Router buffers that conversion carries (the others, e.g. the router's token counts, are not weights).
+BUFFER_NAMES = ("mlp.router.expert_bias",)
+
 QWEN2 = Family(
     name="qwen2",
     hf_architectures=("Qwen2ForCausalLM",),
@@ -241,14 +290,56 @@ QWEN3_5_MOE = replace(  # the same layers, every MLP routed experts with a gated
     text_model_types=("qwen3_5_moe_text",),
 )
 
+DEEPSEEK_V3 = Family(
+    name="deepseek_v3",
+    hf_architectures=("DeepseekV3ForCausalLM",),
+    qkv_bias=False,
+    qk_layernorm=True,  # the two latent RMSNorms (q_a_layernorm, kv_a_layernorm): Megatron's MLA q/kv_layernorm
+    rope_types=("default",),
+    refused_flags=(("attention_bias", "biases on q_a_proj, kv_a_proj_with_mqa and o_proj"),),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_MLA_RULES + _DEEPSEEK_MLP_RULES,
+    moe=True,
+    shared_expert=True,
+    multi_latent_attention=True,
+    sigmoid_router=True,
+    first_dense_layers=True,
+)
+
 FAMILIES = Registry("model family")
-for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE):
+for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3):
     FAMILIES.add(_family.name, _family)
 
 TE_FUSED_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
+
+
+def num_experts(hf_config) -> int:
+    """The routed experts per MoE layer (Qwen's num_experts, DeepSeek-V3's n_routed_experts)."""
+    return getattr(hf_config, "num_experts", None) or hf_config.n_routed_experts
+
+
+def first_k_dense(hf_config) -> int:
+    """How many first layers have a dense MLP instead of routed experts (DeepSeek-V3's first_k_dense_replace)."""
+    family = family_of(hf_config)
+    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0) if family.first_dense_layers else 0
+
+
+def layer_kinds(hf_config) -> list[frozenset] | None:
+    """Per layer, the kinds its rules' `layer_type` may name (None: every rule applies to every layer): Qwen3.5's
+    HF layer_types entry; DeepSeek-V3's MLP (dense_mlp in the first first_k_dense_replace layers, else moe_mlp)
+    and its query projection (q_lora: q_a_proj, its norm and q_b_proj, with q_lora_rank set; else q_proj)."""
+    family = family_of(hf_config)
+    if family.hybrid_linear_attention:
+        return [frozenset((kind,)) for kind in hf_config.layer_types]
+    if family.multi_latent_attention:
+        query = _Q_LORA if getattr(hf_config, "q_lora_rank", None) else _Q_PROJ
+        dense = first_k_dense(hf_config)
+        return [frozenset((query, _DENSE_MLP if layer < dense else _MOE_MLP))
+                for layer in range(hf_config.num_hidden_layers)]
+    return None
 
 
 def family_of(hf_config) -> Family:
@@ -299,6 +390,8 @@ def hf_name_prefix(hf_config) -> str:
 # What must agree for one checkpoint's weights to load into an engine built for another.
 SHAPE_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+                "n_routed_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
                 "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types", "linear_num_key_heads",
                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from megarl import accelerator
 from megarl.models import elementwise
-from megarl.models.families import Family, family_of
+from megarl.models.families import Family, family_of, first_k_dense, num_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +82,8 @@ def check_supported(hf_config, family: Family) -> None:
     if not 0 < partial <= 1 or int(head_dim(hf_config) * partial) % 2:
         raise ValueError(f"{family.name}: partial_rotary_factor={partial} must rotate an even number of each "
                          f"head's {head_dim(hf_config)} channels")
+    if family.multi_latent_attention:
+        check_mla_supported(hf_config, family)
     if family.moe:
         check_moe_supported(hf_config, family)
     layer_types = list(getattr(hf_config, "layer_types", None) or ())
@@ -130,6 +132,62 @@ def hybrid_config(hf_config, family: Family) -> dict:
                 attention_output_gate=True, layernorm_zero_centered_gamma=True)
 
 
+def check_mla_supported(hf_config, family: Family) -> None:
+    """DeepSeek-V3's multi-latent attention as Megatron's MLASelfAttention computes it: the rope dims rotated in
+    interleaved pairs (HF rope_interleave, the released checkpoints' layout: Megatron's MLA RoPE de-interleaves
+    them the same way; rope_interleave false would need the rope rows permuted), a positive latent width."""
+    if getattr(hf_config, "rope_interleave", True) is not True:
+        raise ValueError(f"{family.name}: rope_interleave={hf_config.rope_interleave} is not supported; Megatron's "
+                         f"multi-latent attention rotates the rope dims in interleaved pairs (rope_interleave true)")
+    for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not getattr(hf_config, field, None) or getattr(hf_config, field) < 1:
+            raise ValueError(f"{family.name}: {field}={getattr(hf_config, field, None)} must be a positive integer")
+    if hf_config.qk_rope_head_dim % 2:
+        raise ValueError(f"{family.name}: qk_rope_head_dim={hf_config.qk_rope_head_dim} must be even (RoPE rotates "
+                         f"pairs)")
+    if hf_config.num_key_value_heads != hf_config.num_attention_heads:
+        raise ValueError(f"{family.name}: num_key_value_heads={hf_config.num_key_value_heads} must equal "
+                         f"num_attention_heads={hf_config.num_attention_heads} (multi-latent attention expands "
+                         f"the latent into every head)")
+
+
+# DeepSeek-V3's router as its config names it: the sigmoid scores (scoring_func) plus the expert bias pick the
+# experts by group-limited top-k (topk_method noaux_tc, the released checkpoints'); transformers' model
+# computes only this, whatever the config says, so other values are refused rather than silently changed.
+SIGMOID_ROUTER = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)}
+
+
+def check_sigmoid_router_supported(hf_config, family: Family) -> None:
+    """DeepSeek-V3's router as Megatron's (moe_utils.topk_routing_with_score_function, sigmoid): the top-k
+    weights renormalised (Megatron always renormalises sigmoid scores when k > 1: norm_topk_prob must be
+    true), groups ranked by the sum of their top (topk / topk_group) biased scores (HF: their top 2: the same
+    only when num_experts_per_tok / topk_group is 2, DeepSeek-V3's 8 / 4; with every group kept, n_group ==
+    topk_group as Moonlight's and Kimi's 1 / 1, the group step changes nothing), shared experts present."""
+    for field, allowed in SIGMOID_ROUTER.items():
+        value = getattr(hf_config, field, allowed[0])
+        if value not in allowed:
+            raise ValueError(f"{family.name}: {field}={value!r} is not supported; supported: {list(allowed)}")
+    experts, topk = num_experts(hf_config), hf_config.num_experts_per_tok
+    if topk > 1 and not getattr(hf_config, "norm_topk_prob", True):
+        raise ValueError(f"{family.name}: norm_topk_prob=False is not supported; Megatron's sigmoid router "
+                         f"renormalises the top-k weights (norm_topk_prob true)")
+    groups, group_topk = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1
+    if experts % groups or not 1 <= group_topk <= groups:
+        raise ValueError(f"{family.name}: n_group={groups}, topk_group={group_topk}: n_group must divide "
+                         f"n_routed_experts={experts} and 1 <= topk_group <= n_group")
+    if group_topk < groups and (topk // group_topk != 2 or experts // groups < 2):
+        raise ValueError(f"{family.name}: topk_group={group_topk} with num_experts_per_tok={topk}: Megatron ranks "
+                         f"groups by their top num_experts_per_tok // topk_group scores, HF by their top 2; they "
+                         f"agree only when that is 2 (or topk_group == n_group)")
+    if not getattr(hf_config, "n_shared_experts", 0):
+        raise ValueError(f"{family.name}: n_shared_experts={getattr(hf_config, 'n_shared_experts', None)} must be "
+                         f"> 0")
+    dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
+    if not 0 <= dense < hf_config.num_hidden_layers:
+        raise ValueError(f"{family.name}: first_k_dense_replace={dense} must leave at least one of the "
+                         f"num_hidden_layers={hf_config.num_hidden_layers} an MoE layer")
+
+
 def check_moe_supported(hf_config, family: Family) -> None:
     """An MoE config whose every layer is an MoE layer of the family's kind: Megatron's layer spec here is
     one spec for every layer (moe_layer_freq would express a pattern; not wired up), and a shared expert
@@ -142,9 +200,12 @@ def check_moe_supported(hf_config, family: Family) -> None:
     if dense:
         raise ValueError(f"{family.name}: mlp_only_layers={dense} is not supported; every layer must be an MoE "
                          f"layer")
-    if hf_config.num_experts < 1 or not 1 <= hf_config.num_experts_per_tok <= hf_config.num_experts:
-        raise ValueError(f"{family.name}: num_experts={hf_config.num_experts}, num_experts_per_tok="
+    experts = num_experts(hf_config)
+    if experts < 1 or not 1 <= hf_config.num_experts_per_tok <= experts:
+        raise ValueError(f"{family.name}: num_experts={experts}, num_experts_per_tok="
                          f"{hf_config.num_experts_per_tok}: need 1 <= num_experts_per_tok <= num_experts")
+    if family.sigmoid_router:
+        return check_sigmoid_router_supported(hf_config, family)
     if family.shared_expert and not getattr(hf_config, "shared_expert_intermediate_size", 0):
         raise ValueError(f"{family.name}: shared_expert_intermediate_size must be > 0")
 
@@ -167,7 +228,7 @@ def moe_config(hf_config, family: Family, ep: int, te_spec: bool | None = None) 
     The load-balancing loss and the z-loss are off unless the run asks (`model_config_overrides`)."""
     if not family.moe:
         return {}
-    fields = dict(num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+    fields = dict(num_moe_experts=num_experts(hf_config), moe_router_topk=hf_config.num_experts_per_tok,
                   moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_router_score_function="softmax",
                   # Qwen3.5-MoE has no flag: its router always renormalises the top k
                   moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True), moe_router_dtype="fp32",
@@ -175,10 +236,51 @@ def moe_config(hf_config, family: Family, ep: int, te_spec: bool | None = None) 
                   moe_aux_loss_coeff=0.0,
                   moe_grouped_gemm=transformer_engine_spec() if te_spec is None else te_spec,
                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    if family.sigmoid_router:
+        return {**fields, **sigmoid_router_config(hf_config)}
     if family.shared_expert:
         fields.update(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
                       moe_shared_expert_gate=True)
     return fields
+
+
+def sigmoid_router_config(hf_config) -> dict:
+    """DeepSeek-V3's MoE fields (`check_sigmoid_router_supported` has checked they match HF's router):
+
+      * sigmoid scores; the experts chosen by scores + the router's expert bias (Megatron's `expert_bias`
+        buffer, HF's `e_score_correction_bias`), their weights the unbiased scores renormalised, times
+        routed_scaling_factor (moe_router_topk_scaling_factor);
+      * the expert bias frozen at the checkpoint's values: Megatron's aux-loss-free update (finalize_model_grads:
+        bias += rate * sign(mean load - load)) runs with rate 0, so the bias never moves (megarl trains no
+        bias; every rank keeps the checkpoint's, and vLLM the same: the weight sync has nothing to send);
+      * group-limited top-k (n_group, topk_group) where it selects anything (topk_group < n_group);
+      * shared experts: one ungated dense MLP of n_shared_experts * moe_intermediate_size;
+      * dense MLPs (ffn_hidden_size = intermediate_size) in the first first_k_dense_replace layers
+        (moe_layer_freq's list: 0 dense, 1 MoE; `gpt_layer_spec` builds each layer by it)."""
+    groups, group_topk = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1
+    grouped = group_topk < groups
+    dense = first_k_dense(hf_config)
+    return dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+                moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
+                moe_router_num_groups=groups if grouped else None, moe_router_group_topk=group_topk if grouped else None,
+                moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts,
+                moe_shared_expert_gate=False,
+                moe_layer_freq=[0] * dense + [1] * (hf_config.num_hidden_layers - dense))
+
+
+def mla_config(hf_config, family: Family) -> dict:
+    """MLATransformerConfig's fields of a DeepSeek-V3 model ({} for the other families): the latent widths, the
+    per-head nope / rope / value widths, plain RoPE (rope_type "rope") over qk_rope_head_dim at the config's
+    theta, no YaRN scaling (mscale 1: HF's softmax scale is then 1 / sqrt(qk_nope + qk_rope) as Megatron's).
+    kv_channels is the value width: Megatron's local attention shapes its output as kv_channels per head."""
+    if not family.multi_latent_attention:
+        return {}
+    return dict(multi_latent_attention=True, q_lora_rank=getattr(hf_config, "q_lora_rank", None) or None,
+                kv_lora_rank=hf_config.kv_lora_rank, qk_head_dim=hf_config.qk_nope_head_dim,
+                qk_pos_emb_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
+                rope_type="rope", rotary_base=rope_theta(hf_config), rotary_percent=1.0, rotary_scaling_factor=1.0,
+                mscale=1.0, mscale_all_dim=0.0, kv_channels=hf_config.v_head_dim)
 
 
 def rope_arguments(hf_config) -> tuple[dict, dict | None]:
@@ -216,7 +318,7 @@ def check_parallel_sizes(hf_config, tp: int, pp: int, ep: int = 1, cp: int = 1) 
         raise ValueError(f"pipeline_model_parallel_size={pp} must divide num_hidden_layers="
                          f"{hf_config.num_hidden_layers} of the model")
     # A dense model at EP > 1 (a dense colocated teacher beside an MoE policy) has no experts to split.
-    experts = hf_config.num_experts if family_of(hf_config).moe else None
+    experts = num_experts(hf_config) if family_of(hf_config).moe else None
     if experts is not None and experts % ep:
         raise ValueError(f"expert_model_parallel_size={ep} must divide num_experts={experts} of the model")
 
@@ -262,18 +364,20 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
     """Megatron's TransformerConfig of this model on this host (`fusions`), with EP `ep` for an MoE family
     (`moe_config`), for the layer spec `te_spec` says (default: `transformer_engine_spec` of the family);
     `overrides` are further fields, and win over the host's."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     if te_spec is None:
-        te_spec = transformer_engine_spec(family.hybrid_linear_attention)
-    return TransformerConfig(
+        te_spec = transformer_engine_spec(local_spec_only(family))
+    mla = mla_config(hf_config, family)
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    return config_class(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         # Qwen3.5-MoE's config has no dense width: every layer is an MoE layer
         ffn_hidden_size=getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=head_dim(hf_config),
+        kv_channels=mla.pop("kv_channels", head_dim(hf_config)),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
@@ -299,6 +403,7 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         **_with_spec_activation({"sequence_parallel": False,
                                  **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
                                  **moe_config(hf_config, family, ep, te_spec), **hybrid_config(hf_config, family),
+                                 **mla,
                                  **_moe_only(overrides, family)}, family, te_spec),
     )
 
@@ -364,11 +469,18 @@ class SequenceParallelRMSNorm:
         return norm
 
 
+def local_spec_only(family: Family) -> bool:
+    """Whether the family's models take the local layer spec on every host (`transformer_engine_spec`'s hybrid)."""
+    return family.hybrid_linear_attention or family.multi_latent_attention
+
+
 def transformer_engine_spec(hybrid: bool = False, lora: bool = False, transformer_engine: bool | None = None) -> bool:
     """Whether a model takes Transformer Engine's layer spec: where TE is installed on a GPU host
     (`transformer_engine`, default this host's), except
       * a hybrid family's (Qwen3.5): TE's norms would centre the gated DeltaNet norm's gamma too (one config
-        flag for every norm), which Qwen3.5 does not (its Qwen3_5RMSNormGated scales by weight);
+        flag for every norm), which Qwen3.5 does not (its Qwen3_5RMSNormGated scales by weight); and
+        DeepSeek-V3's multi-latent attention (`local_spec_only`): TE's MLA spec fuses the latent norms into the up
+        projections and keeps the down projections whole (other names and layouts than the family table's);
       * a LoRA policy's (`lora`): the adapters hook Megatron's own column- and row-parallel linears, whose
         input is the normed hidden state; TE's layer-norm-fused linear takes the un-normed one and returns
         only its output. The local spec costs TE's fused norm+GEMM, its fused attention kernels (megarl's
@@ -389,26 +501,55 @@ def gpt_layer_spec(config, te_spec: bool | None = None):
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     hybrid = config.experimental_attention_variant == "gated_delta_net"
     if te_spec is None:
-        te_spec = transformer_engine_spec(hybrid)
+        te_spec = transformer_engine_spec(hybrid or config.multi_latent_attention)
     if te_spec:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     from megarl.models.attention import PackedDotProductAttention
 
     elementwise.install()  # the unfused rotary embedding's fewer-pass version
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
-                                                    **moe)
-    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
-    attention.core_attention = PackedDotProductAttention  # takes --padding-free rows
-    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-    layer.self_attn_bda = layer.mlp_bda = elementwise.bias_dropout_add
-    if config.use_te_activation_func:  # a dense MLP (transformer_config): its SwiGLU from the spec
-        layer.mlp.submodules.activation_func = elementwise.SwiGLU
-    if config.qk_layernorm:  # per head, after the gather: summed over TP by name (finalize_model_grads)
-        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    mla = bool(config.multi_latent_attention)
+
+    def local_spec(**mlp):
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+                                                        multi_latent_attention=mla, **mlp)
+        layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+        attention.core_attention = PackedDotProductAttention  # takes --padding-free rows
+        layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+        layer.self_attn_bda = layer.mlp_bda = elementwise.bias_dropout_add
+        if config.use_te_activation_func:  # a dense MLP (transformer_config): its SwiGLU from the spec
+            layer.mlp.submodules.activation_func = elementwise.SwiGLU
+        if mla:  # the two latent norms (over q_lora_rank, kv_lora_rank; MLA's q_layernorm and kv_layernorm)
+            attention.q_layernorm = attention.kv_layernorm = LatentRMSNorm
+        elif config.qk_layernorm:  # per head, after the gather: summed over TP by name (finalize_model_grads)
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+        return spec
+
+    spec = local_spec(**moe)
     layer_specs = [spec] * get_num_layers_to_build(config)
     if hybrid:
         layer_specs = _hybrid_layer_specs(config, spec)
+    elif isinstance(config.moe_layer_freq, list):  # DeepSeek-V3: dense MLPs first, then MoE layers
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        dense = local_spec(num_experts=None)
+        offset = get_transformer_layer_offset(config)
+        pattern = config.moe_layer_freq[offset: offset + get_num_layers_to_build(config)]
+        layer_specs = [spec if is_moe else dense for is_moe in pattern]
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelRMSNorm)
+
+
+# transformers' DeepseekV3Attention builds its two latent norms with DeepseekV3RMSNorm's default epsilon, not
+# the config's rms_norm_eps (the original DeepSeek code does the same); vLLM's deepseek_v2 takes rms_norm_eps.
+# The released configs differ there (DeepSeek-V3 1e-6, Moonlight 1e-5): megarl follows transformers.
+HF_LATENT_NORM_EPS = 1e-6
+
+
+class LatentRMSNorm:
+    """MLA's q / kv latent norm: megarl's RMSNorm (`SequenceParallelRMSNorm`: under sequence parallelism MLA
+    normalises the latents of this rank's rows) at transformers' epsilon for these norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = HF_LATENT_NORM_EPS, **unused):
+        return SequenceParallelRMSNorm(config, hidden_size, eps=HF_LATENT_NORM_EPS)
 
 
 def _hybrid_layer_specs(config, spec) -> list:
@@ -504,7 +645,7 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     cp = parallel_state.get_context_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     check_parallel_sizes(hf_config, tp, pp, ep, cp)
-    te_spec = transformer_engine_spec(family.hybrid_linear_attention, lora)
+    te_spec = transformer_engine_spec(local_spec_only(family), lora)
     config = transformer_config(hf_config, family, tp, pp, cp, params_dtype, ep, te_spec, **config_overrides)
     # Micro-batches differ in length (and, with a token budget, in rows): pipeline stages exchange each
     # activation's shape first. Set after construction: __post_init__ rejects it for an MoE dispatcher

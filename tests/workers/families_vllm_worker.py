@@ -6,7 +6,12 @@ Two ranks, colocated: one rollout engine at TP=2 over both ranks, Megatron at TP
      argmax (teacher-forced on vLLM's tokens, so a near-tie cannot flip the check);
   2. sync: Megatron loads checkpoint B (same config, other weights) and the colocated
      sync (`iter_hf_weights` -> `reload_weights`) streams it into the same engine: the
-     same checks against B.
+     same checks against B;
+  3. back: Megatron loads A again and syncs it, each decoder block's last tensor moved to the stream's end (the
+     engine then processes every block twice, as a stream that comes back to a block makes it): every tensor
+     of the engine (parameters, buffers, and what post-load processing derived from them: packed experts,
+     MLA's W_UK_T / W_UV) against the fresh engine's copy from step 1, so what a sync rebuilds must follow a
+     change of weights (B, then A) and a block's second processing must not redo the first's work on its output.
 With RoPE scaling, each stage also reports how far transformers' logprobs move
 without the scaling, so the comparison cannot pass with the scaling ignored.
 Rank 0 writes the JSON report.
@@ -74,6 +79,47 @@ def check_engine(engine, path: str, prompts: list[list[int]]) -> dict:
     return report
 
 
+def engine_tensors(worker) -> dict:
+    """This engine worker's tensors by name (parameters and buffers, as post-load processing left them)."""
+    model = worker.model_runner.model
+    return {name: tensor.detach().clone() for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def compare_with_fresh(worker) -> dict:
+    """This worker's tensors against `engine_tensors` at the fresh load (kept on the worker): the largest
+    difference, its tensor, how many were compared, and the names that are not in both alike."""
+    fresh, now = worker._fresh_tensors, engine_tensors(worker)
+    mismatched = sorted(name for name in fresh.keys() | now.keys()
+                        if name not in fresh or name not in now or fresh[name].shape != now[name].shape)
+    diffs = {name: (fresh[name].double() - now[name].double()).abs().max().item() if now[name].numel() else 0.0
+             for name in fresh.keys() & now.keys() if name not in mismatched}
+    worst = max(diffs, key=diffs.get)
+    return {"max_diff": diffs[worst], "worst": worst, "compared": sorted(diffs), "mismatched": mismatched}
+
+
+def keep_fresh_tensors(worker) -> None:
+    worker._fresh_tensors = engine_tensors(worker)
+
+
+def revisiting(weights):
+    """`weights` with each decoder block's last tensor moved to the end (copies: the stream's tensors may be
+    views of buffers it reuses)."""
+    from megarl.rollout import _block_of
+
+    held, deferred = None, []
+    for name, tensor in weights:
+        if held is not None:
+            block = _block_of(held[0])
+            if block is not None and block != _block_of(name):
+                deferred.append(held)  # its block's last tensor
+            else:
+                yield held
+        held = name, tensor.clone()
+    if held is not None:
+        yield held
+    yield from deferred
+
+
 def main():
     own = argparse.ArgumentParser()
     own.add_argument("--fresh", required=True, help="checkpoint the engine is built from")
@@ -102,6 +148,12 @@ def main():
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, hf_config.vocab_size, (2, PROMPT_LEN), generator=generator).tolist()
     report = {"fresh": check_engine(engine, mine.fresh, prompts)}
+    engine.llm.collective_rpc(keep_fresh_tensors)
+    from megarl.rollout import kv_cache_bytes_per_token
+
+    report["kv_cache"] = engine.llm.collective_rpc(kv_cache_bytes_per_token)[0]
+    if dist.get_rank() == 0:
+        print(f"engine KV cache per token: {report['kv_cache']}", flush=True)
 
     model = build_gpt_model(hf_config)
     load_hf_weights(model, mine.synced, hf_config)
@@ -110,6 +162,13 @@ def main():
     actor = SimpleNamespace(hf_weights=lambda bucket_bytes: iter_hf_weights(model, hf_config, bucket_bytes))
     stats = ColocatedSync(context, bucket_bytes=64 * 2**10).sync(actor, engine)
     report["synced"] = {**check_engine(engine, mine.synced, prompts), "sync_bytes": stats.bytes}
+
+    load_hf_weights(model, mine.fresh, hf_config)
+    back_actor = SimpleNamespace(hf_weights=lambda bucket_bytes: revisiting(actor.hf_weights(bucket_bytes)))
+    ColocatedSync(context, bucket_bytes=64 * 2**10).sync(back_actor, engine)
+    back = [None] * dist.get_world_size()  # each TP rank's shards
+    dist.all_gather_object(back, engine.llm.collective_rpc(compare_with_fresh)[0])
+    report["back"] = back
     if dist.get_rank() == 0:
         with open(mine.out, "w") as f:
             json.dump(report, f)

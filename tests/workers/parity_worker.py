@@ -28,7 +28,7 @@ from megarl.algorithms import kl_full  # noqa: E402
 from megarl.arguments import parse_args  # noqa: E402
 from megarl.critic import attach_value_head  # noqa: E402
 from megarl.kernels import naive  # noqa: E402
-from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights  # noqa: E402
+from megarl.models.convert import HFCheckpoint, iter_hf_weights, load_hf_weights, mtp_layer_names  # noqa: E402
 from megarl.models.families import family_of, load_hf_config  # noqa: E402
 from megarl.models.megatron_gpt import build_gpt_model, rope_parameters  # noqa: E402
 
@@ -180,14 +180,45 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
         config = copy.deepcopy(config)
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope_parameters(config)["rope_theta"]}
     # MoE: transformers' per-expert loop (its default grouped GEMM takes no float64)
-    moe = {"experts_implementation": "eager"} if getattr(config, "num_experts", None) else {}
+    moe = {"experts_implementation": "eager"} if family_of(config).moe else {}
     return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64, **moe).eval()
+
+
+def _deepseek_effects(hf_path, reference_logits, tokens) -> dict:
+    """How far transformers' own logits move with each DeepSeek-V3 feature undone: the expert bias zeroed (the
+    router's choice unbiased), routed_scaling_factor 1, every expert group kept (topk_group = n_group), the
+    rope dims rotated as halves instead of interleaved pairs; so that the logit check cannot pass with one of
+    them ignored or laid out otherwise."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(hf_path)
+    changes = {"routed_scaling": dict(routed_scaling_factor=1.0), "group_limit": dict(topk_group=config.n_group),
+               "rope_interleave": dict(rope_interleave=False), "expert_bias": {}}
+    report = {}
+    for name, fields in changes.items():
+        changed = copy.deepcopy(config)
+        for field, value in fields.items():
+            setattr(changed, field, value)
+        model = AutoModelForCausalLM.from_pretrained(hf_path, config=changed, dtype=torch.float64,
+                                                     experts_implementation="eager").eval()
+        with torch.no_grad():
+            if name == "expert_bias":
+                for module in model.modules():
+                    if hasattr(module, "e_score_correction_bias"):
+                        module.e_score_correction_bias.zero_()
+            report[f"{name}_effect"] = (model(tokens).logits - reference_logits).abs().max().item()
+    return report
 
 
 def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) -> dict:
     """RoPE frequencies against HF's; with RoPE scaling, also how far HF's logits move
     without it (so that the logit check cannot pass with the scaling ignored)."""
-    inv_freq = model.rotary_pos_emb.inv_freq.cpu()
+    # multi-latent attention keeps its RoPE in each attention layer (over qk_rope_head_dim, HF's head_dim)
+    rotary = model.decoder.layers[0].self_attention.rotary_pos_emb if model.config.multi_latent_attention \
+        else model.rotary_pos_emb
+    inv_freq = rotary.inv_freq.cpu()
     report = {"inv_freq_ulps": ulps(inv_freq, hf_model.model.rotary_emb.inv_freq.to(inv_freq.dtype)),
               "rope_type": rope_parameters(hf_config)["rope_type"]}
     if report["rope_type"] != "default":
@@ -222,6 +253,8 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
         report.update(_distill_parity(shard_logits, hf_config.vocab_size))
         report.update(_value_head_parity(hf_path, hf_config, tokens, positions, seed))
         report.update(_rope_parity(model, hf_model, reference, hf_path, hf_config, tokens))
+        if family_of(hf_config).multi_latent_attention:
+            report.update(_deepseek_effects(hf_path, reference, tokens))
 
     original = HFCheckpoint(hf_path)
     exported, mismatched = set(), []
@@ -232,7 +265,9 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
             mismatched.append(name)
     report["mismatched"] = mismatched
     # A multimodal checkpoint's vision tower and MTP head are not the text model's: never read, never written.
-    text_names = {name for name in original.weight_map if not name.startswith(("model.visual.", "mtp."))}
+    # Nor are a DeepSeek-V3 checkpoint's MTP layers (model.layers.{num_hidden_layers + j}.*).
+    mtp = set(mtp_layer_names(hf_config, original.weight_map))
+    text_names = {name for name in original.weight_map if not name.startswith(("model.visual.", "mtp."))} - mtp
     report["left_out"] = len(original.weight_map) - len(text_names)
     report["missing"] = sorted(text_names - exported - {"lm_head.weight"}
                                if hf_config.tie_word_embeddings else text_names - exported)

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from megarl import distributed, phases, routing_replay  # noqa: E402
 from megarl.arguments import parse_args  # noqa: E402
+from megarl.models.families import first_k_dense, num_experts  # noqa: E402
 from megarl.model_runner import make_micro_batches, run_model  # noqa: E402
 from megarl.rollout import release_shared_memory  # noqa: E402
 from megarl.run import build_run  # noqa: E402
@@ -54,9 +55,17 @@ def routers(model):
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
-def set_bias(model, on: bool, num_experts: int, top_k: int) -> None:
+def least_used_experts(samples, num_experts: int, top_k: int) -> torch.Tensor:
+    """The `top_k` experts the engine routed the fewest (token, layer) pairs to: what the bias moves every token
+    to, so that it flips the routes of most tokens however the model's own routing leans (DeepSeek-V3's expert
+    bias may favour the same experts for most tokens)."""
+    routes = torch.cat([s.routes.reshape(-1).long() for s in samples])
+    return torch.bincount(routes[routes >= 0], minlength=num_experts).argsort()[:top_k]
+
+
+def set_bias(model, on: bool, experts: torch.Tensor, num_experts: int) -> None:
     bias = torch.zeros(num_experts)
-    bias[:top_k] = BIAS
+    bias[experts] = BIAS
     for router in routers(model):
         replay = router.router_replay
         inner = replay.inner if isinstance(replay, BiasedSelection) else replay
@@ -105,18 +114,25 @@ def main():
                                                                hf_config.num_hidden_layers,
                                                                hf_config.num_experts_per_tok) for s in samples),
               "unperturbed_replay": old_logprobs(run, samples)}
+    # How much the routes depend on the token: the share of (token, layer) pairs of MoE layers whose experts are
+    # not their layer's most common set (a model that routes every token alike would hide position errors).
+    sets = torch.cat([s.routes.sort(dim=-1).values for s in samples]).transpose(0, 1)  # [layers, tokens, k]
+    moe = sets[first_k_dense(hf_config):]  # DeepSeek-V3's first layers are dense: no routes of their own
+    report["route_spread"] = sum((layer != layer.mode(dim=0).values).any(dim=-1).float().mean().item()
+                                 for layer in moe) / len(moe)
+    experts = least_used_experts(samples, num_experts(hf_config), hf_config.num_experts_per_tok)
     for model in (run.actor.model, run.reference.model):
-        set_bias(model, True, hf_config.num_experts, hf_config.num_experts_per_tok)
+        set_bias(model, True, experts, num_experts(hf_config))
     # Under the bias, so that a router's own choice cannot pass for the replayed one.
     report.update(equality_padded=routing_equality(run, samples, packed=False),
                   equality_packed=routing_equality(run, samples, packed=True))
-    set_bias(run.reference.model, False, hf_config.num_experts, hf_config.num_experts_per_tok)
+    set_bias(run.reference.model, False, experts, num_experts(hf_config))
     report["biased_replay"] = old_logprobs(run, samples)
     routes = [s.routes for s in samples]
     for s in samples:
         s.routes = None
     report["biased_no_replay"] = old_logprobs(run, samples)
-    set_bias(run.actor.model, False, hf_config.num_experts, hf_config.num_experts_per_tok)
+    set_bias(run.actor.model, False, experts, num_experts(hf_config))
     report["unperturbed_no_replay"] = old_logprobs(run, samples)
     for s, r in zip(samples, routes):
         s.routes = r
