@@ -138,6 +138,12 @@ def load_inputs(args) -> Inputs:
     from megarl.rewards import default_system_prompt
 
     hf_config = check_model_dir("--model", args.model)
+    if args.rollout_backend == "hf":
+        from megarl.models.families import family_of
+
+        if family_of(hf_config).sigmoid_router:  # its expert bias through transformers' model: never checked
+            raise ConfigError(f"--rollout-backend hf: --model {args.model} is a {family_of(hf_config).name} model, "
+                              f"which only vLLM's engine serves in megarl so far (use --rollout-backend vllm)")
     # The other checkpoints that are loaded: by Megatron (safetensors only) or by vLLM alone.
     for flag, path, used, megatron in (
             ("--rollout-model", args.rollout_model, True, False),

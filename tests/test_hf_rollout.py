@@ -342,3 +342,17 @@ def test_quickstart_learns_with_the_hf_backend(tiny_model, tmp_path):
                       "--model", tiny_model, *HF, "--log-dir", tmp_path / "tb", timeout=3600)
     line = [text for text in result.stdout.splitlines() if text.startswith("reward: ")][-1]
     assert reward_rise(tmp_path / "tb") >= 0.20, (reward_rise(tmp_path / "tb"), line)
+
+
+def test_the_hf_backend_refuses_deepseek_v3_in_one_line(random_deepseek_v3_policy):
+    """Only vLLM's engine serves DeepSeek-V3 so far (its expert bias through transformers' model is unchecked):
+    the HF backend stops at start, naming the model and its family, before anything starts or is written."""
+    from megarl.arguments import parse_args
+    from megarl.errors import ConfigError
+    from megarl.run import load_inputs
+
+    args = parse_args(["--model", random_deepseek_v3_policy, "--rollout-backend", "hf"], world_size=1)
+    with pytest.raises(ConfigError) as error:
+        load_inputs(args)
+    message = str(error.value)
+    assert "\n" not in message and "--rollout-backend hf" in message and "deepseek_v3" in message, message
