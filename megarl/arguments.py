@@ -1158,12 +1158,13 @@ def _validate_lora(args) -> None:
     from megarl.models.lora import resolve_targets
 
     try:
-        family = family_of(load_hf_config(args.model))
+        hf_config = load_hf_config(args.model)
+        family = family_of(hf_config)
     except (OSError, ValueError, AttributeError):
         family = None  # the model check at start-up (run.load_inputs) names the problem
     if family is not None:
         try:
-            resolved = resolve_targets(targets, family)
+            resolved = resolve_targets(targets, hf_config)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         experts = [module for module in resolved if module.startswith("experts.")]

@@ -68,6 +68,7 @@ RANDOM_MODELS = {
     "random_qwen3_5_tied": ("qwen3_5", True, 15, None),
     "random_qwen3_5_moe_untied": ("qwen3_5_moe", False, 16, None),
     "random_deepseek_v3_untied": ("deepseek_v3", False, 23, None),  # q through q_a_proj / q_b_proj
+    "random_glm4_moe_untied": ("glm4_moe", False, 26, None),  # q/k/v biases and q/k norms
 }
 
 
@@ -90,6 +91,28 @@ def random_deepseek_v3_q_proj_tied(tmp_path_factory) -> str:
     """A random DeepSeek-V3 whose queries come from one q_proj (q_lora_rank None, as DeepSeek-V2-Lite), tied."""
     return make_random_model(tmp_path_factory.mktemp("random_deepseek_v3_q_proj_tied"), "deepseek_v3", True, 24,
                              q_lora_rank=None)
+
+
+@pytest.fixture(scope="session")
+def random_glm4_moe_plain_tied(tmp_path_factory) -> str:
+    """A random GLM-4.5 without q/k/v biases and q/k norms (attention_bias and use_qk_norm false), tied."""
+    return make_random_model(tmp_path_factory.mktemp("random_glm4_moe_plain_tied"), "glm4_moe", True, 27,
+                             attention_bias=False, use_qk_norm=False)
+
+
+@pytest.fixture(scope="session")
+def random_qwen3_moe_mixed(tmp_path_factory) -> str:
+    """A random Qwen3-MoE with a dense layer among its MoE layers (mlp_only_layers [2] of 4: at PP 2 each stage
+    has an MoE layer, the second stage a dense one too)."""
+    return make_random_model(tmp_path_factory.mktemp("random_qwen3_moe_mixed"), "qwen3_moe", False, 28,
+                             num_hidden_layers=4, mlp_only_layers=[2])
+
+
+@pytest.fixture(scope="session")
+def random_qwen2_moe_mixed(tmp_path_factory) -> str:
+    """A random Qwen2-MoE whose every other layer is dense (decoder_sparse_step 2: layers 1 and 3 MoE), tied."""
+    return make_random_model(tmp_path_factory.mktemp("random_qwen2_moe_mixed"), "qwen2_moe", True, 29,
+                             num_hidden_layers=4, decoder_sparse_step=2)
 
 
 @pytest.fixture(scope="session")
@@ -124,6 +147,17 @@ def random_deepseek_v3_policy(tiny_model, tmp_path_factory) -> str:
                                  moe_intermediate_size=64, expert_bias_std=0.01, **tokens)
 
     return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_deepseek_v3_policy"), make)
+
+
+@pytest.fixture(scope="session")
+def random_glm4_moe_policy(tiny_model, tmp_path_factory) -> str:
+    """A random GLM-4.5 (tests/helpers.py's shape with experts of width 64, vLLM's CPU packing width; its expert
+    bias small beside the router's scores, as random_deepseek_v3_policy's) with the tiny tokenizer."""
+    def make(path, tokens):
+        return make_random_model(path, "glm4_moe", False, 30, moe_intermediate_size=64, expert_bias_std=0.01,
+                                 **tokens)
+
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_glm4_moe_policy"), make)
 
 
 @pytest.fixture(scope="session")
@@ -216,6 +250,12 @@ def _tiny_build(out: Path, *flags: str) -> str:
         subprocess.run([sys.executable, "tools/make_tiny_model.py", *flags, "--out", str(out), "--quiet"], cwd=ROOT,
                        check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe(tmp_path_factory) -> str:
+    """A random GLM-4.5 policy with the tiny tokenizer (tools/make_tiny_model.py --family glm4_moe: no warm-up)."""
+    return _tiny_build(tmp_path_factory.mktemp("tiny_glm4_moe") / "tiny-glm4_moe", "--family", "glm4_moe")
 
 
 @pytest.fixture(scope="session")

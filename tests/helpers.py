@@ -162,6 +162,16 @@ _FAMILIES = {
                          moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
                          n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
                          num_nextn_predict_layers=2), 0.1),
+    # GLM-4.5: grouped-query attention with q/k/v biases and q/k norms, half of each head rotated (transformers'
+    # default partial_rotary_factor, written into rope_parameters as the released configs have it); DeepSeek-V3's
+    # router at the same tiny scale (top 4 of the best 2 of 4 groups, scaling 2.5), one shared expert, the first
+    # layer dense; one MTP layer's tensors after the last layer, as GLM-4.5's checkpoints carry one.
+    "glm4_moe": (("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+                 dict(max_position_embeddings=512, num_hidden_layers=4, head_dim=32, attention_bias=True,
+                      use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4,
+                      topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                      norm_topk_prob=True, num_nextn_predict_layers=1,
+                      rope_extra=dict(partial_rotary_factor=0.5)), 0.1),
 }
 DEEPSEEK_MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
 
@@ -195,13 +205,13 @@ def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: 
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias: on the scale of the scores
                 buffer.normal_(std=expert_bias_std)
     model.save_pretrained(path)
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "glm4_moe"):
         _add_mtp_layers(path, config, seed)
     return str(path)
 
 
 def _add_mtp_layers(path, config, seed: int) -> None:
-    """A DeepSeek-V3 checkpoint's multi-token-prediction layers as the released ones store them: decoder layers
+    """A DeepSeek-V3 (or GLM-4.5) checkpoint's multi-token-prediction layers as the released ones store them: decoder layers
     numbered after the last (model.layers.{num_hidden_layers + j}.*), here a few of their tensors each
     (transformers builds none of them; megarl leaves them out)."""
     import torch

@@ -74,7 +74,10 @@ def test_logits_parity_and_round_trip(families, tp, pp, request, tmp_path):
 
 
 MOE_CHECKPOINTS = ["random_qwen3_moe_untied", "random_qwen3_moe_tied", "random_qwen2_moe_untied",
-                   "random_qwen3_5_moe_untied"]
+                   "random_qwen3_5_moe_untied", "random_qwen3_moe_mixed", "random_qwen2_moe_mixed"]
+# routed-expert layers of each: every layer; the mixed stacks' 3 of 4 (mlp_only_layers [2]) and 2 of 4
+# (decoder_sparse_step 2)
+MOE_LAYERS = {"random_qwen3_5_moe_untied": 4, "random_qwen3_moe_mixed": 3, "random_qwen2_moe_mixed": 2}
 MOE_LAYOUTS = [(2, 1, 2), (1, 2, 1)]
 
 
@@ -82,50 +85,66 @@ MOE_LAYOUTS = [(2, 1, 2), (1, 2, 1)]
 @pytest.mark.parametrize("tp,pp,ep", MOE_LAYOUTS, ids=[f"tp{tp}-pp{pp}-ep{ep}" for tp, pp, ep in MOE_LAYOUTS])
 def test_moe_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
     """Every MoE family's logits (routing included: the top-k experts and their weights decide them) against
-    transformers in float64, and the bit-exact HF round trip, with experts gathered from their EP ranks."""
+    transformers in float64, and the bit-exact HF round trip, with experts gathered from their EP ranks; mixed
+    stacks (dense MLP layers among the MoE ones) too."""
     paths = [request.getfixturevalue(name) for name in MOE_CHECKPOINTS]
     out = tmp_path / "report.json"
     torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep, nproc=2)
     run = read_json(out)
     assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
-    assert [r["family"] for r in run["models"]] == ["qwen3_moe", "qwen3_moe", "qwen2_moe", "qwen3_5_moe"]
-    for report in run["models"]:
+    assert [r["family"] for r in run["models"]] == ["qwen3_moe", "qwen3_moe", "qwen2_moe", "qwen3_5_moe",
+                                                    "qwen3_moe", "qwen2_moe"]
+    for name, report in zip(MOE_CHECKPOINTS, run["models"]):
         if pp == 1:
             _assert_parity(report)
-        # 8 experts x 3 tensors x the layers (2; Qwen3.5's 4) beside the attention's: every expert of every EP rank
-        layers = 4 if report["family"] == "qwen3_5_moe" else 2
-        assert sum(".mlp.experts." in name for name in report["exported_names"]) == 24 * layers, report
+        # 8 experts x 3 tensors x the MoE layers beside the attention's: every expert of every EP rank
+        assert sum(".mlp.experts." in name for name in report["exported_names"]) == 24 * MOE_LAYERS.get(name, 2), report
+        dense = [n for n in report["exported_names"] if n.endswith(".mlp.gate_proj.weight")]
+        assert len(dense) == {"random_qwen3_moe_mixed": 1, "random_qwen2_moe_mixed": 2}.get(name, 0), report
         assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
-DEEPSEEK_CHECKPOINTS = ["random_deepseek_v3_untied", "random_deepseek_v3_q_proj_tied"]
+DEEPSEEK_CHECKPOINTS = ["random_deepseek_v3_untied", "random_deepseek_v3_q_proj_tied", "random_glm4_moe_untied",
+                        "random_glm4_moe_plain_tied"]
 DEEPSEEK_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 1)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,ep", DEEPSEEK_LAYOUTS, ids=[f"tp{tp}-pp{pp}-ep{ep}" for tp, pp, ep in DEEPSEEK_LAYOUTS])
-def test_deepseek_v3_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
-    """DeepSeek-V3 (Megatron's multi-latent attention, q through its low-rank pair and through one q_proj; the
+def test_sigmoid_router_families_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
+    """DeepSeek-V3 and GLM-4.5 (one launch per layout). DeepSeek-V3 (Megatron's multi-latent attention, q through its low-rank pair and through one q_proj; the
     sigmoid router with its expert bias, group-limited top-k and routed scaling; a shared expert; the first
     layer dense) against transformers in float64 at TP 1, at TP 2 with EP 2 (latents and heads split over TP,
     four experts per rank), and the bit-exact HF round trip (the expert bias, a buffer, included) at each and
     at PP 2 (the dense layer and an MoE layer on stage 0); the checkpoint's MTP layers neither read nor written.
     Each feature moves transformers' own logits by far more than the fp32 rule allows (`*_effect`), so a
-    model that ignored one, or laid the rope dims out otherwise, would fail the logit check."""
+    model that ignored one, or laid the rope dims out otherwise, would fail the logit check. GLM-4.5: the same
+    router and MLP layers, grouped-query attention with and without q/k/v biases and q/k norms, half of each
+    head rotated (its effect checked as the router's), its MTP layer left out."""
     paths = [request.getfixturevalue(name) for name in DEEPSEEK_CHECKPOINTS]
     out = tmp_path / "report.json"
     torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep, nproc=2)
     run = read_json(out)
     assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
-    assert [(r["family"], r["tied"]) for r in run["models"]] == [("deepseek_v3", False), ("deepseek_v3", True)]
+    assert [(r["family"], r["tied"]) for r in run["models"]] == [("deepseek_v3", False), ("deepseek_v3", True),
+                                                                 ("glm4_moe", False), ("glm4_moe", True)]
     for report in run["models"]:
+        glm = report["family"] == "glm4_moe"
         if pp == 1:
             _assert_parity(report)
             limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
-            for effect in ("expert_bias", "routed_scaling", "group_limit", "rope_interleave"):
+            for effect in ("expert_bias", "routed_scaling", "group_limit", "partial_rotary" if glm else "rope_interleave"):
                 assert report[f"{effect}_effect"] > 2 * limit, (effect, report)
-        # 3 MoE layers x 8 experts x 3 tensors; the router's weight and expert bias in each; 2 MTP layers x 4
         names = report["exported_names"]
+        if glm:  # 3 MoE layers x 8 experts x 3 tensors; 1 MTP layer x 4 tensors; biases and norms where switched on
+            assert sum(".mlp.experts." in name for name in names) == 3 * 8 * 3, report
+            assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
+            assert ("model.layers.0.self_attn.q_proj.bias" in names) is not report["tied"], report
+            assert ("model.layers.0.self_attn.q_norm.weight" in names) is not report["tied"], report
+            assert report["left_out"] == 4, report
+            assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
+            continue
+        # 3 MoE layers x 8 experts x 3 tensors; the router's weight and expert bias in each; 2 MTP layers x 4
         assert sum(".mlp.experts." in name for name in names) == 3 * 8 * 3, report
         assert sorted(n for n in names if "e_score_correction_bias" in n) == [
             f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)], report
@@ -167,12 +186,13 @@ def _assert_parity(report):
 # ------------------------------------------------------------ config checks --
 
 def _config(family, **fields):
-    from transformers import (DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig,
-                              Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
     config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
                     "qwen2_moe": Qwen2MoeConfig, "qwen3_5": Qwen3_5TextConfig,
-                    "qwen3_5_moe": Qwen3_5MoeTextConfig, "deepseek_v3": DeepseekV3Config}[family]
+                    "qwen3_5_moe": Qwen3_5MoeTextConfig, "deepseek_v3": DeepseekV3Config,
+                    "glm4_moe": Glm4MoeConfig}[family]
     if family.startswith("qwen3_5"):
         fields = {"head_dim": 32, "layer_types": ["linear_attention", "full_attention"], **fields}
     kv_heads = 2
@@ -181,11 +201,16 @@ def _config(family, **fields):
         fields = {**dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
                          moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
                          first_k_dense_replace=1), **fields}
-    return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=2,
+    if family == "glm4_moe":
+        fields = {**dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+                         first_k_dense_replace=1), **fields}
+    fields = {"num_hidden_layers": 2, **fields}
+    return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
                         max_position_embeddings=16384, **fields)
 
 
-@pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe", "qwen3_5_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe", "qwen3_5_moe", "deepseek_v3",
+                                    "glm4_moe"])
 def test_family_of_picks_by_architecture_then_model_type(family):
     from megarl.models.families import FAMILIES, family_of
 
@@ -223,8 +248,10 @@ REFUSED = [
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "sliding-window"),
     ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor"),
-    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
-    ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1]"),
+    ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+    ("qwen2_moe", dict(mlp_only_layers=[5]), "mlp_only_layers names layer 5"),
+    ("qwen3_moe", dict(mlp_only_layers=[0, 1]), "no layer has routed experts"),
+    ("qwen3_moe", dict(decoder_sparse_step=3), "no layer has routed experts"),
     ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok=5"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
     ("qwen3_5", dict(layer_types=["linear_attention", "sliding_attention"]), "layer_types[1]='sliding_attention'"),
@@ -240,6 +267,12 @@ REFUSED = [
     ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
     ("deepseek_v3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0,
                                               original_max_position_embeddings=4096)), "rope_type='yarn'"),
+    # GLM-4.5: its router is DeepSeek-V3's, its attention grouped-query with half the head rotated
+    ("glm4_moe", dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0"),
+    ("glm4_moe", dict(first_k_dense_replace=2), "no layer has routed experts"),
+    ("glm4_moe", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, partial_rotary_factor=0.5)),
+     "rope_type='yarn'"),
 ]
 
 
@@ -287,6 +320,69 @@ def test_qwen3_5_partial_rope_and_layer_pattern_reach_megatron():
     assert megatron.linear_attention_freq == [1, 0] and megatron.experimental_attention_variant == "gated_delta_net"
     assert megatron.attention_output_gate and megatron.layernorm_zero_centered_gamma
     assert (megatron.linear_num_key_heads, megatron.linear_num_value_heads) == (2, 4)
+
+
+@pytest.mark.parametrize("family,fields", [
+    ("qwen3_moe", dict(num_hidden_layers=6, mlp_only_layers=[0, 3])),
+    ("qwen2_moe", dict(num_hidden_layers=6, decoder_sparse_step=2)),
+    ("qwen3_moe", dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[5])),
+    ("deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=2)),
+    ("glm4_moe", dict(num_hidden_layers=4, first_k_dense_replace=3)),
+])
+def test_dense_and_moe_layers_are_where_transformers_builds_them(family, fields):
+    """Mixed stacks: which layers are MoE (Megatron's moe_layer_freq, the conversion's expected tensors) is
+    read off transformers' own model of the config (its layers' `mlp` modules), not off megarl's rule."""
+    import torch
+    import transformers
+
+    from megarl.models.convert import expected_hf_names
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import check_supported, transformer_config
+
+    config = _config(family, **fields)
+    model_class = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                   "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[family]
+    config.architectures = [model_class]
+    with torch.device("meta"):
+        hf_model = getattr(transformers, model_class)(config)
+    is_moe = [int(hasattr(layer.mlp, "experts")) for layer in hf_model.model.layers]
+    assert 0 < sum(is_moe) < len(is_moe), is_moe  # the case is mixed
+    check_supported(config, family_of(config))
+    assert transformer_config(config, family_of(config), 1, 1, 1, torch.float32).moe_layer_freq == is_moe
+    names = set(expected_hf_names(config))
+    hf_names = {name for name, _ in hf_model.named_parameters()} | {
+        name for name, _ in hf_model.named_buffers() if name.endswith("e_score_correction_bias")}
+    for layer, moe in enumerate(is_moe):
+        assert (f"model.layers.{layer}.mlp.gate.weight" in names) == bool(moe)
+        assert (f"model.layers.{layer}.mlp.gate_proj.weight" in names) == (not moe)
+        # per-layer names agree with transformers' own (its experts are fused there, per expert in a checkpoint)
+        ours = {name for name in names if name.startswith(f"model.layers.{layer}.") and ".experts." not in name}
+        theirs = {name for name in hf_names if name.startswith(f"model.layers.{layer}.") and ".experts." not in name}
+        assert ours == theirs, (layer, ours ^ theirs)
+
+
+@pytest.mark.parametrize("bias,qk_norm", [(True, True), (False, False), (True, False)])
+def test_glm4_moe_config_reaches_megatron(bias, qk_norm):
+    """GLM-4.5's config as Megatron's: q/k/v biases where attention_bias, per-head q/k norms where use_qk_norm
+    (the conversion expects their tensors exactly then), half of each head rotated, DeepSeek-V3's router."""
+    import torch
+
+    from megarl.models.convert import expected_hf_names
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import check_supported, rope_arguments, transformer_config
+
+    config = _config("glm4_moe", attention_bias=bias, use_qk_norm=qk_norm, routed_scaling_factor=2.5)
+    family = family_of(config)
+    check_supported(config, family)
+    assert rope_arguments(config)[0]["rotary_percent"] == 0.5  # transformers' GLM-4.5 default
+    megatron = transformer_config(config, family, 1, 1, 1, torch.float32)
+    assert (megatron.add_qkv_bias, megatron.qk_layernorm, megatron.add_bias_linear) == (bias, qk_norm, False)
+    assert (megatron.moe_router_score_function, megatron.moe_router_enable_expert_bias,
+            megatron.moe_router_topk_scaling_factor, megatron.moe_layer_freq) == ("sigmoid", True, 2.5, [0, 1])
+    names = expected_hf_names(config)
+    assert ("model.layers.1.self_attn.q_proj.bias" in names) == bias
+    assert ("model.layers.1.self_attn.o_proj.bias" in names) is False
+    assert ("model.layers.0.self_attn.k_norm.weight" in names) == qk_norm
 
 
 def test_multimodal_checkpoint_config_is_its_language_model(tmp_path):

@@ -1,6 +1,7 @@
 """The new model families in vLLM's CPU build: a Qwen3 (q/k norms, head_dim != hidden /
 heads), a Llama with Llama-3 RoPE scaling, a Qwen3-MoE, the Qwen3.5 families (dense, MoE and
-the multimodal checkpoint layout) and a DeepSeek-V3 (multi-latent attention, sigmoid-routed experts),
+the multimodal checkpoint layout), a DeepSeek-V3 (multi-latent attention, sigmoid-routed experts), a GLM-4.5
+and a Qwen2-MoE with dense layers among its MoE layers,
 each loaded into a colocated rollout engine (TP=2, external launcher) from an HF checkpoint and then
 through the weight sync from Megatron (TP=2), checked against transformers after each; then the first
 checkpoint synced back, the engine's every tensor against the fresh load's.
@@ -29,8 +30,14 @@ CASES = {  # family: (tied, Llama-3 RoPE)
     # and experts under a sigmoid router with an expert bias; Megatron at EP=2. Two MTP layers' tensors in the
     # checkpoint, which the sync does not send.
     "deepseek_v3": (False, None),
+    # GLM-4.5: the same router and MLP layers under grouped-query attention with q/k/v biases, q/k norms and half
+    # of each head rotated; its MTP layer's tensors stay out of the sync
+    "glm4_moe": (False, None),
+    # a mixed stack: Qwen2-MoE (gated shared expert, plain top-k) whose every other layer is dense
+    # (decoder_sparse_step 2), so the sync streams dense and expert layers in turn
+    "qwen2_moe_mixed": (True, None),
 }
-MOE = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3")
+MOE = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3", "glm4_moe", "qwen2_moe_mixed")
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -41,6 +48,9 @@ def test_family_in_vllm_fresh_and_synced(family, tmp_path):
     fields = dict(moe_intermediate_size=64) if family in MOE else {}
     if family == "deepseek_v3":
         fields.update(kv_lora_rank=512, qk_rope_head_dim=64)
+    if family == "qwen2_moe_mixed":
+        # hidden 128: heads of 32 (vLLM's CPU attention has no kernel for Qwen2-MoE's hidden / heads = 16)
+        family, fields = "qwen2_moe", dict(fields, num_hidden_layers=4, decoder_sparse_step=2, hidden_size=128)
     if family == "qwen3_5_multimodal":
         fresh, synced = (make_random_multimodal_qwen3_5(tmp_path / name, tied, seed)
                          for name, seed in (("fresh", 11), ("synced", 12)))
@@ -72,6 +82,9 @@ def test_family_in_vllm_fresh_and_synced(family, tmp_path):
     for rank in report["back"]:
         assert rank["mismatched"] == [] and rank["max_diff"] == 0.0, (rank["worst"], rank["max_diff"],
                                                                       rank["mismatched"])
+    if family in ("glm4_moe", "qwen2_moe"):  # the 3 MoE layers of 4, and the mixed stack's 2 of 4: packed experts
+        compared = report["back"][0]["compared"]
+        assert sum(name.endswith("experts.w13_weight") for name in compared) == (3 if family == "glm4_moe" else 2)
     if family == "deepseek_v3":
         compared = report["back"][0]["compared"]
         derived = {suffix: sum(name.endswith(suffix) for name in compared)

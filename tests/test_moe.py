@@ -91,14 +91,16 @@ def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(training, random_m
 
 
 @pytest.mark.slow
-def test_deepseek_v3_grpo_at_expert_parallel(tiny_deepseek_v3, tmp_path):
-    """Three GRPO steps of the tiny DeepSeek-V3 through megarl/train.py (2 ranks colocated, EP=2: four of its 8
-    sigmoid-routed experts per rank; MLA in the trainer and in vLLM): every step trains, with a finite loss and a
-    gradient (the length reward differs within the groups), and the syncs after steps 1 and 2 reach the engine
-    (the loaded weights in place: test_families_vllm.py checks them tensor by tensor)."""
+@pytest.mark.parametrize("policy", ["tiny_deepseek_v3", "tiny_glm4_moe"])
+def test_sigmoid_router_families_grpo_at_expert_parallel(policy, request, tmp_path):
+    """Three GRPO steps of the tiny DeepSeek-V3 and GLM-4.5 through megarl/train.py (2 ranks colocated, EP=2: four
+    of their 8 sigmoid-routed experts per rank; MLA or GLM-4.5's biased, q/k-normed, half-rotated attention in
+    the trainer and in vLLM): every step trains, with a finite loss and a gradient (the length reward differs
+    within the groups), and the syncs after steps 1 and 2 reach the engine (the loaded weights in place:
+    test_families_vllm.py checks them tensor by tensor)."""
     import math
 
-    torchrun("../../megarl/train.py", *SMALL, "--model", tiny_deepseek_v3, "--train-steps", "3",
+    torchrun("../../megarl/train.py", *SMALL, "--model", request.getfixturevalue(policy), "--train-steps", "3",
              "--reward", "response_length", "--external-plugins", length_reward_plugin(tmp_path),
              "--expert-model-parallel-size", "2", "--log-dir", tmp_path / "tb", timeout=900)
     series = scalars(tmp_path / "tb", ("loss", "grad_norm", "moe_load_balancing_loss", "kl_ref"))

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from helpers import ROOT, load_script
 
 
@@ -29,10 +31,12 @@ def test_role_sections_name_models_too(tmp_path):
     assert make.models_named(config) == [Path("artifacts/tiny-qwen2"), Path("artifacts/tiny-qwen3_5-teacher")]
 
 
-def test_deepseek_v3_tiny_model_builds_offline_in_one_go(tmp_path):
-    """`--family deepseek_v3` builds a random DeepSeek-V3 with the tiny tokenizer (no warm-up by default): megarl
-    reads it as its deepseek_v3 family, every tensor its config needs is there (the first layer dense, the
-    others' experts, routers and expert biases), and the expert bias is not the zeros transformers initialises."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_sigmoid_router_tiny_models_build_offline_in_one_go(family, tmp_path):
+    """`--family deepseek_v3` / `glm4_moe` builds a random DeepSeek-V3 / GLM-4.5 with the tiny tokenizer (no warm-up
+    by default): megarl reads it as its family, every tensor its config needs is there (the first layer dense, the
+    others' experts, routers and expert biases; GLM-4.5's q/k/v biases and q/k norms), and the expert bias is not
+    the zeros transformers initialises."""
     import json
     import os
     import subprocess
@@ -43,15 +47,17 @@ def test_deepseek_v3_tiny_model_builds_offline_in_one_go(tmp_path):
     from megarl.models.convert import HFCheckpoint, check_checkpoint_tensors
     from megarl.models.families import family_of, load_hf_config
 
-    out = tmp_path / "tiny-deepseek-v3"
-    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--family", "deepseek_v3", "--out", str(out), "--quiet"],
+    out = tmp_path / f"tiny-{family}"
+    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--family", family, "--out", str(out), "--quiet"],
                    cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     config = load_hf_config(str(out))
-    assert family_of(config).name == "deepseek_v3"
+    assert family_of(config).name == family
     assert (config.first_k_dense_replace, config.num_hidden_layers, config.n_routed_experts) == (1, 3, 8)
     check_checkpoint_tensors(config, HFCheckpoint(str(out)))
     report = json.loads((out / "megarl_tiny.json").read_text())
-    assert report["family"] == "deepseek_v3" and report["train"]["steps"] == 0 and report["pass_at_1_t1"] is None
+    assert report["family"] == family and report["train"]["steps"] == 0 and report["pass_at_1_t1"] is None
     with safe_open(out / "model.safetensors", "pt") as f:
         assert "model.layers.0.mlp.gate_proj.weight" in f.keys()
+        if family == "glm4_moe":
+            assert {"model.layers.2.self_attn.k_proj.bias", "model.layers.2.self_attn.q_norm.weight"} <= set(f.keys())
         assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").abs().max() > 0.1

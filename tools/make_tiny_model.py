@@ -6,6 +6,7 @@
     python tools/make_tiny_model.py --tools     # the tool-use policy, artifacts/tiny-qwen2-tools
     python tools/make_tiny_model.py --hints     # reads an answer hint (OPSD), artifacts/tiny-qwen2-hints
     python tools/make_tiny_model.py --family deepseek_v3   # a random DeepSeek-V3 (seconds), artifacts/tiny-deepseek-v3
+    python tools/make_tiny_model.py --family glm4_moe      # a random GLM-4.5 (seconds), artifacts/tiny-glm4_moe
 
 Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
@@ -161,11 +162,22 @@ DEEPSEEK_V3 = dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=64, k
                    num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
                    first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=0)
 DEEPSEEK_V3_BIAS_STD = 0.2
+# --family glm4_moe: GLM-4.5's architecture on the same trunk, random unless --steps: grouped-query attention (4 heads
+# of 32, 2 key-value heads) with q/k/v biases and q/k norms, half of each head rotated; 3 layers, the first dense,
+# then DeepSeek-V3's MoE layers above (the sigmoid router with a random expert bias, std 0.2); untied embeddings.
+GLM4_MOE = dict(num_hidden_layers=3, head_dim=32, attention_bias=True, use_qk_norm=True, moe_intermediate_size=64,
+                n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=0)
+GLM4_MOE_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+# The families built random by default (--steps 0): their MoE shape, their RoPE
+RANDOM_FAMILIES = {"deepseek_v3": (DEEPSEEK_V3, dict(rope_type="default", rope_theta=10000.0)),
+                   "glm4_moe": (GLM4_MOE, GLM4_MOE_ROPE)}
 # Where each build goes by default: (family, kind) -> directory
 OUTS = {("qwen2", "policy"): "artifacts/tiny-qwen2", ("qwen2", "teacher"): TEACHER["out"],
         ("qwen2", "moe"): MOE["out"], ("qwen2", "tools"): TOOL_MODEL["out"], ("qwen2", "hints"): HINT_MODEL["out"],
         ("qwen3_5", "policy"): "artifacts/tiny-qwen3_5", ("qwen3_5", "teacher"): "artifacts/tiny-qwen3_5-teacher",
-        ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe", ("deepseek_v3", "policy"): "artifacts/tiny-deepseek-v3"}
+        ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe", ("deepseek_v3", "policy"): "artifacts/tiny-deepseek-v3",
+        ("glm4_moe", "policy"): "artifacts/tiny-glm4_moe"}
 
 
 def build_tokenizer():
@@ -195,14 +207,14 @@ def build_model(tokenizer, seed, moe: bool = False, family: str = "qwen2"):
     torch.manual_seed(seed)
     special = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                    dtype="float32")
-    if family == "deepseek_v3":
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    if family in RANDOM_FAMILIES:
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        trunk = {**MODEL, **DEEPSEEK_V3}
-        config = DeepseekV3Config(vocab_size=len(tokenizer), tie_word_embeddings=False,
-                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0), **special, **trunk)
-        config.architectures = ["DeepseekV3ForCausalLM"]
-        model = DeepseekV3ForCausalLM._from_config(config, experts_implementation="eager")
+        shape, rope = RANDOM_FAMILIES[family]
+        config = AutoConfig.for_model(family, vocab_size=len(tokenizer), tie_word_embeddings=False,
+                                      rope_parameters=dict(rope), **special, **{**MODEL, **shape})
+        config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
@@ -526,10 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None,
                     help=f"default: artifacts/tiny-<family>, -teacher with --teacher ({TEACHER['out']} for qwen2), "
                          f"-moe with --moe")
-    ap.add_argument("--family", choices=("qwen2", "qwen3_5", "deepseek_v3"), default="qwen2",
+    ap.add_argument("--family", choices=("qwen2", "qwen3_5", *RANDOM_FAMILIES), default="qwen2",
                     help="qwen3_5: Qwen3.5's hybrid Gated DeltaNet / gated-attention layers on the same trunk "
                          "(the policy, --teacher or --moe; the same tokenizer, recipe and pins); deepseek_v3: "
-                         "DeepSeek-V3's MLA and sigmoid-routed MoE layers, random unless --steps (the policy only)")
+                         "DeepSeek-V3's MLA and sigmoid-routed MoE layers; glm4_moe: GLM-4.5's attention and the same "
+                         "MoE layers; these two random unless --steps (the policy only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None,
                     help=f"warm-up steps (default: {TRAIN['steps']}, or {TEACHER['steps']} with --teacher)")
@@ -609,11 +622,11 @@ def main():
     kind = "teacher" if args.teacher else "moe" if args.moe else "tools" if args.tools else \
         "hints" if args.hints else "policy"
     if (args.family, kind) not in OUTS:
-        builds = "the policy" if args.family == "deepseek_v3" else "the policy, --teacher and --moe"
+        builds = "the policy" if args.family in RANDOM_FAMILIES else "the policy, --teacher and --moe"
         sys.exit(f"--family {args.family} builds {builds}, not --{kind}")
     if args.out is None:
         args.out = Path(OUTS[args.family, kind])
-    if args.steps is None and args.family == "deepseek_v3":
+    if args.steps is None and args.family in RANDOM_FAMILIES:
         args.steps = 0  # random weights: seconds to build
     if args.steps is None:
         args.steps = TEACHER["steps"] if args.teacher else TOOL_MODEL["steps"] if args.tools else \
@@ -646,7 +659,7 @@ def main():
     train(model, tokenizer, args.seed, quiet=args.quiet, **settings)
 
     held_out = arithmetic.make_problems(EVAL["num"], args.seed + EVAL["seed_offset"])
-    if settings["steps"] == 0:  # a random model (deepseek_v3's default): nothing learnt to measure
+    if settings["steps"] == 0:  # a random model (deepseek_v3's and glm4_moe's default): nothing learnt to measure
         pass1 = greedy = None
     else:
         pass1 = accuracy(model, tokenizer, held_out, 1.0, args.seed, EVAL["max_new_tokens"])
@@ -656,7 +669,9 @@ def main():
         print("expert load per layer (share of routed tokens):",
               [[round(share, 3) for share in layer] for layer in load])
     shape = dict(MODEL, **QWEN3_5, rope=QWEN3_5_ROPE, **(QWEN3_5_MOE if args.moe else {})) \
-        if args.family == "qwen3_5" else dict(MODEL, **DEEPSEEK_V3) if args.family == "deepseek_v3" \
+        if args.family == "qwen3_5" else \
+        {**MODEL, **RANDOM_FAMILIES[args.family][0], "rope": RANDOM_FAMILIES[args.family][1]} \
+        if args.family in RANDOM_FAMILIES \
         else dict(MODEL, **MOE) if args.moe else MODEL
     report = dict(seed=args.seed, family=args.family, params=n_params, model=shape,
                   train=settings, eval=EVAL,

@@ -322,10 +322,10 @@ _NOT_TEXT_PREFIXES = {"model.visual.": "vision-tower", "mtp.": "multi-token-pred
 
 
 def mtp_layer_names(hf_config, names) -> list[str]:
-    """The names among `names` of a DeepSeek-V3 checkpoint's multi-token-prediction layers: its MTP modules
+    """The names among `names` of a DeepSeek-V3 or GLM-4.5 checkpoint's multi-token-prediction layers: its MTP modules
     are saved as decoder layers after the last one (`model.layers.{num_hidden_layers + j}.*`, j <
     num_nextn_predict_layers), which megarl neither trains nor serves (transformers does not build them either)."""
-    if not family_of(hf_config).multi_latent_attention:
+    if not family_of(hf_config).mtp_layers_after_last:
         return []
     prefix = hf_name_prefix(hf_config) + "layers."
     return [name for name in names if name.startswith(prefix)
@@ -334,7 +334,7 @@ def mtp_layer_names(hf_config, names) -> list[str]:
 
 def _report_left_out(checkpoint: HFCheckpoint, prefix: str, hf_config=None) -> None:
     """One line on the first rank naming the checkpoint's tensors that are not the text model's, when it has
-    any: they are never read (a multimodal checkpoint's vision tower and MTP head, DeepSeek-V3's MTP layers)."""
+    any: they are never read (a multimodal checkpoint's vision tower and MTP head, DeepSeek-V3's and GLM-4.5's MTP layers)."""
     left_out = []
     if prefix != "model.":
         counts = {what: sum(name.startswith(start) for name in checkpoint.weight_map)

@@ -83,7 +83,14 @@ class Family:
     # dense MLPs in the first `first_k_dense_replace` layers (the others MoE, with shared experts).
     multi_latent_attention: bool = False
     sigmoid_router: bool = False
-    first_dense_layers: bool = False
+    # Attention features the HF config switches on or off (GLM-4.5: q/k/v biases where `attention_bias`, q/k
+    # norms where `use_qk_norm`): (feature, HF flag). Their rules carry the feature as `layer_type`, and
+    # `layer_kinds` gives it to every layer where the flag is true.
+    switched_attention: tuple[tuple[str, str], ...] = ()
+    # Partial RoPE where the config asks for it (partial_rotary_factor; Qwen3.5's quarter, GLM-4.5's half)
+    partial_rotary: bool = False
+    # Multi-token-prediction layers saved after the last decoder layer (DeepSeek-V3, GLM-4.5): left out
+    mtp_layers_after_last: bool = False
 
     def rules(self, tied_embeddings: bool) -> tuple[Rule, ...]:
         output = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False) \
@@ -133,18 +140,24 @@ _MLP_BIAS = ("mlp_bias", "biases on the MLP projections")
 # (`gate`, replicated: every TP rank routes its tokens alike) and the routed experts, whole on their EP rank.
 _EXPERT = "model.layers.{i}.mlp.experts.{e}."
 _LOCAL_EXPERT = _LAYER + "mlp.experts.local_experts.{e}."
-_MOE_RULES = (
-    Rule(_LAYER + "mlp.router.weight", (_MLP + "gate.weight",), "replicated"),
-    Rule(_LOCAL_EXPERT + "linear_fc1.weight", (_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight"),
-         "expert_gate_up"),
-    Rule(_LOCAL_EXPERT + "linear_fc2.weight", (_EXPERT + "down_proj.weight",), "expert"),
-)
-_SHARED_EXPERT_RULES = (  # a dense MLP over TP like the dense families', and its sigmoid gate [1, hidden]
-    Rule(_LAYER + "mlp.shared_experts.linear_fc1.weight",
+# Every MoE family's layers are MoE or dense MLP layers (`moe_layer_pattern`: DeepSeek-V3's and GLM-4.5's
+# first_k_dense_replace, Qwen-MoE's mlp_only_layers / decoder_sparse_step); the kind each MLP rule needs.
+_DENSE_MLP, _MOE_MLP = "dense_mlp", "moe_mlp"
+_MOE_RULES = tuple(Rule(megatron, hf, layout, layer_type=_MOE_MLP) for megatron, hf, layout in (
+    (_LAYER + "mlp.router.weight", (_MLP + "gate.weight",), "replicated"),
+    (_LOCAL_EXPERT + "linear_fc1.weight", (_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight"),
+     "expert_gate_up"),
+    (_LOCAL_EXPERT + "linear_fc2.weight", (_EXPERT + "down_proj.weight",), "expert"),
+))
+_SHARED_EXPERT_RULES = tuple(  # a dense MLP over TP like the dense families', and its sigmoid gate [1, hidden]
+    Rule(megatron, hf, layout, layer_type=_MOE_MLP) for megatron, hf, layout in (
+        (_LAYER + "mlp.shared_experts.linear_fc1.weight",
          (_MLP + "shared_expert.gate_proj.weight", _MLP + "shared_expert.up_proj.weight"), "gate_up"),
-    Rule(_LAYER + "mlp.shared_experts.linear_fc2.weight", (_MLP + "shared_expert.down_proj.weight",), "row"),
-    Rule(_LAYER + "mlp.shared_experts.gate_weight", (_MLP + "shared_expert_gate.weight",), "replicated"),
-)
+        (_LAYER + "mlp.shared_experts.linear_fc2.weight", (_MLP + "shared_expert.down_proj.weight",), "row"),
+        (_LAYER + "mlp.shared_experts.gate_weight", (_MLP + "shared_expert_gate.weight",), "replicated"),
+    ))
+_MIXED_DENSE_MLP_RULES = tuple(Rule(rule.megatron, rule.hf, rule.layout, layer_type=_DENSE_MLP)
+                               for rule in _DENSE_MLP_RULES)
 
 # Qwen3.5 (transformers' Qwen3_5TextModel): full-attention layers have a gated q_proj and q/k norms;
 # linear-attention layers a Gated DeltaNet (`linear_attn`): four input projections, a depthwise causal
@@ -176,7 +189,7 @@ _HYBRID_LAYER_RULES = (  # each layer has one of the two attentions' parameters;
 # norm, q_b_proj) or one q_proj (q_lora_rank None), kv through kv_a_proj_with_mqa (the latent and the shared
 # rope key) and kv_b_proj; the first first_k_dense_replace layers dense MLPs, the others routed experts (a
 # sigmoid router with its expert bias) plus shared experts (one dense MLP of n_shared_experts * width).
-_DENSE_MLP, _MOE_MLP, _Q_LORA, _Q_PROJ = "dense_mlp", "moe_mlp", "q_lora", "q_proj"
+_Q_LORA, _Q_PROJ = "q_lora", "q_proj"
 _MLA_RULES = (
     Rule(_LAYER + "input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "replicated"),
     Rule(_LAYER + "self_attention.linear_q_down_proj.weight", (_ATTN + "q_a_proj.weight",), "column",
@@ -193,8 +206,7 @@ _MLA_RULES = (
     Rule(_LAYER + "pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
          "replicated"),
 )
-_DEEPSEEK_MLP_RULES = tuple(Rule(rule.megatron, rule.hf, rule.layout, layer_type=_DENSE_MLP)
-                            for rule in _DENSE_MLP_RULES) + tuple(
+_DEEPSEEK_MLP_RULES = _MIXED_DENSE_MLP_RULES + tuple(
     Rule(megatron, hf, layout, layer_type=_MOE_MLP) for megatron, hf, layout in (
         (_LAYER + "mlp.router.weight", (_MLP + "gate.weight",), "replicated"),
         # a buffer, not a parameter: the router's expert bias, frozen at the checkpoint's values (docs/models.md)
@@ -204,6 +216,10 @@ _DEEPSEEK_MLP_RULES = tuple(Rule(rule.megatron, rule.hf, rule.layout, layer_type
          (_MLP + "shared_experts.gate_proj.weight", _MLP + "shared_experts.up_proj.weight"), "gate_up"),
         (_LAYER + "mlp.shared_experts.linear_fc2.weight", (_MLP + "shared_experts.down_proj.weight",), "row"),
     ))
+def _tagged(rules: tuple[Rule, ...], layer_type: str) -> tuple[Rule, ...]:
+    return tuple(replace(rule, layer_type=layer_type) for rule in rules)
+
+
 # Router buffers that conversion carries (the others, e.g. the router's token counts, are not weights).
 BUFFER_NAMES = ("mlp.router.expert_bias",)
 
@@ -248,7 +264,7 @@ QWEN3_MOE = Family(
     rope_types=("default",),
     refused_flags=(_ATTENTION_BIAS,),
     global_rules=_GLOBAL_RULES,
-    layer_rules=_ATTENTION_LAYER_RULES + _QK_NORM_RULES + _MOE_RULES,
+    layer_rules=_ATTENTION_LAYER_RULES + _QK_NORM_RULES + _MOE_RULES + _MIXED_DENSE_MLP_RULES,
     moe=True,
 )
 
@@ -260,7 +276,7 @@ QWEN2_MOE = Family(
     rope_types=("default",),
     refused_flags=(),
     global_rules=_GLOBAL_RULES,
-    layer_rules=_ATTENTION_LAYER_RULES + _QKV_BIAS_RULES + _MOE_RULES + _SHARED_EXPERT_RULES,
+    layer_rules=_ATTENTION_LAYER_RULES + _QKV_BIAS_RULES + _MOE_RULES + _SHARED_EXPERT_RULES + _MIXED_DENSE_MLP_RULES,
     moe=True,
     shared_expert=True,
 )
@@ -275,6 +291,7 @@ QWEN3_5 = Family(
     global_rules=_GLOBAL_RULES,
     layer_rules=_HYBRID_LAYER_RULES + _DENSE_MLP_RULES,
     hybrid_linear_attention=True,
+    partial_rotary=True,
     multimodal_architectures=("Qwen3_5ForConditionalGeneration",),
     text_model_types=("qwen3_5_text",),
 )
@@ -303,11 +320,35 @@ DEEPSEEK_V3 = Family(
     shared_expert=True,
     multi_latent_attention=True,
     sigmoid_router=True,
-    first_dense_layers=True,
+    mtp_layers_after_last=True,
+)
+
+# GLM-4.5 / 4.6 (transformers' Glm4MoeModel): grouped-query attention with q/k/v biases where attention_bias (o_proj
+# never has one) and per-head q/k norms where use_qk_norm, RoPE over the first half of each head
+# (partial_rotary_factor 0.5, rotate-half pairs, as Megatron's non-interleaved RoPE); DeepSeek-V3's MLP layers (the
+# sigmoid router with its expert bias, group-limited top-k, shared experts, the first first_k_dense_replace layers
+# dense) under the same names; its MTP layer saved after the last decoder layer.
+_QKV_BIAS, _QK_NORM = "qkv_bias", "qk_norm"
+GLM4_MOE = Family(
+    name="glm4_moe",
+    hf_architectures=("Glm4MoeForCausalLM",),
+    qkv_bias=False,  # both switched by the config (switched_attention)
+    qk_layernorm=False,
+    rope_types=("default",),
+    refused_flags=(),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_ATTENTION_LAYER_RULES + _tagged(_QKV_BIAS_RULES, _QKV_BIAS) + _tagged(_QK_NORM_RULES, _QK_NORM)
+    + _DEEPSEEK_MLP_RULES,
+    moe=True,
+    shared_expert=True,
+    sigmoid_router=True,
+    switched_attention=((_QKV_BIAS, "attention_bias"), (_QK_NORM, "use_qk_norm")),
+    partial_rotary=True,
+    mtp_layers_after_last=True,
 )
 
 FAMILIES = Registry("model family")
-for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3):
+for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3, GLM4_MOE):
     FAMILIES.add(_family.name, _family)
 
 TE_FUSED_NAMES = {
@@ -321,25 +362,61 @@ def num_experts(hf_config) -> int:
     return getattr(hf_config, "num_experts", None) or hf_config.n_routed_experts
 
 
-def first_k_dense(hf_config) -> int:
-    """How many first layers have a dense MLP instead of routed experts (DeepSeek-V3's first_k_dense_replace)."""
+def moe_layer_pattern(hf_config) -> list[bool] | None:
+    """Per layer, whether its MLP is routed experts (else a dense MLP of intermediate_size), as transformers
+    builds them; None for a dense family. DeepSeek-V3 and GLM-4.5: the first first_k_dense_replace layers dense;
+    Qwen2/3-MoE: a layer is MoE unless listed in mlp_only_layers or (its index + 1) is not a multiple of
+    decoder_sparse_step; Qwen3.5-MoE (neither field): every layer MoE."""
     family = family_of(hf_config)
-    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0) if family.first_dense_layers else 0
+    if not family.moe:
+        return None
+    layers = range(hf_config.num_hidden_layers)
+    if family.sigmoid_router:
+        dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+        return [layer >= dense for layer in layers]
+    dense_layers = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    return [layer not in dense_layers and (layer + 1) % step == 0 for layer in layers]
+
+
+def switched_on(hf_config, feature: str) -> bool:
+    """Whether the family has attention feature `feature` (_QKV_BIAS, _QK_NORM) switched on by the HF config."""
+    return any(name == feature and bool(getattr(hf_config, flag, False))
+               for name, flag in family_of(hf_config).switched_attention)
+
+
+def qkv_bias(hf_config) -> bool:
+    """Whether q/k/v have biases (Megatron's add_qkv_bias): always for Qwen2, where attention_bias for GLM-4.5."""
+    return family_of(hf_config).qkv_bias or switched_on(hf_config, _QKV_BIAS)
+
+
+def qk_layernorm(hf_config) -> bool:
+    """Whether attention has per-head q/k norms (Megatron's qk_layernorm; MLA's two latent norms)."""
+    return family_of(hf_config).qk_layernorm or switched_on(hf_config, _QK_NORM)
 
 
 def layer_kinds(hf_config) -> list[frozenset] | None:
-    """Per layer, the kinds its rules' `layer_type` may name (None: every rule applies to every layer): Qwen3.5's
-    HF layer_types entry; DeepSeek-V3's MLP (dense_mlp in the first first_k_dense_replace layers, else moe_mlp)
-    and its query projection (q_lora: q_a_proj, its norm and q_b_proj, with q_lora_rank set; else q_proj)."""
+    """Per layer, the kinds its rules' `layer_type` may name (None: the family's rules apply to every layer):
+    Qwen3.5's HF layer_types entry; DeepSeek-V3's query projection (q_lora: q_a_proj, its norm and q_b_proj, with
+    q_lora_rank set; else q_proj); an MoE family's MLP (`moe_layer_pattern`: moe_mlp or dense_mlp); the
+    attention features the config switches on (GLM-4.5's qkv_bias, qk_norm)."""
     family = family_of(hf_config)
-    if family.hybrid_linear_attention:
-        return [frozenset((kind,)) for kind in hf_config.layer_types]
-    if family.multi_latent_attention:
-        query = _Q_LORA if getattr(hf_config, "q_lora_rank", None) else _Q_PROJ
-        dense = first_k_dense(hf_config)
-        return [frozenset((query, _DENSE_MLP if layer < dense else _MOE_MLP))
-                for layer in range(hf_config.num_hidden_layers)]
-    return None
+    if not any(rule.layer_type for rule in family.layer_rules):
+        return None
+    pattern = moe_layer_pattern(hf_config)
+    switched = {feature for feature, _ in family.switched_attention if switched_on(hf_config, feature)}
+    query = _Q_LORA if getattr(hf_config, "q_lora_rank", None) else _Q_PROJ
+    kinds = []
+    for layer in range(hf_config.num_hidden_layers):
+        kind = set(switched)
+        if family.hybrid_linear_attention:
+            kind.add(hf_config.layer_types[layer])
+        if family.multi_latent_attention:
+            kind.add(query)
+        if pattern is not None:
+            kind.add(_MOE_MLP if pattern[layer] else _DENSE_MLP)
+        kinds.append(frozenset(kind))
+    return kinds
 
 
 def family_of(hf_config) -> Family:
@@ -390,8 +467,9 @@ def hf_name_prefix(hf_config) -> str:
 # What must agree for one checkpoint's weights to load into an engine built for another.
 SHAPE_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
-                "n_routed_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
+                "n_routed_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
+                "attention_bias", "use_qk_norm",
                 "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types", "linear_num_key_heads",
                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 

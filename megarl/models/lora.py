@@ -111,7 +111,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.models.convert import _rank_pieces, interleave_gated_qkv, interleave_qkv, unrank_pieces, unwrap
-from megarl.models.families import Family, family_of, hf_name_prefix
+from megarl.models.families import family_of, hf_name_prefix, layer_kinds
 
 ALL_LINEAR = "all-linear"
 _LAYER_PREFIX = "decoder.layers.{i}."
@@ -143,15 +143,20 @@ class Linear:
     layout: str  # the family rule's layout of its weight
     modules: tuple[str, ...]  # its HF modules in fused order ('q_proj', 'k_proj', 'v_proj')
     hf_paths: tuple[str, ...]  # their HF paths ('model.layers.{i}.self_attn.q_proj', ...)
-    layer_type: str | None  # the HF layer_types entry of the layers that have it (hybrid families), else None
+    layer_type: str | None  # the kind of the layers that have it (families.layer_kinds), else None
     expert: bool = False  # a routed expert's linear (`{e}` in its Megatron path: one adapter per expert)
 
 
-def linear_modules(family: Family) -> dict[str, Linear]:
+def linear_modules(hf_config) -> dict[str, Linear]:
     """{Megatron linear's path in a layer ('self_attention.linear_qkv'): Linear}, read off the family's
-    conversion rules."""
+    conversion rules: those some layer of this model has (`layer_kinds`: a Qwen-MoE without dense layers has no
+    dense MLP linears)."""
+    family, kinds = family_of(hf_config), layer_kinds(hf_config)
+    present = set().union(*kinds) if kinds is not None else set()
     linears = {}
     for rule in family.layer_rules:
+        if rule.layer_type is not None and kinds is not None and rule.layer_type not in present:
+            continue
         if rule.layout in _LINEAR_LAYOUTS and rule.megatron.endswith(".weight") and \
                 rule.megatron.startswith(_LAYER_PREFIX):
             path = rule.megatron.removeprefix(_LAYER_PREFIX).removesuffix(".weight")
@@ -165,10 +170,10 @@ def linear_modules(family: Family) -> dict[str, Linear]:
     return linears
 
 
-def resolve_targets(targets: list[str], family: Family) -> tuple[str, ...]:
+def resolve_targets(targets: list[str], hf_config) -> tuple[str, ...]:
     """--lora-target-modules -> the HF module names they cover, in the model's order; ValueError naming
-    the first name the family does not have."""
-    linears = linear_modules(family)
+    the first name the model does not have."""
+    family, linears = family_of(hf_config), linear_modules(hf_config)
     every = list(dict.fromkeys(module for linear in linears.values() for module in linear.modules))
     by_megatron = {}  # a Megatron name covers every linear of that name: a dense MLP's, a shared expert's, experts'
     for path, linear in linears.items():
@@ -387,16 +392,16 @@ def apply_lora(model, hf_config, config: LoraConfig, seed: int) -> list[LoraAdap
     gpt = unwrap(model)
     gpt.requires_grad_(False)
     adapters = []
-    kinds = getattr(hf_config, "layer_types", None) if family_of(hf_config).hybrid_linear_attention else None
+    kinds = layer_kinds(hf_config)
     prefix = hf_name_prefix(hf_config)  # PEFT names the checkpoint's modules (a multimodal one's language model)
     for layer in gpt.decoder.layers:
         index = layer.layer_number - 1  # global, 0-based
-        for path, linear in linear_modules(family_of(hf_config)).items():
+        for path, linear in linear_modules(hf_config).items():
             layout, modules = linear.layout, linear.modules
             if not set(modules) & set(config.targets):
                 continue
-            if linear.layer_type is not None and kinds is not None and linear.layer_type != kinds[index]:
-                continue  # the other attention's linear (Qwen3.5: Gated DeltaNet or gated softmax layers)
+            if linear.layer_type is not None and kinds is not None and linear.layer_type not in kinds[index]:
+                continue  # another kind of layer's linear (Qwen3.5's other attention, a dense or an MoE MLP)
             hf_paths = tuple(prefix + hf.removeprefix("model.") for hf in linear.hf_paths)
             for expert, local_path in _instances(layer, path, linear):
                 parent_path, _, name = local_path.rpartition(".")
@@ -452,7 +457,7 @@ def adapters_disabled(model):
 def lora_config(args, hf_config) -> LoraConfig:
     """The adapters the options ask for (checked by megarl/arguments.py)."""
     return LoraConfig(args.lora_rank, args.lora_alpha, args.lora_dropout,
-                      resolve_targets(args.lora_target_modules, family_of(hf_config)))
+                      resolve_targets(args.lora_target_modules, hf_config))
 
 
 # ------------------------------------------------------------ checkpoints ---

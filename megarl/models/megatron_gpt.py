@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from megarl import accelerator
 from megarl.models import elementwise
-from megarl.models.families import Family, family_of, first_k_dense, num_experts
+from megarl.models.families import Family, family_of, moe_layer_pattern, num_experts, qk_layernorm, qkv_bias
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,7 +77,7 @@ def check_supported(hf_config, family: Family) -> None:
         raise ValueError(f"{family.name}: rope_parameters.rope_type={rope['rope_type']!r} is not supported; "
                          f"supported: {list(family.rope_types)}")
     partial = rotary_fraction(hf_config)
-    if partial != 1.0 and not family.hybrid_linear_attention:
+    if partial != 1.0 and not family.partial_rotary:
         raise ValueError(f"{family.name}: partial_rotary_factor={partial} is not supported; it must be 1.0")
     if not 0 < partial <= 1 or int(head_dim(hf_config) * partial) % 2:
         raise ValueError(f"{family.name}: partial_rotary_factor={partial} must rotate an even number of each "
@@ -183,23 +183,24 @@ def check_sigmoid_router_supported(hf_config, family: Family) -> None:
         raise ValueError(f"{family.name}: n_shared_experts={getattr(hf_config, 'n_shared_experts', None)} must be "
                          f"> 0")
     dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
-    if not 0 <= dense < hf_config.num_hidden_layers:
-        raise ValueError(f"{family.name}: first_k_dense_replace={dense} must leave at least one of the "
-                         f"num_hidden_layers={hf_config.num_hidden_layers} an MoE layer")
+    if dense < 0:
+        raise ValueError(f"{family.name}: first_k_dense_replace={dense} must be >= 0")
 
 
 def check_moe_supported(hf_config, family: Family) -> None:
-    """An MoE config whose every layer is an MoE layer of the family's kind: Megatron's layer spec here is
-    one spec for every layer (moe_layer_freq would express a pattern; not wired up), and a shared expert
-    only where the family has one."""
-    sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
-    if sparse_step != 1:
-        raise ValueError(f"{family.name}: decoder_sparse_step={sparse_step} is not supported; every layer must "
-                         f"be an MoE layer (decoder_sparse_step 1)")
-    dense = list(getattr(hf_config, "mlp_only_layers", None) or ())
-    if dense:
-        raise ValueError(f"{family.name}: mlp_only_layers={dense} is not supported; every layer must be an MoE "
-                         f"layer")
+    """An MoE config Megatron builds as transformers does: routed experts in the layers `moe_layer_pattern`
+    names (at least one), dense MLPs in the others, a shared expert only where the family has one."""
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if step is not None and (not isinstance(step, int) or step < 1):
+        raise ValueError(f"{family.name}: decoder_sparse_step={step!r} must be a positive integer")
+    layers = hf_config.num_hidden_layers
+    outside = [layer for layer in getattr(hf_config, "mlp_only_layers", None) or () if not 0 <= layer < layers]
+    if outside:
+        raise ValueError(f"{family.name}: mlp_only_layers names layer {outside[0]}, outside the model's "
+                         f"num_hidden_layers={layers}")
+    if not any(moe_layer_pattern(hf_config)):
+        raise ValueError(f"{family.name}: no layer has routed experts (mlp_only_layers / decoder_sparse_step / "
+                         f"first_k_dense_replace leave every layer dense); load it as its dense family")
     experts = num_experts(hf_config)
     if experts < 1 or not 1 <= hf_config.num_experts_per_tok <= experts:
         raise ValueError(f"{family.name}: num_experts={experts}, num_experts_per_tok="
@@ -221,6 +222,8 @@ def moe_config(hf_config, family: Family, ep: int, te_spec: bool | None = None) 
         (moe_shared_expert_gate);
       * the all-to-all token dispatcher (the allgather one refuses variable_seq_lengths, which pipeline stages
         need; megarl/accelerator.py runs the all-to-all one on CPU ranks);
+      * dense MLPs (ffn_hidden_size = intermediate_size) in the layers `moe_layer_pattern` says are not MoE
+        (moe_layer_freq's list: 0 dense, 1 MoE; `gpt_layer_spec` builds each layer by it);
       * experts whole on their EP rank (expert_tensor_parallel_size 1, as Megatron-LM's large MoE recipes), so
         their conversion is a copy; grouped GEMM where the model takes Transformer Engine's spec (`te_spec`,
         default `transformer_engine_spec`: TEGroupedMLP), else Megatron's SequentialMLP (one GEMM per expert;
@@ -236,6 +239,9 @@ def moe_config(hf_config, family: Family, ep: int, te_spec: bool | None = None) 
                   moe_aux_loss_coeff=0.0,
                   moe_grouped_gemm=transformer_engine_spec() if te_spec is None else te_spec,
                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    pattern = moe_layer_pattern(hf_config)
+    if not all(pattern):
+        fields["moe_layer_freq"] = [int(is_moe) for is_moe in pattern]
     if family.sigmoid_router:
         return {**fields, **sigmoid_router_config(hf_config)}
     if family.shared_expert:
@@ -254,19 +260,15 @@ def sigmoid_router_config(hf_config) -> dict:
         bias += rate * sign(mean load - load)) runs with rate 0, so the bias never moves (megarl trains no
         bias; every rank keeps the checkpoint's, and vLLM the same: the weight sync has nothing to send);
       * group-limited top-k (n_group, topk_group) where it selects anything (topk_group < n_group);
-      * shared experts: one ungated dense MLP of n_shared_experts * moe_intermediate_size;
-      * dense MLPs (ffn_hidden_size = intermediate_size) in the first first_k_dense_replace layers
-        (moe_layer_freq's list: 0 dense, 1 MoE; `gpt_layer_spec` builds each layer by it)."""
+      * shared experts: one ungated dense MLP of n_shared_experts * moe_intermediate_size."""
     groups, group_topk = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1
     grouped = group_topk < groups
-    dense = first_k_dense(hf_config)
     return dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
                 moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
                 moe_router_num_groups=groups if grouped else None, moe_router_group_topk=group_topk if grouped else None,
                 moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts,
-                moe_shared_expert_gate=False,
-                moe_layer_freq=[0] * dense + [1] * (hf_config.num_hidden_layers - dense))
+                moe_shared_expert_gate=False)
 
 
 def mla_config(hf_config, family: Family) -> dict:
@@ -383,8 +385,8 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=family.qkv_bias,
-        qk_layernorm=family.qk_layernorm,
+        add_qkv_bias=qkv_bias(hf_config),
+        qk_layernorm=qk_layernorm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -499,11 +501,20 @@ def gpt_layer_spec(config, te_spec: bool | None = None):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    dense = dict(num_experts=None, moe_grouped_gemm=False)
     hybrid = config.experimental_attention_variant == "gated_delta_net"
     if te_spec is None:
         te_spec = transformer_engine_spec(hybrid or config.multi_latent_attention)
     if te_spec:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
+        def te_layer(**mlp):
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **mlp)
+
+        if not isinstance(config.moe_layer_freq, list):
+            return te_layer(**moe)
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=_by_moe_pattern(config, te_layer(**moe), te_layer(**dense)),
+                                          layer_norm=TENorm)
     from megarl.models.attention import PackedDotProductAttention
 
     elementwise.install()  # the unfused rotary embedding's fewer-pass version
@@ -528,14 +539,20 @@ def gpt_layer_spec(config, te_spec: bool | None = None):
     layer_specs = [spec] * get_num_layers_to_build(config)
     if hybrid:
         layer_specs = _hybrid_layer_specs(config, spec)
-    elif isinstance(config.moe_layer_freq, list):  # DeepSeek-V3: dense MLPs first, then MoE layers
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-        dense = local_spec(num_experts=None)
-        offset = get_transformer_layer_offset(config)
-        pattern = config.moe_layer_freq[offset: offset + get_num_layers_to_build(config)]
-        layer_specs = [spec if is_moe else dense for is_moe in pattern]
+    elif isinstance(config.moe_layer_freq, list):
+        layer_specs = _by_moe_pattern(config, spec, local_spec(**dense))
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelRMSNorm)
+
+
+def _by_moe_pattern(config, moe_spec, dense_spec) -> list:
+    """This pipeline stage's layers of a model with dense and MoE layers (DeepSeek-V3's and GLM-4.5's dense
+    first layers, Qwen-MoE's mlp_only_layers / decoder_sparse_step): moe_layer_freq's list, 1 MoE, 0 dense."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config)
+    pattern = config.moe_layer_freq[offset: offset + get_num_layers_to_build(config)]
+    return [moe_spec if is_moe else dense_spec for is_moe in pattern]
 
 
 # transformers' DeepseekV3Attention builds its two latent norms with DeepseekV3RMSNorm's default epsilon, not

@@ -184,18 +184,23 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
     return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64, **moe).eval()
 
 
-def _deepseek_effects(hf_path, reference_logits, tokens) -> dict:
-    """How far transformers' own logits move with each DeepSeek-V3 feature undone: the expert bias zeroed (the
-    router's choice unbiased), routed_scaling_factor 1, every expert group kept (topk_group = n_group), the
-    rope dims rotated as halves instead of interleaved pairs; so that the logit check cannot pass with one of
-    them ignored or laid out otherwise."""
+def _sigmoid_router_effects(hf_path, reference_logits, tokens) -> dict:
+    """How far transformers' own logits move with each feature of a DeepSeek-V3 or GLM-4.5 model undone: the
+    expert bias zeroed (the router's choice unbiased), routed_scaling_factor 1, every expert group kept
+    (topk_group = n_group); DeepSeek-V3's rope dims rotated as halves instead of interleaved pairs, GLM-4.5's
+    whole heads rotated instead of their first half; so that the logit check cannot pass with one of them
+    ignored or laid out otherwise."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
     config = load_hf_config(hf_path)
     changes = {"routed_scaling": dict(routed_scaling_factor=1.0), "group_limit": dict(topk_group=config.n_group),
-               "rope_interleave": dict(rope_interleave=False), "expert_bias": {}}
+               "expert_bias": {}}
+    if family_of(config).multi_latent_attention:
+        changes["rope_interleave"] = dict(rope_interleave=False)
+    else:
+        changes["partial_rotary"] = dict(rope_parameters={**config.rope_parameters, "partial_rotary_factor": 1.0})
     report = {}
     for name, fields in changes.items():
         changed = copy.deepcopy(config)
@@ -253,8 +258,8 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
         report.update(_distill_parity(shard_logits, hf_config.vocab_size))
         report.update(_value_head_parity(hf_path, hf_config, tokens, positions, seed))
         report.update(_rope_parity(model, hf_model, reference, hf_path, hf_config, tokens))
-        if family_of(hf_config).multi_latent_attention:
-            report.update(_deepseek_effects(hf_path, reference, tokens))
+        if family_of(hf_config).sigmoid_router:
+            report.update(_sigmoid_router_effects(hf_path, reference, tokens))
 
     original = HFCheckpoint(hf_path)
     exported, mismatched = set(), []
@@ -265,7 +270,7 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
             mismatched.append(name)
     report["mismatched"] = mismatched
     # A multimodal checkpoint's vision tower and MTP head are not the text model's: never read, never written.
-    # Nor are a DeepSeek-V3 checkpoint's MTP layers (model.layers.{num_hidden_layers + j}.*).
+    # Nor are a DeepSeek-V3 or GLM-4.5 checkpoint's MTP layers (model.layers.{num_hidden_layers + j}.*).
     mtp = set(mtp_layer_names(hf_config, original.weight_map))
     text_names = {name for name in original.weight_map if not name.startswith(("model.visual.", "mtp."))} - mtp
     report["left_out"] = len(original.weight_map) - len(text_names)

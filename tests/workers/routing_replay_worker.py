@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from megarl import distributed, phases, routing_replay  # noqa: E402
 from megarl.arguments import parse_args  # noqa: E402
-from megarl.models.families import first_k_dense, num_experts  # noqa: E402
+from megarl.models.families import moe_layer_pattern, num_experts  # noqa: E402
 from megarl.model_runner import make_micro_batches, run_model  # noqa: E402
 from megarl.rollout import release_shared_memory  # noqa: E402
 from megarl.run import build_run  # noqa: E402
@@ -117,7 +117,8 @@ def main():
     # How much the routes depend on the token: the share of (token, layer) pairs of MoE layers whose experts are
     # not their layer's most common set (a model that routes every token alike would hide position errors).
     sets = torch.cat([s.routes.sort(dim=-1).values for s in samples]).transpose(0, 1)  # [layers, tokens, k]
-    moe = sets[first_k_dense(hf_config):]  # DeepSeek-V3's first layers are dense: no routes of their own
+    # dense layers (DeepSeek-V3's first ones, mlp_only_layers) have no routes of their own
+    moe = [layer for layer, is_moe in zip(sets, moe_layer_pattern(hf_config)) if is_moe]
     report["route_spread"] = sum((layer != layer.mode(dim=0).values).any(dim=-1).float().mean().item()
                                  for layer in moe) / len(moe)
     experts = least_used_experts(samples, num_experts(hf_config), hf_config.num_experts_per_tok)
