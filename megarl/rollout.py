@@ -56,7 +56,7 @@ class VllmEngine:
         from vllm import LLM
 
         if not accelerator.ON_CUDA and check_cpu_engine(model, args.params_dtype):
-            vllm_cpu.install()  # what vLLM's CPU build lacks for Qwen3.5 in fp32 (megarl/vllm_cpu.py)
+            vllm_cpu.install()  # what vLLM's CPU build lacks for Qwen3.5 and DeepSeek-V3 (megarl/vllm_cpu.py)
 
         # vLLM's external launcher reads the torch world from the environment:
         # in separate placement that is this role's world, not the launch's.
@@ -403,15 +403,19 @@ def router_overrides(model: str) -> dict:
 
 
 def check_cpu_engine(model: str, params_dtype: str) -> bool:
-    """Whether a CPU engine of `model` needs megarl/vllm_cpu.py (a Gated DeltaNet model: Qwen3.5); the other
-    models' engines start as before, vLLM untouched. Refuses, in one line, a bf16 CPU engine of such a model:
+    """Whether a CPU engine of `model` needs megarl/vllm_cpu.py (a Gated DeltaNet model: Qwen3.5; a multi-latent
+    attention model: DeepSeek-V3); the other models' engines start as before, vLLM untouched. Refuses, in one
+    line, a bf16 CPU engine of a Gated DeltaNet model:
     vLLM's bf16 CPU kernels pack each conv1d weight in place after loading (a [channels, width] copy the kernel
     reads), which the weight sync's reload does not redo, so every sync after the first would leave the engine
     computing with stale weights. fp32 (megarl's CPU runs) takes megarl's own core on unpacked weights; GPUs are
     unaffected."""
     from megarl.models.families import family_of, load_hf_config
 
-    if not family_of(load_hf_config(model)).hybrid_linear_attention:
+    family = family_of(load_hf_config(model))
+    if family.multi_latent_attention:
+        return True
+    if not family.hybrid_linear_attention:
         return False
     if params_dtype != "float32":
         raise ValueError(f"{model}: a {params_dtype} vLLM engine of a Gated DeltaNet model (Qwen3.5) on CPU ranks "

