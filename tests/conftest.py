@@ -100,6 +100,17 @@ DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddi
                      mscale_all_dim=0.5, beta_fast=32, beta_slow=1)
 
 
+# YaRN on grouped-query attention as Qwen2/3 and Llama configs set it for long contexts (factor, original
+# context), at a tiny scale, and with gpt-oss's truncate false (the correction range not rounded).
+GQA_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, truncate=False)
+
+
+@pytest.fixture(scope="session")
+def random_qwen3_yarn(tmp_path_factory) -> str:
+    """A random Qwen3 with YaRN RoPE (GQA_YARN), untied."""
+    return make_random_model(tmp_path_factory.mktemp("random_qwen3_yarn"), "qwen3", False, 32, rope_extra=GQA_YARN)
+
+
 @pytest.fixture(scope="session")
 def random_deepseek_v3_yarn(tmp_path_factory) -> str:
     """A random DeepSeek-V3 with YaRN RoPE (DEEPSEEK_YARN), untied."""

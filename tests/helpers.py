@@ -177,17 +177,20 @@ DEEPSEEK_MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "share
 
 
 def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: int = 250,
-                      llama3_rope: str | None = None, expert_bias_std: float = 0.2, **config_fields) -> str:
+                      llama3_rope: str | None = None, expert_bias_std: float = 0.2, std: float | None = None,
+                      **config_fields) -> str:
     """A small random HF checkpoint of `family` in which every tensor is N(0, std).
 
     `llama3_rope` names an entry of LLAMA3_ROPE (Llama only); `expert_bias_std` DeepSeek-V3's expert bias
     (on the scale of the router's scores: 0.2 outweighs them, so that its effect shows; smaller, routes that
-    follow the token); `config_fields` override the tiny config.
+    follow the token); `std` the weights' (default the family's: 0.2 makes attention depend on positions
+    enough for a RoPE scaling to show); `config_fields` override the tiny config.
     """
     import torch
     import transformers
 
-    (config_class, model_class), fields, std = _FAMILIES[family]
+    (config_class, model_class), fields, family_std = _FAMILIES[family]
+    std = family_std if std is None else std
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if llama3_rope is not None:
         rope.update(rope_type="llama3", **LLAMA3_ROPE[llama3_rope])

@@ -36,7 +36,7 @@ from helpers import fp32_limit, read_json, torchrun
 
 FAMILY_CHECKPOINTS = {
     "qwen2": ["tiny_model", "random_qwen2_untied", "random_qwen2_tied"],
-    "qwen3": ["random_qwen3_untied", "random_qwen3_tied"],
+    "qwen3": ["random_qwen3_untied", "random_qwen3_tied", "random_qwen3_yarn"],
     "llama": ["random_llama_untied", "random_llama_tied"],
     "qwen3_5": ["random_qwen3_5_untied", "random_qwen3_5_tied", "multimodal_qwen3_5"],
 }
@@ -60,8 +60,8 @@ def test_logits_parity_and_round_trip(families, tp, pp, request, tmp_path):
     assert run["tp"] == tp and run["pp"] == pp
     assert [r["model"] for r in run["models"]] == paths
     for family in families.split("+"):
-        assert sorted(r["tied"] for r in run["models"] if "random" in r["model"] and
-                      family_of_path[r["model"]] == family) == [False, True], family
+        assert {r["tied"] for r in run["models"] if "random" in r["model"] and
+                family_of_path[r["model"]] == family} == {False, True}, family
     for report in run["models"]:
         assert report["family"] == family_of_path[report["model"]], report
         # the multimodal checkpoint's 21 vision-tower and 2 MTP tensors are neither read nor written
@@ -185,10 +185,12 @@ def _assert_parity(report):
     # RoPE: where scaled, the scaling moves HF's logits by far more than the logits' rounding, so a
     # model that ignored it would fail.
     # (the Llama checkpoints' Llama-3 scaling; DeepSeek-V3's YaRN, whose test checks its effect against the rule)
-    scaled = {"llama": ("llama3",), "deepseek_v3": ("default", "yarn")}.get(report["family"], ("default",))
+    scaled = {"llama": ("llama3",), "deepseek_v3": ("default", "yarn"), "qwen3": ("default", "yarn")}.get(
+        report["family"], ("default",))
     assert report["rope_type"] in scaled, report
-    if report["rope_type"] == "llama3":
-        assert report["rope_scaling_effect"] > 1e-2, report
+    if report["rope_type"] != "default":
+        limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
+        assert report["rope_scaling_effect"] > max(2 * limit, 1e-2 if report["rope_type"] == "llama3" else 0), report
 
 
 # ------------------------------------------------------------ config checks --
@@ -250,7 +252,11 @@ REFUSED = [
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("qwen3", dict(attention_bias=True), "attention_bias"),
-    ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope_type='yarn'"),
+    ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, attention_factor=1.0,
+                                        original_max_position_embeddings=64)), "attention_factor=1.0"),
+    ("glm4_moe", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, partial_rotary_factor=0.5,
+                                           original_max_position_embeddings=64)), "partial_rotary_factor=0.5"),
+    ("qwen3", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=4.0)), "rope_type='dynamic'"),
     ("qwen2", dict(rope_parameters=dict(LLAMA3)), "rope_type='llama3'"),
     ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)), "rope_type='linear'"),
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "sliding-window"),
@@ -284,8 +290,6 @@ REFUSED = [
     ("glm4_moe", dict(norm_topk_prob=False), "norm_topk_prob=False"),
     ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0"),
     ("glm4_moe", dict(first_k_dense_replace=2), "no layer has routed experts"),
-    ("glm4_moe", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, partial_rotary_factor=0.5)),
-     "rope_type='yarn'"),
 ]
 
 
@@ -451,8 +455,40 @@ def test_llama3_rope_arguments(values, megatron_path):
         assert late == {key: expected[key] for key in late} and set(late) == {
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     plain, late = rope_arguments(_config("llama"))
-    assert plain == {"rotary_base": 10000.0, "rope_scaling": False, "rotary_percent": 1.0} and late is None
+    assert plain == {"rotary_base": 10000.0, "rope_scaling": False, "rotary_percent": 1.0,
+                     "position_embedding_type": "rope"} and late is None
+    yarn, _ = rope_arguments(_config("llama", rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                                                   original_max_position_embeddings=64)))
+    assert yarn["position_embedding_type"] == "yarn" and not yarn["rope_scaling"]
 
+
+
+@pytest.mark.parametrize("rope,expected", [
+    (dict(factor=4.0, original_max_position_embeddings=64), (4.0, 64, 32.0, 1.0, None, None, True)),
+    (dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=16, truncate=False),  # gpt-oss's kind
+     (32.0, 4096, 16.0, 1.0, None, None, False)),
+    (dict(factor=40.0, original_max_position_embeddings=4096, mscale=0.5, mscale_all_dim=1.0),
+     (40.0, 4096, 32.0, 1.0, 0.5, 1.0, True)),
+    (dict(factor=40.0, original_max_position_embeddings=4096, mscale=0.5),  # one set: HF's plain attention factor
+     (40.0, 4096, 32.0, 1.0, None, None, True)),
+])
+def test_yarn_reaches_megatron_on_grouped_query_attention(rope, expected):
+    """YaRN on GQA (Qwen2/3, Llama): GPTModel's own yarn position embedding, fed the attributes its
+    YarnRotaryEmbedding and the attention's concentration factor read off the config; MLA keeps its own."""
+    import torch
+
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import transformer_config
+
+    config = _config("qwen3", rope_parameters=dict(rope_type="yarn", rope_theta=1e4, **rope))
+    megatron = transformer_config(config, family_of(config), 1, 1, 1, torch.float32)
+    names = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+             "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+    assert tuple(getattr(megatron, name) for name in names) == expected
+    mla = transformer_config(_config("deepseek_v3", rope_parameters=dict(rope_type="yarn", rope_theta=1e4, **rope)),
+                             family_of(_config("deepseek_v3")), 1, 1, 1, torch.float32) if "truncate" not in rope else None
+    if mla is not None:
+        assert not hasattr(mla, "yarn_rotary_scaling_factor") and mla.rope_type == "yarn"
 
 
 def test_built_model_marks_its_tensor_parallel_weights_and_sequence_parallel_norms():

@@ -78,6 +78,8 @@ def check_supported(hf_config, family: Family) -> None:
         raise ValueError(f"{family.name}: rope_parameters.rope_type={rope['rope_type']!r} is not supported; "
                          f"supported: {list(family.rope_types)}")
     partial = rotary_fraction(hf_config)
+    if rope["rope_type"] == "yarn" and not family.multi_latent_attention:
+        check_yarn_supported(rope, partial, family)
     if partial != 1.0 and not family.partial_rotary:
         raise ValueError(f"{family.name}: partial_rotary_factor={partial} is not supported; it must be 1.0")
     if not 0 < partial <= 1 or int(head_dim(hf_config) * partial) % 2:
@@ -99,6 +101,19 @@ def check_supported(hf_config, family: Family) -> None:
     if family.hybrid_linear_attention and len(layer_types) != hf_config.num_hidden_layers:
         raise ValueError(f"{family.name}: layer_types has {len(layer_types)} entries for num_hidden_layers="
                          f"{hf_config.num_hidden_layers}")
+
+
+def check_yarn_supported(rope: dict, partial: float, family: Family) -> None:
+    """YaRN as GPTModel's YarnRotaryEmbedding computes it (`yarn_attributes`): over whole heads (it blends
+    frequencies over kv_channels whatever rotary_percent says), from factor / mscale / mscale_all_dim."""
+    if partial != 1.0:
+        raise ValueError(f"{family.name}: rope_type 'yarn' with partial_rotary_factor={partial} is not supported "
+                         f"(Megatron's YaRN rotates whole heads)")
+    if rope.get("attention_factor") is not None:
+        raise ValueError(f"{family.name}: rope_parameters.attention_factor={rope['attention_factor']} is not "
+                         f"supported; Megatron derives YaRN's attention factor from factor, mscale and mscale_all_dim")
+    if not rope.get("original_max_position_embeddings"):
+        raise ValueError(f"{family.name}: rope_parameters of type yarn lack original_max_position_embeddings")
 
 
 # Qwen3.5's layer kinds (HF `layer_types`): Gated DeltaNet or gated softmax attention.
@@ -331,14 +346,42 @@ def mla_yarn_config(hf_config) -> dict:
                 mscale=float(mscale) if both else 1.0, mscale_all_dim=float(mscale_all_dim) if both else 0.0)
 
 
+def yarn_attributes(hf_config, family: Family) -> dict:
+    """The TransformerConfig attributes GPTModel's YaRN RoPE reads (position_embedding_type "yarn"; not fields of
+    the dataclass: set after construction), {} without YaRN or with multi-latent attention (its own YaRN:
+    `mla_yarn_config`). As transformers' yarn for grouped-query attention (Qwen2/3's and Llama's long-context
+    setting, gpt-oss's):
+
+      * the frequencies blend the interpolated (1 / factor) and original ones by a linear ramp between the
+        correction dims of beta_fast and beta_slow over original_max_position_embeddings, rounded outward where
+        `truncate` (default true; Megatron's yarn_correction_range_round_to_int);
+      * queries and keys (so cos and sin) scaled by the attention factor: get_mscale(factor, mscale) /
+        get_mscale(factor, mscale_all_dim) where both are set, else 0.1 ln(factor) + 1 (Megatron's
+        concentration factor does the same with None for the unset ones); the softmax scale is unchanged in
+        both. An explicit attention_factor is refused (`check_supported`)."""
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] != "yarn" or family.multi_latent_attention:
+        return {}
+    original = int(rope["original_max_position_embeddings"])
+    both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+    return dict(yarn_rotary_scaling_factor=float(rope.get("factor") or hf_config.max_position_embeddings / original),
+                yarn_original_max_position_embeddings=original,
+                yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                yarn_mscale=float(rope["mscale"]) if both else None,
+                yarn_mscale_all_dim=float(rope["mscale_all_dim"]) if both else None,
+                yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+
+
 def rope_arguments(hf_config) -> tuple[dict, dict | None]:
-    """GPTModel's RoPE keyword arguments, and the Llama-3 scaling to apply after construction
-    when Megatron's own path cannot take the config's values (else None)."""
+    """GPTModel's RoPE keyword arguments (YaRN: its own position-embedding type, `yarn_attributes`), and the
+    Llama-3 scaling to apply after construction when Megatron's own path cannot take the config's values (else
+    None)."""
     scaling = llama3_scaling(hf_config)
     megatron_path = scaling is not None and all(scaling[key] == value
                                                 for key, value in MEGATRON_LLAMA3_FIXED.items())
+    yarn = rope_parameters(hf_config)["rope_type"] == "yarn" and not family_of(hf_config).multi_latent_attention
     kwargs = dict(rotary_base=rope_theta(hf_config), rope_scaling=megatron_path,
-                  rotary_percent=rotary_fraction(hf_config))
+                  rotary_percent=rotary_fraction(hf_config), position_embedding_type="yarn" if yarn else "rope")
     if megatron_path:
         kwargs["rope_scaling_factor"] = scaling["factor"]
     return kwargs, (scaling if scaling is not None and not megatron_path else None)
@@ -418,7 +461,7 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         te_spec = transformer_engine_spec(local_spec_only(family))
     mla = mla_config(hf_config, family)
     config_class = MLATransformerConfig if mla else TransformerConfig
-    return config_class(
+    config = config_class(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         # Qwen3.5-MoE's config has no dense width: every layer is an MoE layer
@@ -454,6 +497,9 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
                                  **mla,
                                  **_moe_only(overrides, family)}, family, te_spec),
     )
+    for name, value in yarn_attributes(hf_config, family).items():  # GPTModel's YaRN reads them off the config
+        setattr(config, name, value)
+    return config
 
 
 def _with_spec_activation(fields: dict, family: Family, te_spec: bool) -> dict:
@@ -723,7 +769,6 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        position_embedding_type="rope",
         **rope_kwargs,
     )
     mark_tensor_parallel_weights(model)

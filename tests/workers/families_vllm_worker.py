@@ -76,6 +76,7 @@ def check_engine(engine, path: str, prompts: list[list[int]]) -> dict:
     if rope_parameters(load_hf_config(path))["rope_type"] != "default":
         unscaled, _ = hf_logprobs(path, torch.tensor(prompts), without_rope_scaling=True)
         report["rope_scaling_effect"] = (unscaled - expected).abs().max().item()
+        report["rope_scaling_effect_ulps"] = ulps(unscaled, expected)  # in the units of prompt_logprob_ulps
     return report
 
 

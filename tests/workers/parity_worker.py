@@ -224,7 +224,7 @@ def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) 
     rotary = model.decoder.layers[0].self_attention.rotary_pos_emb if model.config.multi_latent_attention \
         else model.rotary_pos_emb
     inv_freq = rotary.inv_freq.cpu()
-    if model.config.multi_latent_attention and model.config.rope_type == "yarn":
+    if type(rotary).__name__ == "YarnRotaryEmbedding":
         # Megatron's YaRN blends its frequencies when it builds the embedding: position 1's angles are they
         inv_freq = rotary.get_emb(2)[0][1, 0, 0, : inv_freq.numel()].cpu()
     report = {"inv_freq_ulps": ulps(inv_freq, hf_model.model.rotary_emb.inv_freq.to(inv_freq.dtype)),
