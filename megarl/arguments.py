@@ -212,7 +212,8 @@ def _add_placement_args(parser):
                         "$MEGARL_CACHE_DIR/cpu_gemm.json (default ~/.cache/megarl), so later runs compute alike "
                         "(megarl/cpu_gemm.py); with --padding-free, which attention path each packed sequence length "
                         "takes with that library is measured per machine and kept there too "
-                        "(megarl/models/attention_paths.py)")
+                        "(megarl/models/attention_paths.py); --rollout-backend hf computes its linear layers with "
+                        "oneDNN in a process that chose it (megarl/hf_rollout.py)")
 
 
 def _add_rollout_args(parser):

@@ -28,7 +28,8 @@ What it matches, and how:
 Why its own decoding loop rather than `model.generate`: generate draws from one process-wide
 RNG for the whole batch (a sample would depend on its batch neighbours) and returns logprobs of
 its own processing. The loop here (issue 54: it gives the tokens and logprobs of the loop before it,
-tests/hf_rollout_reference.py, bit for bit on the Zen 4 development host; bench/hf_rollout.py times both):
+tests/hf_rollout_reference.py, bit for bit on the Zen 4 development host with torch's GEMMs, the tokens with
+oneDNN's; bench/hf_rollout.py times both):
   * the rows go in micro-batches of at most --hf-rollout-batch-tokens cache tokens (rows x (longest
     prompt + max_new_tokens)), in row order; a prompt's samples may span two;
   * each prompt is prefilled once (left-padded, positions counted from its first real token) and its
@@ -39,6 +40,15 @@ tests/hf_rollout_reference.py, bit for bit on the Zen 4 development host; bench/
   * a step is one forward, the whole batch's logit processing and draw (each row's noise from its own
     generator, drawn for several steps at once: `_Noise`), and one transfer to the host: the tokens for
     the stop checks, with their logprobs; the rows that finish leave the batch and the cache.
+  * on CPU, where this process's fp32 GEMMs go through oneDNN (--cpu-gemm: the choice the trainer made on a
+    colocated rank, or --cpu-gemm onednn; a rollout-only rank under auto keeps torch's), the linear layers do
+    too (cpu_gemm.linear_layers_through_onednn: each weight reordered once per call, so a weight sync is seen by
+    the next call). Why: on an AMD CPU with AVX-512 MKL runs its AVX2 kernels, and the layers were two thirds of
+    the loop's time; the bench job's generate phase ran 1.3-1.35x faster than with MKL's on the Zen 4 host
+    (docs/benchmarks.md). The tokens were the old loop's in every bench round; the logprobs differ at fp32 rounding (another order of the sums, up to 3e-6 there). They
+    are then computed with the trainer's GEMM library, but that brought them no measurably nearer the trainer's:
+    the quickstart's rollout-trainer `mismatch` (tiny model, 6 steps) was 1.2-2.1e-7 either way (other kernels,
+    attention and norms, differ between the two as well).
 
 Weights: one full model per rank (no tensor parallelism), loaded in --params-dtype from
 --rollout-model; a weight sync copies each (hf_name, tensor) into the parameter of that name in
@@ -52,10 +62,12 @@ no KV cache between calls: each micro-batch preallocates one and it is handed ba
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import StaticLayer
 
-from megarl import accelerator
+from megarl import accelerator, cpu_gemm
 from megarl.offload import Offloader
 from megarl.rollout import EngineMemory, response_text
 from megarl.samples import Sample, request_seeds
@@ -148,14 +160,25 @@ class HfRolloutEngine(EngineMemory):
         """The rows in micro-batches of at most --hf-rollout-batch-tokens cache tokens, in row order."""
         budget, new = self.args.hf_rollout_batch_tokens, self.args.max_new_tokens
         batch, width = [], 0
-        for row in rows:
-            wider = max(width, len(prompts[row.prompt]))
-            if batch and (len(batch) + 1) * (wider + new) > budget:
-                self._decode_batch(prompts, batch, temperature, min_tokens, held_back, finished)
-                batch, wider = [], len(prompts[row.prompt])
-            batch.append(row)
-            width = wider
-        self._decode_batch(prompts, batch, temperature, min_tokens, held_back, finished)
+        # inference mode: no version counters or view records on the loop's many small tensors (3-4% of the bench
+        # job's CPU time with oneDNN's layers, 2.7% with torch's, measured; the same kernels, so the same values). No
+        # tensor made here leaves the call: the samples (and `finished`'s) hold lists
+        with torch.inference_mode(), self._linear_layers():
+            for row in rows:
+                wider = max(width, len(prompts[row.prompt]))
+                if batch and (len(batch) + 1) * (wider + new) > budget:
+                    self._decode_batch(prompts, batch, temperature, min_tokens, held_back, finished)
+                    batch, wider = [], len(prompts[row.prompt])
+                batch.append(row)
+                width = wider
+            self._decode_batch(prompts, batch, temperature, min_tokens, held_back, finished)
+
+    def _linear_layers(self):
+        """The linear layers through oneDNN for this call where this process's CPU GEMMs take it (module
+        docstring), else as they are."""
+        if cpu_gemm.using_onednn() or self.args.cpu_gemm == "onednn":
+            return cpu_gemm.linear_layers_through_onednn(self.model)
+        return contextlib.nullcontext()
 
     def _decode_batch(self, prompts, rows: list[_Row], temperature: float, min_tokens: int, held_back,
                       finished) -> None:

@@ -101,6 +101,29 @@ def test_a_weight_with_strided_rows_keeps_torchs_matmul(backend, counted):
     assert counted["onednn"] == 2
 
 
+@onednn
+def test_linear_layers_through_onednn_compute_its_product_row_by_row_and_come_back():
+    """linear_layers_through_onednn (the HF rollout's linear layers): inside, an fp32 nn.Linear computes oneDNN's
+    product on its plain weight bit for bit (the reordered copy changes the layout, not the sums), within fp32
+    rounding of torch's; a row's values do not depend on the rows beside it (rows leave the rollout's batch); a
+    bf16 layer keeps torch's; on exit every layer is torch's again."""
+    generator = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 48, bias=False),
+                                torch.nn.Linear(48, 8).to(torch.bfloat16)).requires_grad_(False)
+    x = torch.randn(2, 16, 64, generator=generator)
+    before = model[1](model[0](x))
+    with torch.no_grad(), cpu_gemm.linear_layers_through_onednn(model):
+        hidden = model[0](x)
+        plain = torch.ops.mkldnn._linear_pointwise(x, model[0].weight, model[0].bias, "none", [], "")
+        assert torch.equal(hidden, plain)
+        inside = model[1](hidden)
+        assert_fp32_paths_agree(inside, before, "oneDNN's linear layers against torch's")
+        assert torch.equal(model[1](hidden[:, :5]), inside[:, :5])
+        assert "forward" not in vars(model[2])
+    assert all("forward" not in vars(layer) for layer in model)
+    assert torch.equal(model[1](model[0](x)), before)
+
+
 def test_auto_leaves_the_library_the_cpu_leans_to_only_for_a_clearly_faster_one():
     assert cpu_gemm.faster(1.0, 0.5) == "onednn"
     assert cpu_gemm.faster(1.0, 0.95) == "torch"

@@ -144,22 +144,29 @@ def test_min_tokens_holds_the_stop_ids_back_and_greedy_is_one_sample(engine):
     (["--temperature", "0.7"], 0, False), (["--temperature", "1.3", "--top-k", "5"], 0, False),
     (["--temperature", "1.0", "--top-k", "20", "--top-p", "0.6"], 0, False),
     (["--temperature", "1.0", "--top-p", "0.9"], 4, False), ([], 0, True), ([], 3, True)])
-@pytest.mark.parametrize("batch_tokens,noise_bytes", [(None, None), (250, 4 * 259 * 4 * 3)])
+@pytest.mark.parametrize("batch_tokens,noise_bytes,gemm", [(None, None, "torch"), (250, 4 * 259 * 4 * 3, "torch"),
+                                                       (None, None, "onednn")])
 def test_the_decoding_gives_the_old_loops_tokens_and_logprobs(tiny_model, monkeypatch, flags, min_tokens, greedy,
-                                                               batch_tokens, noise_bytes):
+                                                               batch_tokens, noise_bytes, gemm):
     """The preallocated cache, grouped-head attention, prompts prefilled once, the batched draw from noise blocks
     and the micro-batches give the tokens of the loop before issue 54 (tests/hf_rollout_reference.py: one padded
     batch, a cache grown by concatenation, one exponential_ per row and step) for the same seeds, and its logprobs
     (bit for bit on the Zen 4 development host; asserted within two fp32 paths' rule). Second case: micro-batches of
     a few rows that cut a prompt's samples apart, and noise blocks of 3 steps (refilled, and cut when rows
-    finish)."""
+    finish). Third: --cpu-gemm onednn, the new loop's linear layers through oneDNN (the old loop keeps torch's):
+    the same tokens, the logprobs within fp32 rounding."""
     from hf_rollout_reference import old_engine
 
-    from megarl import hf_rollout
+    from megarl import cpu_gemm, hf_rollout
 
+    if gemm == "onednn" and not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
     if noise_bytes is not None:
         monkeypatch.setattr(hf_rollout, "NOISE_BYTES", noise_bytes)
-    engine = _engine(tiny_model, "--num-generations", "3", *flags,
+    products = []  # the linear layers' oneDNN products (none on torch's GEMMs)
+    onednn_linear = cpu_gemm._onednn_linear
+    monkeypatch.setattr(cpu_gemm, "_onednn_linear", lambda *a: products.append(1) or onednn_linear(*a))
+    engine = _engine(tiny_model, "--num-generations", "3", *flags, "--cpu-gemm", gemm,
                      *(["--hf-rollout-batch-tokens", str(batch_tokens)] if batch_tokens else []))
     prompts = _prompts(engine)
     for step in (0, 5):
@@ -177,6 +184,7 @@ def test_the_decoding_gives_the_old_loops_tokens_and_logprobs(tiny_model, monkey
                                 "logprobs against the old loop")
     if not greedy:  # the samples of a prompt differ (the draws are not all alike)
         assert len({tuple(s.response_ids) for s in new}) > 3
+    assert bool(products) == (gemm == "onednn")
 
 
 def test_a_generators_block_of_draws_is_its_draws_step_by_step():
