@@ -557,6 +557,16 @@ def apply_megatron_shims() -> None:
     transformer_utils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
 
+    # So is a sliding-window layer's (transformer/utils.py: get_sliding_window_causal_mask, which the local
+    # attention's softmax calls for every forward of such a layer): the same mask on the host. True = masked:
+    # outside skv - sq - left <= k - q <= skv - sq + right.
+    def sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+        visible = torch.ones(sq, skv, dtype=torch.bool).triu_(skv - sq - window_size[0])
+        return ~visible.tril_(skv - sq + window_size[1])
+
+    transformer_utils.get_sliding_window_causal_mask = sliding_window_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_causal_mask
+
     # Literal device="cuda" scalars and buffers: the fp32 optimizer's loss scale,
     # grad-norm reductions (and the local multi-tensor L2 norm in utils.py), the
     # schedules' token counter, the fp16 optimizer's loss scaler (its scale and factors:

@@ -1169,6 +1169,10 @@ def _validate_lora(args) -> None:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         experts = [module for module in resolved if module.startswith("experts.")]
+        if experts and family.gpt_oss:
+            raise ConfigError(f"--lora-target-modules with adapters on gpt-oss's routed experts ({', '.join(experts)}): "
+                              f"its checkpoint interleaves gate and up in one fused tensor, which megarl's PEFT "
+                              f"adapter export does not write; target its attention (q_proj,k_proj,v_proj,o_proj)")
         if experts and args.lora_sync == "adapter":
             raise ConfigError(f"--lora-sync adapter with adapters on the routed experts ({', '.join(experts)}): "
                               f"vLLM's MoE LoRA is not wired up here; use --lora-sync merged, or leave the "

@@ -78,7 +78,7 @@ class VllmEngine:
         kwargs.update(engine_kwargs)
         if is_multimodal(model):  # its language model alone: vLLM then builds no vision tower
             kwargs.setdefault("limit_mm_per_prompt", {"image": 0, "video": 0})
-        overrides = router_overrides(model)
+        overrides = {**router_overrides(model), **window_overrides(model)}
         if overrides:
             kwargs["hf_overrides"] = {**overrides, **kwargs.get("hf_overrides", {})}
         from megarl.vllm_logging import quiet_expected_reload_warnings
@@ -400,6 +400,40 @@ def router_overrides(model: str) -> dict:
     if not family_of(config).sigmoid_router:
         return {}
     return {field: allowed[0] for field, allowed in SIGMOID_ROUTER.items() if getattr(config, field, None) is None}
+
+
+def window_overrides(model: str) -> dict:
+    """The config fields vLLM needs to window a Qwen2/3 or Qwen-MoE model's layers as transformers and Megatron do
+    (gpt-oss: none, its layer_types checked against vLLM's fixed pattern)
+    (megatron_gpt.sliding_window_pattern). vLLM 0.32's models of these families give every layer the config's
+    sliding_window (model_executor/layers/attention/attention.py: cache_config.sliding_window, no per-layer
+    window; its qwen2.py asserts layer_types are all one kind). So: every layer windowed, nothing to change; none
+    windowed while sliding_window is set (use_sliding_window with max_window_layers >= num_hidden_layers; Qwen2-MoE
+    whose rule leaves no layer windowed), sliding_window None, else vLLM would window every layer; some windowed,
+    refused in one line (vLLM would window all or fail)."""
+    from megarl.models.families import family_of, load_hf_config
+    from megarl.models.megatron_gpt import sliding_window_pattern
+
+    config = load_hf_config(model)
+    family = family_of(config)
+    if not family.sliding_window_layers:
+        return {}
+    pattern = sliding_window_pattern(config, family)
+    if family.gpt_oss:  # vLLM's gpt_oss model windows the even layers, whatever layer_types says
+        even = [layer % 2 == 0 for layer in range(len(pattern))]
+        if getattr(config, "sliding_window", None) and pattern != even:
+            raise ValueError(f"{model}: layer_types windows layers {[i for i, w in enumerate(pattern) if w]}; vLLM "
+                             f"0.32's gpt_oss model windows the even layers (sliding first, then full, in turn), "
+                             f"as the released models do")
+        return {}
+    if all(pattern):
+        return {}
+    if not any(pattern):
+        return {"sliding_window": None} if getattr(config, "sliding_window", None) else {}
+    windowed = [layer for layer, is_windowed in enumerate(pattern) if is_windowed]
+    raise ValueError(f"{model}: sliding-window attention in layers {windowed} of {len(pattern)} only: vLLM 0.32's "
+                     f"{family.name} model windows every layer or none; a vLLM engine cannot serve it as transformers "
+                     f"computes it")
 
 
 def check_cpu_engine(model: str, params_dtype: str) -> bool:

@@ -141,8 +141,11 @@ def load_inputs(args) -> Inputs:
     if args.rollout_backend == "hf":
         from megarl.models.families import family_of
 
-        if family_of(hf_config).sigmoid_router:  # its expert bias through transformers' model: never checked
-            raise ConfigError(f"--rollout-backend hf: --model {args.model} is a {family_of(hf_config).name} model, "
+        # sigmoid routers: their expert bias (a buffer) through transformers' model, never checked; gpt-oss: the
+        # backend's own attention (grouped SDPA) has no sinks, and transformers' SDPA refuses gpt-oss
+        family = family_of(hf_config)
+        if family.sigmoid_router or family.gpt_oss:
+            raise ConfigError(f"--rollout-backend hf: --model {args.model} is a {family.name} model, "
                               f"which only vLLM's engine serves in megarl so far (use --rollout-backend vllm)")
     # The other checkpoints that are loaded: by Megatron (safetensors only) or by vLLM alone.
     for flag, path, used, megatron in (
@@ -194,7 +197,7 @@ def load_inputs(args) -> Inputs:
 def check_model_dir(flag: str, path: str, megatron: bool = True):
     """An HF checkpoint directory megarl can load: its config (a supported family) and its weights, in
     safetensors where Megatron loads them (vLLM alone also reads .bin and .pt); returns the config."""
-    from megarl.models.convert import HFCheckpoint, check_checkpoint_tensors
+    from megarl.models.convert import check_checkpoint_tensors, open_checkpoint
     from megarl.models.families import family_of, load_hf_config
     from megarl.models.megatron_gpt import check_supported
 
@@ -205,7 +208,7 @@ def check_model_dir(flag: str, path: str, megatron: bool = True):
         check_supported(config, family_of(config))
         if megatron or not any(name.endswith((".bin", ".pt")) for name in os.listdir(path)):
             # a critic's checkpoint may carry a value head instead of lm_head (critic.attach_value_head)
-            check_checkpoint_tensors(config, HFCheckpoint(path), output_layer=flag != "--critic-model")
+            check_checkpoint_tensors(config, open_checkpoint(path, config), output_layer=flag != "--critic-model")
     except Exception as error:  # noqa: BLE001 - OSError, ValueError, safetensors' errors: all one line
         raise ConfigError(f"{flag} {path}: {_first_line(error).removeprefix(f'{path}: ')}") from None
     return config

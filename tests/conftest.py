@@ -69,6 +69,7 @@ RANDOM_MODELS = {
     "random_qwen3_5_moe_untied": ("qwen3_5_moe", False, 16, None),
     "random_deepseek_v3_untied": ("deepseek_v3", False, 23, None),  # q through q_a_proj / q_b_proj
     "random_glm4_moe_untied": ("glm4_moe", False, 26, None),  # q/k/v biases and q/k norms
+    "random_gpt_oss_untied": ("gpt_oss", False, 33, None),  # sinks, biases, sliding and full layers, YaRN
 }
 
 
@@ -109,6 +110,15 @@ GQA_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=6
 def random_qwen3_yarn(tmp_path_factory) -> str:
     """A random Qwen3 with YaRN RoPE (GQA_YARN), untied."""
     return make_random_model(tmp_path_factory.mktemp("random_qwen3_yarn"), "qwen3", False, 32, rope_extra=GQA_YARN)
+
+
+@pytest.fixture(scope="session")
+def random_qwen3_sliding(tmp_path_factory) -> str:
+    """A random Qwen3 with sliding-window attention in its second layer of two (use_sliding_window,
+    max_window_layers 1: transformers' layer_types [full, sliding]) over 5 tokens, untied; weights at std 0.2, so
+    that attention depends on position enough for the window to move the logits."""
+    return make_random_model(tmp_path_factory.mktemp("random_qwen3_sliding"), "qwen3", False, 33, std=0.2,
+                             use_sliding_window=True, sliding_window=5, max_window_layers=1)
 
 
 @pytest.fixture(scope="session")
@@ -183,6 +193,14 @@ def random_glm4_moe_policy(tiny_model, tmp_path_factory) -> str:
                                  **tokens)
 
     return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_glm4_moe_policy"), make)
+
+
+@pytest.fixture(scope="session")
+def random_gpt_oss_policy(tiny_model, tmp_path_factory) -> str:
+    """A random gpt-oss (tests/helpers.py's shape: 8 experts of width 64, top 2, sliding and full layers) with the
+    tiny tokenizer."""
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_gpt_oss_policy"),
+                                lambda path, tokens: make_random_model(path, "gpt_oss", False, 34, **tokens))
 
 
 @pytest.fixture(scope="session")
@@ -275,6 +293,12 @@ def _tiny_build(out: Path, *flags: str) -> str:
         subprocess.run([sys.executable, "tools/make_tiny_model.py", *flags, "--out", str(out), "--quiet"], cwd=ROOT,
                        check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> str:
+    """A random gpt-oss policy with the tiny tokenizer (tools/make_tiny_model.py --family gpt_oss: no warm-up)."""
+    return _tiny_build(tmp_path_factory.mktemp("tiny_gpt_oss") / "tiny-gpt_oss", "--family", "gpt_oss")
 
 
 @pytest.fixture(scope="session")

@@ -172,7 +172,16 @@ _FAMILIES = {
                       topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
                       norm_topk_prob=True, num_nextn_predict_layers=1,
                       rope_extra=dict(partial_rotary_factor=0.5)), 0.1),
+    # gpt-oss: biases everywhere, a learned sink per head, 8 experts of width 64 (vLLM's CPU MoE packs multiples
+    # of 32) under a softmax-after-top-k router with a bias, the clamped SwiGLU, YaRN RoPE as the released models
+    # (truncate false) at a tiny scale, alternating sliding-window (8 tokens) and full layers.
+    "gpt_oss": (("GptOssConfig", "GptOssForCausalLM"),
+                dict(max_position_embeddings=512, head_dim=32, intermediate_size=64, num_local_experts=8,
+                     num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                     rope_extra=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                     beta_fast=32.0, beta_slow=1.0, truncate=False)), 0.1),
 }
+GPT_OSS_GATE_UP_SCALE = 300.0
 DEEPSEEK_MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
 
 
@@ -207,6 +216,9 @@ def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: 
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias: on the scale of the scores
                 buffer.normal_(std=expert_bias_std)
+        for name, param in model.named_parameters():
+            if name.endswith("experts.gate_up_proj"):  # gpt-oss: gate and up past its SwiGLU's clamp at 7 (the
+                param.mul_(GPT_OSS_GATE_UP_SCALE)    # normed inputs are ~0.1: at std 0.1 they stay near 0.1)
     model.save_pretrained(path)
     if family in ("deepseek_v3", "glm4_moe"):
         _add_mtp_layers(path, config, seed)

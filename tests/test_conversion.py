@@ -7,7 +7,10 @@ launch, because start-up dominates and the checks per checkpoint take a second):
 
   family  checkpoints (tests/conftest.py)                       (TP, PP) layouts
   qwen2   built-in tiny model, random untied, random tied        (1,1) (2,1) (1,2)
-  qwen3   random untied, random tied (q/k norms, head_dim 32)    (1,1) (2,1) (1,2) (with qwen3_5's)
+  qwen3   random untied, random tied (q/k norms, head_dim 32),   (1,1) (2,1) (1,2) (with qwen3_5's)
+          YaRN, sliding window (layer 1 of 2 windowed to 5
+          tokens at 150: padded and packed logits, the window's
+          effect on transformers' own)
   llama   random untied (Llama-3 RoPE, our scaling path),        (1,1) (2,1)
           random tied (Llama-3 RoPE, Megatron's own path)
   qwen3_5 random untied, random tied (Gated DeltaNet and gated   (1,1) (2,1) (1,2)
@@ -36,7 +39,7 @@ from helpers import fp32_limit, read_json, torchrun
 
 FAMILY_CHECKPOINTS = {
     "qwen2": ["tiny_model", "random_qwen2_untied", "random_qwen2_tied"],
-    "qwen3": ["random_qwen3_untied", "random_qwen3_tied", "random_qwen3_yarn"],
+    "qwen3": ["random_qwen3_untied", "random_qwen3_tied", "random_qwen3_yarn", "random_qwen3_sliding"],
     "llama": ["random_llama_untied", "random_llama_tied"],
     "qwen3_5": ["random_qwen3_5_untied", "random_qwen3_5_tied", "multimodal_qwen3_5"],
 }
@@ -74,7 +77,8 @@ def test_logits_parity_and_round_trip(families, tp, pp, request, tmp_path):
 
 
 MOE_CHECKPOINTS = ["random_qwen3_moe_untied", "random_qwen3_moe_tied", "random_qwen2_moe_untied",
-                   "random_qwen3_5_moe_untied", "random_qwen3_moe_mixed", "random_qwen2_moe_mixed"]
+                   "random_qwen3_5_moe_untied", "random_qwen3_moe_mixed", "random_qwen2_moe_mixed",
+                   "random_gpt_oss_untied"]
 # routed-expert layers of each: every layer; the mixed stacks' 3 of 4 (mlp_only_layers [2]) and 2 of 4
 # (decoder_sparse_step 2)
 MOE_LAYERS = {"random_qwen3_5_moe_untied": 4, "random_qwen3_moe_mixed": 3, "random_qwen2_moe_mixed": 2}
@@ -93,10 +97,18 @@ def test_moe_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
     run = read_json(out)
     assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
     assert [r["family"] for r in run["models"]] == ["qwen3_moe", "qwen3_moe", "qwen2_moe", "qwen3_5_moe",
-                                                    "qwen3_moe", "qwen2_moe"]
+                                                    "qwen3_moe", "qwen2_moe", "gpt_oss"]
     for name, report in zip(MOE_CHECKPOINTS, run["models"]):
         if pp == 1:
             _assert_parity(report)
+        if report["family"] == "gpt_oss":  # sinks, clamp (and window, YaRN: _assert_parity) matter; experts fused
+            if pp == 1:
+                limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
+                assert report["sinks_effect"] > 2 * limit and report["swiglu_clamp_effect"] > 2 * limit, report
+            assert sorted(n.rsplit(".", 1)[-1] for n in report["exported_names"] if ".mlp.experts." in n) == sorted(
+                ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"] * 2), report
+            assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
+            continue
         # 8 experts x 3 tensors x the MoE layers beside the attention's: every expert of every EP rank
         assert sum(".mlp.experts." in name for name in report["exported_names"]) == 24 * MOE_LAYERS.get(name, 2), report
         dense = [n for n in report["exported_names"] if n.endswith(".mlp.gate_proj.weight")]
@@ -173,6 +185,8 @@ def _assert_parity(report):
     expected = {"logit", "logprob", "entropy", "value", "inv_freq", "topk_logprob", "topk_mass", "full_kl",
                 "full_kl_grad", *(f"gkd_{mode}{grad}" for mode in ("renorm", "tail", "full_beta0", "full_beta0.5",
                                                                   "full_beta1") for grad in ("", "_grad"))}
+    if "sliding_window_effect" in report:  # the same sequences packed into one row (--padding-free)
+        expected.add("packed_logit")
     assert {name[: -len("_ulps")] for name in measured} == expected, report
     assert report["full_kl_mean"] > 1e-3, report  # the KL itself is far from 0
     for name in ("full_kl", "gkd_renorm", "gkd_tail", "gkd_full_beta0", "gkd_full_beta0.5", "gkd_full_beta1"):
@@ -185,24 +199,27 @@ def _assert_parity(report):
     # RoPE: where scaled, the scaling moves HF's logits by far more than the logits' rounding, so a
     # model that ignored it would fail.
     # (the Llama checkpoints' Llama-3 scaling; DeepSeek-V3's YaRN, whose test checks its effect against the rule)
-    scaled = {"llama": ("llama3",), "deepseek_v3": ("default", "yarn"), "qwen3": ("default", "yarn")}.get(
+    scaled = {"llama": ("llama3",), "deepseek_v3": ("default", "yarn"), "qwen3": ("default", "yarn"),
+              "gpt_oss": ("yarn",)}.get(
         report["family"], ("default",))
     assert report["rope_type"] in scaled, report
     if report["rope_type"] != "default":
         limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
         assert report["rope_scaling_effect"] > max(2 * limit, 1e-2 if report["rope_type"] == "llama3" else 0), report
+    if "sliding_window_effect" in report:  # the window moves transformers' logits far past the rule: it is not ignored
+        assert report["sliding_window_effect"] > 2 * fp32_limit(0.0) * report["logit_scale"] * 2.0**-23, report
 
 
 # ------------------------------------------------------------ config checks --
 
 def _config(family, **fields):
-    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig,
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
     config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
                     "qwen2_moe": Qwen2MoeConfig, "qwen3_5": Qwen3_5TextConfig,
                     "qwen3_5_moe": Qwen3_5MoeTextConfig, "deepseek_v3": DeepseekV3Config,
-                    "glm4_moe": Glm4MoeConfig}[family]
+                    "glm4_moe": Glm4MoeConfig, "gpt_oss": GptOssConfig}[family]
     if family.startswith("qwen3_5"):
         fields = {"head_dim": 32, "layer_types": ["linear_attention", "full_attention"], **fields}
     kv_heads = 2
@@ -211,6 +228,8 @@ def _config(family, **fields):
         fields = {**dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
                          moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
                          first_k_dense_replace=1), **fields}
+    if family == "gpt_oss":
+        fields = {**dict(num_local_experts=8, num_experts_per_tok=2, layer_types=["full_attention"] * 2), **fields}
     if family == "glm4_moe":
         fields = {**dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
                          first_k_dense_replace=1), **fields}
@@ -220,7 +239,7 @@ def _config(family, **fields):
 
 
 @pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe", "qwen3_5_moe", "deepseek_v3",
-                                    "glm4_moe"])
+                                    "glm4_moe", "gpt_oss"])
 def test_family_of_picks_by_architecture_then_model_type(family):
     from megarl.models.families import FAMILIES, family_of
 
@@ -259,7 +278,11 @@ REFUSED = [
     ("qwen3", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=4.0)), "rope_type='dynamic'"),
     ("qwen2", dict(rope_parameters=dict(LLAMA3)), "rope_type='llama3'"),
     ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)), "rope_type='linear'"),
-    ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "sliding-window"),
+    # sliding windows: on a family whose windowed layers megarl does not map; a windowed layer without its width
+    ("llama", dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
+    ("glm4_moe", dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
+    ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "sliding_window=None"),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=0, max_window_layers=2), "sliding_window=0"),
     ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor"),
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
@@ -287,6 +310,11 @@ REFUSED = [
                                               original_max_position_embeddings=4096)), "mscale_all_dim=1.0 without"),
     ("deepseek_v3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=4.0)), "rope_type='linear'"),
     # GLM-4.5: its router is DeepSeek-V3's, its attention grouped-query with half the head rotated
+    # gpt-oss: values vLLM's activation fixes, biases Megatron gives every linear, a quantized release
+    ("gpt_oss", dict(swiglu_alpha=1.5), "swiglu_alpha=1.5"),
+    ("gpt_oss", dict(swiglu_limit=10.0), "swiglu_limit=10.0"),
+    ("gpt_oss", dict(attention_bias=False), "attention_bias=False"),
+    ("gpt_oss", dict(quantization_config=dict(quant_method="mxfp4")), "quant_method 'mxfp4'"),
     ("glm4_moe", dict(norm_topk_prob=False), "norm_topk_prob=False"),
     ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0"),
     ("glm4_moe", dict(first_k_dense_replace=2), "no layer has routed experts"),
@@ -339,6 +367,70 @@ def test_qwen3_5_partial_rope_and_layer_pattern_reach_megatron():
     assert (megatron.linear_num_key_heads, megatron.linear_num_value_heads) == (2, 4)
 
 
+SLIDING = dict(use_sliding_window=True, sliding_window=7)
+
+
+@pytest.mark.parametrize("family,fields,windowed", [
+    ("qwen2", dict(SLIDING, num_hidden_layers=4, max_window_layers=1), [0, 1, 1, 1]),  # from max_window_layers on
+    ("qwen3", dict(SLIDING, num_hidden_layers=4, max_window_layers=0), [1, 1, 1, 1]),
+    ("qwen3", dict(SLIDING, num_hidden_layers=4, max_window_layers=4), None),  # sliding_window set, no layer windowed
+    ("qwen3", dict(num_hidden_layers=4, max_window_layers=0), None),  # use_sliding_window false
+    ("qwen2_moe", dict(SLIDING, num_hidden_layers=6, max_window_layers=5), [1, 0, 1, 0, 1, 0]),  # even layers below it
+    ("qwen3_moe", dict(SLIDING, num_hidden_layers=3), [1, 1, 1]),  # no layer_types: every layer
+])
+def test_sliding_window_layers_are_where_transformers_windows(family, fields, windowed):
+    """Which layers attend through a sliding window (Megatron's window_attn_skip_freq, 1 = windowed) and over how
+    many tokens (window_size (sliding_window - 1, 0)) is read off transformers' own model of the config: each
+    attention module's sliding_window, as its masks use it. The families' rules differ (Qwen2/3: layers from
+    max_window_layers on; Qwen2-MoE: the even layers below it; Qwen3-MoE: every layer)."""
+    import torch
+    import transformers
+
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import check_supported, transformer_config
+
+    config = _config(family, **fields)
+    model_class = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                   "qwen2_moe": "Qwen2MoeForCausalLM"}[family]
+    config.architectures = [model_class]
+    with torch.device("meta"):
+        hf_model = getattr(transformers, model_class)(config)
+    hf_windows = [getattr(layer.self_attn, "sliding_window", None) for layer in hf_model.model.layers]
+    check_supported(config, family_of(config))
+    megatron = transformer_config(config, family_of(config), 1, 1, 1, torch.float32)
+    if windowed is None:
+        assert megatron.window_size is None and megatron.window_attn_skip_freq is None
+        assert not any(hf_windows), hf_windows
+        return
+    assert [int(bool(w)) for w in hf_windows] == windowed == megatron.window_attn_skip_freq, hf_windows
+    assert {w for w in hf_windows if w} == {7} and megatron.window_size == (6, 0)
+
+
+@pytest.mark.parametrize("family,fields,overrides", [
+    ("qwen3", dict(SLIDING, max_window_layers=0), {}),  # every layer windowed: vLLM's model-wide window is right
+    ("qwen3_moe", dict(SLIDING), {}),
+    ("qwen3", dict(SLIDING, max_window_layers=2), {"sliding_window": None}),  # none windowed, sliding_window set
+    ("qwen2", dict(max_window_layers=0), {}),  # use_sliding_window false: sliding_window None already
+    ("llama", {}, {}),
+    ("qwen2", dict(SLIDING, max_window_layers=1), "sliding-window attention in layers [1] of 2 only"),
+    ("qwen2_moe", dict(SLIDING, max_window_layers=2), "sliding-window attention in layers [0] of 2 only"),
+])
+def test_vllm_engines_window_the_layers_transformers_windows(family, fields, overrides, tmp_path):
+    """vLLM 0.32's Qwen models give every layer the config's sliding_window: the engine's config overrides make
+    that transformers' windows (none: sliding_window None), and a model windowed in some layers only is refused
+    in one line before vLLM starts."""
+    from megarl.rollout import window_overrides
+
+    config = _config(family, **fields)
+    config.save_pretrained(tmp_path)
+    if isinstance(overrides, dict):
+        assert window_overrides(str(tmp_path)) == overrides
+        return
+    with pytest.raises(ValueError) as error:
+        window_overrides(str(tmp_path))
+    assert overrides in str(error.value) and "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("family,fields", [
     ("qwen3_moe", dict(num_hidden_layers=6, mlp_only_layers=[0, 3])),
     ("qwen2_moe", dict(num_hidden_layers=6, decoder_sparse_step=2)),
@@ -376,6 +468,63 @@ def test_dense_and_moe_layers_are_where_transformers_builds_them(family, fields)
         ours = {name for name in names if name.startswith(f"model.layers.{layer}.") and ".experts." not in name}
         theirs = {name for name in hf_names if name.startswith(f"model.layers.{layer}.") and ".experts." not in name}
         assert ours == theirs, (layer, ours ^ theirs)
+
+
+def test_gpt_oss_config_reaches_megatron():
+    """gpt-oss as Megatron's config: biases on every linear, a learned sink per head, the clamped SwiGLU with
+    its (up + 1) term, experts of intermediate_size, top-k then softmax over the k (transformers' router)."""
+    import torch
+
+    from megarl.models.families import family_of
+    from megarl.models.megatron_gpt import check_supported, gpt_oss_glu_activation, transformer_config
+
+    config = _config("gpt_oss", intermediate_size=96)
+    check_supported(config, family_of(config))
+    megatron = transformer_config(config, family_of(config), 1, 1, 1, torch.float32)
+    assert (megatron.add_bias_linear, megatron.softmax_type, megatron.activation_func_clamp_value,
+            megatron.glu_linear_offset) == (True, "learnable", 7.0, 1.0)
+    assert megatron.activation_func is gpt_oss_glu_activation and megatron.gated_linear_unit
+    assert (megatron.num_moe_experts, megatron.moe_router_topk, megatron.moe_ffn_hidden_size) == (8, 2, 96)
+    assert megatron.moe_router_score_function == "softmax" and not megatron.moe_router_pre_softmax
+
+
+def test_fused_experts_read_and_written_as_transformers_computes():
+    """gpt-oss's fused expert tensors (interleaved gate/up, x @ W) read as per-expert nn.Linear tensors that
+    compute transformers' own gate and up, and an export stream of those fused back bit for bit."""
+    import torch
+
+    from megarl.models import fused_experts
+
+    experts, hidden, width = 3, 8, 6
+    generator = torch.Generator().manual_seed(0)
+    stored = {f"model.layers.2.mlp.experts.{name}": torch.randn(*shape, generator=generator) for name, shape in (
+        ("gate_up_proj", (experts, hidden, 2 * width)), ("gate_up_proj_bias", (experts, 2 * width)),
+        ("down_proj", (experts, width, hidden)), ("down_proj_bias", (experts, hidden)))}
+
+    class Stored:
+        path, weight_map = "stored", dict.fromkeys(stored, "model.safetensors")
+
+        def get(self, name):
+            return stored[name]
+
+    view = fused_experts.PerExpertView(Stored(), experts)
+    prefix = "model.layers.2.mlp.experts."
+    x = torch.randn(4, hidden, generator=generator)
+    for expert in range(experts):
+        gate_up = x @ stored[prefix + "gate_up_proj"][expert] + stored[prefix + "gate_up_proj_bias"][expert]
+        gate = torch.nn.functional.linear(x, view.get(f"{prefix}{expert}.gate_proj.weight"),
+                                          view.get(f"{prefix}{expert}.gate_proj.bias"))
+        up = torch.nn.functional.linear(x, view.get(f"{prefix}{expert}.up_proj.weight"),
+                                        view.get(f"{prefix}{expert}.up_proj.bias"))
+        assert torch.allclose(gate, gate_up[:, ::2], atol=1e-5) and torch.allclose(up, gate_up[:, 1::2], atol=1e-5)
+    names = [name for name in view.weight_map if name.startswith(prefix)]
+    assert len(names) == experts * len(fused_experts.PARTS)
+    stream = [(name, view.get(name)) for expert in range(experts) for name in names if f".{expert}." in name]
+    fused = dict(fused_experts.fuse(iter([("model.norm.weight", torch.ones(2))] + stream), experts))
+    assert set(fused) == set(stored) | {"model.norm.weight"}
+    assert all(torch.equal(fused[name], stored[name]) for name in stored)
+    with pytest.raises(RuntimeError, match="experts missing"):
+        list(fused_experts.fuse(iter(stream[:-1]), experts))
 
 
 @pytest.mark.parametrize("bias,qk_norm", [(True, True), (False, False), (True, False)])

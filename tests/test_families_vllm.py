@@ -1,6 +1,6 @@
 """The new model families in vLLM's CPU build: a Qwen3 (q/k norms, head_dim != hidden /
-heads), a Llama with Llama-3 RoPE scaling, a Qwen3-MoE, the Qwen3.5 families (dense, MoE and
-the multimodal checkpoint layout), a DeepSeek-V3 (multi-latent attention, sigmoid-routed experts), a GLM-4.5
+heads; also with YaRN, and with sliding-window attention), a Llama with Llama-3 RoPE scaling, a Qwen3-MoE,
+the Qwen3.5 families (dense, MoE and the multimodal checkpoint layout), a DeepSeek-V3 (multi-latent attention, sigmoid-routed experts), a GLM-4.5
 and a Qwen2-MoE with dense layers among its MoE layers,
 each loaded into a colocated rollout engine (TP=2, external launcher) from an HF checkpoint and then
 through the weight sync from Megatron (TP=2), checked against transformers after each; then the first
@@ -21,6 +21,10 @@ CASES = {  # family: (tied, Llama-3 RoPE)
     "qwen3": (True, None),
     # YaRN on grouped-query attention (conftest.GQA_YARN: factor 4 over an original context of 64, truncate false)
     "qwen3_yarn": (False, None),
+    # sliding-window attention over 16 tokens of the 96-token prompts in every layer (max_window_layers 0: vLLM 0.32
+    # gives every layer the config's window, megarl/rollout.py: window_overrides); Megatron's windowed layers
+    # produce the synced weights
+    "qwen3_sliding": (False, None),
     "llama": (False, "custom"),
     "qwen3_moe": (False, None),  # vLLM's fused experts; Megatron at EP=2 (experts gathered for the sync)
     # Gated DeltaNet layers: vLLM's qwen3_5 model with megarl's fp32 CPU core (megarl/vllm_cpu.py)
@@ -41,8 +45,10 @@ CASES = {  # family: (tied, Llama-3 RoPE)
     # a mixed stack: Qwen2-MoE (gated shared expert, plain top-k) whose every other layer is dense
     # (decoder_sparse_step 2), so the sync streams dense and expert layers in turn
     "qwen2_moe_mixed": (True, None),
+    # gpt-oss: biases, sinks, the clamped SwiGLU, YaRN; experts fused in the checkpoint and in the sync's stream
+    "gpt_oss": (False, None),
 }
-MOE = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "qwen2_moe_mixed")
+MOE = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "qwen2_moe_mixed", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -54,8 +60,13 @@ def test_family_in_vllm_fresh_and_synced(family, tmp_path):
     if family.startswith("deepseek_v3"):
         fields.update(kv_lora_rank=512, qk_rope_head_dim=64)
     # YaRN: weights at std 0.2, so that attention depends on positions enough for the scaling to show
+    if family == "gpt_oss":  # expert width from intermediate_size (no moe_intermediate_size); a window of 16 of the
+        fields = dict(sliding_window=16)  # 96-token prompts on its even layers, as vLLM's gpt_oss model places them
     if family == "qwen3_yarn":
         family, fields = "qwen3", dict(fields, rope_extra=GQA_YARN, std=0.2)
+    if family == "qwen3_sliding":  # std 0.2: attention depends on position enough for the window to show
+        family, fields = "qwen3", dict(fields, use_sliding_window=True, sliding_window=16, max_window_layers=0,
+                                       std=0.2)
     if family == "deepseek_v3_yarn":
         family, fields = "deepseek_v3", dict(fields, rope_extra=DEEPSEEK_YARN, std=0.2)
     if family == "qwen2_moe_mixed":
@@ -72,7 +83,9 @@ def test_family_in_vllm_fresh_and_synced(family, tmp_path):
     torchrun("families_vllm_worker.py", "--fresh", fresh, "--synced", synced, "--out", out, *parallel, timeout=900)
     report = read_json(out)
     print(f"{family}: engine KV cache per token: {report['kv_cache']}; prompt logprob ulps fresh / synced: "
-          f"{report['fresh']['prompt_logprob_ulps']:.0f} / {report['synced']['prompt_logprob_ulps']:.0f}")
+          f"{report['fresh']['prompt_logprob_ulps']:.0f} / {report['synced']['prompt_logprob_ulps']:.0f}"
+          + (f"; sliding window's effect {report['fresh']['sliding_window_effect_ulps']:.0f} ulps"
+             if "sliding_window_effect_ulps" in report["fresh"] else ""))
     for stage in ("fresh", "synced"):
         result = report[stage]
         # vLLM (fp32) against transformers in float64, within the fp32 rule (tests/helpers.py). DeepSeek-V3 with
@@ -81,7 +94,11 @@ def test_family_in_vllm_fresh_and_synced(family, tmp_path):
         assert result["greedy_gap_ulps"] <= FP32_ULPS, (stage, result)  # vLLM's greedy token is transformers' argmax
         if rope is not None or "rope_extra" in fields:  # the scaling moves transformers' own log-probs past the rule
             assert result["rope_scaling_effect_ulps"] > 2 * FP32_ULPS, (stage, result)
+        if fields.get("use_sliding_window"):  # so does the window: an engine that ignored it would fail
+            assert result["sliding_window_effect_ulps"] > 2 * FP32_ULPS, (stage, result)
     assert report["synced"]["sync_bytes"] > 0
+    if fields.get("use_sliding_window"):  # vLLM's KV cache for windowed layers
+        assert report["kv_cache"]["spec"] == "SlidingWindowSpec", report["kv_cache"]
     # The sync really changed the engine's weights: other greedy continuations.
     assert report["fresh"]["greedy_tokens"] != report["synced"]["greedy_tokens"]
     # Synced back to the first checkpoint, the engine is the fresh one again, bit for bit, on both TP ranks:

@@ -403,3 +403,114 @@ def test_a_packed_rows_layers_cut_it_by_its_host_bounds_and_give_the_same_logits
                            for piece in tokens.split(lengths, dim=1)])
     assert torch.equal(packed, read_back)
     assert_fp32_paths_agree(packed[0], alone, "packed vs each sequence alone")
+
+
+def _hf_sliding_window_attention(query, key, value, window, scale):
+    """transformers' eager attention (Qwen2's eager_attention_forward) of one sequence under its own sliding-window
+    causal mask (masking_utils: causal_mask_function and sliding_window_overlay), in the dtype of the inputs:
+    query [s, heads, dim], key and value [s, groups, dim] -> [s, heads, dim]."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    visible = and_masks(causal_mask_function, sliding_window_overlay(window))
+    allowed = visible(0, 0, torch.arange(query.shape[0])[:, None], torch.arange(key.shape[0])[None, :])  # [q, k]
+    bias = torch.zeros(allowed.shape, dtype=query.dtype).masked_fill_(~allowed, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], training=False)
+    output, _ = eager_attention_forward(module, query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                        value.transpose(0, 1)[None], bias[None, None], scale)
+    return output[0]  # [s, heads, dim]
+
+
+def test_sliding_window_layers_attend_as_transformers_on_every_path(megatron_rank, monkeypatch):
+    """A sliding-window layer (Megatron's window_size / window_attn_skip_freq as megatron_gpt.window_config sets
+    them) in megarl's core attention against transformers' eager attention under its sliding-window mask in float64:
+    a padded batch (Megatron's local attention, its softmax's windowed mask built on the host:
+    accelerator.apply_megatron_shims), a packed row of unequal sequences (per sequence the local attention, not
+    torch's kernel nor megarl's GEMM paths, which have no window), and each rank's two chunks under context
+    parallelism 2 (the window folded into the explicit mask); outputs and the inputs' gradients within the fp32
+    rule. The model's other layer (window_attn_skip_freq 0) keeps full causal attention and the fast paths."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from helpers import fp32_limit, ulps
+    from megarl import context_parallel
+    from megarl.models.attention import PackedDotProductAttention
+
+    window, heads, groups, dim = 5, 4, 2, 16
+    config = TransformerConfig(num_layers=2, hidden_size=heads * dim, num_attention_heads=heads,
+                               num_query_groups=groups, attention_dropout=0.0, hidden_dropout=0.0,
+                               use_cpu_initialization=True, window_size=(window - 1, 0), window_attn_skip_freq=[1, 0])
+    windowed, full = (PackedDotProductAttention(config, layer_number=layer, attn_mask_type=AttnMaskType.causal,
+                                                attention_type="self") for layer in (1, 2))
+    assert windowed.window_size == (window - 1, 0) and not windowed._fused_attention_applies(None)
+    assert full.window_size is None and full._fused_attention_applies(None)
+    scale = windowed.softmax_scale
+    generator = torch.Generator().manual_seed(0)
+
+    def check(run, sequences, what):
+        """run(q, k, v) -> [t, heads * dim] for the sequences laid end to end, against the reference per sequence."""
+        inputs = [torch.cat([torch.randn(s, h, dim, generator=generator, dtype=torch.float64) for s in sequences])
+                  for h in (heads, groups, groups)]
+        upstream = torch.randn(sum(sequences), heads * dim, generator=generator, dtype=torch.float64)
+
+        def reference(q, k, v):
+            return torch.cat([_hf_sliding_window_attention(*parts, window, scale)
+                              for parts in zip(q.split(sequences), k.split(sequences), v.split(sequences))]
+                             ).reshape(sum(sequences), -1)
+
+        expected = forward_and_grads(reference, inputs, upstream)
+        ours = forward_and_grads(lambda q, k, v: run(q, k, v).reshape(sum(sequences), -1),
+                                 [x.float() for x in inputs], upstream.float())
+        measured = {name: ulps(a, b) for name, a, b in zip(("output", "query grad", "key grad", "value grad"),
+                                                          ours, expected)}
+        print(f"sliding window, {what}: ulps {measured}")
+        assert max(measured.values()) <= fp32_limit(), (what, measured)
+        if len(sequences) == 1:  # the window matters here: full causal attention is far from it
+            full_causal = F.scaled_dot_product_attention(
+                *(x.repeat_interleave(heads // x.shape[1], 1).transpose(0, 1)[None] for x in inputs),
+                is_causal=True, scale=scale)[0].transpose(0, 1).reshape(sum(sequences), -1)
+            assert ulps(full_causal, expected[0]) > 100 * fp32_limit()
+
+    # padded: two rows of 23 tokens ([s, b, heads, dim]), Megatron's local attention with its windowed mask
+    def padded(q, k, v):
+        rows = [x.reshape(2, 23, *x.shape[1:]).transpose(0, 1) for x in (q, k, v)]
+        return windowed(*rows, None).transpose(0, 1)  # [s, b, heads * dim] -> [b, s, ...]
+
+    check(padded, [23, 23], "padded")
+    # one sequence alone also shows the window moves the result
+    check(lambda q, k, v: windowed(q[:, None], k[:, None], v[:, None], None), [31], "one sequence")
+
+    lengths = [7, 1, 30, 12]
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    check(lambda q, k, v: windowed(q, k, v, None, packed_seq_params=packed), lengths, "packed")
+
+    # context parallelism 2: each rank's queries are chunks 0 and 3 (rank 0) or 1 and 2 (rank 1) of each slot's
+    # 4; the keys and values gathered over the CP group are the whole slots' (the gather stood in for here)
+    cp, slots = 2, [16, 24]
+    slot_bounds = torch.tensor([0, *torch.tensor(slots).cumsum(0).tolist()], dtype=torch.int32)
+    cp_packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=slot_bounds, cu_seqlens_kv=slot_bounds,
+                                max_seqlen_q=max(slots), max_seqlen_kv=max(slots), cu_seqlens_q_padded=slot_bounds,
+                                cu_seqlens_kv_padded=slot_bounds)
+    monkeypatch.setattr(config, "context_parallel_size", cp)
+    for rank in range(cp):
+        places = context_parallel.local_positions(slots, cp, rank)
+        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda rank=rank: rank)
+        generator.manual_seed(rank)
+        query, key, value = (torch.cat([torch.randn(s, h, dim, generator=generator, dtype=torch.float64)
+                                        for s in slots]) for h in (heads, groups, groups))
+        gathered = [key.float(), value.float()]
+        monkeypatch.setattr(context_parallel, "gather", lambda local, slots, dim=0: gathered.pop(0))
+        ours = windowed(query.float()[places], key.float()[places], value.float()[places], None,
+                        packed_seq_params=cp_packed)[:, 0]
+        expected = torch.cat([_hf_sliding_window_attention(*parts, window, scale) for parts in
+                              zip(query.split(slots), key.split(slots), value.split(slots))]
+                             ).reshape(sum(slots), -1)[places]
+        print(f"sliding window, CP rank {rank}: output ulps {ulps(ours, expected):.1f}")
+        assert ulps(ours, expected) <= fp32_limit(), f"CP rank {rank}: {ulps(ours, expected):.0f} ulps"
+    assert windowed.scale_mask_softmax.window_size == (window - 1, 0)  # put back after each CP forward

@@ -352,15 +352,18 @@ def test_quickstart_learns_with_the_hf_backend(tiny_model, tmp_path):
     assert reward_rise(tmp_path / "tb") >= 0.20, (reward_rise(tmp_path / "tb"), line)
 
 
-def test_the_hf_backend_refuses_deepseek_v3_in_one_line(random_deepseek_v3_policy):
-    """Only vLLM's engine serves DeepSeek-V3 so far (its expert bias through transformers' model is unchecked):
-    the HF backend stops at start, naming the model and its family, before anything starts or is written."""
+@pytest.mark.parametrize("policy,family", [("random_deepseek_v3_policy", "deepseek_v3"),
+                                           ("random_gpt_oss_policy", "gpt_oss")])
+def test_the_hf_backend_refuses_the_families_only_vllm_serves_in_one_line(policy, family, request):
+    """Only vLLM's engine serves DeepSeek-V3 (its expert bias through transformers' model is unchecked) and gpt-oss
+    (the backend's grouped SDPA has no attention sinks) so far: the HF backend stops at start, naming the model
+    and its family, before anything starts or is written."""
     from megarl.arguments import parse_args
     from megarl.errors import ConfigError
     from megarl.run import load_inputs
 
-    args = parse_args(["--model", random_deepseek_v3_policy, "--rollout-backend", "hf"], world_size=1)
+    args = parse_args(["--model", request.getfixturevalue(policy), "--rollout-backend", "hf"], world_size=1)
     with pytest.raises(ConfigError) as error:
         load_inputs(args)
     message = str(error.value)
-    assert "\n" not in message and "--rollout-backend hf" in message and "deepseek_v3" in message, message
+    assert "\n" not in message and "--rollout-backend hf" in message and family in message, message

@@ -91,11 +91,11 @@ def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(training, random_m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["tiny_deepseek_v3", "tiny_glm4_moe"])
-def test_sigmoid_router_families_grpo_at_expert_parallel(policy, request, tmp_path):
-    """Three GRPO steps of the tiny DeepSeek-V3 and GLM-4.5 through megarl/train.py (2 ranks colocated, EP=2: four
-    of their 8 sigmoid-routed experts per rank; MLA or GLM-4.5's biased, q/k-normed, half-rotated attention in
-    the trainer and in vLLM): every step trains, with a finite loss and a gradient (the length reward differs
+@pytest.mark.parametrize("policy", ["tiny_deepseek_v3", "tiny_glm4_moe", "tiny_gpt_oss"])
+def test_new_moe_families_grpo_at_expert_parallel(policy, request, tmp_path):
+    """Three GRPO steps of the tiny DeepSeek-V3, GLM-4.5 and gpt-oss through megarl/train.py (2 ranks colocated,
+    EP=2: four of their 8 experts per rank; MLA, GLM-4.5's biased, q/k-normed, half-rotated attention, gpt-oss's
+    sinks and sliding windows in the trainer and in vLLM): every step trains, with a finite loss and a gradient (the length reward differs
     within the groups), and the syncs after steps 1 and 2 reach the engine (the loaded weights in place:
     test_families_vllm.py checks them tensor by tensor), at a rollout-vs-trainer mismatch of rounding level."""
     import math
@@ -156,6 +156,20 @@ def test_bad_moe_input_is_one_line(flags, expected, random_qwen3_moe_untied):
         _parse(random_qwen3_moe_untied, *flags, world_size=6 if "--train-gpus" in flags else 2)
     message = str(error.value)
     assert expected in message and "\n" not in message, message
+
+
+def test_lora_on_gpt_oss_experts_is_one_line_and_its_attention_is_taken(random_gpt_oss_untied):
+    """gpt-oss's fused, interleaved expert tensors have no PEFT export in megarl: adapters on its experts (named,
+    or through all-linear) stop at parse naming them; its attention takes adapters."""
+    from megarl.errors import ConfigError
+
+    for targets in ("all-linear", "q_proj,experts"):
+        with pytest.raises(ConfigError) as error:
+            _parse(random_gpt_oss_untied, "--lora-rank", 8, "--lora-target-modules", targets)
+        message = str(error.value)
+        assert "gpt-oss's routed experts" in message and "\n" not in message, message
+    args = _parse(random_gpt_oss_untied, "--lora-rank", 8, "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj")
+    assert args.lora_rank == 8
 
 
 @pytest.mark.parametrize("flag,value", [("--expert-model-parallel-size", 2), ("--moe-aux-loss-coeff", 0.01),

@@ -7,6 +7,7 @@
     python tools/make_tiny_model.py --hints     # reads an answer hint (OPSD), artifacts/tiny-qwen2-hints
     python tools/make_tiny_model.py --family deepseek_v3   # a random DeepSeek-V3 (seconds), artifacts/tiny-deepseek-v3
     python tools/make_tiny_model.py --family glm4_moe      # a random GLM-4.5 (seconds), artifacts/tiny-glm4_moe
+    python tools/make_tiny_model.py --family gpt_oss       # a random gpt-oss (seconds), artifacts/tiny-gpt_oss
 
 Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
@@ -169,15 +170,23 @@ GLM4_MOE = dict(num_hidden_layers=3, head_dim=32, attention_bias=True, use_qk_no
                 n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                 routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=0)
 GLM4_MOE_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+# --family gpt_oss: gpt-oss's architecture on the same trunk, random unless --steps: 4 heads of 32 (2 key-value
+# heads) with biases and a learned sink each, sliding-window (16 tokens) and full layers in turn (2 of each), 8
+# experts of width 64 with biases, top 2, the clamped SwiGLU, YaRN RoPE (factor 4 over an original 128, truncate
+# false: the released models' kind); untied embeddings.
+GPT_OSS = dict(num_hidden_layers=4, head_dim=32, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+               sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2)
+GPT_OSS_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                    beta_fast=32.0, beta_slow=1.0, truncate=False)
 # The families built random by default (--steps 0): their MoE shape, their RoPE
 RANDOM_FAMILIES = {"deepseek_v3": (DEEPSEEK_V3, dict(rope_type="default", rope_theta=10000.0)),
-                   "glm4_moe": (GLM4_MOE, GLM4_MOE_ROPE)}
+                   "glm4_moe": (GLM4_MOE, GLM4_MOE_ROPE), "gpt_oss": (GPT_OSS, GPT_OSS_ROPE)}
 # Where each build goes by default: (family, kind) -> directory
 OUTS = {("qwen2", "policy"): "artifacts/tiny-qwen2", ("qwen2", "teacher"): TEACHER["out"],
         ("qwen2", "moe"): MOE["out"], ("qwen2", "tools"): TOOL_MODEL["out"], ("qwen2", "hints"): HINT_MODEL["out"],
         ("qwen3_5", "policy"): "artifacts/tiny-qwen3_5", ("qwen3_5", "teacher"): "artifacts/tiny-qwen3_5-teacher",
         ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe", ("deepseek_v3", "policy"): "artifacts/tiny-deepseek-v3",
-        ("glm4_moe", "policy"): "artifacts/tiny-glm4_moe"}
+        ("glm4_moe", "policy"): "artifacts/tiny-glm4_moe", ("gpt_oss", "policy"): "artifacts/tiny-gpt_oss"}
 
 
 def build_tokenizer():
@@ -542,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="qwen3_5: Qwen3.5's hybrid Gated DeltaNet / gated-attention layers on the same trunk "
                          "(the policy, --teacher or --moe; the same tokenizer, recipe and pins); deepseek_v3: "
                          "DeepSeek-V3's MLA and sigmoid-routed MoE layers; glm4_moe: GLM-4.5's attention and the same "
-                         "MoE layers; these two random unless --steps (the policy only)")
+                         "MoE layers; gpt_oss: gpt-oss's; these three random unless --steps (the policy only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None,
                     help=f"warm-up steps (default: {TRAIN['steps']}, or {TEACHER['steps']} with --teacher)")

@@ -20,9 +20,15 @@ slot: the keys and values of the whole slots are gathered over the CP group (the
 their gradients back to the ranks that hold them), and the rank's queries attend to them under the
 causal mask of their places in the sequence. This is all-gather context parallelism (TE's
 `cp_comm_type="all_gather"`), not TE's ring; on CPU hosts it is what lets CP run at all.
+
+Sliding-window layers (Qwen2/3's use_sliding_window; megatron_gpt.window_config sets config.window_size for
+them) keep Megatron's local attention on every path: padded rows and each sequence of a packed row get its
+softmax's windowed causal mask; under context parallelism the window joins the explicit mask.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
@@ -46,6 +52,13 @@ class PackedDotProductAttention(DotProductAttention):
             super().__init__(config, *args, **kwargs)
         finally:
             config.context_parallel_size = cp
+        # A sliding-window layer (config.window_size for this layer: megatron_gpt.window_config): the softmax
+        # builds the windowed causal mask itself (fused_softmax.py: forward_torch_softmax, in place of any mask
+        # passed in). Its fused CUDA kernels would not: the causal one (ScaledUpperTriangMaskedSoftmax) ignores
+        # the window, so they stay off for such a layer.
+        self.window_size = self.scale_mask_softmax.window_size
+        if self.window_size is not None:
+            self.scale_mask_softmax.scaled_masked_softmax_fusion = False
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -74,7 +87,10 @@ class PackedDotProductAttention(DotProductAttention):
         """Whether torch's scaled_dot_product_attention computes exactly what Megatron's local attention does
         here: causal, the plain softmax at this module's scale, no attention dropout while training."""
         config = self.config
-        return ((attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        # a sliding-window layer keeps the local attention (per sequence: its softmax's windowed mask); torch's
+        # kernel and megarl's GEMM paths compute full causal attention
+        return (self.window_size is None
+                and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
                 and getattr(config, "softmax_type", "vanilla") == "vanilla"
                 and not config.apply_query_key_layer_scaling
                 and not (self.training and self.attention_dropout.p > 0))
@@ -107,13 +123,31 @@ class PackedDotProductAttention(DotProductAttention):
         outputs, local_start = [], 0
         for slot, start in zip(slots, bounds[:-1]):
             places = context_parallel.local_positions([slot], cp, rank).to(query.device)
-            # True = masked: keys after the query's own place in the sequence.
-            masked = places[:, None] < torch.arange(slot, device=query.device)[None, :]
+            keys = torch.arange(slot, device=query.device)[None, :]
+            # True = masked: keys after the query's own place in the sequence; in a sliding-window layer also
+            # those more than window_size[0] before it (transformers' window: megatron_gpt.window_config)
+            masked = places[:, None] < keys
+            if self.window_size is not None:
+                masked |= keys < places[:, None] - self.window_size[0]
             local = slice(local_start, local_start + slot // cp)
-            outputs.append(super().forward(query[local, None], key[start:start + slot, None],
-                                           value[start:start + slot, None], masked[None, None], attn_mask_type))
+            with self._explicit_mask():
+                outputs.append(super().forward(query[local, None], key[start:start + slot, None],
+                                               value[start:start + slot, None], masked[None, None], attn_mask_type))
             local_start += slot // cp
         return torch.cat(outputs)
+
+    @contextlib.contextmanager
+    def _explicit_mask(self):
+        """The softmax takes the mask passed in: in a sliding-window layer it would replace it with its own
+        windowed mask (fused_softmax.py: forward_torch_softmax), laid out for queries at the end of the keys
+        (bottom-right), which a CP rank's two chunks are not; the context-parallel path folds the window into
+        its mask instead."""
+        softmax = self.scale_mask_softmax
+        window, softmax.window_size = softmax.window_size, None
+        try:
+            yield
+        finally:
+            softmax.window_size = window
 
 
 class GatedSelfAttention(SelfAttention):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from megarl.models import fused_experts
 from megarl.models.families import (BUFFER_NAMES, TE_FUSED_NAMES, Family, Rule, family_of, hf_name_prefix, layer_kinds,
                                     num_experts)
 from megarl.models.megatron_gpt import head_dim
@@ -54,6 +55,15 @@ class HFCheckpoint:
             raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
         with safe_open(os.path.join(self.path, self.weight_map[name]), "pt") as f:
             return f.get_tensor(name)
+
+
+def open_checkpoint(path: str, hf_config):
+    """The checkpoint at `path` as the family tables name its tensors: gpt-oss's fused experts read as per-expert
+    tensors (models/fused_experts.py), any other checkpoint as it is."""
+    checkpoint = HFCheckpoint(path)
+    if family_of(hf_config).gpt_oss:
+        return fused_experts.PerExpertView(checkpoint, num_experts(hf_config))
+    return checkpoint
 
 
 # ------------------------------------------------------------- layouts --------
@@ -206,7 +216,8 @@ def _rule_table(family: Family, hf_config) -> dict[str, Rule]:
 
 # A routed expert's weights: the local spec's SequentialMLP (`local_experts.<j>.linear_fc1.weight`) or Transformer
 # Engine's grouped GEMM (`linear_fc1.weight<j>`), <j> this EP rank's local index of the expert.
-_EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))")
+_EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)"
+                          r"|(linear_fc[12])\.(weight|bias)(\d+))")
 EXPERT_LAYOUTS = ("expert", "expert_gate_up")
 
 
@@ -251,10 +262,9 @@ def _local_entries(model, hf_config) -> list[tuple[str, Rule, dict | None, torch
             rest = match.group(2)
             expert = _EXPERT_NAME.fullmatch(rest)
             if expert:
-                local, linear = (expert.group(1), expert.group(2)) if expert.group(1) else \
-                    (expert.group(4), expert.group(3))
+                local, linear, kind = expert.group(1, 2, 3) if expert.group(1) else expert.group(6, 4, 5)
                 index["e"] = int(local)
-                rest = f"mlp.experts.local_experts.{{e}}.{linear}.weight"
+                rest = f"mlp.experts.local_experts.{{e}}.{linear}.{kind}"
             key = "decoder.layers.{i}." + rest
         else:
             key = name
@@ -354,7 +364,7 @@ def load_hf_weights(model, hf_path: str, hf_config) -> None:
     """Copy an HF checkpoint into this rank's shard of the model, tensor by tensor."""
     from megatron.core import parallel_state
 
-    checkpoint = HFCheckpoint(hf_path)
+    checkpoint = open_checkpoint(hf_path, hf_config)
     prefix = hf_name_prefix(hf_config)
     _report_left_out(checkpoint, prefix, hf_config)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -403,7 +413,10 @@ def iter_hf_weights(model, hf_config, bucket_bytes: int = 256 * 2**20) -> Iterat
     names = [name for _, rule, index, _ in entries
              for r in (range(ep_size) if rule.layout in EXPERT_LAYOUTS else (ep_rank,))
              for name in _hf_names(rule, _ep_indices(index, hf_config, r, ep_size), prefix)]
-    yield from every_stage(names, this_stage)
+    if family_of(hf_config).gpt_oss:  # the checkpoint's fused expert tensors, a layer's once all its experts passed
+        yield from fused_experts.fuse(every_stage(names, this_stage), num_experts(hf_config))
+    else:
+        yield from every_stage(names, this_stage)
 
 
 def every_stage(names: list[str], this_stage) -> Iterator[tuple[str, torch.Tensor]]:

@@ -91,6 +91,15 @@ class Family:
     partial_rotary: bool = False
     # Multi-token-prediction layers saved after the last decoder layer (DeepSeek-V3, GLM-4.5): left out
     mtp_layers_after_last: bool = False
+    # gpt-oss: biases on every linear (q/k/v, o_proj, the router, the experts: Megatron's add_bias_linear),
+    # a learned attention sink per head (Megatron's softmax_type "learnable"), the clamped SwiGLU with its
+    # (up + 1) term, experts stored fused in the checkpoint (models/fused_experts.py)
+    gpt_oss: bool = False
+    # Sliding-window attention (megatron_gpt.window_config), by which layers transformers' model windows:
+    # "layer_types" (Qwen2, Qwen3, Qwen2-MoE: the layers whose HF layer_types entry is sliding_attention, which
+    # their configs compute from use_sliding_window and max_window_layers), "every_layer" (Qwen3-MoE: its config
+    # has no layer_types; every layer is windowed when sliding_window is set), None: refused.
+    sliding_window_layers: str | None = None
 
     def rules(self, tied_embeddings: bool) -> tuple[Rule, ...]:
         output = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False) \
@@ -220,6 +229,24 @@ def _tagged(rules: tuple[Rule, ...], layer_type: str) -> tuple[Rule, ...]:
     return tuple(replace(rule, layer_type=layer_type) for rule in rules)
 
 
+# gpt-oss (transformers' GptOssModel): grouped-query attention with biases on q/k/v and o_proj and a learned sink
+# logit per head (`sinks`: Megatron's core attention's softmax_offset, split over TP with the heads), a router
+# (`mlp.router`, with a bias) and experts with biases; the experts' tensors as per-expert names
+# (models/fused_experts.py reads and writes the checkpoint's fused ones).
+_GPT_OSS_RULES = _ATTENTION_LAYER_RULES + _QKV_BIAS_RULES + tuple(
+    Rule(megatron, hf, layout) for megatron, hf, layout in (
+        (_LAYER + "self_attention.linear_proj.bias", (_ATTN + "o_proj.bias",), "replicated"),
+        (_LAYER + "self_attention.core_attention.softmax_offset", (_ATTN + "sinks",), "column"),
+        (_LAYER + "mlp.router.weight", (_MLP + "router.weight",), "replicated"),
+        (_LAYER + "mlp.router.bias", (_MLP + "router.bias",), "replicated"),
+        (_LOCAL_EXPERT + "linear_fc1.weight", (_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight"),
+         "expert_gate_up"),
+        (_LOCAL_EXPERT + "linear_fc1.bias", (_EXPERT + "gate_proj.bias", _EXPERT + "up_proj.bias"), "expert_gate_up"),
+        (_LOCAL_EXPERT + "linear_fc2.weight", (_EXPERT + "down_proj.weight",), "expert"),
+        (_LOCAL_EXPERT + "linear_fc2.bias", (_EXPERT + "down_proj.bias",), "expert"),
+    ))
+
+
 # Router buffers that conversion carries (the others, e.g. the router's token counts, are not weights).
 BUFFER_NAMES = ("mlp.router.expert_bias",)
 
@@ -232,6 +259,7 @@ QWEN2 = Family(
     refused_flags=(),
     global_rules=_GLOBAL_RULES,
     layer_rules=_DENSE_LAYER_RULES + _QKV_BIAS_RULES,
+    sliding_window_layers="layer_types",
 )
 
 QWEN3 = Family(
@@ -243,6 +271,7 @@ QWEN3 = Family(
     refused_flags=(_ATTENTION_BIAS,),
     global_rules=_GLOBAL_RULES,
     layer_rules=_DENSE_LAYER_RULES + _QK_NORM_RULES,
+    sliding_window_layers="layer_types",
 )
 
 LLAMA = Family(
@@ -266,6 +295,7 @@ QWEN3_MOE = Family(
     global_rules=_GLOBAL_RULES,
     layer_rules=_ATTENTION_LAYER_RULES + _QK_NORM_RULES + _MOE_RULES + _MIXED_DENSE_MLP_RULES,
     moe=True,
+    sliding_window_layers="every_layer",
 )
 
 QWEN2_MOE = Family(
@@ -279,6 +309,7 @@ QWEN2_MOE = Family(
     layer_rules=_ATTENTION_LAYER_RULES + _QKV_BIAS_RULES + _MOE_RULES + _SHARED_EXPERT_RULES + _MIXED_DENSE_MLP_RULES,
     moe=True,
     shared_expert=True,
+    sliding_window_layers="layer_types",
 )
 
 QWEN3_5 = Family(
@@ -347,8 +378,22 @@ GLM4_MOE = Family(
     mtp_layers_after_last=True,
 )
 
+GPT_OSS = Family(
+    name="gpt_oss",
+    hf_architectures=("GptOssForCausalLM",),
+    qkv_bias=True,
+    qk_layernorm=False,
+    rope_types=("default", "yarn"),  # the released models': YaRN (factor 32 over 4096, truncate false)
+    refused_flags=(),
+    global_rules=_GLOBAL_RULES,
+    layer_rules=_GPT_OSS_RULES,
+    moe=True,
+    gpt_oss=True,
+    sliding_window_layers="layer_types",  # the released models: sliding (128) and full layers in turn
+)
+
 FAMILIES = Registry("model family")
-for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3, GLM4_MOE):
+for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3, GLM4_MOE, GPT_OSS):
     FAMILIES.add(_family.name, _family)
 
 TE_FUSED_NAMES = {
@@ -358,8 +403,10 @@ TE_FUSED_NAMES = {
 
 
 def num_experts(hf_config) -> int:
-    """The routed experts per MoE layer (Qwen's num_experts, DeepSeek-V3's n_routed_experts)."""
-    return getattr(hf_config, "num_experts", None) or hf_config.n_routed_experts
+    """The routed experts per MoE layer (Qwen's num_experts, DeepSeek-V3's n_routed_experts, gpt-oss's
+    num_local_experts)."""
+    return getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None) \
+        or hf_config.num_local_experts
 
 
 def moe_layer_pattern(hf_config) -> list[bool] | None:
@@ -464,13 +511,16 @@ def hf_name_prefix(hf_config) -> str:
     return "model.language_model." if multimodal else "model."
 
 
-# What must agree for one checkpoint's weights to load into an engine built for another.
+# What must agree for one checkpoint's weights to load into an engine built for another (and to be served by it as
+# transformers computes them: which layers are windowed is in layer_types, or for Qwen3-MoE in sliding_window alone,
+# which HF's configs set to None (Qwen2-MoE 0) without use_sliding_window; the window's width is sliding_window).
 SHAPE_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
-                "n_routed_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "q_lora_rank",
+                "n_routed_experts", "num_local_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "q_lora_rank",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
                 "attention_bias", "use_qk_norm",
-                "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types", "linear_num_key_heads",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types", "sliding_window",
+                "linear_num_key_heads",
                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 
 

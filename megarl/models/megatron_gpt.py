@@ -3,7 +3,8 @@
 What differs between families is data (`families.py`); this module turns an HF
 config plus its family into TransformerConfig and GPTModel arguments, and refuses,
 in one line naming the field, any config feature the model would silently get
-wrong (an unsupported RoPE variant, an o_proj-only bias, sliding windows).
+wrong (an unsupported RoPE variant, an o_proj-only bias, sliding windows on a
+family whose windowed layers are not mapped: `window_config`).
 
 RoPE. Megatron-core 0.16's RotaryEmbedding implements Llama-3 scaling
 (`rope_scaling=True`), but passes it only the factor: low_freq_factor 1,
@@ -89,12 +90,23 @@ def check_supported(hf_config, family: Family) -> None:
         check_mla_supported(hf_config, family)
     if family.moe:
         check_moe_supported(hf_config, family)
+    if family.gpt_oss:
+        check_gpt_oss_supported(hf_config, family)
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{family.name}: a quantized checkpoint (quantization_config quant_method {method!r}) is "
+                         f"not supported; megarl trains and syncs full-precision weights: dequantize it first (for "
+                         f"gpt-oss's MXFP4, transformers' Mxfp4Config(dequantize=True))")
     layer_types = list(getattr(hf_config, "layer_types", None) or ())
     allowed = LAYER_TYPES if family.hybrid_linear_attention else ("full_attention",)
+    if family.sliding_window_layers == "layer_types":
+        allowed += ("sliding_attention",)
     unknown = [(i, kind) for i, kind in enumerate(layer_types) if kind not in allowed]
-    if "sliding_attention" in layer_types and not family.hybrid_linear_attention:
+    if "sliding_attention" in layer_types and not family.hybrid_linear_attention and not family.sliding_window_layers:
         raise ValueError(f"{family.name}: sliding-window attention (use_sliding_window / layer_types) is not "
                          f"supported; every layer must be full_attention")
+    check_sliding_window(hf_config, family)
     if unknown:
         raise ValueError(f"{family.name}: layer_types[{unknown[0][0]}]={unknown[0][1]!r} is not supported; each "
                          f"layer must be one of {list(allowed)}")
@@ -114,6 +126,54 @@ def check_yarn_supported(rope: dict, partial: float, family: Family) -> None:
                          f"supported; Megatron derives YaRN's attention factor from factor, mscale and mscale_all_dim")
     if not rope.get("original_max_position_embeddings"):
         raise ValueError(f"{family.name}: rope_parameters of type yarn lack original_max_position_embeddings")
+
+
+def sliding_window_pattern(hf_config, family: Family) -> list[bool]:
+    """Per layer, whether transformers' model attends through a sliding window there (`Family.sliding_window_layers`):
+    Qwen2/3 and Qwen2-MoE where layer_types says sliding_attention (their configs' rules differ: Qwen2/3 window the
+    layers from max_window_layers on, Qwen2-MoE the even layers below it; both read layer_types alone when
+    modelling), Qwen3-MoE every layer where sliding_window is set (its config nulls it without use_sliding_window).
+    All False for the other families (`check_supported` refuses a sliding layer there)."""
+    layers = hf_config.num_hidden_layers
+    if family.sliding_window_layers == "every_layer":
+        return [getattr(hf_config, "sliding_window", None) is not None] * layers
+    if family.sliding_window_layers == "layer_types":
+        layer_types = list(getattr(hf_config, "layer_types", None) or ("full_attention",) * layers)
+        return [kind == "sliding_attention" for kind in layer_types]
+    return [False] * layers
+
+
+def check_sliding_window(hf_config, family: Family) -> None:
+    """A config with windowed layers names their window: a positive sliding_window (transformers would build
+    those layers' masks from None or 0, which Megatron's window cannot take), and, from layer_types, one entry
+    per layer."""
+    if not family.sliding_window_layers:
+        return
+    pattern = sliding_window_pattern(hf_config, family)
+    if not any(pattern):
+        return
+    window = getattr(hf_config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"{family.name}: layer_types has sliding_attention layers but sliding_window={window!r}; "
+                         f"it must be a positive integer (the window's width in tokens)")
+    if len(pattern) != hf_config.num_hidden_layers:
+        raise ValueError(f"{family.name}: layer_types has {len(pattern)} entries for num_hidden_layers="
+                         f"{hf_config.num_hidden_layers}")
+
+
+def window_config(hf_config, family: Family) -> dict:
+    """TransformerConfig's sliding-window fields ({} without windowed layers): window_size (left, right) =
+    (sliding_window - 1, 0), since transformers lets a query see a key when q - sliding_window < k <= q (the
+    token itself and sliding_window - 1 before it: masking_utils.sliding_window_overlay) and Megatron when
+    q - left <= k <= q + right (transformer/utils.py: get_sliding_window_causal_mask); window_attn_skip_freq
+    as a list over the global layers, 1 where windowed (utils.is_layer_window_attention reads entry
+    layer_number - 1 of the global, 1-based layer number, so a pipeline stage's layers take their own
+    entries). Both the local attention (its softmax builds the windowed causal mask; megarl's packed and
+    context-parallel paths: models/attention.py) and Transformer Engine's (its window_size argument) read them."""
+    pattern = sliding_window_pattern(hf_config, family)
+    if not any(pattern):
+        return {}
+    return dict(window_size=(hf_config.sliding_window - 1, 0), window_attn_skip_freq=[int(w) for w in pattern])
 
 
 # Qwen3.5's layer kinds (HF `layer_types`): Gated DeltaNet or gated softmax attention.
@@ -263,7 +323,9 @@ def moe_config(hf_config, family: Family, ep: int, te_spec: bool | None = None) 
     if not family.moe:
         return {}
     fields = dict(num_moe_experts=num_experts(hf_config), moe_router_topk=hf_config.num_experts_per_tok,
-                  moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_router_score_function="softmax",
+                  # gpt-oss's experts have the config's one width (no moe_intermediate_size)
+                  moe_ffn_hidden_size=getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size,
+                  moe_router_score_function="softmax",
                   # Qwen3.5-MoE has no flag: its router always renormalises the top k
                   moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True), moe_router_dtype="fp32",
                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
@@ -314,6 +376,42 @@ def mla_config(hf_config, family: Family) -> dict:
                 qk_pos_emb_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
                 rotary_base=rope_theta(hf_config), rotary_percent=1.0, kv_channels=hf_config.v_head_dim,
                 **mla_yarn_config(hf_config))
+
+
+# gpt-oss's clamped SwiGLU as transformers and vLLM (`swigluoai`) compute it: both fix the sigmoid's slope,
+# vLLM the clamp too; other values are refused (check_gpt_oss_supported)
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+
+def check_gpt_oss_supported(hf_config, family: Family) -> None:
+    """gpt-oss as Megatron builds it (`gpt_oss_config`): biases on q/k/v and o_proj, the released SwiGLU values."""
+    if not getattr(hf_config, "attention_bias", True):
+        raise ValueError(f"{family.name}: attention_bias=False is not supported (Megatron's add_bias_linear gives "
+                         f"every linear a bias, as the released models have)")
+    for field, value in GPT_OSS_SWIGLU.items():
+        if float(getattr(hf_config, field, value)) != value:
+            raise ValueError(f"{family.name}: {field}={getattr(hf_config, field)} is not supported; vLLM's gpt-oss "
+                             f"activation fixes it at {value}")
+
+
+def gpt_oss_glu_activation(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x), eager: Megatron's quick_gelu, which is torch.compile'd (an inductor build per CPU
+    process); on CUDA Megatron's own (its fused bias-GLU kernel takes only that function)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def gpt_oss_config(hf_config, family: Family) -> dict:
+    """TransformerConfig's gpt-oss fields ({} for the other families): a learned sink logit per head
+    (softmax_type "learnable": Megatron's core attention adds it as one more column of each softmax, as
+    transformers' `sinks`), and the experts' clamped SwiGLU, gate clamped above at swiglu_limit, up to
+    [-limit, limit], out = gate * sigmoid(1.702 gate) * (up + 1) (Megatron's activation_func_clamp_value and
+    glu_linear_offset; gate and up de-interleaved by models/fused_experts.py). Biases: add_bias_linear."""
+    if not family.gpt_oss:
+        return {}
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return dict(softmax_type="learnable", activation_func_clamp_value=float(hf_config.swiglu_limit),
+                glu_linear_offset=1.0, activation_func=quick_gelu if accelerator.ON_CUDA else gpt_oss_glu_activation)
 
 
 def yarn_get_mscale(factor: float, mscale: float) -> float:
@@ -460,6 +558,7 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
     if te_spec is None:
         te_spec = transformer_engine_spec(local_spec_only(family))
     mla = mla_config(hf_config, family)
+    oss = gpt_oss_config(hf_config, family)
     config_class = MLATransformerConfig if mla else TransformerConfig
     config = config_class(
         num_layers=hf_config.num_hidden_layers,
@@ -472,8 +571,8 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=oss.pop("activation_func", F.silu),
+        add_bias_linear=family.gpt_oss,
         add_qkv_bias=qkv_bias(hf_config),
         qk_layernorm=qk_layernorm(hf_config),
         hidden_dropout=0.0,
@@ -494,7 +593,7 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         **_with_spec_activation({"sequence_parallel": False,
                                  **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
                                  **moe_config(hf_config, family, ep, te_spec), **hybrid_config(hf_config, family),
-                                 **mla,
+                                 **mla, **oss, **window_config(hf_config, family),
                                  **_moe_only(overrides, family)}, family, te_spec),
     )
     for name, value in yarn_attributes(hf_config, family).items():  # GPTModel's YaRN reads them off the config
@@ -720,6 +819,10 @@ def mark_tensor_parallel_weights(model) -> None:
         weight = getattr(module, "weight", None)
         if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
+        # gpt-oss's learned sink logits: one per attention head, each TP rank its heads' (core attention)
+        sinks = getattr(module, "softmax_offset", None)
+        if isinstance(sinks, torch.nn.Parameter) and not hasattr(sinks, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(sinks, True, 0, 1)
 
 
 def mark_expert_parameters(model) -> None:

@@ -42,11 +42,12 @@ from helpers import ulps  # noqa: E402
 PROMPT_LEN, NEW_TOKENS = 96, 8
 
 
-def hf_logprobs(path: str, tokens: torch.Tensor, without_rope_scaling: bool = False):
+def hf_logprobs(path: str, tokens: torch.Tensor, without_rope_scaling: bool = False,
+                without_sliding_window: bool = False):
     """Under transformers (float64, the reference): log p(token t | tokens < t) for t >= 1 [batch, len - 1],
     and the whole distributions [batch, len - 1, vocab]."""
     with torch.no_grad():
-        logits = load_hf_model(path, without_rope_scaling)(tokens).logits
+        logits = load_hf_model(path, without_rope_scaling, without_sliding_window)(tokens).logits
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
     return logprobs.gather(-1, tokens[:, 1:, None])[..., 0], logprobs
 
@@ -77,6 +78,9 @@ def check_engine(engine, path: str, prompts: list[list[int]]) -> dict:
         unscaled, _ = hf_logprobs(path, torch.tensor(prompts), without_rope_scaling=True)
         report["rope_scaling_effect"] = (unscaled - expected).abs().max().item()
         report["rope_scaling_effect_ulps"] = ulps(unscaled, expected)  # in the units of prompt_logprob_ulps
+    if getattr(load_hf_config(path), "use_sliding_window", False):  # the window matters at this prompt length
+        unwindowed, _ = hf_logprobs(path, torch.tensor(prompts), without_sliding_window=True)
+        report["sliding_window_effect_ulps"] = ulps(unwindowed, expected)
     return report
 
 

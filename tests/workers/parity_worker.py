@@ -167,10 +167,10 @@ def _value_head_parity(hf_path, hf_config, tokens, positions, seed) -> dict:
     return {"value_ulps": ulps(values, expected, scale), "value_std": expected.std().item()}
 
 
-def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
+def load_hf_model(hf_path: str, without_rope_scaling: bool = False, without_sliding_window: bool = False):
     """The checkpoint as a transformers model in float64 (the fp32 weights exactly; the reference of
-    every forward check), optionally with plain RoPE instead of its scaled RoPE (to show how much the
-    scaling matters)."""
+    every forward check), optionally with plain RoPE instead of its scaled RoPE, or full attention in
+    every layer instead of its sliding windows (to show how much either matters)."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -179,6 +179,12 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False):
     if without_rope_scaling:
         config = copy.deepcopy(config)
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope_parameters(config)["rope_theta"]}
+    if without_sliding_window:
+        config = copy.deepcopy(config)
+        config.use_sliding_window = False
+        if not family_of(config).gpt_oss:  # gpt-oss's model builds its sliding mask whatever layer_types says
+            config.sliding_window = None
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
     # MoE: transformers' per-expert loop (its default grouped GEMM takes no float64)
     moe = {"experts_implementation": "eager"} if family_of(config).moe else {}
     return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64, **moe).eval()
@@ -217,6 +223,31 @@ def _sigmoid_router_effects(hf_path, reference_logits, tokens) -> dict:
     return report
 
 
+def _gpt_oss_effects(hf_path, reference_logits, tokens) -> dict:
+    """How far transformers' own logits move with gpt-oss's sinks removed (their logits at -1e4) and its SwiGLU
+    unclamped (swiglu_limit 1e9), so that the logit check cannot pass with either ignored (the window's and
+    YaRN's effects are checked as every family's)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(hf_path)
+    report = {}
+    for name in ("sinks", "swiglu_clamp"):
+        changed = copy.deepcopy(config)
+        if name == "swiglu_clamp":
+            changed.swiglu_limit = 1e9
+        model = AutoModelForCausalLM.from_pretrained(hf_path, config=changed, dtype=torch.float64,
+                                                     experts_implementation="eager").eval()
+        with torch.no_grad():
+            if name == "sinks":
+                for module in model.modules():
+                    if hasattr(module, "sinks"):
+                        module.sinks.fill_(-1e4)
+            report[f"{name}_effect"] = (model(tokens).logits - reference_logits).abs().max().item()
+    return report
+
+
 def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) -> dict:
     """RoPE frequencies against HF's; with RoPE scaling, also how far HF's logits move
     without it (so that the logit check cannot pass with the scaling ignored)."""
@@ -233,6 +264,31 @@ def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) 
         with torch.no_grad():
             unscaled = load_hf_model(hf_path, without_rope_scaling=True)(tokens).logits
         report["rope_scaling_effect"] = (unscaled - reference_logits).abs().max().item()
+    return report
+
+
+def _sliding_window_parity(model, hf_path, hf_config, tokens, reference_logits) -> dict:
+    """A model with sliding-window layers: its logits on the same sequences packed into one row (THD, as
+    --padding-free runs them: each sequence's windowed layers through the local attention, its full layers
+    through megarl's fast paths) against transformers; and how far transformers' own logits move with every
+    window removed (use_sliding_window false: all layers full attention), so that a model that ignored the
+    window would fail the logit check."""
+    from megatron.core import tensor_parallel
+
+    from megarl import accelerator
+
+    rows, length = tokens.shape
+    packed = tokens.reshape(1, -1)
+    positions = torch.arange(length).repeat(rows)[None]
+    with torch.no_grad():
+        shard = model(packed, positions, attention_mask=None,
+                      packed_seq_params=accelerator.packed_sequence_params([length] * rows))
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(shard)[..., : hf_config.vocab_size]
+    report = {"packed_logit_ulps": ulps(logits.reshape(rows, length, -1), reference_logits)}
+    with torch.no_grad():
+        unwindowed = load_hf_model(hf_path, without_sliding_window=True)(tokens).logits
+    report["sliding_window_effect"] = (unwindowed - reference_logits).abs().max().item()
+    report["sliding_window"] = hf_config.sliding_window
     return report
 
 
@@ -263,6 +319,10 @@ def check_checkpoint(hf_path: str, pp: int, seq_len: int, seed: int) -> dict:
         report.update(_rope_parity(model, hf_model, reference, hf_path, hf_config, tokens))
         if family_of(hf_config).sigmoid_router:
             report.update(_sigmoid_router_effects(hf_path, reference, tokens))
+        if family_of(hf_config).gpt_oss:
+            report.update(_gpt_oss_effects(hf_path, reference, tokens))
+        if model.config.window_size is not None:
+            report.update(_sliding_window_parity(model, hf_path, hf_config, tokens, reference))
 
     original = HFCheckpoint(hf_path)
     exported, mismatched = set(), []
