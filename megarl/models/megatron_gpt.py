@@ -838,6 +838,21 @@ def mark_expert_parameters(model) -> None:
                 param.allreduce = False
 
 
+def skip_identity_expert_reduce(model) -> None:
+    """Routed experts' linears whose TP group has one rank (expert TP is 1 in megarl) skip their all-reduce over
+    it, as Megatron's do at EP > 1 (`explicit_expert_comm`). Why: at EP 1 Megatron's RowParallelLinear passes an
+    expert's output through the identity reduce, a custom autograd Function returning its input (a view), and
+    Megatron's MLP then adds the experts' bias times the routing probability in place (mlp.py: `output +=
+    output_bias * per_token_scale`), which autograd refuses in training ("a view ... modified inplace"): gpt-oss
+    (expert biases) could not train at EP 1. The same sums either way (a reduce over one rank is the identity)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and getattr(module, "is_expert", False) \
+                and module.tp_group.size() == 1:
+            module.explicit_expert_comm = True
+
+
 def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisible_by: int = 128,
                     lora: bool = False, **config_overrides):
     """GPTModel for this rank's pipeline stage, on the platform's device; `lora`: a LoRA policy's, whose
@@ -876,6 +891,8 @@ def build_gpt_model(hf_config, params_dtype: torch.dtype = torch.float32, divisi
     )
     mark_tensor_parallel_weights(model)
     mark_expert_parameters(model)
+    if family.gpt_oss:
+        skip_identity_expert_reduce(model)
     if late_llama3_scaling is not None:
         # Megatron's own Llama-3 formula, fed the values its constructor does not pass on.
         rotary = model.rotary_pos_emb
