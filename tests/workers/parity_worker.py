@@ -190,62 +190,53 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False, without_slid
     return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64, **moe).eval()
 
 
+def _feature_effects(hf_path, reference_logits, tokens, changes: dict, undone: dict) -> dict:
+    """`{name}_effect`: how far transformers' own logits move with one feature undone, either by config fields
+    (`changes[name]`) or by a (module attribute, value) filled in after loading (`undone[name]`)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(hf_path)
+    report = {}
+    for name in [*changes, *undone]:
+        changed = copy.deepcopy(config)
+        for field, value in changes.get(name, {}).items():
+            setattr(changed, field, value)
+        model = AutoModelForCausalLM.from_pretrained(hf_path, config=changed, dtype=torch.float64,
+                                                     experts_implementation="eager").eval()
+        with torch.no_grad():
+            if name in undone:
+                attribute, value = undone[name]
+                for module in model.modules():
+                    if hasattr(module, attribute):
+                        getattr(module, attribute).fill_(value)
+            report[f"{name}_effect"] = (model(tokens).logits - reference_logits).abs().max().item()
+    return report
+
+
 def _sigmoid_router_effects(hf_path, reference_logits, tokens) -> dict:
     """How far transformers' own logits move with each feature of a DeepSeek-V3 or GLM-4.5 model undone: the
     expert bias zeroed (the router's choice unbiased), routed_scaling_factor 1, every expert group kept
     (topk_group = n_group); DeepSeek-V3's rope dims rotated as halves instead of interleaved pairs, GLM-4.5's
     whole heads rotated instead of their first half; so that the logit check cannot pass with one of them
     ignored or laid out otherwise."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
     config = load_hf_config(hf_path)
-    changes = {"routed_scaling": dict(routed_scaling_factor=1.0), "group_limit": dict(topk_group=config.n_group),
-               "expert_bias": {}}
+    changes = {"routed_scaling": dict(routed_scaling_factor=1.0), "group_limit": dict(topk_group=config.n_group)}
     if family_of(config).multi_latent_attention:
         changes["rope_interleave"] = dict(rope_interleave=False)
     else:
         changes["partial_rotary"] = dict(rope_parameters={**config.rope_parameters, "partial_rotary_factor": 1.0})
-    report = {}
-    for name, fields in changes.items():
-        changed = copy.deepcopy(config)
-        for field, value in fields.items():
-            setattr(changed, field, value)
-        model = AutoModelForCausalLM.from_pretrained(hf_path, config=changed, dtype=torch.float64,
-                                                     experts_implementation="eager").eval()
-        with torch.no_grad():
-            if name == "expert_bias":
-                for module in model.modules():
-                    if hasattr(module, "e_score_correction_bias"):
-                        module.e_score_correction_bias.zero_()
-            report[f"{name}_effect"] = (model(tokens).logits - reference_logits).abs().max().item()
-    return report
+    return _feature_effects(hf_path, reference_logits, tokens, changes,
+                            {"expert_bias": ("e_score_correction_bias", 0.0)})
 
 
 def _gpt_oss_effects(hf_path, reference_logits, tokens) -> dict:
     """How far transformers' own logits move with gpt-oss's sinks removed (their logits at -1e4) and its SwiGLU
     unclamped (swiglu_limit 1e9), so that the logit check cannot pass with either ignored (the window's and
     YaRN's effects are checked as every family's)."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    config = load_hf_config(hf_path)
-    report = {}
-    for name in ("sinks", "swiglu_clamp"):
-        changed = copy.deepcopy(config)
-        if name == "swiglu_clamp":
-            changed.swiglu_limit = 1e9
-        model = AutoModelForCausalLM.from_pretrained(hf_path, config=changed, dtype=torch.float64,
-                                                     experts_implementation="eager").eval()
-        with torch.no_grad():
-            if name == "sinks":
-                for module in model.modules():
-                    if hasattr(module, "sinks"):
-                        module.sinks.fill_(-1e4)
-            report[f"{name}_effect"] = (model(tokens).logits - reference_logits).abs().max().item()
-    return report
+    return _feature_effects(hf_path, reference_logits, tokens, {"swiglu_clamp": dict(swiglu_limit=1e9)},
+                            {"sinks": ("sinks", -1e4)})
 
 
 def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) -> dict:
