@@ -51,9 +51,11 @@ oneDNN's; bench/hf_rollout.py times both):
     attention and norms, differ between the two as well).
 
 Weights: one full model per rank (no tensor parallelism), loaded in --params-dtype from
---rollout-model; a weight sync copies each (hf_name, tensor) into the parameter of that name in
-place (a tied model's lm_head.weight is its embedding, which the stream sends: lm_head.weight is
-skipped, as vLLM's loader does) and checks that every parameter was written. Memory: colocated, the
+--rollout-model; a weight sync copies each (hf_name, tensor) into the parameter or persistent buffer of that name
+in place, a per-expert tensor into its slice of transformers' fused experts (models/in_memory_layout.py; a tied
+model's lm_head.weight is its embedding, which the stream sends: lm_head.weight is skipped, as vLLM's loader
+does) and checks that every one was wholly written. A model transformers' SDPA does not serve (gpt-oss: attention
+sinks) keeps transformers' own attention. Memory: colocated, the
 weights go to host memory while the trainer works (`offload`, megarl.offload.Offloader: pinned
 buffers on GPU, kept across steps; on CPU the same copies run, so the tests exercise it). There is
 no KV cache between calls: each micro-batch preallocates one and it is handed back at the end of
@@ -68,6 +70,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from megarl import accelerator, cpu_gemm
+from megarl.models.in_memory_layout import InMemoryLayout
 from megarl.offload import Offloader
 from megarl.rollout import EngineMemory, response_text
 from megarl.samples import Sample, request_seeds
@@ -99,7 +102,8 @@ class HfRolloutEngine(EngineMemory):
         self.model = AutoModelForCausalLM.from_pretrained(args.rollout_model, config=config,
                                                           dtype=getattr(torch, args.params_dtype))
         self.model.to(self.device).eval().requires_grad_(False)
-        if not accelerator.ON_CUDA:  # see _grouped_sdpa
+        # see _grouped_sdpa; a model transformers' SDPA does not serve (gpt-oss: attention sinks) keeps its own
+        if not accelerator.ON_CUDA and type(self.model)._supports_sdpa:
             _register_attention()
             self.model.set_attn_implementation(ATTENTION_NAME)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
@@ -113,7 +117,7 @@ class HfRolloutEngine(EngineMemory):
         model = self.model
         self._offloader = Offloader(lambda: (list(model.parameters()) + list(model.buffers()), []))
         self._tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-        self._params = dict(model.named_parameters())  # a tied head's weight appears once, as the embedding's
+        self._layout = InMemoryLayout(model)  # a tied head's weight appears once, as the embedding's
 
     # ------------------------------------------------------------------------------- generation ----
 
@@ -245,25 +249,27 @@ class HfRolloutEngine(EngineMemory):
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
-        """Copy a stream of (hf_name, tensor) into the model's parameters in place, one tensor at a time
-        (callers may reuse their buffers); asleep, the weights are woken first. Every parameter must be
-        written, and no unknown name or shape may come (one line naming it)."""
+        """Copy a stream of (hf_name, tensor) into the model's parameters and persistent buffers in place, one
+        tensor at a time (callers may reuse their buffers), a per-expert tensor into its slice of transformers'
+        fused experts (models/in_memory_layout.py); asleep, the weights are woken first. Every target must be
+        wholly written, and no unknown name or shape may come (one line naming it)."""
         self.onload(tags=["weights"])
-        loaded = set()
+        layout = self._layout
+        layout.begin()
         for name, tensor in weights:
             if name.startswith(self._prefix):  # a multimodal checkpoint's names: the text model's here
                 name = "model." + name.removeprefix(self._prefix)
             if self._tied and name == "lm_head.weight":
                 continue  # the embedding, sent as model.embed_tokens.weight (vLLM's loaders skip it too)
-            param = self._params.get(name)
-            if param is None or tuple(param.shape) != tuple(tensor.shape):
+            found = layout.view(name)
+            if found is None or tuple(found[1].shape) != tuple(tensor.shape):
                 raise RuntimeError(f"weight sync: {name} {tuple(tensor.shape)} is not a parameter of the HF rollout "
-                                   f"model{'' if param is None else f' (it has {tuple(param.shape)})'}")
-            param.copy_(tensor)
-            loaded.add(name)
-        if loaded != set(self._params):
+                                   f"model{'' if found is None else f' (it has {tuple(found[1].shape)})'}")
+            found[1].copy_(tensor)
+            layout.wrote(found[0], tensor.numel())
+        if layout.unwritten():
             raise RuntimeError(f"weight sync: the stream left HF rollout parameters unloaded: "
-                               f"{sorted(set(self._params) - loaded)[:8]}")
+                               f"{layout.unwritten()[:8]}")
 
     def _sleep(self) -> None:
         self._offloader.offload()

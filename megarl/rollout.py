@@ -424,7 +424,7 @@ def window_overrides(model: str) -> dict:
         if getattr(config, "sliding_window", None) and pattern != even:
             raise ValueError(f"{model}: layer_types windows layers {[i for i, w in enumerate(pattern) if w]}; vLLM "
                              f"0.32's gpt_oss model windows the even layers (sliding first, then full, in turn), "
-                             f"as the released models do")
+                             f"as the released models do (--rollout-backend hf serves it)")
         return {}
     if all(pattern):
         return {}
@@ -433,7 +433,7 @@ def window_overrides(model: str) -> dict:
     windowed = [layer for layer, is_windowed in enumerate(pattern) if is_windowed]
     raise ValueError(f"{model}: sliding-window attention in layers {windowed} of {len(pattern)} only: vLLM 0.32's "
                      f"{family.name} model windows every layer or none; a vLLM engine cannot serve it as transformers "
-                     f"computes it")
+                     f"computes it (--rollout-backend hf serves it)")
 
 
 def check_cpu_engine(model: str, params_dtype: str) -> bool:

@@ -138,15 +138,6 @@ def load_inputs(args) -> Inputs:
     from megarl.rewards import default_system_prompt
 
     hf_config = check_model_dir("--model", args.model)
-    if args.rollout_backend == "hf":
-        from megarl.models.families import family_of
-
-        # sigmoid routers: their expert bias (a buffer) through transformers' model, never checked; gpt-oss: the
-        # backend's own attention (grouped SDPA) has no sinks, and transformers' SDPA refuses gpt-oss
-        family = family_of(hf_config)
-        if family.sigmoid_router or family.gpt_oss:
-            raise ConfigError(f"--rollout-backend hf: --model {args.model} is a {family.name} model, "
-                              f"which only vLLM's engine serves in megarl so far (use --rollout-backend vllm)")
     # The other checkpoints that are loaded: by Megatron (safetensors only) or by vLLM alone.
     for flag, path, used, megatron in (
             ("--rollout-model", args.rollout_model, True, False),

@@ -185,6 +185,16 @@ def random_deepseek_v3_policy(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def random_qwen3_sliding_policy(tiny_model, tmp_path_factory) -> str:
+    """random_qwen3_sliding's model (its second layer of two windowed to 5 tokens) with the tiny tokenizer."""
+    def make(path, tokens):
+        return make_random_model(path, "qwen3", False, 33, std=0.2, use_sliding_window=True, sliding_window=5,
+                                 max_window_layers=1, **tokens)
+
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_qwen3_sliding_policy"), make)
+
+
+@pytest.fixture(scope="session")
 def random_glm4_moe_policy(tiny_model, tmp_path_factory) -> str:
     """A random GLM-4.5 (tests/helpers.py's shape with experts of width 64, vLLM's CPU packing width; its expert
     bias small beside the router's scores, as random_deepseek_v3_policy's) with the tiny tokenizer."""

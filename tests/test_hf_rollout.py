@@ -10,6 +10,7 @@ and megarl/train.py end to end with vLLM blocked; the learning run is outside CI
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from helpers import (FP32_PATHS_ULPS, ROOT, ROUNDING_LEVEL, WORKERS, assert_fp32_paths_agree, fp32_paths_ulps,
-                     read_json, reward_rise, scalars, torchrun)
+                     length_reward_plugin, read_json, reward_rise, scalars, torchrun)
 from megarl.arguments import parse_args
 from megarl.errors import ConfigError
 from megarl.placement import Placement
@@ -352,18 +353,61 @@ def test_quickstart_learns_with_the_hf_backend(tiny_model, tmp_path):
     assert reward_rise(tmp_path / "tb") >= 0.20, (reward_rise(tmp_path / "tb"), line)
 
 
-@pytest.mark.parametrize("policy,family", [("random_deepseek_v3_policy", "deepseek_v3"),
-                                           ("random_gpt_oss_policy", "gpt_oss")])
-def test_the_hf_backend_refuses_the_families_only_vllm_serves_in_one_line(policy, family, request):
-    """Only vLLM's engine serves DeepSeek-V3 (its expert bias through transformers' model is unchecked) and gpt-oss
-    (the backend's grouped SDPA has no attention sinks) so far: the HF backend stops at start, naming the model
-    and its family, before anything starts or is written."""
-    from megarl.arguments import parse_args
-    from megarl.errors import ConfigError
-    from megarl.run import load_inputs
+MOE_POLICIES = ["random_qwen3_moe_mixed", "random_deepseek_v3_policy", "random_glm4_moe_policy",
+                "random_gpt_oss_policy"]
 
-    args = parse_args(["--model", request.getfixturevalue(policy), "--rollout-backend", "hf"], world_size=1)
-    with pytest.raises(ConfigError) as error:
-        load_inputs(args)
-    message = str(error.value)
-    assert "\n" not in message and "--rollout-backend hf" in message and family in message, message
+
+@pytest.mark.parametrize("policy", MOE_POLICIES)
+def test_a_checkpoints_stream_loads_as_transformers_loads_it(policy, request):
+    """The sync into the HF engine of the MoE families (models/in_memory_layout.py): a checkpoint's tensors as the
+    stream, in reverse order, into an engine whose every weight was zeroed, give exactly the model
+    transformers' own loading builds from the checkpoint (its conversion table: per-expert tensors into fused
+    experts; gpt-oss's fused ones as they are), the expert bias buffer included. A stream without one expert's
+    tensor names the fused tensor left incomplete."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(policy)
+    engine = _engine(path)
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    layers = engine.model.config.num_hidden_layers  # DeepSeek-V3's MTP layers after them: not in megarl's stream
+    stream = sorted(((name, tensor) for name, tensor in load_file(f"{path}/model.safetensors").items()
+                     if not name.startswith(tuple(f"model.layers.{i}." for i in range(layers, layers + 4)))),
+                    reverse=True)
+    with torch.no_grad():
+        for tensor in engine.model.state_dict().values():
+            tensor.zero_()
+    engine.load_weights(iter(stream))
+    loaded = engine.model.state_dict()
+    assert loaded.keys() == expected.keys()
+    assert [name for name in expected if not torch.equal(loaded[name], expected[name])] == []
+    if policy != "random_gpt_oss_policy":  # per-expert names: one expert's slice missing
+        dropped = next(name for name, _ in stream if ".experts.3.up_proj" in name)
+        with pytest.raises(RuntimeError, match=r"unloaded: \['model\.layers\.\d+\.mlp\.experts\.gate_up_proj'\]"):
+            engine.load_weights(iter([item for item in stream if item[0] != dropped]))
+    else:
+        assert not [name for name, _ in stream if re.search(r"\.experts\.\d+\.", name)]  # fused as in memory
+    if policy in ("random_deepseek_v3_policy", "random_glm4_moe_policy"):
+        assert any(name.endswith("e_score_correction_bias") and loaded[name].abs().max() > 0 for name in loaded)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["random_deepseek_v3_policy", "random_gpt_oss_policy",
+                                    "random_qwen3_sliding_policy"])
+def test_the_new_families_sample_what_the_trainer_computes(policy, request, tmp_path):
+    """DeepSeek-V3 (MLA, the sigmoid router and its expert bias buffer, fused experts in memory), gpt-oss
+    (attention sinks through transformers' own attention, sliding windows of 8 tokens, fused experts) and a Qwen3
+    windowed in its second layer only (5 tokens: vLLM 0.32 cannot serve it) on the HF backend, one rank without vLLM (tests/workers/hf_rollout_worker.py): its sampled logprobs are the trainer's at
+    rounding level before and after a GRPO step and the sync, not before the sync (the comparison can fail: the
+    length reward differs within a random model's groups, so the step moves the policy), and the offload round
+    trip is bit-exact."""
+    out = tmp_path / "report.json"
+    torchrun("hf_rollout_worker.py", out, "--model", request.getfixturevalue(policy), *HF, *SMALL,
+             "--temperature", "0.7", "--reward", "response_length", "--external-plugins", length_reward_plugin(tmp_path),
+             "--log-dir", "", nproc=1, timeout=600)
+    report = read_json(out)
+    for name in ("mismatch_before", "mismatch_before_min_tokens", "mismatch_after"):
+        assert report[name]["mismatch"] <= ROUNDING_LEVEL and report[name]["ratio_dev_max"] <= 1e-3, (name, report)
+    assert report["mismatch_stale"]["mismatch"] > 100 * ROUNDING_LEVEL, report
+    assert report["sync_bytes"] > 0
+    assert report["offload_roundtrip"] == {"emptied": True, "asleep_after": [], "equal": True}
