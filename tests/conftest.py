@@ -285,6 +285,16 @@ def tiny_moe() -> str:
     return str(TINY_MOE)
 
 
+@pytest.fixture(scope="session")
+def warm_moe_policy(request) -> str:
+    """The learning lane's policy of the family `request.param` (tools/make_tiny_model.py --family F --warm: the
+    family's warm-up, 2-8 minutes on 2 cores), built once into artifacts/ if absent."""
+    out = ROOT / "artifacts" / f"tiny-{request.param}-warm"
+    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--for-model", str(out.relative_to(ROOT))], cwd=ROOT,
+                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return str(out)
+
+
 TINY_TEACHER = ROOT / "artifacts" / "tiny-qwen2-teacher"
 
 

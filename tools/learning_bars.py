@@ -57,6 +57,9 @@ CASES.update({
             ["--config", "examples/quickstart_grpo_moe.yaml"]),
     "tools": ("tests/test_multiturn.py::test_tool_quickstart_learns", "megarl/train.py",
               ["--config", "examples/quickstart_grpo_tools.yaml"]),
+    **{f"moe-{family}": (f"tests/test_moe.py::test_the_new_moe_families_learn[{family}]", "megarl/train.py",
+                         ["--config", "examples/quickstart_grpo_moe.yaml", "--model", f"artifacts/tiny-{family}-warm"])
+       for family in ("deepseek_v3", "glm4_moe", "gpt_oss")},
     "qwen3_5": ("tests/test_train_e2e.py::test_the_quickstart_learns_on_qwen3_5", "megarl/train.py",
                 ["--config", "examples/quickstart_grpo.yaml", "--model", "artifacts/tiny-qwen3_5"]),
 })
@@ -95,9 +98,10 @@ def run_case(name: str, seed: int, out: Path, extra: tuple[str, ...] = ()) -> tu
     _, script, args = CASES[name]
     args = [*args, *extra]
     log_dir = out / f"{name}{'_' + '_'.join(extra).replace('-', '') if extra else ''}_seed{seed}"
-    if "--config" in args:  # the tiny models the config names, built once (run_quickstart.sh's step)
-        subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--for-config",
-                        args[args.index("--config") + 1]], cwd=ROOT, check=True)
+    for flag in ("--config", "--model"):  # the tiny models named, built once (run_quickstart.sh's step)
+        if flag in args:
+            subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), f"--for-{flag[2:]}",
+                            args[args.index(flag) + 1]], cwd=ROOT, check=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / script), *args, "--seed", str(seed), "--log-dir", str(log_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -181,8 +181,15 @@ GPT_OSS_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_m
 # The families built random by default (--steps 0): their MoE shape, their RoPE
 RANDOM_FAMILIES = {"deepseek_v3": (DEEPSEEK_V3, dict(rope_type="default", rope_theta=10000.0)),
                    "glm4_moe": (GLM4_MOE, GLM4_MOE_ROPE), "gpt_oss": (GPT_OSS, GPT_OSS_ROPE)}
+# --warm: the policy of those families warmed up for the learning lane (tests/test_moe.py's learning test, tools/
+# learning_bars.py), the steps each needs to start GRPO where it can learn: GLM-4.5 after the standard 400 reads
+# pass@1 0.47; DeepSeek-V3 and gpt-oss read 0.07 after 400 and learnt little in 200 GRPO steps from there; after
+# 1200 they read 0.19 and 0.21 (gpt-oss after 2400: 0.15, its loss unsteady at this lr) (docs/testing.md,
+# "Learning bars").
+WARM_UP = {"deepseek_v3": 1200, "glm4_moe": 400, "gpt_oss": 1200}
 # Where each build goes by default: (family, kind) -> directory
-OUTS = {("qwen2", "policy"): "artifacts/tiny-qwen2", ("qwen2", "teacher"): TEACHER["out"],
+OUTS = {**{(family, "warm"): f"artifacts/tiny-{family}-warm" for family in WARM_UP},
+        ("qwen2", "policy"): "artifacts/tiny-qwen2", ("qwen2", "teacher"): TEACHER["out"],
         ("qwen2", "moe"): MOE["out"], ("qwen2", "tools"): TOOL_MODEL["out"], ("qwen2", "hints"): HINT_MODEL["out"],
         ("qwen3_5", "policy"): "artifacts/tiny-qwen3_5", ("qwen3_5", "teacher"): "artifacts/tiny-qwen3_5-teacher",
         ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe", ("deepseek_v3", "policy"): "artifacts/tiny-deepseek-v3",
@@ -567,9 +574,14 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{HINT_MODEL['out']}, fine-tuned from --base")
     ap.add_argument("--base", type=Path, default=Path(TOOL_MODEL["base"]),
                     help="--tools, --hints: the tiny model it starts from (built by this script without flags)")
+    ap.add_argument("--warm", action="store_true",
+                    help=f"--family {', '.join(WARM_UP)}: the policy warmed up for the learning lane "
+                         f"({', '.join(f'{f} {n}' for f, n in WARM_UP.items())} steps) into artifacts/tiny-<family>-warm")
     ap.add_argument("--for-config", type=Path, default=None, metavar="YAML",
                     help="build every tiny model that this megarl config names and that is not built yet (its "
                          "model, teacher, reference, critic and rollout paths; run_quickstart.sh calls this)")
+    ap.add_argument("--for-model", type=Path, default=None, metavar="DIR",
+                    help="build DIR if it is one of this script's default outputs and not built yet")
     ap.add_argument("--force", action="store_true", help="rebuild over a complete model")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -596,8 +608,6 @@ def build_for_config(config_path: Path) -> None:
     """Build, one subprocess each (so that each gets this file's pins), the tiny models the config names that
     are missing; the tool model's base first. Paths that are no tiny model of this script are left alone. The
     arithmetic problems file, where the config trains on it and it is missing, is written too."""
-    import subprocess
-
     import yaml
 
     data = (yaml.safe_load(config_path.read_text()) or {}).get("train_data") or []
@@ -605,8 +615,16 @@ def build_for_config(config_path: Path) -> None:
         Path(PROBLEMS_FILE["path"]).parent.mkdir(parents=True, exist_ok=True)
         arithmetic.write_jsonl(PROBLEMS_FILE["path"], arithmetic.make_problems(PROBLEMS_FILE["num"], PROBLEMS_FILE["seed"]))
 
+    build_missing(models_named(config_path), f"for {config_path}")
+
+
+def build_missing(paths: list[Path], why: str) -> None:
+    """Build those of `paths` that are this script's default outputs and hold no complete model yet (the tool and
+    hint models' base first), one subprocess each."""
+    import subprocess
+
     flags = {Path(out): (family, kind) for (family, kind), out in OUTS.items()}
-    wanted = [path for path in models_named(config_path) if path in flags]
+    wanted = [path for path in paths if path in flags]
     if any(Path(built["out"]) in wanted for built in (TOOL_MODEL, HINT_MODEL)):  # their base first
         wanted.insert(0, Path(TOOL_MODEL["base"]))
     for path in dict.fromkeys(wanted):
@@ -614,7 +632,7 @@ def build_for_config(config_path: Path) -> None:
             continue
         family, kind = flags[path]
         extra = [] if kind == "policy" else [f"--{kind}"]
-        print(f"[tiny models] building {path} for {config_path} (a few minutes)", flush=True)
+        print(f"[tiny models] building {path}{' ' + why if why else ''} (a few minutes)", flush=True)
         # this process pinned every PINNED_ENV entry; the tool model's build leaves TOOLS_UNPINNED unset
         # (inherited, MKL_CBWR=COMPATIBLE made it 2.7x slower and changed what its 1000 steps learn)
         env = {key: value for key, value in os.environ.items() if kind != "tools" or key not in TOOLS_UNPINNED}
@@ -626,15 +644,19 @@ def main():
     args = build_parser().parse_args()
     if args.for_config is not None:
         return build_for_config(args.for_config)
-    if args.teacher + args.moe + args.tools + args.hints > 1:
-        sys.exit("--teacher, --moe, --tools and --hints: choose one")
+    if args.for_model is not None:
+        return build_missing([args.for_model], "")
+    if args.teacher + args.moe + args.tools + args.hints + args.warm > 1:
+        sys.exit("--teacher, --moe, --tools, --hints and --warm: choose one")
     kind = "teacher" if args.teacher else "moe" if args.moe else "tools" if args.tools else \
-        "hints" if args.hints else "policy"
+        "hints" if args.hints else "warm" if args.warm else "policy"
     if (args.family, kind) not in OUTS:
-        builds = "the policy" if args.family in RANDOM_FAMILIES else "the policy, --teacher and --moe"
+        builds = "the policy and --warm" if args.family in RANDOM_FAMILIES else "the policy, --teacher and --moe"
         sys.exit(f"--family {args.family} builds {builds}, not --{kind}")
     if args.out is None:
         args.out = Path(OUTS[args.family, kind])
+    if args.steps is None and args.warm:
+        args.steps = WARM_UP[args.family]
     if args.steps is None and args.family in RANDOM_FAMILIES:
         args.steps = 0  # random weights: seconds to build
     if args.steps is None:
