@@ -250,6 +250,10 @@ def _add_rollout_args(parser):
                         "stop token ids are held back until then, and a --stop string counts only where it ends "
                         "after the N-th token); N = --max-new-tokens fixes every response's length. Evaluation "
                         "and --seq-kd's teacher responses stop where they stop")
+    g.add_argument("--min-new-tokens-tail", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="each training prompt's samples at least their own length, drawn log-normally between LOW "
+                        "and HIGH (median LOW * (HIGH/LOW)^(1/4); generation.forced_min_tokens): long-tailed "
+                        "response lengths on any model, for benchmarks (bench/async.py); sets --min-new-tokens LOW")
     g.add_argument("--num-generations", type=int, default=8, help="samples per prompt")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings")
     g.add_argument("--sync-bucket-mb", type=float, default=256.0,
@@ -471,6 +475,20 @@ def _add_reward_args(parser):
                    help="separate placement: the rollout ranks generate the next step's samples while the train "
                         "ranks train on this step's (one weight version behind; the staleness metric; TIS "
                         "corrects the gap); off: every step samples with the newest weights")
+    g.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                   help="streaming generation (megarl/streaming.py; implies --async-generation): the rollout engines "
+                        "keep --stream-groups prompt groups in flight and cut the next step's batch as soon as "
+                        "enough groups finished; a group may train at most K weight versions after its oldest "
+                        "token's (1: no response kept across a sync); unset: --async-generation's whole batches")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="--max-staleness: a response in flight at a weight sync keeps its tokens and goes on under "
+                        "the new weights (its prefix re-read by them); off: it restarts from its prompt")
+    g.add_argument("--stale-groups", choices=("restart", "drop"), default="restart",
+                   help="--max-staleness: a group that would train more than K versions after its oldest token "
+                        "restarts from its prompt (restart) or is given up for the next prompt (drop)")
+    g.add_argument("--stream-groups", type=int, default=None,
+                   help="--max-staleness: prompt groups in flight per rollout engine (default: its share of a "
+                        "step's prompts, prompts_per_step / engines)")
     g.add_argument("--reward-workers", type=int, default=1,
                    help="threads that score each prompt's samples as soon as the engine finishes them, while the "
                         "rest still generate (megarl/rewards/scoring.py); more than 1 also scores prompts in parallel "
@@ -918,6 +936,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError(f"--dynamic-sampling needs 0 <= LOW < HIGH <= 1, got {low} {high}")
         if args.max_num_gen_batches < 1:
             raise ConfigError(f"--max-num-gen-batches must be >= 1, got {args.max_num_gen_batches}")
+    if args.min_new_tokens_tail is not None:
+        low, high = args.min_new_tokens_tail
+        if not 1 <= low <= high <= args.max_new_tokens:
+            raise ConfigError(f"--min-new-tokens-tail {low} {high}: give 1 <= LOW <= HIGH <= --max-new-tokens "
+                              f"({args.max_new_tokens})")
+        if args.min_new_tokens not in (0, low):
+            raise ConfigError(f"--min-new-tokens {args.min_new_tokens} with --min-new-tokens-tail {low} {high}: the "
+                              f"tail forces each prompt's own length from LOW up; give one of them")
+        if args.rollout_backend == "hf" or args.tools or args.interaction:
+            raise ConfigError("--min-new-tokens-tail: per-prompt lengths are built for single-turn vLLM generation "
+                              "only (not --rollout-backend hf, --tools, --interaction)")
+        args.min_new_tokens = low
     if not 0 <= args.min_new_tokens <= args.max_new_tokens:
         raise ConfigError(f"--min-new-tokens must be in [0, --max-new-tokens={args.max_new_tokens}], "
                           f"got {args.min_new_tokens}")
@@ -1291,7 +1321,9 @@ def _validate_routing_replay(args) -> None:
                f"--rollout-backend {args.rollout_backend} cannot record the experts each token was routed to "
                f"(only the vLLM engine does); use --rollout-backend vllm or --routing-replay off"),
               (bool(args.tools), "--tools: the routes of multi-turn episodes are not recorded yet; use "
-                                 "--routing-replay off")]
+                                 "--routing-replay off"),
+              (args.max_staleness is not None, "--max-staleness: the routes of streamed responses (resubmitted "
+                                               "across syncs) are not recorded yet; use --routing-replay off")]
     reason = next((why for bad, why in cannot if bad), None)
     if args.routing_replay == "on":
         if reason is not None:
@@ -1493,6 +1525,7 @@ def _validate_vllm_teacher(args, which: str, short: str) -> None:
 
 
 def _validate_async_generation(args, placement) -> None:
+    _validate_streaming(args, placement)
     if not args.async_generation:
         return
     if placement.colocated:
@@ -1502,8 +1535,42 @@ def _validate_async_generation(args, placement) -> None:
                                            ("--gkd-lmbda < 1", args.gkd_lmbda < 1.0), ("--seq-kd", args.seq_kd),
                                            ("teacher.gpus", bool(args.teacher_gpus))) if used]
     if unsupported:
-        raise ConfigError(f"--async-generation does not support {', '.join(unsupported)} yet: those steps choose "
+        flag = f"--max-staleness {args.max_staleness}" if args.max_staleness is not None else "--async-generation"
+        raise ConfigError(f"{flag} does not support {', '.join(unsupported)} yet: those steps choose "
                           f"or score their samples with every rank (drop one of them)")
+
+
+def _validate_streaming(args, placement) -> None:
+    """--max-staleness (megarl/streaming.py): what it needs, and what it does not combine with yet, in one line."""
+    streaming_only = [flag for flag, used in (("--partial-rollout", args.partial_rollout),
+                                              ("--stale-groups drop", args.stale_groups != "restart"),
+                                              ("--stream-groups", args.stream_groups is not None)) if used]
+    if args.max_staleness is None:
+        if streaming_only:
+            raise ConfigError(f"{streaming_only[0]} is an option of streaming generation: set --max-staleness K")
+        return
+    if args.max_staleness < 1:
+        raise ConfigError(f"--max-staleness {args.max_staleness}: give K >= 1 weight versions (1: each batch sampled "
+                          f"by the policy one sync before the trainer's)")
+    if placement.colocated:
+        raise ConfigError(f"--max-staleness {args.max_staleness} needs the separate placement (colocate_groups: []): "
+                          f"colocated, the roles take turns on the devices, so generation cannot stream beside "
+                          f"training")
+    if args.stream_groups is not None and args.stream_groups < 1:
+        raise ConfigError(f"--stream-groups {args.stream_groups}: give at least 1 group in flight per engine")
+    engines = placement.rollout.num_engines
+    if args.prompts_per_step % engines:
+        raise ConfigError(f"--max-staleness: prompts_per_step={args.prompts_per_step} must split evenly over the "
+                          f"{engines} rollout engines (each cuts its share of every batch)")
+    unsupported = [flag for flag, used in (
+        ("--rollout-backend hf", args.rollout_backend == "hf"), ("--tools / --interaction", bool(args.tools or
+                                                                                                 args.interaction)),
+        ("--stop", bool(args.stop)),
+        ("--lora-sync adapter", bool(args.lora_rank) and args.lora_sync == "adapter")) if used]
+    if unsupported:
+        raise ConfigError(f"--max-staleness does not support {', '.join(unsupported)} yet (streaming generation "
+                          f"resubmits responses across syncs; that path is not built for them)")
+    args.async_generation = True
 
 
 def _validate_batch_geometry(args, data_parallel: int) -> None:

@@ -195,12 +195,19 @@ def _gather_in_flight(run, shard, completed_steps: int) -> dict | None:
     seconds (what the generate phase would report); None elsewhere."""
     if shard.step != completed_steps:
         raise ValueError(f"in-flight samples of step {shard.step + 1} saved after step {completed_steps}")
-    parts = distributed.all_gather_objects(shard.state_dict(), run.context)
+    stream = getattr(run, "stream", None)
+    stream = stream.state_dict() if stream is not None and run.rollout.is_leader else None
+    parts = distributed.all_gather_objects({**shard.state_dict(), "stream": stream}, run.context)
     if run.context.rank != 0:
         return None
+    stats = {}
+    for part in parts:
+        for name, count in part["stats"].items():
+            stats[name] = stats.get(name, 0) + count
+    streams = {part["stream"]["engine_index"]: part["stream"] for part in parts if part["stream"] is not None}
     return {**parts[0], "samples": [sample for part in parts for sample in part["samples"]],
             "reward_seconds": max(part["reward_seconds"] for part in parts),
-            "seconds": max(part["seconds"] for part in parts)}
+            "seconds": max(part["seconds"] for part in parts), "stats": stats, "stream": None, "streams": streams}
 
 
 def _write_failure(write) -> str | None:
@@ -289,8 +296,18 @@ def load_in_flight(run, path: str, completed_steps: int):
             f"--resume {path}: its in-flight samples (--async-generation) are {state['expected']}, this run's step "
             f"has {expected} (prompts_per_step * num_generations): resume with the saved values or without "
             f"--async-generation")
+    if getattr(run, "stream", None) is not None:  # --max-staleness: this engine's stream goes on from here
+        saved = state.get("streams", {}).get(run.rollout.engine_index)
+        if saved is None:
+            raise CheckpointMismatchError(f"--resume {path}: it holds no streaming state of rollout engine "
+                                          f"{run.rollout.engine_index} (saved without --max-staleness, or with "
+                                          f"fewer engines): resume with the saved settings")
+        try:
+            run.stream.load_state_dict(saved)
+        except ValueError as error:
+            raise CheckpointMismatchError(f"--resume {path}: {error}: resume with the saved settings") from None
     if run.context.rank != 0:
-        state = {**state, "samples": [], "reward_seconds": 0.0, "seconds": 0.0}
+        state = {**state, "samples": [], "reward_seconds": 0.0, "seconds": 0.0, "stats": {}}
     return ShardSamples.from_state_dict(state)
 
 

@@ -16,6 +16,8 @@ and a colocated teacher served by the rollout engines (`serving`).
 from __future__ import annotations
 
 import contextlib
+import math
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -40,27 +42,49 @@ class ShardSamples:
     reward_seconds: float = 0.0
     seconds: float = 0.0  # generating and scoring
     what: str = "samples"  # named in the count check's error
+    stats: dict = field(default_factory=dict)  # --max-staleness: the stream's counts over this generation
 
     def state_dict(self) -> dict:
         """Plain values (the samples as dicts), for a checkpoint of what is in flight (checkpoint.save)."""
         return {"step": self.step, "expected": self.expected, "samples": [asdict(s) for s in self.mine],
-                "reward_seconds": self.reward_seconds, "seconds": self.seconds}
+                "reward_seconds": self.reward_seconds, "seconds": self.seconds, "stats": dict(self.stats)}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> ShardSamples:
         return cls(state["step"], state["expected"], [Sample(**s) for s in state["samples"]],
-                   state["reward_seconds"], state["seconds"])
+                   state["reward_seconds"], state["seconds"], stats=dict(state.get("stats", {})))
 
 
-def generate_ahead(run: Run, step: int) -> ShardSamples:
+def generate_ahead(run: Run, step: int, trained_at: int) -> ShardSamples:
     """--async-generation: the rollout ranks generate and score step `step`'s samples now, with the
     weights they hold, while the train ranks (which return at once) train on the previous step's;
-    `collect` (in phases.generate) gathers them. No collective runs here, so the roles overlap."""
+    `collect` (in phases.generate) gathers them. No collective runs here, so the roles overlap.
+    With --max-staleness the rollout engines' streams advance instead (megarl/streaming.py); the batch
+    trains under weight version `trained_at`."""
+    if run.stream is not None:
+        return run.stream.advance(run, step, trained_at)
+    if run.args.max_staleness is not None:  # a train rank: nothing generated here
+        return ShardSamples(step, run.args.prompts_per_step * run.args.num_generations)
     started = time.perf_counter()
     shard = _generate_shard(run, run.rollout, run.prompts.batch(step, 0), step, seed_key=("train", 0),
                             min_tokens=run.args.min_new_tokens)
     shard.seconds = time.perf_counter() - started
     return shard
+
+
+def forced_min_tokens(args, step: int, position: int) -> int:
+    """The min_tokens of the training samples of step `step`'s prompt at `position`: --min-new-tokens, or with
+    --min-new-tokens-tail LOW HIGH the prompt's own, drawn log-normally (median LOW * (HIGH / LOW)^(1/4), a
+    quarter of the log range per standard deviation) and clipped to [LOW, HIGH]: the long-tailed response
+    lengths of reasoning RL on any model (bench/async.py). Keyed by the prompt's place in the prompt stream, so
+    every generation mode forces the same prompt to the same length."""
+    if not args.min_new_tokens_tail:
+        return args.min_new_tokens
+    low, high = args.min_new_tokens_tail
+    spread = (math.log(high) - math.log(low)) / 4
+    draw = random.Random(stable_seed("min-new-tokens-tail", args.seed, step, position)).gauss(math.log(low) + spread,
+                                                                                             spread)
+    return int(min(max(round(math.exp(draw)), low), high))
 
 
 def rollout(run: Run, prompts, step: int, n: int | None = None, temperature: float | None = None,
@@ -101,6 +125,8 @@ def _generate_shard(run: Run, engine, prompts, step: int, n: int | None = None, 
     if engine is None:
         return result
     shard = prompts[batching.contiguous_shard(len(prompts), engine.engine_index, engine.num_engines)]
+    if min_tokens and run.args.min_new_tokens_tail:  # the training samples, each prompt its own length
+        min_tokens = [forced_min_tokens(run.args, step, p.index) for p in shard]
     scoring = OverlappedScoring(run.reward, run.args.reward_workers, run.timed_rewards) if score else None
 
     def on_prompt_done(i, samples):

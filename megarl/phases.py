@@ -80,6 +80,16 @@ def phase(fn):
     return timed
 
 
+def staleness_metrics(samples, version: int) -> dict:
+    """--max-staleness: how far behind `version` (the policy about to train) the samples' tokens were sampled:
+    per sample by its oldest token (the mean; the max is `staleness`), per token (the mean), and the share of
+    samples whose tokens span more than one version (partial rollouts)."""
+    token_lags = [version - v for s in samples for v in (s.token_versions or [s.weight_version])]
+    return {"staleness_mean": sum(version - s.weight_version for s in samples) / len(samples),
+            "token_staleness_mean": sum(token_lags) / max(len(token_lags), 1),
+            "partial_fraction": sum(len(set(s.token_versions or ())) > 1 for s in samples) / len(samples)}
+
+
 # ------------------------------------------------------------------ generate ----
 @phase
 def generate(run: Run, step: int, ahead: ShardSamples | None = None):
@@ -102,7 +112,11 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
         metrics = {}
         if ahead is not None:
             samples, reward_seconds = generation.collect(run, ahead)
-            metrics["generate_ahead_seconds"] = max(distributed.all_gather_objects(ahead.seconds, run.context))
+            gathered = distributed.all_gather_objects((ahead.seconds, ahead.stats), run.context)
+            metrics["generate_ahead_seconds"] = max(seconds for seconds, _ in gathered)
+            for _, stats in gathered:  # --max-staleness: each engine's stream counts (its leader's)
+                for name, count in stats.items():
+                    metrics[name] = metrics.get(name, 0) + count
         elif source == "teacher" and run.teacher_engine_placed:
             samples, reward_seconds = generation.teacher_rollout(run, prompts, step)
         elif source == "teacher":
@@ -117,6 +131,8 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
         metrics["on_policy"] = float(source == "student")
     # Weight versions between the policy that sampled and the one about to train (0: on-policy).
     metrics["staleness"] = run.weight_version - min(s.weight_version for s in samples)
+    if args.max_staleness is not None:
+        metrics.update(staleness_metrics(samples, run.weight_version))
     metrics.update(generation.reward_errors(samples, f"step {step + 1}", run.is_main))
     metrics.update(tool_metrics(samples))
     tool_wait = 0.0

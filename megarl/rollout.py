@@ -101,10 +101,12 @@ class VllmEngine:
 
     def generate(self, prompts: list[list[int]], prompt_indices: list[int], step: int,
                  greedy: bool = False, n: int | None = None, temperature: float | None = None,
-                 seed_key: tuple = (), on_prompt_done=None, min_tokens: int = 0, rows: list[dict] | None = None,
+                 seed_key: tuple = (), on_prompt_done=None, min_tokens: int | list[int] = 0,
+                 rows: list[dict] | None = None,
                  episodes=None) -> list[Sample]:
         """n samples per prompt (default --num-generations; 1 when greedy) at `temperature`
-        (default --temperature; 0 is greedy), each at least `min_tokens` long (vLLM's min_tokens;
+        (default --temperature; 0 is greedy), each at least `min_tokens` long (or a list: one per prompt,
+        --min-new-tokens-tail; vLLM's min_tokens;
         the caller passes --min-new-tokens for training samples only, so an evaluation measures
         where the policy itself stops). `on_prompt_done(i, samples)` is called with prompt i's
         samples as soon as its request finishes (the rewards overlap the rest: megarl/rewards/scoring.py);
@@ -138,12 +140,17 @@ class VllmEngine:
         # token at a time in Python (convert_ids_list_to_tokens): 4-5% of bare engines' generation on the bench
         # job, 1-5% of megarl's generate phase (docs/benchmarks.md).
         detokenize = bool(args.stop) or episodes is not None
-        params = sampling_params(args, prompt_indices, step, seed_key, n, temperature, min_tokens,
-                                 self.seeds_per_request, detokenize)
+        per_prompt = list(min_tokens) if isinstance(min_tokens, (list, tuple)) else None  # --min-new-tokens-tail
+        params = sampling_params(args, prompt_indices, step, seed_key, n, temperature,
+                                 0 if per_prompt is not None else min_tokens, self.seeds_per_request, detokenize)
+        if per_prompt is not None:
+            for request, forced in zip(params, per_prompt, strict=True):
+                request.min_tokens = forced
         # (an engine started without a tokenizer, skip_tokenizer_init, as bench/weight_sync.py's: no text at all)
         text_of = None if detokenize or self.llm.llm_engine.model_config.skip_tokenizer_init else \
             functools.partial(response_text, self.llm.get_tokenizer())
-        constraint = (min_tokens, self.held_back_ids(params[0])) if min_tokens and prompts else (0, ())
+        constraints = [(request.min_tokens, self.held_back_ids(request)) if request.min_tokens else (0, ())
+                       for request in params]
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, *seed_key))
         if episodes is not None:
             from megarl.multiturn import run_episodes
@@ -160,7 +167,7 @@ class VllmEngine:
             self.routes.start()
         if on_prompt_done is None:
             outputs = self.llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
-            return [s for index, prompt, output in zip(prompt_indices, prompts, outputs)
+            return [s for index, prompt, output, constraint in zip(prompt_indices, prompts, outputs, constraints)
                     for s in _samples_of(index, prompt, output, *constraint, routes=self.routes, text_of=text_of)]
         # LLM.generate is enqueue + this loop (vLLM's _run_engine), with each finished request handed on.
         # Outputs carry LLM's own request numbers, consecutive from its counter (_run_engine sorts by them).
@@ -175,7 +182,7 @@ class VllmEngine:
                     if not 0 <= i < len(prompts) or per_prompt[i] is not None:
                         raise RuntimeError(f"vLLM returned request {output.request_id!r}, not one of the "
                                            f"{len(prompts)} just enqueued from {first}: its request numbering changed")
-                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output, *constraint,
+                    per_prompt[i] = _samples_of(prompt_indices[i], prompts[i], output, *constraints[i],
                                                 routes=self.routes, text_of=text_of)
                     on_prompt_done(i, per_prompt[i])
         return [s for samples in per_prompt for s in samples]

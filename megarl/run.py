@@ -64,6 +64,7 @@ class Run:
     timed_rewards: object | None = None  # scoring.TimedRewards on rollout ranks with --reward-timeout
     activity: Activity = field(default_factory=Activity)
     episodes: object | None = None  # multiturn.EpisodeSettings on rollout ranks with --tools (its ToolRunner)
+    stream: object | None = None  # streaming.GenerationStream on rollout ranks with --max-staleness (train.py)
 
     @property
     def teacher_engine_placed(self) -> bool:

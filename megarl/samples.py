@@ -37,6 +37,10 @@ class Sample:
     metadata: dict = field(default_factory=dict)  # the prompt's dataset row
     teacher_prompt_ids: list[int] | None = None  # OPSD: the teacher scores the response after this prompt
     weight_version: int = 0  # how many trainer -> rollout syncs the engine had taken when it sampled this
+    # (its first token, where a response spans syncs: --partial-rollout)
+    # --max-staleness (megarl/streaming.py): the weight version that sampled each response token; None: all
+    # weight_version's
+    token_versions: list[int] | None = None
     # vLLM's min_tokens: these token ids (EOS and the stop ids) had logit -inf before response token
     # `min_tokens` (0: nowhere); the trainer scores the policy under the same constraint (batch.sampler_constraint).
     min_tokens: int = 0

@@ -45,6 +45,10 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
     preemption = Preemption(context.rank,
                             on_peer_death=lambda dead: _stop_for_dead_peer(context.rank, dead, activity))
     run = build_run(args, context, inputs, activity)
+    if args.max_staleness is not None and run.rollout is not None:
+        from megarl.streaming import GenerationStream
+
+        run.stream = GenerationStream(run)
     logger = MetricsLogger(args, is_main=run.is_main)
     start, ahead = _resume(run)
     if run.is_main and run.actor is not None:
@@ -55,13 +59,14 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
     # step k's (generation.generate_ahead; the sync of step k's weights follows), one weight version behind.
     # `ahead` is what is in flight: a checkpoint keeps it, so a resumed run takes it from there.
     if ahead is None and args.async_generation and start < args.train_steps:
-        ahead = generation.generate_ahead(run, start)
+        ahead = generation.generate_ahead(run, start, trained_at=run.weight_version)
     for step in range(start, args.train_steps):
         run.activity.step = step + 1
         shortcut = batching.on_policy_update(args, step)  # no separate old-logprob pass
         samples, generated = phases.generate(run, step, ahead)
-        ahead = generation.generate_ahead(run, step + 1) if ahead is not None and step + 1 < args.train_steps \
-            else None
+        # (before this step's sync: the batch trains under the version after it)
+        ahead = generation.generate_ahead(run, step + 1, trained_at=run.weight_version + 1) \
+            if ahead is not None and step + 1 < args.train_steps else None
         batch, scored = phases.score_and_filter(run, samples)
         batch, prepared = phases.prepare(run, batch, shortcut)
         batch, taught = phases.teach(run, batch)

@@ -1,0 +1,130 @@
+"""Streaming generation (--max-staleness K, --partial-rollout; megarl/streaming.py) in the separate placement: every
+token's version tag is the policy that sampled it, the staleness bound holds, a resume with responses in flight
+continues bit for bit, and what is not built is refused in one line."""
+
+import pytest
+import torch
+
+from helpers import ROUNDING_LEVEL, assert_signal_alive, read_json, scalars, torchrun
+
+SEPARATE = ["--config", "examples/quickstart_grpo_separate.yaml"]
+# 4 prompts x 4 samples a step, lengths forced from 8 to 48 tokens (a long tail at this scale), 6 groups in flight:
+# each batch is cut with 2 groups still running, whose responses cross the sync
+STREAM = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "48", "--min-new-tokens-tail",
+          "8", "48", "--micro-batch-size", "16", "--lr", "1e-3", "--rollout-kv-cache-gb", "1", "--stream-groups", "6"]
+COMPARED = ("reward_mean", "loss", "grad_norm", "entropy", "response_length_mean", "mismatch", "staleness",
+            "staleness_mean", "token_staleness_mean", "partial_fraction", "stream_responses_resumed")
+
+
+def _parse(*flags, world_size=2):
+    from megarl.arguments import parse_args
+
+    return parse_args([*map(str, flags)], world_size=world_size)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--config", "examples/quickstart_grpo.yaml", "--max-staleness", 2], ["--max-staleness 2 needs the separate"]),
+    ([*SEPARATE, "--max-staleness", 0], ["--max-staleness 0", "K >= 1"]),
+    ([*SEPARATE, "--partial-rollout"], ["--partial-rollout", "set --max-staleness"]),
+    ([*SEPARATE, "--max-staleness", 2, "--rollout-backend", "hf"], ["does not support --rollout-backend hf"]),
+    ([*SEPARATE, "--max-staleness", 2, "--tools", "calculator"], ["does not support --tools"]),
+    ([*SEPARATE, "--max-staleness", 2, "--dynamic-sampling", 0, 1], ["--max-staleness 2 does not support "
+                                                                     "--dynamic-sampling"]),
+    ([*SEPARATE, "--max-staleness", 2, "--prompts-per-step", 3, "--micro-batch-size", 8, "--rollout-gpus", 2,
+      "--train-gpus", 1],
+     ["prompts_per_step=3", "2 rollout engines"]),
+    ([*SEPARATE, "--min-new-tokens-tail", 8, 99], ["--min-new-tokens-tail 8 99", "--max-new-tokens"]),
+])
+def test_what_is_not_built_is_refused_in_one_line(flags, words, tiny_model):
+    from megarl.errors import ConfigError
+
+    world = 3 if "--rollout-gpus" in flags else 2
+    with pytest.raises(ConfigError) as error:
+        _parse(*flags, "--model", tiny_model, world_size=world)
+    message = str(error.value)
+    assert "\n" not in message and all(word in message for word in words), message
+
+
+def test_routing_replay_is_off_while_streaming_and_on_is_refused(random_moe_policy):
+    """An MoE policy: routing replay's auto is off with --max-staleness (the routes of responses resubmitted across
+    syncs are not recorded); on is refused in one line."""
+    from megarl.errors import ConfigError
+
+    flags = [*SEPARATE, "--model", random_moe_policy, "--max-staleness", 2]
+    assert _parse(*flags).routing_replay == "off" and _parse(*SEPARATE, "--model", random_moe_policy).routing_replay == "on"
+    with pytest.raises(ConfigError) as error:
+        _parse(*flags, "--routing-replay", "on")
+    assert "\n" not in str(error.value) and "--max-staleness" in str(error.value), error.value
+
+
+def test_the_long_tail_is_a_function_of_the_prompt():
+    """--min-new-tokens-tail: each prompt's forced length, keyed by its place in the prompt stream, spans the
+    range with a median near LOW * (HIGH / LOW)^(1/4) and a tail towards HIGH."""
+    from types import SimpleNamespace
+
+    from megarl.generation import forced_min_tokens
+
+    args = SimpleNamespace(min_new_tokens_tail=[16, 1024], min_new_tokens=16, seed=3)
+    lengths = sorted(forced_min_tokens(args, step, position) for step in range(50) for position in range(40))
+    assert lengths == sorted(forced_min_tokens(args, step, position) for step in range(50) for position in range(40))
+    assert lengths[0] == 16 and 200 < lengths[int(0.97 * len(lengths))] <= 1024, lengths[::100]
+    assert 35 < lengths[len(lengths) // 2] < 60, lengths[len(lengths) // 2]  # 16 * 64^(1/4) = 45
+    assert forced_min_tokens(args, 1, 2) != forced_min_tokens(SimpleNamespace(**{**vars(args), "seed": 4}), 1, 2) \
+        or forced_min_tokens(args, 1, 3) != forced_min_tokens(SimpleNamespace(**{**vars(args), "seed": 4}), 1, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness,partial", [(2, True), (1, False)])
+def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, partial, tiny_model, tmp_path):
+    """tests/workers/streaming_worker.py: 5 steps, the trainer's policy kept at every version. For each batch and
+    each version v its tokens carry, the trainer's logprobs recomputed under v equal the engine's on the tokens
+    tagged v at rounding level, also after a response crossed a sync (its prefix re-read by the new weights), and
+    differ on the tokens tagged otherwise (a wrong tag would be seen). No batch trains a token more than K versions
+    after it was sampled; with K = 2 and --partial-rollout responses do cross syncs and reach the bound; with K = 1
+    (abort) every batch is one version's."""
+    out = tmp_path / "report.json"
+    torchrun("streaming_worker.py", out, *SEPARATE, "--model", tiny_model, *STREAM, "--train-steps", "5",
+             "--max-staleness", staleness, *(["--partial-rollout"] if partial else []), "--log-dir", "",
+             timeout=900)
+    report = read_json(out)
+    assert len(report) == 5
+    lags, spanning, wrong_tag_gaps = [], 0, []
+    for entry in report:
+        versions = [v for tags in entry["token_versions"] for v in tags]
+        lags.append(entry["trained_at"] - min(versions))
+        spanning += sum(len(set(tags)) > 1 for tags in entry["token_versions"])
+        for version, check in entry["versions"].items():
+            mean, largest, count = check["tagged"]
+            assert count > 0 and mean <= ROUNDING_LEVEL and largest <= 1e-4, (entry["step"], version, check)
+            if check["untagged"][0] is not None:
+                wrong_tag_gaps.append(check["untagged"][0])
+    assert max(lags) <= staleness, lags
+    if partial:
+        assert max(lags) == staleness and spanning > 0, (lags, spanning)
+        assert wrong_tag_gaps and min(wrong_tag_gaps) > 100 * ROUNDING_LEVEL, wrong_tag_gaps
+    else:
+        assert spanning == 0 and lags[1:] == [1] * 4, (lags, spanning)
+
+
+@pytest.mark.slow
+def test_a_resume_with_responses_in_flight_continues_bit_for_bit(tiny_model, tmp_path):
+    """K = 2 with --partial-rollout through megarl/train.py, 4 steps, a checkpoint after step 2: the checkpoint
+    holds step 3's batch and the stream's groups in flight with their tokens, logprobs and versions; resumed from
+    it, steps 3 and 4 are the uninterrupted run's exactly (every metric, the partial share and the staleness
+    included). The training signal is live (non-zero gradients, responses resumed across syncs)."""
+    flags = [*SEPARATE, "--model", tiny_model, *STREAM, "--train-steps", "4", "--max-staleness", "2",
+             "--partial-rollout"]
+    torchrun("../../megarl/train.py", *flags, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
+             "--log-dir", tmp_path / "run", timeout=900)
+    torchrun("../../megarl/train.py", *flags, "--resume", tmp_path / "ckpt" / "step_00000002",
+             "--log-dir", tmp_path / "resumed", timeout=900)
+    run, resumed = scalars(tmp_path / "run", COMPARED), scalars(tmp_path / "resumed", COMPARED)
+    for tag in COMPARED:
+        assert resumed[tag] == {step: run[tag][step] for step in (2, 3)}, (tag, run[tag], resumed[tag])
+    assert max(run["partial_fraction"].values()) > 0 and max(run["stream_responses_resumed"].values()) > 0, run
+    assert_signal_alive(tmp_path / "run", what="streaming")
+    saved = torch.load(tmp_path / "ckpt" / "step_00000002" / "in_flight.pt", weights_only=False)
+    stream = saved["streams"][0]
+    started = [r for group in stream["running"] for r in group["responses"] if r["ids"] and r["finish"] is None]
+    assert started and all(len(r["ids"]) == len(r["logprobs"]) == len(r["versions"]) for r in started), stream
+    assert (saved["step"], len(saved["samples"])) == (2, 16)
