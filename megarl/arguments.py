@@ -1531,7 +1531,8 @@ def _validate_async_generation(args, placement) -> None:
     if placement.colocated:
         raise ConfigError("--async-generation needs the separate placement (colocate_groups: []): colocated, the "
                           "roles share the devices and take turns, so there is nothing to overlap")
-    unsupported = [flag for flag, used in (("--dynamic-sampling", args.dynamic_sampling is not None),
+    unsupported = [flag for flag, used in (("--dynamic-sampling", args.dynamic_sampling is not None and
+                                            args.max_staleness is None),
                                            ("--gkd-lmbda < 1", args.gkd_lmbda < 1.0), ("--seq-kd", args.seq_kd),
                                            ("teacher.gpus", bool(args.teacher_gpus))) if used]
     if unsupported:

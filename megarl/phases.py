@@ -117,6 +117,10 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
             for _, stats in gathered:  # --max-staleness: each engine's stream counts (its leader's)
                 for name, count in stats.items():
                     metrics[name] = metrics.get(name, 0) + count
+            scored = metrics.pop("stream_samples_scored", 0)
+            reward_sum = metrics.pop("stream_reward_sum", 0.0)
+            if args.dynamic_sampling is not None and scored:  # every sample scored, the given-up groups' too
+                metrics["dapo_reward_all_mean"] = reward_sum / scored
         elif source == "teacher" and run.teacher_engine_placed:
             samples, reward_seconds = generation.teacher_rollout(run, prompts, step)
         elif source == "teacher":

@@ -26,9 +26,11 @@ finished ones not yet cut, the stream's position), since after every sync the re
 from those anyway. The sampler's randomness is reseeded at each advance from (--seed, engine, step), as
 VllmEngine.generate does.
 
-Not built yet (refused at parse): the colocated placement with K > 1 (its roles take turns), the HF backend,
-dynamic sampling, GKD's --gkd-lmbda < 1 / --seq-kd / a standalone teacher, --tools, --routing-replay, --stop
-strings, LoRA adapter sync.
+DAPO's --dynamic-sampling filters each group as it finishes (`_filter`): the cut takes kept groups only.
+
+Not built yet (refused at parse): the colocated placement (its roles take turns), the HF backend, GKD's
+--gkd-lmbda < 1 / --seq-kd / a standalone teacher, --tools, --routing-replay (off), --stop strings, LoRA adapter
+sync.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from megarl.algorithms import dynamic_sampling_keep
 from megarl.generation import ShardSamples, _score, forced_min_tokens
 from megarl.rollout import response_text, sampling_params
 from megarl.run import Run
@@ -62,6 +65,7 @@ class Group:
     number: int  # the stream's prompt: prompts.batch(number // prompts_per_step)[number % prompts_per_step]
     responses: list[Response]
     restarted: int = 0  # times the whole group was restarted for staleness (or, aborting, at a sync)
+    scored: list | None = None  # --dynamic-sampling: (reward, reason) of each response, scored as it finished
 
     @property
     def done(self) -> bool:
@@ -86,7 +90,9 @@ class GenerationStream:
         self.requests: dict[str, tuple[Group, int]] = {}  # vLLM request id -> (group, response)
         self._batches: dict[int, list] = {}  # the prompt batches of the groups held (`_prompt`)
         self._submitted = 0  # requests submitted by this process (their ids)
-        self.counts = {"stream_groups_restarted": 0, "stream_groups_dropped": 0, "stream_responses_resumed": 0}
+        self.counts = {"stream_groups_restarted": 0, "stream_groups_dropped": 0, "stream_responses_resumed": 0,
+                       "stream_groups_filtered": 0, "stream_groups_topped_up": 0, "stream_reward_sum": 0.0,
+                       "stream_samples_scored": 0}
 
     # -------------------------------------------------------------------------------- the step ----
 
@@ -100,26 +106,60 @@ class GenerationStream:
         torch.manual_seed(stable_seed(args.seed, self.engine_index, step, "stream"))
         self._fill(run)
         core = engine.llm.llm_engine
+        filtered = 0  # groups --dynamic-sampling gave up during this advance
         while len(self.finished) < self.share:
             if not core.has_unfinished_requests():
                 raise RuntimeError(f"streaming generation: the engine has no request left, {len(self.finished)} of "
                                    f"{self.share} groups finished")
             for output in core.step():
                 self._take(output, run.weight_version)
+            if args.dynamic_sampling is not None:
+                filtered = self._filter(run, filtered)
             self._fill(run)
         self._pause(run)
         cut, self.finished = self.finished[:self.share], self.finished[self.share:]
         shard = ShardSamples(step, args.prompts_per_step * args.num_generations)
-        samples = []
+        samples, unscored = [], []
         for position, group in enumerate(cut):
-            samples += self._samples(run, group, self.engine_index * self.share + position)
-        shard.reward_seconds = _score(run, samples) if engine.is_leader else 0.0
+            group_samples = self._samples(run, group, self.engine_index * self.share + position)
+            if group.scored is None:
+                unscored += group_samples
+            else:
+                for sample, (reward, reason) in zip(group_samples, group.scored):
+                    sample.reward, sample.reason = reward, reason
+            samples += group_samples
+        shard.reward_seconds = _score(run, unscored) if engine.is_leader else 0.0
         if engine.is_leader:
             shard.mine = samples
         shard.seconds = time.perf_counter() - started
         if engine.is_leader:  # one count per engine
             shard.stats = {name: self.counts[name] - counts_before[name] for name in self.counts}
         return shard
+
+    def _filter(self, run: Run, filtered: int) -> int:
+        """--dynamic-sampling (DAPO): each newly finished group scored at once, and given up when its success rate
+        is not strictly inside the range (its advantages would be 0), so the cut takes kept groups only; after
+        (--max-num-gen-batches - 1) x the engine's share given up in one advance, the rest are kept whatever they
+        score (DAPO's top-up). Every rank of the engine scores (the same rewards), so they all cut alike. The
+        groups given up so far in this advance."""
+        args = run.args
+        for group in [g for g in self.finished if g.scored is None]:
+            samples = self._samples(run, group, 0)
+            _score(run, samples)
+            group.scored = [(s.reward, s.reason) for s in samples]
+            self.counts["stream_reward_sum"] += sum(s.reward for s in samples)
+            self.counts["stream_samples_scored"] += len(samples)
+            keep = bool(dynamic_sampling_keep(torch.tensor([[s.reward for s in samples]]),
+                                              *args.dynamic_sampling)[0])
+            if keep:
+                continue
+            if filtered < (args.max_num_gen_batches - 1) * self.share:
+                self.finished.remove(group)
+                self.counts["stream_groups_filtered"] += 1
+                filtered += 1
+            else:
+                self.counts["stream_groups_topped_up"] += 1
+        return filtered
 
     def _carry_over(self, run: Run, trained_at: int) -> None:
         """Before generating under new weights: every response in flight is resubmitted, with --partial-rollout
@@ -139,7 +179,7 @@ class GenerationStream:
                     self.counts["stream_groups_dropped"] += 1
                     continue
                 group.responses = [Response() for _ in group.responses]
-                group.restarted += 1
+                group.restarted, group.scored = group.restarted + 1, None
                 self.counts["stream_groups_restarted"] += 1
             (keep_finished if group.done else keep_running).append(group)
         self.running, self.finished = keep_running, keep_finished
@@ -251,7 +291,8 @@ class GenerationStream:
         self.next_number, self.counts = state["next_number"], dict(state["counts"])
 
         def group(saved):
-            return Group(saved["number"], [Response(**r) for r in saved["responses"]], saved["restarted"])
+            return Group(saved["number"], [Response(**r) for r in saved["responses"]], saved["restarted"],
+                         [tuple(pair) for pair in saved["scored"]] if saved["scored"] is not None else None)
 
         self.running = [group(g) for g in state["running"]]
         self.finished = [group(g) for g in state["finished"]]

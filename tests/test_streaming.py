@@ -13,7 +13,8 @@ SEPARATE = ["--config", "examples/quickstart_grpo_separate.yaml"]
 STREAM = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "48", "--min-new-tokens-tail",
           "8", "48", "--micro-batch-size", "16", "--lr", "1e-3", "--rollout-kv-cache-gb", "1", "--stream-groups", "6"]
 COMPARED = ("reward_mean", "loss", "grad_norm", "entropy", "response_length_mean", "mismatch", "staleness",
-            "staleness_mean", "token_staleness_mean", "partial_fraction", "stream_responses_resumed")
+            "staleness_mean", "token_staleness_mean", "partial_fraction", "stream_responses_resumed",
+            "stream_groups_filtered", "dapo_reward_all_mean")
 
 
 def _parse(*flags, world_size=2):
@@ -28,8 +29,7 @@ def _parse(*flags, world_size=2):
     ([*SEPARATE, "--partial-rollout"], ["--partial-rollout", "set --max-staleness"]),
     ([*SEPARATE, "--max-staleness", 2, "--rollout-backend", "hf"], ["does not support --rollout-backend hf"]),
     ([*SEPARATE, "--max-staleness", 2, "--tools", "calculator"], ["does not support --tools"]),
-    ([*SEPARATE, "--max-staleness", 2, "--dynamic-sampling", 0, 1], ["--max-staleness 2 does not support "
-                                                                     "--dynamic-sampling"]),
+    ([*SEPARATE, "--max-staleness", 2, "--stop", "}"], ["--max-staleness does not support --stop"]),
     ([*SEPARATE, "--max-staleness", 2, "--prompts-per-step", 3, "--micro-batch-size", 8, "--rollout-gpus", 2,
       "--train-gpus", 1],
      ["prompts_per_step=3", "2 rollout engines"]),
@@ -108,12 +108,13 @@ def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, p
 
 @pytest.mark.slow
 def test_a_resume_with_responses_in_flight_continues_bit_for_bit(tiny_model, tmp_path):
-    """K = 2 with --partial-rollout through megarl/train.py, 4 steps, a checkpoint after step 2: the checkpoint
-    holds step 3's batch and the stream's groups in flight with their tokens, logprobs and versions; resumed from
-    it, steps 3 and 4 are the uninterrupted run's exactly (every metric, the partial share and the staleness
-    included). The training signal is live (non-zero gradients, responses resumed across syncs)."""
+    """K = 2 with --partial-rollout and DAPO's dynamic sampling through megarl/train.py, 4 steps, a checkpoint after
+    step 2: the checkpoint holds step 3's batch and the stream's groups in flight with their tokens, logprobs and
+    versions; resumed from it, steps 3 and 4 are the uninterrupted run's exactly (every metric, the partial share,
+    the staleness and the groups DAPO gave up included). The training signal is live (non-zero gradients,
+    responses resumed across syncs); DAPO gives up groups as they finish, and every batch still has its groups."""
     flags = [*SEPARATE, "--model", tiny_model, *STREAM, "--train-steps", "4", "--max-staleness", "2",
-             "--partial-rollout"]
+             "--partial-rollout", "--dynamic-sampling", "0", "1"]
     torchrun("../../megarl/train.py", *flags, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
              "--log-dir", tmp_path / "run", timeout=900)
     torchrun("../../megarl/train.py", *flags, "--resume", tmp_path / "ckpt" / "step_00000002",
@@ -122,6 +123,7 @@ def test_a_resume_with_responses_in_flight_continues_bit_for_bit(tiny_model, tmp
     for tag in COMPARED:
         assert resumed[tag] == {step: run[tag][step] for step in (2, 3)}, (tag, run[tag], resumed[tag])
     assert max(run["partial_fraction"].values()) > 0 and max(run["stream_responses_resumed"].values()) > 0, run
+    assert sum(run["stream_groups_filtered"].values()) > 0 and len(run["dapo_reward_all_mean"]) == 4, run
     assert_signal_alive(tmp_path / "run", what="streaming")
     saved = torch.load(tmp_path / "ckpt" / "step_00000002" / "in_flight.pt", weights_only=False)
     stream = saved["streams"][0]

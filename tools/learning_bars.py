@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from test_moe import NEW_MOE_FLAGS  # noqa: E402 - the new MoE families' runs beyond the MoE quickstart's flags
 # name: (the test holding the bar, the launched script, its arguments)
 CASES = {
     "quickstart-80": ("tests/test_train_e2e.py::test_quickstart_learns", "megarl/train.py",
@@ -58,7 +59,8 @@ CASES.update({
     "tools": ("tests/test_multiturn.py::test_tool_quickstart_learns", "megarl/train.py",
               ["--config", "examples/quickstart_grpo_tools.yaml"]),
     **{f"moe-{family}": (f"tests/test_moe.py::test_the_new_moe_families_learn[{family}]", "megarl/train.py",
-                         ["--config", "examples/quickstart_grpo_moe.yaml", "--model", f"artifacts/tiny-{family}-warm"])
+                         ["--config", "examples/quickstart_grpo_moe.yaml", "--model", f"artifacts/tiny-{family}-warm",
+                          *NEW_MOE_FLAGS.get(family, [])])
        for family in ("deepseek_v3", "glm4_moe", "gpt_oss")},
     "qwen3_5": ("tests/test_train_e2e.py::test_the_quickstart_learns_on_qwen3_5", "megarl/train.py",
                 ["--config", "examples/quickstart_grpo.yaml", "--model", "artifacts/tiny-qwen3_5"]),
