@@ -1566,8 +1566,7 @@ def _validate_streaming(args, placement) -> None:
     unsupported = [flag for flag, used in (
         ("--rollout-backend hf", args.rollout_backend == "hf"), ("--tools / --interaction", bool(args.tools or
                                                                                                  args.interaction)),
-        ("--stop", bool(args.stop)),
-        ("--lora-sync adapter", bool(args.lora_rank) and args.lora_sync == "adapter")) if used]
+        ("--stop", bool(args.stop))) if used]
     if unsupported:
         raise ConfigError(f"--max-staleness does not support {', '.join(unsupported)} yet (streaming generation "
                           f"resubmits responses across syncs; that path is not built for them)")
