@@ -80,13 +80,16 @@ def phase(fn):
     return timed
 
 
-def staleness_metrics(samples, version: int) -> dict:
-    """--max-staleness: how far behind `version` (the policy about to train) the samples' tokens were sampled:
-    per sample by its oldest token (the mean; the max is `staleness`), per token (the mean), and the share of
-    samples whose tokens span more than one version (partial rollouts)."""
+def staleness_metrics(samples, version: int, bound: int) -> dict:
+    """--max-staleness K = `bound`: how far behind `version` (the policy about to train) the samples' tokens were
+    sampled: per sample by its oldest token (the mean; the max is `staleness`), per token (the mean, and the
+    histogram: the share of tokens d versions behind, d = 0..K), and the share of samples whose tokens span more
+    than one version (partial rollouts)."""
     token_lags = [version - v for s in samples for v in (s.token_versions or [s.weight_version])]
+    total = max(len(token_lags), 1)
     return {"staleness_mean": sum(version - s.weight_version for s in samples) / len(samples),
-            "token_staleness_mean": sum(token_lags) / max(len(token_lags), 1),
+            "token_staleness_mean": sum(token_lags) / total,
+            **{f"token_staleness_share/{lag}": token_lags.count(lag) / total for lag in range(bound + 1)},
             "partial_fraction": sum(len(set(s.token_versions or ())) > 1 for s in samples) / len(samples)}
 
 
@@ -136,7 +139,7 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
     # Weight versions between the policy that sampled and the one about to train (0: on-policy).
     metrics["staleness"] = run.weight_version - min(s.weight_version for s in samples)
     if args.max_staleness is not None:
-        metrics.update(staleness_metrics(samples, run.weight_version))
+        metrics.update(staleness_metrics(samples, run.weight_version, args.max_staleness))
     metrics.update(generation.reward_errors(samples, f"step {step + 1}", run.is_main))
     metrics.update(tool_metrics(samples))
     tool_wait = 0.0

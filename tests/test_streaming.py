@@ -129,9 +129,34 @@ def test_a_resume_with_responses_in_flight_continues_bit_for_bit(tiny_model, tmp
         assert resumed[tag] == {step: run[tag][step] for step in (2, 3)}, (tag, run[tag], resumed[tag])
     assert max(run["partial_fraction"].values()) > 0 and max(run["stream_responses_resumed"].values()) > 0, run
     assert sum(run["stream_groups_filtered"].values()) > 0 and len(run["dapo_reward_all_mean"]) == 4, run
+    shares = scalars(tmp_path / "run", [f"token_staleness_share/{lag}" for lag in range(3)])
+    for step in range(4):  # the histogram of token lags: its mean is token_staleness_mean
+        assert abs(sum(shares[f"token_staleness_share/{lag}"][step] for lag in range(3)) - 1) < 1e-6  # (TensorBoard keeps float32)
+        assert abs(sum(lag * shares[f"token_staleness_share/{lag}"][step] for lag in range(3)) -
+                   run["token_staleness_mean"][step]) < 1e-6
     assert_signal_alive(tmp_path / "run", what="streaming")
     saved = torch.load(tmp_path / "ckpt" / "step_00000002" / "in_flight.pt", weights_only=False)
     stream = saved["streams"][0]
     started = [r for group in stream["running"] for r in group["responses"] if r["ids"] and r["finish"] is None]
     assert started and all(len(r["ids"]) == len(r["logprobs"]) == len(r["versions"]) for r in started), stream
     assert (saved["step"], len(saved["samples"])) == (2, 16)
+
+
+# The final reward (mean of the last 10 steps) of examples/quickstart_grpo_separate.yaml, 200 steps, over seeds
+# 1234, 1, 2 (tools/learning_bars.py separate-200 and stream-K2-partial; docs/testing.md, "Learning bars"): sync
+# FINAL_SYNC = (mean, spread); streaming must reach the sync mean less twice the sync runs' spread.
+FINAL_SYNC = (None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.learning  # 200 steps, about 4 minutes on 2 CPU ranks
+def test_streaming_learns_as_sync_does(tiny_model, tmp_path):
+    """The separate quickstart with K = 2 and --partial-rollout (token TIS on the engine's logprobs) ends at the
+    reward the synchronous quickstart ends at, within the synchronous runs' seed-to-seed spread, for the same
+    number of samples (issue 55)."""
+    mean, spread = FINAL_SYNC
+    torchrun("../../megarl/train.py", *SEPARATE, "--model", tiny_model, "--max-staleness", "2", "--partial-rollout",
+             "--tis-level", "token", "--log-dir", tmp_path / "tb", timeout=3600)
+    rewards = scalars(tmp_path / "tb", ["reward_mean"])["reward_mean"]
+    final = sum(rewards[step] for step in sorted(rewards)[-10:]) / 10
+    assert len(rewards) == 200 and final >= mean - 2 * spread, (final, FINAL_SYNC)
