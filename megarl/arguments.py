@@ -1534,7 +1534,8 @@ def _validate_async_generation(args, placement) -> None:
     unsupported = [flag for flag, used in (("--dynamic-sampling", args.dynamic_sampling is not None and
                                             args.max_staleness is None),
                                            ("--gkd-lmbda < 1", args.gkd_lmbda < 1.0), ("--seq-kd", args.seq_kd),
-                                           ("teacher.gpus", bool(args.teacher_gpus))) if used]
+                                           ("teacher.gpus", bool(args.teacher_gpus) and args.max_staleness is None))
+                   if used]
     if unsupported:
         flag = f"--max-staleness {args.max_staleness}" if args.max_staleness is not None else "--async-generation"
         raise ConfigError(f"{flag} does not support {', '.join(unsupported)} yet: those steps choose "

@@ -31,7 +31,7 @@ DAPO's --dynamic-sampling filters each group as it finishes (`_filter`): the cut
 LoRA adapter sync needs nothing more: a request resubmitted after a sync runs with the adapter just loaded.
 
 Not built yet (refused at parse): the colocated placement (its roles take turns), the HF backend, GKD's
---gkd-lmbda < 1 / --seq-kd / a standalone teacher, --tools, --routing-replay (off), --stop strings.
+--gkd-lmbda < 1 / --seq-kd, --tools, --routing-replay (off), --stop strings.
 """
 
 from __future__ import annotations

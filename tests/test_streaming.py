@@ -160,3 +160,17 @@ def test_streaming_learns_as_sync_does(tiny_model, tmp_path):
     rewards = scalars(tmp_path / "tb", ["reward_mean"])["reward_mean"]
     final = sum(rewards[step] for step in sorted(rewards)[-10:]) / 10
     assert len(rewards) == 200 and final >= mean - 2 * spread, (final, FINAL_SYNC)
+
+
+@pytest.mark.slow
+def test_a_standalone_teacher_scores_streamed_samples(tiny_model, tiny_teacher, tmp_path):
+    """GKD with the teacher on its own vLLM rank (3 ranks: train, rollout, teacher) and K = 2 with partial rollout:
+    the teacher scores each batch's finished samples, whatever versions sampled them; the distillation term is
+    live (finite teacher_kl, non-zero gradients) and responses do cross syncs."""
+    torchrun("../../megarl/train.py", "--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml",
+             "--colocate-groups", "[]", "--model", tiny_model, "--standalone-teacher-model", tiny_teacher,
+             *STREAM, "--train-steps", "3", "--max-staleness", "2", "--partial-rollout", "--log-dir", tmp_path / "tb",
+             nproc=3, timeout=900)
+    series = scalars(tmp_path / "tb", ["teacher_kl", "grad_norm", "partial_fraction"])
+    assert len(series["teacher_kl"]) == 3 and all(0 < kl < 100 for kl in series["teacher_kl"].values()), series
+    assert all(norm > 0 for norm in series["grad_norm"].values()) and max(series["partial_fraction"].values()) > 0
