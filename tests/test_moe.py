@@ -129,7 +129,7 @@ def test_moe_quickstart_learns(tiny_moe, tmp_path):
 # The fitted rise over seeds 1234, 1, 2 of each family's run (tools/learning_bars.py moe-<family>) and the bar the test
 # holds (docs/testing.md, "Learning bars"). gpt-oss learns at half the others' pace (+0.09 in 200 steps at lr 2e-4,
 # +0.10 at 5e-4, one seed): 400 steps at 5e-4.
-NEW_MOE_BARS = {"deepseek_v3": 0.13, "glm4_moe": 0.15, "gpt_oss": 0.15}
+NEW_MOE_BARS = {"deepseek_v3": 0.14, "glm4_moe": 0.19, "gpt_oss": 0.15}
 NEW_MOE_FLAGS = {"gpt_oss": ["--lr", "5e-4", "--train-steps", "400"]}
 
 
