@@ -1,13 +1,14 @@
 """Benchmark: synchronous, one-step (--async-generation) and streaming (--max-staleness K, with and without
 --partial-rollout) generation on the same long-tailed job, side by side, in one run.
 
-    python bench/async.py [--steps 12 --warmup 2 --tail 16 1024 --prompts 8 --generations 4]
+    python bench/async.py [--steps 16 --warmup 3 --tail 16 384 --prompts 8 --generations 4]
                           [--modes sync one-step K2 K2-partial K4-partial]
 
 The job: examples/quickstart_grpo_separate.yaml (the tiny Qwen2, one train rank and one rollout rank, torchrun on
 this machine), --prompts prompts x --generations samples a step, every prompt's responses forced to a length drawn
 log-normally between the --tail bounds (--min-new-tokens-tail: median LOW * (HIGH/LOW)^(1/4), the tail up to
-HIGH = --max-new-tokens), what reasoning RL's response lengths look like; streaming modes keep twice a step's
+HIGH = --max-new-tokens; the tiny model's 512 positions less its 128 prompt tokens bound HIGH at 384), what
+reasoning RL's response lengths look like; streaming modes keep twice a step's
 prompt groups in flight (--stream-groups). Each mode is one megarl/train.py run with the same seed.
 
 Printed per mode: the median step seconds and the trained tokens per second over the steps after --warmup (the
@@ -76,9 +77,9 @@ def run_mode(name: str, args, out: Path) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timings")
-    parser.add_argument("--tail", type=int, nargs=2, default=[16, 1024], metavar=("LOW", "HIGH"))
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timings")
+    parser.add_argument("--tail", type=int, nargs=2, default=[16, 384], metavar=("LOW", "HIGH"))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--modes", nargs="+", default=["sync", "one-step", "K2", "K2-partial", "K4-partial"],

@@ -156,10 +156,14 @@ def load_inputs(args) -> Inputs:
     overridden = (args.rollout_engine_kwargs.get("hf_overrides") or {}).get("max_position_embeddings")
     limit = overridden or getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     asked = args.rollout_engine_kwargs.get("max_model_len")
+    where = f"--model {args.model}'s max_position_embeddings={limit}" \
+        f"{' (as rollout.engine_kwargs.hf_overrides sets it)' if overridden else ''}"
     if limit and asked and asked > limit:  # vLLM's own check fails at engine start with a validation traceback
-        raise ConfigError(f"rollout.engine_kwargs.max_model_len={asked} (vLLM's max_model_len) is over --model "
-                          f"{args.model}'s max_position_embeddings={limit}"
-                          f"{' (as rollout.engine_kwargs.hf_overrides sets it)' if overridden else ''}")
+        raise ConfigError(f"rollout.engine_kwargs.max_model_len={asked} (vLLM's max_model_len) is over {where}")
+    needed = args.max_prompt_length + args.max_new_tokens  # the rollout engine's max_model_len when not given
+    if limit and not asked and args.rollout_backend == "vllm" and needed > limit:
+        raise ConfigError(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens {args.max_new_tokens} = "
+                          f"{needed} tokens (the rollout engine's max_model_len) is over {where}")
     if args.chat_template is not None:  # rendering and HF exports (save_pretrained writes it) use it
         tokenizer.chat_template = args.chat_template
     if args.chat_template_kwargs:  # every rendering (prompts, episodes' turns) goes through this method

@@ -314,6 +314,8 @@ CASES = [
          ["--tokenizer", "cannot load a tokenizer"]),
     Case("engine-context-over-the-model", lambda d: ["--rollout-engine-kwargs", '{"max_model_len": 4096}'],
          ["max_model_len=4096", "max_position_embeddings=512"]),
+    Case("prompt-and-response-over-the-model", lambda d: ["--max-new-tokens", "1024"],
+         ["--max-prompt-length 128 + --max-new-tokens 1024 = 1152", "max_position_embeddings=512"]),
     # verl's model.override_config.model_config.max_position_embeddings: the engine's positions, checked too
     Case("engine-context-over-the-overridden-positions", lambda d: [
         "--rollout-engine-kwargs", '{"max_model_len": 1024, "hf_overrides": {"max_position_embeddings": 768}}'],
