@@ -2,7 +2,7 @@
 --partial-rollout) generation on the same long-tailed job, side by side, in one run.
 
     python bench/async.py [--steps 16 --warmup 3 --tail 16 384 --prompts 8 --generations 4]
-                          [--modes sync one-step K2 K2-partial K4-partial]
+                          [--modes sync one-step K2 K2-partial K4 K4-partial]
 
 The job: examples/quickstart_grpo_separate.yaml (the tiny Qwen2, one train rank and one rollout rank, torchrun on
 this machine), --prompts prompts x --generations samples a step, every prompt's responses forced to a length drawn
@@ -38,6 +38,7 @@ MODES = {
     "K1": ["--max-staleness", "1"],
     "K2": ["--max-staleness", "2"],
     "K2-partial": ["--max-staleness", "2", "--partial-rollout"],
+    "K4": ["--max-staleness", "4"],
     "K4-partial": ["--max-staleness", "4", "--partial-rollout"],
 }
 TAGS = ("step_seconds", "response_length_mean", "reward_mean", "staleness", "staleness_mean", "partial_fraction",
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tail", type=int, nargs=2, default=[16, 384], metavar=("LOW", "HIGH"))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=4)
-    parser.add_argument("--modes", nargs="+", default=["sync", "one-step", "K2", "K2-partial", "K4-partial"],
+    parser.add_argument("--modes", nargs="+", default=["sync", "one-step", "K2", "K2-partial", "K4", "K4-partial"],
                         choices=sorted(MODES))
     parser.add_argument("--out", default=None, help="where the runs' logs go (default: a temporary directory)")
     args = parser.parse_args(argv)
