@@ -1322,8 +1322,10 @@ def _validate_routing_replay(args) -> None:
                f"(only the vLLM engine does); use --rollout-backend vllm or --routing-replay off"),
               (bool(args.tools), "--tools: the routes of multi-turn episodes are not recorded yet; use "
                                  "--routing-replay off"),
-              (args.max_staleness is not None, "--max-staleness: the routes of streamed responses (resubmitted "
-                                               "across syncs) are not recorded yet; use --routing-replay off")]
+              (args.max_staleness is not None and args.partial_rollout,
+               "--partial-rollout: a response resubmitted across a sync has its prefix re-read by the new "
+               "weights, whose routes are not those its tokens were sampled with; use --routing-replay off or "
+               "leave --partial-rollout out")]
     reason = next((why for bad, why in cannot if bad), None)
     if args.routing_replay == "on":
         if reason is not None:

@@ -45,16 +45,16 @@ def test_what_is_not_built_is_refused_in_one_line(flags, words, tiny_model):
     assert "\n" not in message and all(word in message for word in words), message
 
 
-def test_routing_replay_is_off_while_streaming_and_on_is_refused(random_moe_policy):
-    """An MoE policy: routing replay's auto is off with --max-staleness (the routes of responses resubmitted across
-    syncs are not recorded); on is refused in one line."""
+def test_routing_replay_streams_without_partial_rollout_only(random_moe_policy):
+    """An MoE policy: routing replay's auto stays on while streaming without --partial-rollout (each response one
+    request of one version) and turns off with it; on with --partial-rollout is refused in one line."""
     from megarl.errors import ConfigError
 
     flags = [*SEPARATE, "--model", random_moe_policy, "--max-staleness", 2]
-    assert _parse(*flags).routing_replay == "off" and _parse(*SEPARATE, "--model", random_moe_policy).routing_replay == "on"
+    assert _parse(*flags).routing_replay == "on" and _parse(*flags, "--partial-rollout").routing_replay == "off"
     with pytest.raises(ConfigError) as error:
-        _parse(*flags, "--routing-replay", "on")
-    assert "\n" not in str(error.value) and "--max-staleness" in str(error.value), error.value
+        _parse(*flags, "--partial-rollout", "--routing-replay", "on")
+    assert "\n" not in str(error.value) and "--partial-rollout" in str(error.value), error.value
 
 
 def test_the_long_tail_is_a_function_of_the_prompt():
@@ -76,21 +76,28 @@ def test_the_long_tail_is_a_function_of_the_prompt():
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness,partial,extra", [
     (2, True, []), (1, False, []),
-    (2, True, ["--lora-rank", "8", "--lora-sync", "adapter", "--lr", "5e-3"])], ids=["K2-partial", "K1", "K2-lora"])
-def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, partial, extra, tiny_model, tmp_path):
+    (2, True, ["--lora-rank", "8", "--lora-sync", "adapter", "--lr", "5e-3"]),
+    (2, False, ["moe", "--routing-replay", "on"])], ids=["K2-partial", "K1", "K2-lora", "K2-moe-r3"])
+def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, partial, extra, tiny_model,
+                                                                    random_moe_policy, tmp_path):
     """tests/workers/streaming_worker.py: 5 steps, the trainer's policy kept at every version. For each batch and
     each version v its tokens carry, the trainer's logprobs recomputed under v equal the engine's on the tokens
     tagged v at rounding level, also after a response crossed a sync (its prefix re-read by the new weights), and
     differ on the tokens tagged otherwise (a wrong tag would be seen). No batch trains a token more than K versions
     after it was sampled; with K = 2 and --partial-rollout responses do cross syncs and reach the bound; with K = 1
     (abort) every batch is one version's. The same with LoRA adapters synced as adapters (vLLM's LoRA serves each
-    version's adapter to the requests resubmitted after its sync)."""
+    version's adapter to the requests resubmitted after its sync), and with an MoE policy under routing replay
+    without partial rollout (the trainer replays each response's recorded routes)."""
     out = tmp_path / "report.json"
-    torchrun("streaming_worker.py", out, *SEPARATE, "--model", tiny_model, *STREAM, "--train-steps", "5",
+    model = random_moe_policy if extra[:1] == ["moe"] else tiny_model
+    extra = [flag for flag in extra if flag != "moe"]
+    torchrun("streaming_worker.py", out, *SEPARATE, "--model", model, *STREAM, "--train-steps", "5",
              "--max-staleness", staleness, *(["--partial-rollout"] if partial else []), *extra, "--log-dir", "",
              timeout=900)
     report = read_json(out)
     assert len(report) == 5
+    routed = "--routing-replay" in extra  # every sample carries the routes of all the tokens it fed, or none does
+    assert all(all(entry["routed"]) if routed else not any(entry["routed"]) for entry in report), report
     lags, spanning, wrong_tag_gaps = [], 0, []
     for entry in report:
         versions = [v for tags in entry["token_versions"] for v in tags]
@@ -107,8 +114,10 @@ def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, p
         # (a step whose update barely moved the policy leaves two versions close: the median, not every one)
         assert wrong_tag_gaps and sorted(wrong_tag_gaps)[len(wrong_tag_gaps) // 2] > 100 * ROUNDING_LEVEL, \
             wrong_tag_gaps
-    else:
+    elif staleness == 1:
         assert spanning == 0 and lags[1:] == [1] * 4, (lags, spanning)
+    else:  # K = 2 without partial rollout: finished responses wait for their group across a sync
+        assert spanning == 0 and max(lags) == 2, (lags, spanning)
 
 
 @pytest.mark.slow

@@ -78,7 +78,9 @@ def main():
         batch, _ = phases.prepare(run, batch)
         batch, _ = phases.compute_advantages(run, batch)
         entry = {"step": step, "trained_at": run.weight_version,
-                 "token_versions": [s.token_versions for s in batch.samples]}
+                 "token_versions": [s.token_versions for s in batch.samples],
+                 "routed": [s.routes is not None and s.routes.shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1
+                            for s in batch.samples]}
         if run.actor is not None:
             snapshots[run.weight_version] = [p.detach().clone() for p in parameters(run)]
             entry["versions"] = check_versions(run, batch, snapshots)
