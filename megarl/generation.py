@@ -61,6 +61,11 @@ def generate_ahead(run: Run, step: int, trained_at: int) -> ShardSamples:
     `collect` (in phases.generate) gathers them. No collective runs here, so the roles overlap.
     With --max-staleness the rollout engines' streams advance instead (megarl/streaming.py); the batch
     trains under weight version `trained_at`."""
+    if run.args.max_staleness is not None and run.args.gkd_lmbda < 1.0 and \
+            response_source(run.args.gkd_lmbda, False, run.args.seed, step) != "student":
+        # a GKD step on the dataset's responses (--gkd-lmbda): read on the rollout ranks, the stream left as it is
+        return _generate_shard(run, run.rollout, run.prompts.batch(step, 0), step, seed_key=("train", 0),
+                               from_dataset=True)
     if run.stream is not None:
         return run.stream.advance(run, step, trained_at)
     if run.args.max_staleness is not None:  # a train rank: nothing generated here
