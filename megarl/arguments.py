@@ -1535,8 +1535,8 @@ def _validate_async_generation(args, placement) -> None:
                           "roles share the devices and take turns, so there is nothing to overlap")
     unsupported = [flag for flag, used in (("--dynamic-sampling", args.dynamic_sampling is not None and
                                             args.max_staleness is None),
-                                           ("--gkd-lmbda < 1", args.gkd_lmbda < 1.0 and
-                                            (args.max_staleness is None or args.seq_kd)), ("--seq-kd", args.seq_kd),
+                                           ("--gkd-lmbda < 1", args.gkd_lmbda < 1.0 and args.max_staleness is None),
+                                           ("--seq-kd", args.seq_kd and args.max_staleness is None),
                                            ("teacher.gpus", bool(args.teacher_gpus) and args.max_staleness is None))
                    if used]
     if unsupported:

@@ -43,16 +43,19 @@ class ShardSamples:
     seconds: float = 0.0  # generating and scoring
     what: str = "samples"  # named in the count check's error
     stats: dict = field(default_factory=dict)  # --max-staleness: the stream's counts over this generation
+    deferred: bool = False  # --max-staleness: nothing generated ahead; the step makes its (non-student) responses
 
     def state_dict(self) -> dict:
         """Plain values (the samples as dicts), for a checkpoint of what is in flight (checkpoint.save)."""
         return {"step": self.step, "expected": self.expected, "samples": [asdict(s) for s in self.mine],
-                "reward_seconds": self.reward_seconds, "seconds": self.seconds, "stats": dict(self.stats)}
+                "reward_seconds": self.reward_seconds, "seconds": self.seconds, "stats": dict(self.stats),
+                "deferred": self.deferred}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> ShardSamples:
         return cls(state["step"], state["expected"], [Sample(**s) for s in state["samples"]],
-                   state["reward_seconds"], state["seconds"], stats=dict(state.get("stats", {})))
+                   state["reward_seconds"], state["seconds"], stats=dict(state.get("stats", {})),
+                   deferred=state.get("deferred", False))
 
 
 def generate_ahead(run: Run, step: int, trained_at: int) -> ShardSamples:
@@ -62,10 +65,10 @@ def generate_ahead(run: Run, step: int, trained_at: int) -> ShardSamples:
     With --max-staleness the rollout engines' streams advance instead (megarl/streaming.py); the batch
     trains under weight version `trained_at`."""
     if run.args.max_staleness is not None and run.args.gkd_lmbda < 1.0 and \
-            response_source(run.args.gkd_lmbda, False, run.args.seed, step) != "student":
-        # a GKD step on the dataset's responses (--gkd-lmbda): read on the rollout ranks, the stream left as it is
-        return _generate_shard(run, run.rollout, run.prompts.batch(step, 0), step, seed_key=("train", 0),
-                               from_dataset=True)
+            response_source(run.args.gkd_lmbda, run.args.seq_kd, run.args.seed, step) != "student":
+        # a GKD step on the dataset's or the teacher's responses (--gkd-lmbda, --seq-kd): phases.generate makes
+        # them in its step, with every rank; the stream waits
+        return ShardSamples(step, run.args.prompts_per_step * run.args.num_generations, deferred=True)
     if run.stream is not None:
         return run.stream.advance(run, step, trained_at)
     if run.args.max_staleness is not None:  # a train rank: nothing generated here

@@ -113,7 +113,7 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
     # --seq-kd with a colocated teacher: the rollout engines serve its weights for this generation.
     with generation.serving(run, "teacher" if source == "teacher" else "student"), run.rollout_turn():
         metrics = {}
-        if ahead is not None:
+        if ahead is not None and not ahead.deferred:
             samples, reward_seconds = generation.collect(run, ahead)
             gathered = distributed.all_gather_objects((ahead.seconds, ahead.stats), run.context)
             metrics["generate_ahead_seconds"] = max(seconds for seconds, _ in gathered)

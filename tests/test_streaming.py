@@ -175,19 +175,20 @@ def test_streaming_learns_as_sync_does(tiny_model, tmp_path):
 def test_a_standalone_teacher_scores_streamed_samples(tiny_model, tiny_teacher, tmp_path):
     """GKD with the teacher on its own vLLM rank (3 ranks: train, rollout, teacher) and K = 3 with partial rollout:
     the teacher scores each batch's finished samples, whatever versions sampled them; the distillation term is
-    live (finite teacher_kl, non-zero gradients) and responses do cross syncs. With --gkd-lmbda 0.5 the steps
-    drawn for the dataset's responses take them (on_policy 0) while the stream waits (its responses in flight age a
-    version per such step: K = 3 lets them through), the others the stream's."""
+    live (finite teacher_kl, non-zero gradients) and responses do cross syncs. With --gkd-lmbda 0.5 --seq-kd the
+    steps drawn for the teacher's responses have the teacher's ranks generate them in the step (on_policy 0) while
+    the stream waits (its responses in flight age a version per such step: K = 3 lets them through), the others
+    train on the stream's."""
     from megarl.arguments import parse_args
     from megarl.generation import response_source
 
     flags = ["--config", "examples/gkd/rollout_colocate_teacher_standalone.yaml", "--colocate-groups", "[]",
              "--model", tiny_model, "--standalone-teacher-model", tiny_teacher, *STREAM, "--train-steps", "5",
-             "--max-staleness", "3", "--partial-rollout", "--gkd-lmbda", "0.5"]
+             "--max-staleness", "3", "--partial-rollout", "--gkd-lmbda", "0.5", "--seq-kd"]
     torchrun("../../megarl/train.py", *flags, "--log-dir", tmp_path / "tb", nproc=3, timeout=900)
     series = scalars(tmp_path / "tb", ["teacher_kl", "grad_norm", "partial_fraction", "on_policy"])
     seed = parse_args(flags, world_size=3).seed
-    drawn = {step: float(response_source(0.5, False, seed, step) == "student") for step in range(5)}
+    drawn = {step: float(response_source(0.5, True, seed, step) == "student") for step in range(5)}
     assert series["on_policy"] == drawn and set(drawn.values()) == {0.0, 1.0}, (series["on_policy"], drawn)
     assert len(series["teacher_kl"]) == 5 and all(abs(kl) < 100 for kl in series["teacher_kl"].values()), series
     assert all(norm > 0 for norm in series["grad_norm"].values()) and max(series["partial_fraction"].values()) > 0
