@@ -152,9 +152,10 @@ def test_a_resume_with_responses_in_flight_continues_bit_for_bit(tiny_model, tmp
 
 
 # The final reward (mean of the last 10 steps) of examples/quickstart_grpo_separate.yaml, 200 steps, over seeds
-# 1234, 1, 2 (tools/learning_bars.py separate-200 and stream-K2-partial; docs/testing.md, "Learning bars"): sync
-# FINAL_SYNC = (mean, spread); streaming must reach the sync mean less twice the sync runs' spread.
-FINAL_SYNC = (None, None)
+# 1234, 1, 2 (tools/learning_bars.py separate-200 stream-K2-partial --window 10; docs/testing.md, "Learning bars"):
+# sync 0.643 / 0.620 / 0.651, FINAL_SYNC = (mean, spread); streaming (K = 2, partial, token TIS) read 0.632 / 0.628 /
+# 0.604 (mean 0.621: 0.017 below sync's, within its spread). The test holds the sync mean less twice its spread.
+FINAL_SYNC = (0.638, 0.031)
 
 
 @pytest.mark.slow
