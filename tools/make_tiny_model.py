@@ -183,10 +183,12 @@ RANDOM_FAMILIES = {"deepseek_v3": (DEEPSEEK_V3, dict(rope_type="default", rope_t
                    "glm4_moe": (GLM4_MOE, GLM4_MOE_ROPE), "gpt_oss": (GPT_OSS, GPT_OSS_ROPE)}
 # --warm: the policy of those families warmed up for the learning lane (tests/test_moe.py's learning test, tools/
 # learning_bars.py), the steps each needs to start GRPO where it can learn: GLM-4.5 after the standard 400 reads
-# pass@1 0.47; DeepSeek-V3 and gpt-oss read 0.07 after 400 and learnt little in 200 GRPO steps from there; after
-# 1200 they read 0.19 and 0.21 (gpt-oss after 2400: 0.15, its loss unsteady at this lr) (docs/testing.md,
-# "Learning bars").
-WARM_UP = {"deepseek_v3": 1200, "glm4_moe": 400, "gpt_oss": 1200}
+# pass@1 0.47; DeepSeek-V3 read 0.07 after 400 and learnt little in 200 GRPO steps from there, 0.19 after 1200
+# (docs/testing.md, "Learning bars"); gpt-oss: WARM_UP_LR.
+WARM_UP = {"deepseek_v3": 1200, "glm4_moe": 400, "gpt_oss": 300}
+# gpt-oss's warm-up at the recipe's lr 3e-3 is unsteady (pass@1 0.21 after 1200 steps, 0.15 after 2400); at 1e-3 it
+# reads 0.82 after 1200 steps (too strong to rise much) and 0.30 after 300, the lane's start
+WARM_UP_LR = {"gpt_oss": 1e-3}
 # Where each build goes by default: (family, kind) -> directory
 OUTS = {**{(family, "warm"): f"artifacts/tiny-{family}-warm" for family in WARM_UP},
         ("qwen2", "policy"): "artifacts/tiny-qwen2", ("qwen2", "teacher"): TEACHER["out"],
@@ -680,6 +682,8 @@ def main():
         print(f"note: torch runs its {capability} kernels here (no AVX2, or {PINNED_ENV['ATEN_CPU_CAPABILITY']} "
               "not pinned): the weights will differ from an AVX2 machine's", file=sys.stderr)
     settings = dict(TRAIN, steps=args.steps)
+    if args.warm and args.family in WARM_UP_LR:
+        settings["lr"] = WARM_UP_LR[args.family]
     if args.tools:
         return build_tool_model(args, settings, start, capability)
     if args.hints:
