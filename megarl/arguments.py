@@ -1568,9 +1568,7 @@ def _validate_streaming(args, placement) -> None:
         raise ConfigError(f"--max-staleness: prompts_per_step={args.prompts_per_step} must split evenly over the "
                           f"{engines} rollout engines (each cuts its share of every batch)")
     unsupported = [flag for flag, used in (
-        ("--rollout-backend hf", args.rollout_backend == "hf"), ("--tools / --interaction", bool(args.tools or
-                                                                                                 args.interaction)),
-        ("--stop", bool(args.stop))) if used]
+        ("--rollout-backend hf", args.rollout_backend == "hf"), ("--stop", bool(args.stop))) if used]
     if unsupported:
         raise ConfigError(f"--max-staleness does not support {', '.join(unsupported)} yet (streaming generation "
                           f"resubmits responses across syncs; that path is not built for them)")

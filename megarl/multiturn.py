@@ -65,27 +65,45 @@ class EpisodeSettings:
     interaction: object = None  # respond(turns, context) -> the user's reply or None (--interaction)
 
 
-@dataclass
-class _Episode:
-    prompt: int  # position in the call's prompt list
-    sample: int
-    prompt_ids: list[int]
-    row: dict
+@dataclass(kw_only=True)
+class Transcript:
+    """An episode's tokens after its prompt and its conversation so far: what TurnTaking reads and extends (the
+    episodes of run_episodes here, a streamed group's responses in megarl/streaming.py)."""
+
     response_ids: list[int] = field(default_factory=list)
     policy_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
-    running: list = field(default_factory=list)  # the current turn's tool calls (ToolRunner handles)
-    results: list = field(default_factory=list)  # their ToolResults, in call order
     truncated: bool = False
-    done: bool = False
     ended_with_stop: bool = True  # the last turn ended on a stop token (not a --stop string)
-    turn_start: int = 0  # where the last assistant turn's tokens begin in response_ids
-    result: object = None  # the rollout Sample, once the episode has ended
+    turn_start: int = 0  # where the current (or, between turns, the last) assistant turn's tokens begin
+    running: list = field(default_factory=list)  # the last turn's tool calls in flight (ToolRunner handles)
+    results: list = field(default_factory=list)  # their ToolResults, in call order, as they come back
 
     @property
     def turn(self) -> int:
         return sum(m["role"] == "assistant" for m in self.turns)
+
+    def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+        """Append tokens: the policy's (with their logprobs, policy mask 1) or, without logprobs, a tool's or the
+        user's (mask 0, logprob 0)."""
+        self.response_ids += ids
+        self.policy_mask += [0 if logprobs is None else 1] * len(ids)
+        self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+
+    def cut(self, end: int) -> None:
+        """Drop the tokens from `end` on (an interaction's Continue cuts the last turn)."""
+        del self.response_ids[end:], self.policy_mask[end:], self.logprobs[end:]
+
+
+@dataclass
+class _Episode(Transcript):
+    prompt: int  # position in the call's prompt list
+    sample: int
+    prompt_ids: list[int]
+    row: dict
+    done: bool = False
+    result: object = None  # the rollout Sample, once the episode has ended
 
 
 class TurnMessages:
@@ -116,7 +134,7 @@ class TurnMessages:
         return (self.after_stop if ended_with_stop else self.end_of_turn) + full[len(self.base):]
 
 
-def continue_turn(episode: _Episode, reply: Continue, tokenizer, stop_ids: tuple[int, ...]) -> list[int]:
+def continue_turn(episode: Transcript, reply: Continue, tokenizer, stop_ids: tuple[int, ...]) -> list[int]:
     """An interaction's Continue on the episode's last assistant turn: its tokens cut where its text reaches
     the first of `reply.cut_before` (whole tokens, the last one kept only if its text ends at or before the
     cut) and without its end-of-turn (stop ids), the turn's record made the kept text plus the reply's
@@ -134,8 +152,7 @@ def continue_turn(episode: _Episode, reply: Continue, tokenizer, stop_ids: tuple
         low, high = (middle, high) if length(middle) <= cut else (low, middle - 1)
     while low and ids[low - 1] in stop_ids:
         low -= 1
-    end = episode.turn_start + low
-    del episode.response_ids[end:], episode.policy_mask[end:], episode.logprobs[end:]
+    episode.cut(episode.turn_start + low)
     kept = tokenizer.decode(ids[:low], skip_special_tokens=True)
     turn.update(content=kept + reply.text, continued=True)
     return tokenizer.encode(reply.text, add_special_tokens=False)
@@ -143,6 +160,121 @@ def continue_turn(episode: _Episode, reply: Continue, tokenizer, stop_ids: tuple
 
 def tool_messages(results: list[ToolResult]) -> list[dict]:
     return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+
+class TurnTaking:
+    """What happens between an episode's turns, for any loop that steps a vLLM engine (run_episodes below, and
+    streaming generation's, megarl/streaming.py): a finished turn's calls parsed and started (the leader), the calls
+    collected as they come back and their results broadcast over the engine's TP group, the tool (or user) messages
+    appended, then `submit(episode)` for its next turn or `end(episode)`. The caller appends each turn's sampled
+    tokens (Transcript.extend) before `turn_ended`."""
+
+    def __init__(self, engine, settings: EpisodeSettings, budget: int, stop_ids: tuple[int, ...], submit, end,
+                 log: list | None = None):
+        self.settings, self.budget, self.stop_ids = settings, budget, stop_ids
+        self.messages = TurnMessages(settings.tokenizer, stop_ids)
+        self.parse = TOOL_PARSERS[settings.parser]
+        self.submit, self.end, self.log = submit, end, log
+        # The ranks of a TP engine must submit each next turn at the same engine step: only the leader runs
+        # tools, and at each step where some episode waits it sends which came back, with their results.
+        self.leader = engine.is_leader
+        self.group = _tensor_parallel_group() if engine.tp > 1 else None
+        self.waiting: list[Transcript] = []  # episodes whose tools (or interaction) run
+        self.step = 0  # the engine step, for the log
+        self.tool_wait = 0.0  # seconds the engine stood idle, waiting on tools only
+
+    def _record(self, kind: str, episode) -> None:
+        if self.log is not None:
+            self.log.append((kind, self.step, episode.prompt, episode.sample, episode.turn))
+
+    def turn_ended(self, episode: Transcript, text: str, finish_reason: str | None, where: tuple) -> None:
+        """The assistant turn that began at episode.turn_start has ended (its tokens appended) with `text`;
+        `where`: (the dataset row, the prompt's index, the sample) a tool call reads (CallContext)."""
+        token_ids = episode.response_ids[episode.turn_start:]
+        calls = self.parse(text)
+        episode.turns.append({"role": "assistant", "content": text,
+                              "tool_calls": [vars(c) for c in calls if hasattr(c, "arguments")]})
+        if finish_reason == "length" or len(episode.response_ids) >= self.budget:
+            episode.truncated = finish_reason == "length" or len(episode.response_ids) > self.budget
+            return self.end(episode)
+        if episode.turn >= self.settings.max_turns or (not calls and self.settings.interaction is None):
+            return self.end(episode)
+        episode.ended_with_stop = bool(token_ids) and token_ids[-1] in self.stop_ids
+        if self.leader:  # the other ranks of a TP engine receive the results (`collect`)
+            context = CallContext(*where, episode.turn)
+            episode.running = [self.settings.runner.start(call, context, where[0].get("tools")) for call in calls] \
+                if calls else [self.settings.runner.start_reply(self.settings.interaction, episode.turns, context)]
+            episode.results = [None] * len(episode.running)
+        self.waiting.append(episode)
+
+    def collect(self) -> None:
+        """Every waiting episode whose calls are all back (on the leader; the same on every TP rank) answered."""
+        if not self.waiting:
+            return
+        back = [(k, results) for k, e in enumerate(self.waiting)
+                if self.leader and (results := self._back(e)) is not None]
+        if self.group is not None:
+            back = self.group.broadcast_object(back if self.leader else None, src=0)
+        answered = [self.waiting[k] for k, _ in back]
+        self.waiting = [e for k, e in enumerate(self.waiting) if k not in {k for k, _ in back}]
+        for episode, (_, results) in zip(answered, back):
+            episode.running, episode.results = [], []
+            self._answer(episode, results)
+
+    def wait(self) -> None:
+        """Nothing is left to generate but tools run: wait for the first of them (or a timeout's deadline)."""
+        started = time.perf_counter()
+        if self.leader:
+            futures = [h.future for e in self.waiting for h in e.running if not isinstance(h, ToolResult)]
+            concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        self.tool_wait += time.perf_counter() - started
+
+    def settle(self) -> None:
+        """Wait until every call in flight is back and answered."""
+        while self.waiting:
+            self.collect()
+            if self.waiting:
+                self.wait()
+
+    def _back(self, episode: Transcript) -> list | None:
+        """The leader's poll of an episode's calls: their results once all are back, else None."""
+        for k, handle in enumerate(episode.running):
+            if episode.results[k] is None:
+                episode.results[k] = self.settings.runner.result(handle)
+        return None if any(r is None for r in episode.results) else episode.results
+
+    def _answer(self, episode: Transcript, results: list) -> None:
+        """Append the tool messages of `results` (or the user's reply) and go on to the next turn (or end: out of
+        budget, or the environment has nothing to say)."""
+        if len(results) == 1 and results[0].name == INTERACTION:
+            reply = results[0]
+            self._record("reply", episode)
+            if reply.error is not None:  # raised or timed out: counted (tool_metrics), the episode ends
+                episode.turns[-1]["interaction_error"] = reply.error
+            if reply.error is not None or reply.content is None:
+                return self.end(episode)
+            if isinstance(reply.content, Continue):
+                ids = continue_turn(episode, reply.content, self.settings.tokenizer, self.stop_ids)
+                return self._append(episode, ids)
+            said = [{"role": "user", "content": reply.content}]
+            episode.turns.append({**said[0], "seconds": reply.seconds})
+        else:
+            self._record("tool_done", episode)
+            said = tool_messages(results)
+            for result in results:
+                episode.turns.append({"role": "tool", "name": result.name, "content": result.content,
+                                      "error": result.error, "seconds": result.seconds})
+        self._append(episode, self.messages.ids(said, episode.ended_with_stop))
+
+    def _append(self, episode: Transcript, ids: list[int]) -> None:
+        """The tool's (or user's) tokens, cut at the budget: the next turn, or the end when no room is left."""
+        room = self.budget - len(episode.response_ids)
+        episode.extend(ids[:room])
+        if len(ids) >= room:
+            episode.truncated = True
+            return self.end(episode)
+        episode.turn_start = len(episode.response_ids)
+        self.submit(episode)
 
 
 def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], rows: list[dict], params: list,
@@ -157,15 +289,12 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
 
     from megarl.samples import Sample, stable_seed
 
-    llm, parse = engine.llm, TOOL_PARSERS[settings.parser]
+    llm = engine.llm
     stop_ids = engine.held_back_ids(params[0]) if params else ()
-    messages = TurnMessages(settings.tokenizer, stop_ids)
     budget = params[0].max_tokens if params else 0
     episodes = [_Episode(i, j, list(prompt), rows[i]) for i, prompt in enumerate(prompts) for j in range(n)]
     by_request: dict[str, _Episode] = {}
-    log, step, remaining = [], 0, [n] * len(prompts)
-    waiting: list[_Episode] = []  # episodes whose tools run
-    tool_wait = 0.0
+    log, remaining = [], [n] * len(prompts)
 
     def enqueue(episode: _Episode):
         turn = episode.turn + 1
@@ -180,126 +309,44 @@ def run_episodes(engine, prompts: list[list[int]], prompt_indices: list[int], ro
         by_request[str(llm.request_counter.counter)] = episode
         llm.enqueue([TokensPrompt(prompt_token_ids=episode.prompt_ids + episode.response_ids)], [request],
                     lora_request=engine.lora_request, use_tqdm=False)  # the policy's adapter (--lora-sync adapter)
-        log.append(("add", step, episode.prompt, episode.sample, turn))
+        log.append(("add", turns.step, episode.prompt, episode.sample, turn))
 
     def finish(episode: _Episode):
         episode.done = True
         # Built once: the scoring (on_prompt_done) writes the reward into the very Sample returned.
-        episode.result = _as_sample(episode)
+        final = next((m["content"] for m in reversed(episode.turns) if m["role"] == "assistant"), "")
+        episode.result = Sample(prompt_indices[episode.prompt], episode.prompt_ids, episode.response_ids, final,
+                                episode.logprobs, episode.truncated, min_tokens=first_turn_min_tokens,
+                                held_back_ids=stop_ids if first_turn_min_tokens else (),
+                                policy_mask=episode.policy_mask, turns=episode.turns)
         remaining[episode.prompt] -= 1
         if remaining[episode.prompt] == 0 and on_prompt_done is not None:
             on_prompt_done(episode.prompt, [e.result for e in episodes[episode.prompt * n:(episode.prompt + 1) * n]])
 
-    def _as_sample(e: _Episode):
-        final = next((m["content"] for m in reversed(e.turns) if m["role"] == "assistant"), "")
-        return Sample(prompt_indices[e.prompt], e.prompt_ids, e.response_ids, final, e.logprobs, e.truncated,
-                      min_tokens=first_turn_min_tokens, held_back_ids=stop_ids if first_turn_min_tokens else (),
-                      policy_mask=e.policy_mask, turns=e.turns)
-
-    def tools_back(episode: _Episode) -> list | None:
-        """The leader's poll of an episode's calls: their results once all are back, else None."""
-        for k, handle in enumerate(episode.running):
-            if episode.results[k] is None:
-                episode.results[k] = settings.runner.result(handle)
-        return None if any(r is None for r in episode.results) else episode.results
-
-    def turn_done(episode: _Episode, completion):
-        token_ids = list(completion.token_ids)
-        episode.turn_start = len(episode.response_ids)
-        episode.response_ids += token_ids
-        episode.policy_mask += [1] * len(token_ids)
-        episode.logprobs += [lp[token].logprob for token, lp in zip(token_ids, completion.logprobs)]
-        calls = parse(completion.text)
-        episode.turns.append({"role": "assistant", "content": completion.text,
-                              "tool_calls": [vars(c) for c in calls if hasattr(c, "arguments")]})
-        if completion.finish_reason == "length" or len(episode.response_ids) >= budget:
-            episode.truncated = completion.finish_reason == "length" or len(episode.response_ids) > budget
-            return finish(episode)
-        if episode.turn >= settings.max_turns or (not calls and settings.interaction is None):
-            return finish(episode)
-        episode.ended_with_stop = bool(token_ids) and token_ids[-1] in stop_ids
-        if leader:  # the other ranks of a TP engine receive the results (broadcast in the loop below)
-            context = CallContext(episode.row, prompt_indices[episode.prompt], episode.sample, episode.turn)
-            episode.running = [settings.runner.start(call, context, episode.row.get("tools")) for call in calls] \
-                if calls else [settings.runner.start_reply(settings.interaction, episode.turns, context)]
-            episode.results = [None] * len(episode.running)
-        waiting.append(episode)
-
-    def answer(episode: _Episode, results: list):
-        """Append the tool messages of `results` (or the user's reply) and go on to the next turn (or end:
-        out of budget, or the environment has nothing to say)."""
-        if len(results) == 1 and results[0].name == INTERACTION:
-            reply = results[0]
-            log.append(("reply", step, episode.prompt, episode.sample, episode.turn))
-            if reply.error is not None:  # raised or timed out: counted (tool_metrics), the episode ends
-                episode.turns[-1]["interaction_error"] = reply.error
-            if reply.error is not None or reply.content is None:
-                return finish(episode)
-            if isinstance(reply.content, Continue):
-                ids = continue_turn(episode, reply.content, settings.tokenizer, stop_ids)
-                room = budget - len(episode.response_ids)
-                episode.response_ids += ids[:room]
-                episode.policy_mask += [0] * len(ids[:room])
-                episode.logprobs += [0.0] * len(ids[:room])
-                if len(ids) >= room:
-                    episode.truncated = True
-                    return finish(episode)
-                return enqueue(episode)
-            said = [{"role": "user", "content": reply.content}]
-            episode.turns.append({**said[0], "seconds": reply.seconds})
-        else:
-            log.append(("tool_done", step, episode.prompt, episode.sample, episode.turn))
-            said = tool_messages(results)
-            for result in results:
-                episode.turns.append({"role": "tool", "name": result.name, "content": result.content,
-                                      "error": result.error, "seconds": result.seconds})
-        ids = messages.ids(said, episode.ended_with_stop)
-        room = budget - len(episode.response_ids)
-        episode.response_ids += ids[:room]
-        episode.policy_mask += [0] * len(ids[:room])
-        episode.logprobs += [0.0] * len(ids[:room])
-        episode.running, episode.results = [], []
-        if len(ids) >= room:  # no room left for another turn
-            episode.truncated = True
-            finish(episode)
-        else:
-            enqueue(episode)
-
-    # The ranks of a TP engine must enqueue each next turn at the same engine step: only the leader runs
-    # tools, and at each step where some episode waits it sends which came back, with their results.
-    leader, group = engine.is_leader, (_tensor_parallel_group() if engine.tp > 1 else None)
+    turns = TurnTaking(engine, settings, budget, stop_ids, enqueue, finish, log)
     for episode in episodes:
         enqueue(episode)
     core = llm.llm_engine
-    while core.has_unfinished_requests() or waiting:
+    while core.has_unfinished_requests() or turns.waiting:
         if core.has_unfinished_requests():
             outputs = core.step()
-            step += 1
-        else:  # only tools are left: wait for the first of them (or a timeout's deadline)
-            started = time.perf_counter()
-            if leader:
-                futures = [h.future for e in waiting for h in e.running if not isinstance(h, ToolResult)]
-                concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
-            tool_wait += time.perf_counter() - started
+            turns.step += 1
+        else:
+            turns.wait()
             outputs = []
         for output in outputs:
             if output.finished:
-                episode = by_request.pop(output.request_id)
-                log.append(("finish", step, episode.prompt, episode.sample, episode.turn + 1))
-                turn_done(episode, output.outputs[0])
-        if not waiting:
-            continue
-        back = [(k, results) for k, e in enumerate(waiting) if leader and (results := tools_back(e)) is not None]
-        if group is not None:
-            back = group.broadcast_object(back if leader else None, src=0)
-        for k, results in back:
-            waiting[k].running, waiting[k].results = [], []
-            answer(waiting[k], results)
-        answered = {k for k, _ in back}
-        waiting[:] = [e for k, e in enumerate(waiting) if k not in answered]
+                episode, completion = by_request.pop(output.request_id), output.outputs[0]
+                log.append(("finish", turns.step, episode.prompt, episode.sample, episode.turn + 1))
+                episode.turn_start = len(episode.response_ids)
+                episode.extend(list(completion.token_ids),
+                               [lp[token].logprob for token, lp in zip(completion.token_ids, completion.logprobs)])
+                turns.turn_ended(episode, completion.text, completion.finish_reason,
+                                 (episode.row, prompt_indices[episode.prompt], episode.sample))
+        turns.collect()
     if by_request or not all(e.done for e in episodes):
         raise RuntimeError(f"multi-turn: {len(by_request)} requests were never returned by vLLM")
-    return [e.result for e in episodes], log, tool_wait
+    return [e.result for e in episodes], log, turns.tool_wait
 
 
 def _tensor_parallel_group():

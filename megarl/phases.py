@@ -84,13 +84,21 @@ def staleness_metrics(samples, version: int, bound: int) -> dict:
     """--max-staleness K = `bound`: how far behind `version` (the policy about to train) the samples' tokens were
     sampled: per sample by its oldest token (the mean; the max is `staleness`), per token (the mean, and the
     histogram: the share of tokens d versions behind, d = 0..K), and the share of samples whose tokens span more
-    than one version (partial rollouts)."""
-    token_lags = [version - v for s in samples for v in (s.token_versions or [s.weight_version])]
+    than one version (partial rollouts); sampled tokens only (not a tool's)."""
+    token_lags = [version - v for s in samples for v in _sampled(s)]
     total = max(len(token_lags), 1)
     return {"staleness_mean": sum(version - s.weight_version for s in samples) / len(samples),
             "token_staleness_mean": sum(token_lags) / total,
             **{f"token_staleness_share/{lag}": token_lags.count(lag) / total for lag in range(bound + 1)},
-            "partial_fraction": sum(len(set(s.token_versions or ())) > 1 for s in samples) / len(samples)}
+            "partial_fraction": sum(len(set(_sampled(s))) > 1 for s in samples) / len(samples)}
+
+
+def _sampled(sample) -> list[int]:
+    """The versions of a sample's sampled tokens (a tool's tokens, policy mask 0, are not samples of any)."""
+    if sample.token_versions is None:
+        return [sample.weight_version]
+    mask = sample.policy_mask or [1] * len(sample.token_versions)
+    return [v for v, sampled in zip(sample.token_versions, mask) if sampled]
 
 
 # ------------------------------------------------------------------ generate ----

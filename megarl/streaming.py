@@ -38,8 +38,17 @@ were sampled with: refused.
 With GKD's --gkd-lmbda < 1 a step drawn for the dataset's (or --seq-kd's teacher's) responses does not advance
 the stream: generation.generate_ahead defers it to phases.generate, which makes them in the step, with every rank.
 
-Not built yet (refused at parse): the colocated placement (its roles take turns), the HF backend, --tools,
---routing-replay with --partial-rollout, --stop strings.
+Multi-turn episodes (--tools, --interaction) stream as single responses do: each response is an episode, one
+request per turn (multiturn.TurnTaking between turns, as in run_episodes), and the group finishes when all its
+episodes have ended. A turn in flight at a sync is resubmitted with the whole conversation so far (partial rollout:
+the episode goes on under the new weights, its earlier turns keep their versions) or, aborting, the episode
+restarts from its prompt. Tool calls in flight when an advance ends are waited for and their messages appended
+(`_pause`), so no tool runs across a sync or into a checkpoint. A tool's tokens take the version of the advance
+they were appended in; the staleness metrics count sampled tokens only. As without streaming, V1's sampler draws
+in the order tools return: with tools a CPU run (and its resume) is not reproducible bit for bit.
+
+Not built yet (refused at parse): the colocated placement (its roles take turns), the HF backend, --routing-replay
+with --partial-rollout (and with --tools, as without streaming), --stop strings.
 """
 
 from __future__ import annotations
@@ -51,21 +60,34 @@ import torch
 
 from megarl.algorithms import dynamic_sampling_keep
 from megarl.generation import ShardSamples, _score, forced_min_tokens
+from megarl.multiturn import Transcript, TurnTaking
 from megarl.rollout import response_text, sampling_params
 from megarl.run import Run
 from megarl.samples import Sample, stable_seed
 
 
-@dataclass
-class Response:
-    """One response of a group, as far as it has been generated."""
+@dataclass(kw_only=True)
+class Response(Transcript):
+    """One response of a group, as far as it has been generated (with --tools an episode: its turns, the tool
+    messages between them, multiturn.Transcript)."""
 
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    prompt: int = 0  # its group's number in the stream
+    sample: int = 0  # its place among the group's responses
     versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
-    finish: str | None = None  # vLLM's finish_reason once it ended ("stop", "length")
+    tag: int = 0  # the version of the tokens appended now: the engine's when the response was last submitted
+    finish: str | None = None  # once it ended: vLLM's finish_reason ("stop", "length"); an episode's, "stop" or
+    # "length" (truncated at the budget)
     restarts: int = 0  # how many times it was resubmitted (each sync it spans)
     routes: torch.Tensor | None = None  # --routing-replay: the experts of every token it fed, once it ended
+
+    def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+        # a tool's tokens take the version of the advance they were appended in (the trainer masks them)
+        super().extend(ids, logprobs)
+        self.versions += [self.tag] * len(ids)
+
+    def cut(self, end: int) -> None:
+        super().cut(end)
+        del self.versions[end:]
 
 
 @dataclass
@@ -76,6 +98,14 @@ class Group:
     responses: list[Response]
     restarted: int = 0  # times the whole group was restarted for staleness (or, aborting, at a sync)
     scored: list | None = None  # --dynamic-sampling: (reward, reason) of each response, scored as it finished
+
+    @classmethod
+    def start(cls, number: int, size: int) -> Group:
+        return cls(number, [Response(prompt=number, sample=j) for j in range(size)])
+
+    def restart(self, j: int) -> None:
+        """Response j from its prompt again."""
+        self.responses[j] = Response(prompt=self.number, sample=j)
 
     @property
     def done(self) -> bool:
@@ -100,6 +130,13 @@ class GenerationStream:
         self.requests: dict[str, tuple[Group, int]] = {}  # vLLM request id -> (group, response)
         self._batches: dict[int, list] = {}  # the prompt batches of the groups held (`_prompt`)
         self._submitted = 0  # requests submitted by this process (their ids)
+        self._run = run
+        self._pausing = False
+        self.turns = None  # --tools: what happens between an episode's turns (multiturn.TurnTaking)
+        if run.episodes is not None:
+            params = sampling_params(args, [0], 0, (), 1, args.temperature, 0, False, detokenize=False)[0]
+            self.turns = TurnTaking(engine, run.episodes, args.max_new_tokens, engine.held_back_ids(params),
+                                    self._next_turn, self._episode_ended)
         self.counts = {"stream_groups_restarted": 0, "stream_groups_dropped": 0, "stream_responses_resumed": 0,
                        "stream_groups_filtered": 0, "stream_groups_topped_up": 0, "stream_reward_sum": 0.0,
                        "stream_samples_scored": 0}
@@ -119,16 +156,25 @@ class GenerationStream:
         self._fill(run)
         core = engine.llm.llm_engine
         filtered = 0  # groups --dynamic-sampling gave up during this advance
+        if args.dynamic_sampling is not None:  # groups whose episodes ended at the last advance's pause
+            filtered = self._filter(run, filtered)
         while len(self.finished) < self.share:
-            if not core.has_unfinished_requests():
+            if core.has_unfinished_requests():
+                for output in core.step():
+                    self._take(run, output)
+            elif self.turns is not None and self.turns.waiting:
+                self.turns.wait()
+            else:
                 raise RuntimeError(f"streaming generation: the engine has no request left, {len(self.finished)} of "
                                    f"{self.share} groups finished")
-            for output in core.step():
-                self._take(run, output, run.weight_version)
+            if self.turns is not None:
+                self.turns.collect()
             if args.dynamic_sampling is not None:
                 filtered = self._filter(run, filtered)
             self._fill(run)
         self._pause(run)
+        if self.turns is not None:  # the generate phase reports it (tool_wait_seconds)
+            engine.tool_wait_seconds, self.turns.tool_wait = engine.tool_wait_seconds + self.turns.tool_wait, 0.0
         cut, self.finished = self.finished[:self.share], self.finished[self.share:]
         shard = ShardSamples(step, args.prompts_per_step * args.num_generations)
         samples, unscored = [], []
@@ -183,14 +229,14 @@ class GenerationStream:
         for group in self.running + self.finished:
             if not args.partial_rollout:
                 for j, response in enumerate(group.responses):
-                    if response.finish is None and response.ids:
-                        group.responses[j] = Response()
+                    if response.finish is None and response.response_ids:
+                        group.restart(j)
             oldest = group.oldest_version()
             if oldest is not None and trained_at - oldest > args.max_staleness:
                 if args.stale_groups == "drop":
                     self.counts["stream_groups_dropped"] += 1
                     continue
-                group.responses = [Response() for _ in group.responses]
+                group.responses = Group.start(group.number, len(group.responses)).responses
                 group.restarted, group.scored = group.restarted + 1, None
                 self.counts["stream_groups_restarted"] += 1
             (keep_finished if group.done else keep_running).append(group)
@@ -198,23 +244,31 @@ class GenerationStream:
         for group in self.running:
             for j, response in enumerate(group.responses):
                 if response.finish is None:
-                    if response.ids:
+                    if response.response_ids:
                         response.restarts += 1
                         self.counts["stream_responses_resumed"] += 1
                     self._submit(run, group, j)
 
     def _pause(self, run: Run) -> None:
-        """Take the requests in flight out of the engine, their tokens kept (`_carry_over` resubmits them): between
-        advances the engine holds nothing, so an evaluation's generate runs alone and a checkpoint is the whole
-        state."""
+        """Take the requests in flight out of the engine, their tokens kept (`_carry_over` resubmits them), and
+        with --tools wait for the calls in flight and append their messages (the next turns are submitted by
+        `_carry_over` too): between advances the engine holds nothing and no tool runs, so an evaluation's generate
+        runs alone and a checkpoint is the whole state. The cost: the engine idles for the slowest call in flight
+        (at most --tool-timeout)."""
         if self.requests:
             run.rollout.llm.llm_engine.abort_request(list(self.requests))
             self.requests.clear()
+        if self.turns is not None:
+            self._pausing = True
+            try:
+                self.turns.settle()
+            finally:
+                self._pausing = False
 
     def _fill(self, run: Run) -> None:
         """Start new prompts of the stream until `capacity` groups are in flight."""
         while len(self.running) < self.capacity:
-            group = Group(self.next_number, [Response() for _ in range(run.args.num_generations)])
+            group = Group.start(self.next_number, run.args.num_generations)
             self.next_number += self.num_engines
             self.running.append(group)
             for j in range(len(group.responses)):
@@ -228,36 +282,63 @@ class GenerationStream:
         response = group.responses[j]
         prompt = self._prompt(run, group.number)
         forced = self._forced(args, group.number)
-        params = sampling_params(args, [group.number], 0, ("stream", j, response.restarts, group.restarted), 1,
-                                 args.temperature, max(forced - len(response.ids), 0), engine.seeds_per_request,
-                                 detokenize=False)[0]
-        params.max_tokens = args.max_new_tokens - len(response.ids)
+        # --min-new-tokens(-tail) holds for the first turn (what is left of it after a sync)
+        forced = max(forced - len(response.response_ids), 0) if response.turn == 0 else 0
+        params = sampling_params(args, [group.number], 0, ("stream", j, response.restarts, group.restarted,
+                                                           response.turn), 1,
+                                 args.temperature, forced, engine.seeds_per_request, detokenize=False)[0]
+        params.max_tokens = args.max_new_tokens - len(response.response_ids)
         params.output_kind = RequestOutputKind.DELTA  # each step's new tokens: a request's prefix survives an abort
         # vLLM's engine directly: LLM.enqueue would ask for the final output only (and its ids are LLM's counter's)
         self._submitted += 1
         request_id = f"stream-{self._submitted}"
-        engine.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt.ids) + response.ids),
+        response.tag = run.weight_version
+        engine.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt.ids) +
+                                                                   response.response_ids),
                                           params, lora_request=engine.lora_request)
         self.requests[request_id] = (group, j)
 
-    def _take(self, run: Run, output, version: int) -> None:
+    def _take(self, run: Run, output) -> None:
         """One engine step's output of a request: its new tokens, their logprobs and version; at its end, with
-        --routing-replay, its routes (without --partial-rollout a response is one request, its prompt's)."""
+        --routing-replay, its routes (without --partial-rollout a response is one request, its prompt's); with
+        --tools, the end of a turn (TurnTaking: its calls start, or the episode ends)."""
         group, j = self.requests[output.request_id]
         response, completion = group.responses[j], output.outputs[0]
         new = list(completion.token_ids)
-        response.ids += new
-        response.logprobs += [entry[token].logprob for token, entry in zip(new, completion.logprobs or [])]
-        response.versions += [version] * len(new)
-        if output.finished:
-            response.finish = completion.finish_reason
-            if run.rollout.routes is not None:
-                response.routes = run.rollout.routes.of(list(self._prompt(run, group.number).ids), response.ids,
-                                                        completion)
-            del self.requests[output.request_id]
-            if group.done:
-                self.running.remove(group)
-                self.finished.append(group)
+        response.extend(new, [entry[token].logprob for token, entry in zip(new, completion.logprobs or [])])
+        if not output.finished:
+            return
+        del self.requests[output.request_id]
+        if self.turns is not None:
+            prompt = self._prompt(run, group.number)
+            turn = response.response_ids[response.turn_start:]
+            text = response_text(run.rollout.llm.get_tokenizer(), turn, completion.finish_reason == "stop")
+            return self.turns.turn_ended(response, text, completion.finish_reason, (prompt.metadata, prompt.index, j))
+        response.finish = completion.finish_reason
+        if run.rollout.routes is not None:
+            response.routes = run.rollout.routes.of(list(self._prompt(run, group.number).ids), response.response_ids,
+                                                    completion)
+        self._ended(group)
+
+    def _ended(self, group: Group) -> None:
+        if group.done:
+            self.running.remove(group)
+            self.finished.append(group)
+
+    def _group(self, response: Response) -> Group:
+        return next(g for g in self.running if g.number == response.prompt and g.responses[response.sample] is
+                    response)
+
+    def _next_turn(self, response: Response) -> None:
+        """TurnTaking: the episode's tool messages are in, its next turn is due (while pausing, `_carry_over`
+        submits it)."""
+        if not self._pausing:
+            self._submit(self._run, self._group(response), response.sample)
+
+    def _episode_ended(self, response: Response) -> None:
+        group = self._group(response)
+        response.finish = "length" if response.truncated else "stop"
+        self._ended(group)
 
     def _prompt(self, run: Run, number: int):
         """The stream's prompt `number`: the prompts of step number // prompts_per_step, read once while any of
@@ -283,12 +364,16 @@ class GenerationStream:
         tokenizer = engine.llm.get_tokenizer()
         samples = []
         for response in group.responses:
-            sample = Sample(index, list(prompt.ids), list(response.ids),
-                            response_text(tokenizer, response.ids, response.finish == "stop"),
+            if self.turns is None:
+                text, episode = response_text(tokenizer, response.response_ids, response.finish == "stop"), {}
+            else:  # the final answer: the last assistant turn
+                text = next((m["content"] for m in reversed(response.turns) if m["role"] == "assistant"), "")
+                episode = {"policy_mask": list(response.policy_mask), "turns": response.turns}
+            sample = Sample(index, list(prompt.ids), list(response.response_ids), text,
                             list(response.logprobs), truncated=response.finish == "length",
                             min_tokens=forced if held_back else 0, held_back_ids=held_back,
                             weight_version=min(response.versions), token_versions=list(response.versions),
-                            routes=response.routes)
+                            routes=response.routes, **episode)
             sample.metadata, sample.teacher_prompt_ids = prompt.metadata, prompt.teacher_ids
             samples.append(sample)
         return samples

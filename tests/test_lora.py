@@ -390,10 +390,13 @@ def test_a_trained_peft_adapter_loads_with_peft_s_logits(megatron_rank, tiny_mod
     assert len(before) == 2 * 4 and all(not torch.equal(a, b) for a, b in zip(before, after))
 
 
-@pytest.mark.parametrize("model", ["random_moe_policy", "random_qwen3_5_moe_policy"])
+@pytest.mark.parametrize("model", ["random_moe_policy", "random_qwen3_5_moe_policy", "random_deepseek_v3_policy",
+                                   "random_glm4_moe_policy"])
 def test_moe_adapters_on_attention_and_experts_load_in_peft(model, request, megatron_rank, tmp_path):
-    """An MoE policy (Qwen3-MoE; Qwen3.5-MoE: Gated DeltaNet and gated attention layers, a gated shared expert)
-    with adapters on every linear (all-linear: attention, the shared expert and each routed expert's two
+    """An MoE policy (Qwen3-MoE; Qwen3.5-MoE: Gated DeltaNet and gated attention layers, a gated shared expert;
+    DeepSeek-V3: MLA's low-rank projections, a dense first layer; GLM-4.5) with adapters on every linear (on
+    DeepSeek-V3 and GLM-4.5 on attention and the routed experts: peft 0.21 moves a dense or shared-expert MLP's
+    targets onto the routed experts, peft#3711, which megarl's export warns of) (all-linear: attention, the shared expert and each routed expert's two
     linears, as ms-swift's and verl's Megatron LoRA): the router stays frozen and unchanged, the experts'
     adapters train, and the export is the layout peft uses for transformers' fused expert parameters
     (target_parameters mlp.experts.gate_up_proj / down_proj; A [E * r, in], B [out, r * E]): peft's model with
@@ -409,12 +412,16 @@ def test_moe_adapters_on_attention_and_experts_load_in_peft(model, request, mega
 
     random_moe_policy = request.getfixturevalue(model)
     hf_config = AutoConfig.from_pretrained(random_moe_policy)
-    experts, layers = hf_config.num_experts, hf_config.num_hidden_layers
-    args = options(random_moe_policy, "--lora-export", "both", "--lr", "5e-2")
+    experts = getattr(hf_config, "num_experts", None) or hf_config.n_routed_experts
+    targets = {"deepseek_v3": ["q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,experts"],
+               "glm4_moe": ["q_proj,k_proj,v_proj,o_proj,experts"]}.get(hf_config.model_type, [])
+    args = options(random_moe_policy, "--lora-export", "both", "--lr", "5e-2",
+                   *(["--lora-target-modules", *targets] if targets else []))
     actor = Actor(args, hf_config)
     adapters = adapters_of(actor.model)
-    assert sum(adapter.expert is not None for adapter in adapters) == layers * 2 * experts, len(adapters)
-    router = actor.model.module.decoder.layers[0].mlp.router.weight
+    moe_layers = [layer for layer in actor.model.module.decoder.layers if hasattr(layer.mlp, "router")]
+    assert sum(adapter.expert is not None for adapter in adapters) == len(moe_layers) * 2 * experts, len(adapters)
+    router = moe_layers[0].mlp.router.weight
     assert not router.requires_grad
     router_before = router.detach().clone()
     expert_b = [param.detach().clone() for adapter in adapters if adapter.expert is not None

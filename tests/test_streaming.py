@@ -28,7 +28,6 @@ def _parse(*flags, world_size=2):
     ([*SEPARATE, "--max-staleness", 0], ["--max-staleness 0", "K >= 1"]),
     ([*SEPARATE, "--partial-rollout"], ["--partial-rollout", "set --max-staleness"]),
     ([*SEPARATE, "--max-staleness", 2, "--rollout-backend", "hf"], ["does not support --rollout-backend hf"]),
-    ([*SEPARATE, "--max-staleness", 2, "--tools", "calculator"], ["does not support --tools"]),
     ([*SEPARATE, "--max-staleness", 2, "--stop", "}"], ["--max-staleness does not support --stop"]),
     ([*SEPARATE, "--max-staleness", 2, "--prompts-per-step", 3, "--micro-batch-size", 8, "--rollout-gpus", 2,
       "--train-gpus", 1],
@@ -77,9 +76,12 @@ def test_the_long_tail_is_a_function_of_the_prompt():
 @pytest.mark.parametrize("staleness,partial,extra", [
     (2, True, []), (1, False, []),
     (2, True, ["--lora-rank", "8", "--lora-sync", "adapter", "--lr", "5e-3"]),
-    (2, False, ["moe", "--routing-replay", "on"])], ids=["K2-partial", "K1", "K2-lora", "K2-moe-r3"])
+    (2, False, ["moe", "--routing-replay", "on"]),
+    (2, True, ["tools", "--tools", "calculator", "--max-turns", "2", "--max-new-tokens", "192", "--task-max-operand",
+               "999999"])], ids=["K2-partial", "K1", "K2-lora", "K2-moe-r3", "K2-tools"])
 def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, partial, extra, tiny_model,
-                                                                    random_moe_policy, tmp_path):
+                                                                    random_moe_policy, tiny_tool_model, tmp_path,
+                                                                    request):
     """tests/workers/streaming_worker.py: 5 steps, the trainer's policy kept at every version. For each batch and
     each version v its tokens carry, the trainer's logprobs recomputed under v equal the engine's on the tokens
     tagged v at rounding level, also after a response crossed a sync (its prefix re-read by the new weights), and
@@ -87,15 +89,26 @@ def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, p
     after it was sampled; with K = 2 and --partial-rollout responses do cross syncs and reach the bound; with K = 1
     (abort) every batch is one version's. The same with LoRA adapters synced as adapters (vLLM's LoRA serves each
     version's adapter to the requests resubmitted after its sync), and with an MoE policy under routing replay
-    without partial rollout (the trainer replays each response's recorded routes)."""
+    without partial rollout (the trainer replays each response's recorded routes). And with multi-turn tool
+    episodes (the calculator quickstart's policy): episodes go on across syncs with tool messages between their
+    turns, and the tools' tokens are no version's samples (left out of the check, as out of the loss)."""
     out = tmp_path / "report.json"
-    model = random_moe_policy if extra[:1] == ["moe"] else tiny_model
-    extra = [flag for flag in extra if flag != "moe"]
-    torchrun("streaming_worker.py", out, *SEPARATE, "--model", model, *STREAM, "--train-steps", "5",
+    model = {"moe": random_moe_policy, "tools": tiny_tool_model}.get(extra[0], tiny_model) if extra else tiny_model
+    tools = extra[:1] == ["tools"]
+    extra = [flag for flag in extra if flag not in ("moe", "tools")]
+    stream = list(STREAM)
+    if tools:  # an episode's first turn is its tool call: a forced length would break the call's format
+        tail = stream.index("--min-new-tokens-tail")
+        del stream[tail:tail + 3]
+    torchrun("streaming_worker.py", out, *SEPARATE, "--model", model, *stream, "--train-steps", "5",
              "--max-staleness", staleness, *(["--partial-rollout"] if partial else []), *extra, "--log-dir", "",
              timeout=900)
     report = read_json(out)
     assert len(report) == 5
+    if tools:  # tools were called, and some episode took turns under two versions
+        masks = [(mask, tags) for entry in report for mask, tags in zip(entry["policy_masks"], entry["token_versions"])]
+        assert sum(0 in mask for mask, _ in masks) >= len(masks) // 4, [mask.count(0) for mask, _ in masks]
+        assert any(0 in mask and len({v for v, m in zip(tags, mask) if m}) > 1 for mask, tags in masks)
     routed = "--routing-replay" in extra  # every sample carries the routes of all the tokens it fed, or none does
     assert all(all(entry["routed"]) if routed else not any(entry["routed"]) for entry in report), report
     lags, spanning, wrong_tag_gaps = [], 0, []
@@ -146,8 +159,10 @@ def test_a_resume_with_responses_in_flight_continues_bit_for_bit(tiny_model, tmp
     assert_signal_alive(tmp_path / "run", what="streaming")
     saved = torch.load(tmp_path / "ckpt" / "step_00000002" / "in_flight.pt", weights_only=False)
     stream = saved["streams"][0]
-    started = [r for group in stream["running"] for r in group["responses"] if r["ids"] and r["finish"] is None]
-    assert started and all(len(r["ids"]) == len(r["logprobs"]) == len(r["versions"]) for r in started), stream
+    started = [r for group in stream["running"] for r in group["responses"]
+               if r["response_ids"] and r["finish"] is None]
+    assert started and all(len(r["response_ids"]) == len(r["logprobs"]) == len(r["versions"]) for r in started), \
+        stream
     assert (saved["step"], len(saved["samples"])) == (2, 16)
 
 

@@ -664,6 +664,35 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], config: LoraConfig, dir
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
     with open(os.path.join(directory, PEFT_ADAPTER_CONFIG), "w") as f:
         json.dump(adapter_config, f, indent=1)
+    remapped = targets_peft_remaps(adapter_config, base_model)
+    if remapped:
+        print(f"[lora] warning: {directory}: the installed peft reads this adapter's {', '.join(remapped)} targets "
+              f"(the dense and shared-expert MLPs) as transformers 4's per-expert modules and moves them onto the "
+              f"routed experts (peft issue #3711), so PeftModel loads it wrongly; --lora-load and the merged export "
+              f"(--lora-export merged|both) are exact", flush=True)
+
+
+def targets_peft_remaps(adapter_config: dict, base_model: str) -> list[str]:
+    """The target_modules that the installed peft rewrites when it loads `adapter_config` on `base_model`: for some
+    MoE families (DeepSeek-V3, GLM-4.5, Mixtral) its transformers-5 conversion takes gate_proj / up_proj / down_proj
+    for the experts' pre-fusion modules even when they name dense or shared-expert MLPs (peft 0.21;
+    peft/utils/transformers_weight_conversion.py). Asked of peft itself, on a copy of the config."""
+    import copy
+    import json
+    from types import SimpleNamespace
+
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        with open(os.path.join(base_model, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (ImportError, OSError, ValueError):
+        return []
+    fields = {key: value for key, value in adapter_config.items() if key not in ("peft_type", "task_type")}
+    converted = PeftLoraConfig(**copy.deepcopy(fields))
+    convert_peft_config_for_transformers(converted, SimpleNamespace(config=SimpleNamespace(model_type=model_type)),
+                                         None)
+    return [module for module in adapter_config["target_modules"] if module not in set(converted.target_modules)]
 
 
 # ------------------------------------------------------------ loading ---
