@@ -639,14 +639,16 @@ def save_peft_adapter(model, config: LoraConfig, out_dir: str, base_model: str, 
         return
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_peft_adapter(tensors, config, tmp, base_model)
+    adapter_config = write_peft_adapter(tensors, config, tmp, base_model)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     replace_directory(tmp, out_dir)
+    warn_of_peft_remapping(adapter_config, base_model, out_dir)
 
 
-def write_peft_adapter(tensors: dict[str, torch.Tensor], config: LoraConfig, directory: str, base_model: str) -> None:
-    """iter_peft_weights' tensors (whole, on the host) and their adapter_config.json into `directory`."""
+def write_peft_adapter(tensors: dict[str, torch.Tensor], config: LoraConfig, directory: str, base_model: str) -> dict:
+    """iter_peft_weights' tensors (whole, on the host) and their adapter_config.json into `directory`; that
+    config."""
     import json
 
     from safetensors.torch import save_file
@@ -664,6 +666,10 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], config: LoraConfig, dir
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
     with open(os.path.join(directory, PEFT_ADAPTER_CONFIG), "w") as f:
         json.dump(adapter_config, f, indent=1)
+    return adapter_config
+
+
+def warn_of_peft_remapping(adapter_config: dict, base_model: str, directory: str) -> None:
     remapped = targets_peft_remaps(adapter_config, base_model)
     if remapped:
         print(f"[lora] warning: {directory}: the installed peft reads this adapter's {', '.join(remapped)} targets "
