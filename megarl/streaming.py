@@ -44,8 +44,9 @@ episodes have ended. A turn in flight at a sync is resubmitted with the whole co
 the episode goes on under the new weights, its earlier turns keep their versions) or, aborting, the episode
 restarts from its prompt. Tool calls in flight when an advance ends are waited for and their messages appended
 (`_pause`), so no tool runs across a sync or into a checkpoint. A tool's tokens take the version of the advance
-they were appended in; the staleness metrics count sampled tokens only. As without streaming, V1's sampler draws
-in the order tools return: with tools a CPU run (and its resume) is not reproducible bit for bit.
+they were appended in; the staleness metrics count sampled tokens only. When a next turn enters the engine
+depends on when its calls return, so which groups finish first (and, on V1, what the sampler draws) varies: with
+tools a run (and its resume) is not reproducible bit for bit.
 
 Not built yet (refused at parse): the colocated placement (its roles take turns), the HF backend, --routing-replay
 with --partial-rollout (and with --tools, as without streaming), --stop strings.
