@@ -1325,7 +1325,10 @@ def _validate_routing_replay(args) -> None:
               (args.max_staleness is not None and args.partial_rollout,
                "--partial-rollout: a response resubmitted across a sync has its prefix re-read by the new "
                "weights, whose routes are not those its tokens were sampled with; use --routing-replay off or "
-               "leave --partial-rollout out")]
+               "leave --partial-rollout out"),
+              (args.max_staleness is not None and bool(args.stop),
+               "--stop with --max-staleness: streaming matches stop strings itself and aborts the request, whose "
+               "routes vLLM then does not return; use --routing-replay off or leave --stop out")]
     reason = next((why for bad, why in cannot if bad), None)
     if args.routing_replay == "on":
         if reason is not None:
@@ -1568,7 +1571,7 @@ def _validate_streaming(args, placement) -> None:
         raise ConfigError(f"--max-staleness: prompts_per_step={args.prompts_per_step} must split evenly over the "
                           f"{engines} rollout engines (each cuts its share of every batch)")
     unsupported = [flag for flag, used in (
-        ("--rollout-backend hf", args.rollout_backend == "hf"), ("--stop", bool(args.stop))) if used]
+        ("--rollout-backend hf", args.rollout_backend == "hf"),) if used]
     if unsupported:
         raise ConfigError(f"--max-staleness does not support {', '.join(unsupported)} yet (streaming generation "
                           f"resubmits responses across syncs; that path is not built for them)")

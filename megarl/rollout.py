@@ -210,9 +210,11 @@ def sampling_params(args, prompt_indices: list[int], step: int, seed_key: tuple,
     seeds = request_seeds(args.seed, step, seed_key, prompt_indices) if seeded else [None] * len(prompt_indices)
     # --repetition-penalty: the logits are penalised before sampling, and the engine's logprobs
     # (logprobs_mode processed_logprobs) are the penalised ones, what --tis-level corrects with.
+    # vLLM matches --stop on its own text: without it, the caller matches them (streaming.py).
     return [SamplingParams(n=n, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
                            repetition_penalty=getattr(args, "repetition_penalty", 1.0),
-                           max_tokens=args.max_new_tokens, min_tokens=min_tokens, stop=args.stop or None,
+                           max_tokens=args.max_new_tokens, min_tokens=min_tokens,
+                           stop=(args.stop or None) if detokenize else None,
                            logprobs=0, seed=seed, detokenize=detokenize)
             for seed in seeds]
 

@@ -48,8 +48,11 @@ they were appended in; the staleness metrics count sampled tokens only. When a n
 depends on when its calls return, so which groups finish first (and, on V1, what the sampler draws) varies: with
 tools a run (and its resume) is not reproducible bit for bit.
 
+--stop strings are matched here on the decoded tokens (`_stop_string`, with vLLM's own check_stop_strings): the
+engine decodes nothing, and its own matching would miss a string that spans a resubmission.
+
 Not built yet (refused at parse): the colocated placement (its roles take turns), the HF backend, --routing-replay
-with --partial-rollout (and with --tools, as without streaming), --stop strings.
+with --partial-rollout or --stop (and with --tools, as without streaming).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class Response(Transcript):
     # "length" (truncated at the budget)
     restarts: int = 0  # how many times it was resubmitted (each sync it spans)
     routes: torch.Tensor | None = None  # --routing-replay: the experts of every token it fed, once it ended
+    stop_tail: int | None = None  # a --stop string ended it (or its last turn): the characters of its decoded text
+    # from that string's start on (the string and what its last token wrote after it), which its text leaves out
 
     def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
         # a tool's tokens take the version of the advance they were appended in (the trainer masks them)
@@ -307,19 +312,62 @@ class GenerationStream:
         response, completion = group.responses[j], output.outputs[0]
         new = list(completion.token_ids)
         response.extend(new, [entry[token].logprob for token, entry in zip(new, completion.logprobs or [])])
-        if not output.finished:
+        stopped = bool(run.args.stop) and self._stop_string(run, response, group, len(new))
+        if stopped and not output.finished:  # the engine does not match --stop itself (it decodes nothing)
+            run.rollout.llm.llm_engine.abort_request([output.request_id])
+        if not (output.finished or stopped):
             return
         del self.requests[output.request_id]
+        finish = "stop" if stopped else completion.finish_reason
         if self.turns is not None:
             prompt = self._prompt(run, group.number)
-            turn = response.response_ids[response.turn_start:]
-            text = response_text(run.rollout.llm.get_tokenizer(), turn, completion.finish_reason == "stop")
-            return self.turns.turn_ended(response, text, completion.finish_reason, (prompt.metadata, prompt.index, j))
-        response.finish = completion.finish_reason
+            text = self._text(run, response.response_ids[response.turn_start:], response, finish)
+            response.stop_tail = None
+            return self.turns.turn_ended(response, text, finish, (prompt.metadata, prompt.index, j))
+        response.finish = finish
         if run.rollout.routes is not None:
             response.routes = run.rollout.routes.of(list(self._prompt(run, group.number).ids), response.response_ids,
                                                     completion)
         self._ended(group)
+
+    def _stop_string(self, run: Run, response: Response, group: Group, new: int) -> bool:
+        """--stop, as vLLM's detokenizer matches it (its own check_stop_strings, on the text after the request's
+        min_tokens-th token): did the `new` tokens just appended complete a stop string in the current turn's
+        text? Then the tokens after the one completing it are dropped and `stop_tail` set. The text is decoded
+        here over the turn's last tokens (the new ones and, before them, enough for the longest stop string),
+        so a string that spans a resubmission at a sync is found too."""
+        from vllm.v1.engine.detokenizer import check_stop_strings
+
+        args = run.args
+        turn = response.response_ids[response.turn_start:]
+        forced = self._forced(args, group.number) if response.turn == 0 else 0
+        if len(turn) <= forced:
+            return False
+        tokenizer = run.rollout.llm.get_tokenizer()
+        first_new = max(len(turn) - new, forced)
+        window = max(first_new - max(map(len, args.stop)) - 4, 0)  # (a token writes at least one character)
+
+        def text(end: int) -> str:
+            return tokenizer.decode(turn[window:end], skip_special_tokens=True)
+
+        full = text(len(turn))
+        match = check_stop_strings(full, len(full) - len(text(first_new)), list(args.stop), False)
+        if match is None:
+            return False
+        stop_string, truncate_to = match
+        kept = next(k for k in range(first_new + 1, len(turn) + 1) if len(text(k)) >= truncate_to + len(stop_string))
+        response.cut(response.turn_start + kept)
+        response.stop_tail = len(text(kept)) - truncate_to
+        return True
+
+    @staticmethod
+    def _text(run: Run, ids: list[int], response: Response, finish: str | None) -> str:
+        """A response's (or a turn's) text: response_text's, or up to the --stop string that ended it."""
+        tokenizer = run.rollout.llm.get_tokenizer()
+        if response.stop_tail is None:
+            return response_text(tokenizer, ids, finish == "stop")
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return text[:len(text) - response.stop_tail]
 
     def _ended(self, group: Group) -> None:
         if group.done:
@@ -362,11 +410,10 @@ class GenerationStream:
         forced = self._forced(args, group.number)
         held_back = engine.held_back_ids(sampling_params(args, [0], 0, (), 1, args.temperature, forced, False)[0]) \
             if forced else ()
-        tokenizer = engine.llm.get_tokenizer()
         samples = []
         for response in group.responses:
             if self.turns is None:
-                text, episode = response_text(tokenizer, response.response_ids, response.finish == "stop"), {}
+                text, episode = self._text(run, response.response_ids, response, response.finish), {}
             else:  # the final answer: the last assistant turn
                 text = next((m["content"] for m in reversed(response.turns) if m["role"] == "assistant"), "")
                 episode = {"policy_mask": list(response.policy_mask), "turns": response.turns}

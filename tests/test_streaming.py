@@ -28,7 +28,6 @@ def _parse(*flags, world_size=2):
     ([*SEPARATE, "--max-staleness", 0], ["--max-staleness 0", "K >= 1"]),
     ([*SEPARATE, "--partial-rollout"], ["--partial-rollout", "set --max-staleness"]),
     ([*SEPARATE, "--max-staleness", 2, "--rollout-backend", "hf"], ["does not support --rollout-backend hf"]),
-    ([*SEPARATE, "--max-staleness", 2, "--stop", "}"], ["--max-staleness does not support --stop"]),
     ([*SEPARATE, "--max-staleness", 2, "--prompts-per-step", 3, "--micro-batch-size", 8, "--rollout-gpus", 2,
       "--train-gpus", 1],
      ["prompts_per_step=3", "2 rollout engines"]),
@@ -54,6 +53,10 @@ def test_routing_replay_streams_without_partial_rollout_only(random_moe_policy):
     with pytest.raises(ConfigError) as error:
         _parse(*flags, "--partial-rollout", "--routing-replay", "on")
     assert "\n" not in str(error.value) and "--partial-rollout" in str(error.value), error.value
+    assert _parse(*flags, "--stop", "}").routing_replay == "off"  # streaming aborts a request at a stop string
+    with pytest.raises(ConfigError) as error:
+        _parse(*flags, "--stop", "}", "--routing-replay", "on")
+    assert "\n" not in str(error.value) and "--stop" in str(error.value), error.value
 
 
 def test_the_long_tail_is_a_function_of_the_prompt():
@@ -78,7 +81,8 @@ def test_the_long_tail_is_a_function_of_the_prompt():
     (2, True, ["--lora-rank", "8", "--lora-sync", "adapter", "--lr", "5e-3"]),
     (2, False, ["moe", "--routing-replay", "on"]),
     (2, True, ["tools", "--tools", "calculator", "--max-turns", "2", "--max-new-tokens", "192", "--task-max-operand",
-               "999999"])], ids=["K2-partial", "K1", "K2-lora", "K2-moe-r3", "K2-tools"])
+               "999999"]),
+    (2, True, ["--stop", "}"])], ids=["K2-partial", "K1", "K2-lora", "K2-moe-r3", "K2-tools", "K2-stop"])
 def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, partial, extra, tiny_model,
                                                                     random_moe_policy, tiny_tool_model, tmp_path,
                                                                     request):
@@ -109,6 +113,8 @@ def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, p
         masks = [(mask, tags) for entry in report for mask, tags in zip(entry["policy_masks"], entry["token_versions"])]
         assert sum(0 in mask for mask, _ in masks) >= len(masks) // 4, [mask.count(0) for mask, _ in masks]
         assert any(0 in mask and len({v for v, m in zip(tags, mask) if m}) > 1 for mask, tags in masks)
+    if "--stop" in extra:
+        _assert_stopped_at_the_string(model, "}", [text for entry in report for text in entry["texts"]])
     routed = "--routing-replay" in extra  # every sample carries the routes of all the tokens it fed, or none does
     assert all(all(entry["routed"]) if routed else not any(entry["routed"]) for entry in report), report
     lags, spanning, wrong_tag_gaps = [], 0, []
@@ -131,6 +137,28 @@ def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, p
         assert spanning == 0 and lags[1:] == [1] * 4, (lags, spanning)
     else:  # K = 2 without partial rollout: finished responses wait for their group across a sync
         assert spanning == 0 and max(lags) == 2, (lags, spanning)
+
+
+def _assert_stopped_at_the_string(model, stop, samples):
+    """--stop as vLLM matches it: no response goes on past a stop string completed after its min_tokens-th token
+    (the string is looked for in the text its later tokens write), a response it ended keeps the token that
+    completed it, and its text ends before the string; some responses did stop there."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    stopped = 0
+    for ids, text, forced in samples:
+        def decoded(end, start=0):
+            return tokenizer.decode(ids[start:end], skip_special_tokens=True)
+
+        before_min = len(decoded(forced))
+        assert stop not in decoded(len(ids) - 1)[before_min:], (ids, text)  # nothing generated past a match
+        if stop in decoded(len(ids))[before_min:]:  # the last token completed it: the text stops before it
+            stopped += 1
+            assert decoded(len(ids))[len(text):].startswith(stop) and decoded(len(ids)).startswith(text), (ids, text)
+        else:
+            assert stop not in text[before_min:], (ids, text)
+    assert stopped >= len(samples) // 10, (stopped, len(samples))
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ def main():
         entry = {"step": step, "trained_at": run.weight_version,
                  "token_versions": [s.token_versions for s in batch.samples],
                  "policy_masks": [s.policy_mask for s in batch.samples],
+                 "texts": [[s.response_ids, s.response_text, s.min_tokens] for s in batch.samples],
                  "routed": [s.routes is not None and s.routes.shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1
                             for s in batch.samples]}
         if run.actor is not None:
