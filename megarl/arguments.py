@@ -103,6 +103,14 @@ def _add_parallelism_args(parser):
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0,
                    help="MoE: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2), added to the "
                         "policy loss and logged as moe_z_loss; 0: off")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="MoE token dropping in the trainer (Megatron's moe_expert_capacity_factor): each expert takes "
+                        "at most factor x its even share of a micro-batch's routed tokens, the rest of its tokens "
+                        "skip it. The rollout engine drops none, so the rollout/trainer mismatch grows (TIS "
+                        "corrects it) and a token's logprob depends on its micro-batch; default: no capacity")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
+                   help="with --moe-expert-capacity-factor, which tokens an expert over capacity drops: the lowest "
+                        "router probabilities (probs) or the last in the micro-batch (position)")
     g.add_argument("--routing-replay", default="auto", choices=["auto", "on", "off"], type=_auto_on_off,
                    help="MoE routing replay (R3, megarl/routing_replay.py): the rollout engine records the experts "
                         "each token was routed to and the trainer's routers take exactly those in every forward "
@@ -1259,9 +1267,13 @@ def _validate_moe(args) -> None:
     for flag, value in (("--moe-aux-loss-coeff", args.moe_aux_loss_coeff), ("--moe-z-loss-coeff", args.moe_z_loss_coeff)):
         if value < 0:
             raise ConfigError(f"{flag} must be >= 0, got {value}")
+    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"--moe-expert-capacity-factor must be > 0, got {args.moe_expert_capacity_factor} "
+                          f"(leave it out for no capacity)")
     asked = [f"{flag} {value}" for flag, value, off in (
         ("--expert-model-parallel-size", args.expert_model_parallel_size, 1),
-        ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0), ("--moe-z-loss-coeff", args.moe_z_loss_coeff, 0.0))
+        ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0), ("--moe-z-loss-coeff", args.moe_z_loss_coeff, 0.0),
+        ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, None))
         if value != off]
     if not asked and not args.lora_rank:
         return

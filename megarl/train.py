@@ -38,9 +38,11 @@ def train(args, inputs=None, activity: Activity | None = None) -> None:
 
     context = init_distributed(args)
     activity = activity if activity is not None else Activity()
-    warning = accelerator.precision_warning(args)
-    if warning and context.rank == 0:
-        print(f"megarl: warning: {warning}", flush=True)
+    from megarl.models.megatron_gpt import capacity_warning
+
+    for warning in (accelerator.precision_warning(args), capacity_warning(args)):
+        if warning and context.rank == 0:
+            print(f"megarl: warning: {warning}", flush=True)
     # A stop signal after a peer's death ends this rank at once, naming the dead rank (not a preemption).
     preemption = Preemption(context.rank,
                             on_peer_death=lambda dead: _stop_for_dead_peer(context.rank, dead, activity))

@@ -1058,8 +1058,6 @@ REFUSED_RECIPES = {
     "verl/run_qwen3_8b_trtllm_megatron.sh": ("hybrid_engine",),  # TensorRT-LLM rollout servers
     "verl/run_nemotron_3_5_lightning_30b_a3b_megatron.sh": ("mtp.enable",),
     "swift/grpo_multi_turn_frozen_lake.sh": ("multi_turn_scheduler", "gym_scheduler"),
-    # Megatron's token dropping: the trainer would drop tokens the rollout engine computed
-    "swift/grpo_moe_server_lora.sh": ("moe_expert_capacity_factor", "token dropping"),
     "swift/grpo_multi_turn_frozen_lake_server.sh": ("multi_turn_scheduler", "gym_scheduler"),  # its server's
 }
 # Read, then stopped at start as written: their reward is registered by ms-swift's own plugin file.

@@ -163,12 +163,13 @@ def _parse(model, *flags, world_size=2):
     (["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2], "= 2*2"),
     (["--expert-model-parallel-size", 0], "--expert-model-parallel-size must be >= 1"),
     (["--moe-aux-loss-coeff", -1], "--moe-aux-loss-coeff must be >= 0"),
+    (["--moe-expert-capacity-factor", 0], "--moe-expert-capacity-factor must be > 0"),
     (["--lora-rank", 8, "--lora-sync", "adapter"], "--lora-sync adapter with adapters on the routed experts "
                                                    "(experts.gate_up_proj, experts.down_proj)"),
     (["--lora-rank", 8, "--lora-sync", "adapter", "--lora-target-modules", "q_proj"],
      "--lora-sync adapter with a mixture-of-experts model on CPU ranks"),
-], ids=["ep-vs-experts", "ep-vs-ranks", "ep-vs-stage-ranks", "ep-zero", "negative-coeff", "lora-adapter-experts",
-        "lora-adapter-moe-on-cpu"])
+], ids=["ep-vs-experts", "ep-vs-ranks", "ep-vs-stage-ranks", "ep-zero", "negative-coeff", "zero-capacity",
+        "lora-adapter-experts", "lora-adapter-moe-on-cpu"])
 def test_bad_moe_input_is_one_line(flags, expected, random_qwen3_moe_untied):
     from megarl.errors import ConfigError
 
@@ -193,7 +194,7 @@ def test_lora_on_gpt_oss_experts_is_one_line_and_its_attention_is_taken(random_g
 
 
 @pytest.mark.parametrize("flag,value", [("--expert-model-parallel-size", 2), ("--moe-aux-loss-coeff", 0.01),
-                                        ("--moe-z-loss-coeff", 0.001)])
+                                        ("--moe-z-loss-coeff", 0.001), ("--moe-expert-capacity-factor", 1.0)])
 def test_moe_options_on_a_dense_model_are_one_line(flag, value, tiny_model):
     from megarl.errors import ConfigError
 
@@ -202,6 +203,39 @@ def test_moe_options_on_a_dense_model_are_one_line(flag, value, tiny_model):
     message = str(error.value)
     assert f"{flag} {value} needs a mixture-of-experts model" in message and "qwen2 (dense)" in message, message
     assert "\n" not in message
+
+
+def test_expert_capacity_drops_tokens_in_every_trainer_model(megatron_rank, random_moe_policy):
+    """--moe-expert-capacity-factor reaches Megatron's routers of the models the trainer builds (the policy's
+    and the frozen reference's: model_config_overrides): at a factor of 0.5 the experts drop routed tokens and
+    the logits move; at num_experts / top-k (every expert may take every token) nothing drops and the logits
+    are the ones without capacity, bit for bit; --moe-token-drop-policy picks which tokens drop."""
+    import torch
+    from transformers import AutoConfig
+
+    from megarl.models.convert import load_hf_weights
+    from megarl.models.megatron_gpt import build_gpt_model, model_config_overrides
+    from megarl.model_runner import run_model
+    from helpers import micro_batches
+
+    hf_config = AutoConfig.from_pretrained(random_moe_policy)
+    batches = micro_batches(seed=3)
+
+    def logits(*flags):
+        args = _parse(random_moe_policy, "--train-gpus", 1, "--rollout-gpus", 1, *flags, world_size=1)
+        model = build_gpt_model(hf_config, torch.float32, 1, **model_config_overrides(args))
+        load_hf_weights(model, random_moe_policy, hf_config)
+        model.eval()
+        with torch.no_grad():
+            return torch.cat([run_model(model, batch) for batch in batches])
+
+    free = logits()
+    everything = hf_config.num_experts / hf_config.num_experts_per_tok
+    assert torch.equal(logits("--moe-expert-capacity-factor", everything), free)
+    dropped = logits("--moe-expert-capacity-factor", 0.5)
+    assert (dropped - free).abs().max() > 1e-2
+    assert not torch.equal(logits("--moe-expert-capacity-factor", 0.5, "--moe-token-drop-policy", "position"),
+                           dropped)
 
 
 def test_expert_parallel_placement(random_qwen3_moe_untied):

@@ -333,11 +333,11 @@ TABLE: dict[str, Rule] = {
     "moe_router_load_balancing_type": ignore("aux_loss (Switch's, per micro-batch)",
                                              refuse_if=lambda v: v not in (None, "aux_loss", "none"),
                                              refusal="megarl's load-balancing loss is aux_loss (moe_aux_loss_coeff)"),
-    "moe_expert_capacity_factor": ignore("no capacity: every routed token is computed", refuse_if=lambda v: v is not None,
-                                         refusal="expert capacity (token dropping): megarl computes every routed token"),
-    **{key: ignore("MoE performance settings megarl sets itself (dispatcher, overlap, recomputation)")
+    "moe_expert_capacity_factor": to("moe_expert_capacity_factor", note="token dropping in the trainer"),
+    "moe_token_drop_policy": to("moe_token_drop_policy"),
+    **{key: ignore("MoE performance settings megarl sets itself (dispatcher, overlap, recomputation, padding)")
        for key in ("moe_router_dtype", "moe_token_dispatcher_type", "moe_enable_deepep", "moe_shared_expert_overlap",
-                   "moe_layer_recompute", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy")},
+                   "moe_layer_recompute", "moe_pad_expert_input_to_capacity")},
     "manual_gc_interval": ignore("Python's garbage collector (megarl collects at start-up only)"),
     "gradient_checkpointing_kwargs": ignore("recomputation: recompute_granularity"),
     "load_safetensors": ignore("megarl reads the HF checkpoint's safetensors (mcore-bridge loading)"),

@@ -355,6 +355,9 @@ TABLE: dict[str, Rule] = {
     f"{A}.megatron.override_transformer_config.recompute_granularity": to("recompute_granularity"),
     f"{A}.megatron.override_transformer_config.recompute_method": to("recompute_method"),
     f"{A}.megatron.override_transformer_config.recompute_num_layers": to("recompute_num_layers"),
+    f"{A}.megatron.override_transformer_config.moe_expert_capacity_factor": to("moe_expert_capacity_factor",
+                                                                               note="token dropping in the trainer"),
+    f"{A}.megatron.override_transformer_config.moe_token_drop_policy": to("moe_token_drop_policy"),
     f"{A}.megatron.override_transformer_config.*": ignore("Megatron TransformerConfig tuning megarl sets itself "
                                                           "(attention back-end, recomputed modules)"),
     f"{A}.megatron.override_mcore_model_config.*": ignore("empty", refuse_if=_nonempty,

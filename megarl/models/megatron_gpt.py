@@ -610,25 +610,37 @@ def _with_spec_activation(fields: dict, family: Family, te_spec: bool) -> dict:
     return {"use_te_activation_func": local_dense_unfused, **fields}
 
 
-MOE_LOSS_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+MOE_ONLY_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy")
 
 
 def _moe_only(overrides: dict, family: Family) -> dict:
-    """The overrides without the MoE loss fields for a dense family (the options are refused with a dense
+    """The overrides without the MoE fields for a dense family (the options are refused with a dense
     model at start, arguments.validate_args; a frozen or dense model built in the same run ignores them)."""
     if family.moe:
         if overrides.get("moe_aux_loss_coeff"):
             overrides = dict(overrides, moe_router_load_balancing_type="aux_loss")
         return overrides
-    return {key: value for key, value in overrides.items() if key not in MOE_LOSS_FIELDS}
+    return {key: value for key, value in overrides.items() if key not in MOE_ONLY_FIELDS}
 
 
 def model_config_overrides(args) -> dict:
     """TransformerConfig fields of every model on the train ranks (policy, critic, reference, colocated
-    teacher) that come from the options: sequence parallelism (arguments turn it off at TP 1). The frozen
-    models take it too: their micro-batches are the policy's, padded for it, and it splits their forward's
-    norm and residual activations the same way."""
-    return dict(sequence_parallel=args.sequence_parallel)
+    teacher) that come from the options: sequence parallelism (arguments turn it off at TP 1) and MoE token
+    dropping (--moe-expert-capacity-factor). The frozen models take them too: their micro-batches are the
+    policy's, padded for it, and it splits their forward's norm and residual activations the same way; the
+    reference drops tokens as the policy does (as verl's and ms-swift's, built from one TransformerConfig)."""
+    return dict(sequence_parallel=args.sequence_parallel,
+                moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+                moe_token_drop_policy=getattr(args, "moe_token_drop_policy", "probs"))
+
+
+def capacity_warning(args) -> str | None:
+    """The start-of-run line of --moe-expert-capacity-factor: what token dropping costs an RL run."""
+    if getattr(args, "moe_expert_capacity_factor", None) is None:
+        return None
+    return (f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: the trainer drops the routed tokens "
+            f"over each expert's capacity, which the rollout engine computed, so the rollout/trainer mismatch grows "
+            f"(watch `mismatch`; --tis-level corrects it) and a token's logprob depends on its micro-batch")
 
 
 def trainer_config_overrides(args) -> dict:
