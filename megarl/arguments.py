@@ -538,6 +538,12 @@ def _add_tool_args(parser):
                    help="an environment that answers (megarl/tools/interactions.py; built in: retry, which asks "
                         "for another try while the run's --reward scores the answer below 1): after a turn without "
                         "tool calls it replies as the user and the episode goes on, up to --max-turns. Empty: none")
+    g.add_argument("--gym-env", default="",
+                   help="a gym-style environment (megarl/tools/environments.py; built in: frozen_lake): it opens "
+                        "each episode from the row's env_config (its observation is the prompt), steps on every "
+                        "assistant turn without tool calls (its observation the user's reply, its reward the "
+                        "turn's), and ends it when done; the interaction gym:NAME. The reward defaults to `gym`, "
+                        "the sum of the step rewards. Needs --train-data. Empty: none")
 
 
 def _add_eval_args(parser):
@@ -1108,8 +1114,23 @@ def _validate_rollout_backend(args) -> None:
 
 def _validate_tools(args) -> None:
     """--tools: the names as a list (args.tools), each registered; the limits positive; what episodes do
-    not run with refused."""
+    not run with refused. --gym-env NAME becomes the interaction gym:NAME (its reward, by default, gym)."""
     from megarl.tools import TOOLS
+    from megarl.tools.environments import ENVIRONMENTS
+
+    if args.gym_env:
+        if args.gym_env not in ENVIRONMENTS:
+            raise ConfigError(f"--gym-env: {args.gym_env} not registered{_closest(args.gym_env, ENVIRONMENTS)}; "
+                              f"known: {', '.join(sorted(ENVIRONMENTS))}")
+        if args.interaction not in ("", f"gym:{args.gym_env}"):
+            raise ConfigError(f"--gym-env {args.gym_env} answers every turn; --interaction {args.interaction} "
+                              f"would too: keep one")
+        if not args.train_data:
+            raise ConfigError(f"--gym-env {args.gym_env} opens each episode from a --train-data row's env_config; "
+                              f"the built-in arithmetic task has none")
+        args.interaction = f"gym:{args.gym_env}"
+        if args.reward == "arithmetic":  # the parser's default: the task's, not the environment's
+            args.reward = "gym"
 
     args.tools = [name.strip() for name in args.tools.split(",") if name.strip()] \
         if isinstance(args.tools, str) else list(args.tools)

@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 
 from megarl.tools import INTERACTION, TOOL_PARSERS, CallContext, ToolResult, ToolRunner
+from megarl.tools.environments import EnvStep
 from megarl.tools.interactions import Continue
 
 
@@ -256,7 +257,12 @@ class TurnTaking:
             if isinstance(reply.content, Continue):
                 ids = continue_turn(episode, reply.content, self.settings.tokenizer, self.stop_ids)
                 return self._append(episode, ids)
-            said = [{"role": "user", "content": reply.content}]
+            content = reply.content
+            if isinstance(content, EnvStep):  # a gym environment's step: its reward on the turn it answers
+                episode.turns[-1]["env_reward"], content = content.reward, content.observation
+                if content is None:
+                    return self.end(episode)
+            said = [{"role": "user", "content": content}]
             episode.turns.append({**said[0], "seconds": reply.seconds})
         else:
             self._record("tool_done", episode)

@@ -893,7 +893,9 @@ def test_swift_gkd_without_a_teacher_is_self_distillation(tmp_path, tiny_model, 
 def test_swift_multi_turn_scheduler_router_replay_and_loading_keys(tmp_path, tiny_model, stand_in_teacher):
     """ms-swift's GKD multi_turn.sh keys: math_tip_trick_multi_turn and math_tip_trick are the interactions of
     those names, max_turns megarl's; router_replay_mode R3 / disabled is routing replay on / off;
-    load_safetensors means nothing here. A gym scheduler and R2 stop in one line naming the key."""
+    load_safetensors means nothing here. gym_scheduler runs the gym environment gym_env names (--gym-env: the
+    interaction gym:NAME, the reward its return); without gym_env, an unknown scheduler and R2 stop in one line
+    naming the key."""
     def parse(*flags):
         return _parse(["--config", _swift_gkd_script(tmp_path, f"--teacher_model {stand_in_teacher}", "--lmbda 1", *flags),
                        "--model", tiny_model, "--train-data", "x.jsonl"], 1)
@@ -902,8 +904,10 @@ def test_swift_multi_turn_scheduler_router_replay_and_loading_keys(tmp_path, tin
     _check(args, dict(interaction="math_tip_trick_multi_turn", max_turns=2))
     assert parse("--router_replay_mode disabled").routing_replay == "off"
     assert parse("--multi_turn_scheduler math_tip_trick").interaction == "math_tip_trick"
-    for flag, words in (("--multi_turn_scheduler gym_scheduler", ["multi_turn_scheduler", "math_tip_trick_multi_turn",
-                                                                 "plugin"]),
+    args = parse("--multi_turn_scheduler gym_scheduler", "--use_gym_env true", "--gym_env frozen_lake")
+    _check(args, dict(gym_env="frozen_lake", interaction="gym:frozen_lake", reward="gym"))
+    for flag, words in (("--multi_turn_scheduler gym_scheduler", ["multi_turn_scheduler", "needs gym_env"]),
+                        ("--multi_turn_scheduler my_scheduler", ["multi_turn_scheduler", "gym_scheduler", "plugin"]),
                         ("--router_replay_mode R2", ["router_replay_mode", "R3"])):
         with pytest.raises(ConfigError) as error:
             parse(flag)
@@ -1057,14 +1061,14 @@ REFUSED_RECIPES = {
     "verl/run_qwen3-30b_dapo_megatron_fp8_trtllm.sh": ("quantization", "unquantized"),
     "verl/run_qwen3_8b_trtllm_megatron.sh": ("hybrid_engine",),  # TensorRT-LLM rollout servers
     "verl/run_nemotron_3_5_lightning_30b_a3b_megatron.sh": ("mtp.enable",),
-    "swift/grpo_multi_turn_frozen_lake.sh": ("multi_turn_scheduler", "gym_scheduler"),
-    "swift/grpo_multi_turn_frozen_lake_server.sh": ("multi_turn_scheduler", "gym_scheduler"),  # its server's
 }
-# Read, then stopped at start as written: their reward is registered by ms-swift's own plugin file.
+# Read, then stopped at start as written: their reward (the frozen_lake ones: their gym environment, which megarl
+# has built in as --gym-env frozen_lake) is registered by ms-swift's own plugin file.
 STOPPED_AS_WRITTEN = {name: ("--external-plugins", "no such file") for name in (
     "swift/grpo_dense_colocate.sh", "swift/grpo_dense_server.sh", "swift/grpo_sapo.sh",
     "swift/grpo_test_lora_adapter_sync.sh",
-    "swift/grpo_test_lora_colocate.sh")}
+    "swift/grpo_test_lora_colocate.sh", "swift/grpo_multi_turn_frozen_lake.sh",
+    "swift/grpo_multi_turn_frozen_lake_server.sh")}
 # Of a family megarl does not train, a recipe stopped at start by a check before the family's (Megatron's own
 # rule: selective recomputation takes no recompute_num_layers; a file the recipe names that is not here).
 STOPPED_FIRST_BY = {"verl/run_longcatflash_gsm8k_grpo_megatron_141gb.sh": ("recompute-granularity selective",),

@@ -220,6 +220,16 @@ LORA_TABLE: dict[str, Rule] = {
                            refusal="megarl initialises the adapters as PEFT does by default (A uniform, B zero)"),
 }
 
+
+def _scheduler(value, ctx) -> dict:
+    """multi_turn_scheduler: an interaction of megarl's, or gym_scheduler, whose environment gym_env names."""
+    if value == "gym_scheduler":
+        if not ctx.get("gym_env"):
+            ctx.fail("multi_turn_scheduler", "gym_scheduler needs gym_env, the environment it runs")
+        return {}
+    return {"interaction": value} if value else {}
+
+
 TABLE: dict[str, Rule] = {
     # what the run is
     "rlhf_type": custom(lambda v, ctx: {}, refuse_if=_not(("grpo", "gkd")),
@@ -310,21 +320,21 @@ TABLE: dict[str, Rule] = {
     "sync_ref_model": ignore("the reference stays frozen", refuse_if=bool),
     "async_generate": to("async_generation"),
     "num_iterations": to("ppo_epochs"),
-    "multi_turn_scheduler": custom(lambda v, ctx: {"interaction": v} if v else {},
+    "multi_turn_scheduler": custom(_scheduler,
                                    "the `interaction` of that name: math_tip_trick_multi_turn (the tip as a user "
                                    "turn, once), math_tip_trick (the answer cut at <answer>, the tip appended in "
-                                   "the assistant's own turn for it to go on, once)",
+                                   "the assistant's own turn for it to go on, once); gym_scheduler: the gym "
+                                   "environment gym_env names (--gym-env, megarl/tools/environments.py)",
                                    refuse_if=lambda v: v not in (None, "", "math_tip_trick_multi_turn",
-                                                                 "math_tip_trick"),
-                                   refusal="megarl maps math_tip_trick and math_tip_trick_multi_turn (--interaction); "
-                                           "a custom scheduler is an --interaction or tool plugin in megarl"),
+                                                                 "math_tip_trick", "gym_scheduler"),
+                                   refusal="megarl maps math_tip_trick, math_tip_trick_multi_turn (--interaction) "
+                                           "and gym_scheduler (--gym-env); a custom scheduler is an --interaction "
+                                           "or tool plugin in megarl"),
     "max_turns": to("max_turns"),
-    "use_gym_env": ignore("no gym environment", refuse_if=bool,
-                          refusal="ms-swift's gym environments: megarl's counterpart is an --interaction plugin "
-                                  "(megarl/tools/interactions.py)"),
-    "gym_env": ignore("no gym environment", refuse_if=lambda v: v is not None,
-                      refusal="ms-swift's gym environments: megarl's counterpart is an --interaction plugin "
-                              "(megarl/tools/interactions.py)"),
+    "use_gym_env": ignore("gym_scheduler runs the environment gym_env names"),
+    "gym_env": custom(lambda v, ctx: {} if v is None else {"gym_env": v},
+                      "`gym_env`, with multi_turn_scheduler gym_scheduler: the gym environment of that name "
+                      "(megarl/tools/environments.py: built in, frozen_lake; plugins register more)"),
     "enable_thinking": custom(lambda v, ctx: {} if v is None else {"chat_template_kwargs": {"enable_thinking": v}},
                               "`chat_template_kwargs` enable_thinking (Qwen3's template)"),
     "log_interval": to("log_interval"),

@@ -74,6 +74,7 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
 
         drawn = np.random.default_rng(args.seed).choice(len(rows), size=args.train_max_samples, replace=False)
         rows = [rows[i] for i in sorted(drawn.tolist())]
+    rows = with_environment(args, rows)
     if args.gkd_lmbda < 1.0 and not args.seq_kd:  # some steps train on the rows' own responses
         missing = next((row for row in rows if not (row.extra.get("reference_solution") or row.extra.get("response"))),
                        None)
@@ -83,6 +84,21 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
     return PromptDataset(rows, tokenizer, prompts_per_step=args.prompts_per_step, seed=args.seed,
                          system_prompt=system_prompt, max_prompt_length=args.max_prompt_length,
                          truncation=args.truncation, tools=args.tools)
+
+
+def with_environment(args, rows):
+    """--gym-env: each row's prompt is the environment's opening on its env_config (environments.opening),
+    whatever its messages held."""
+    if not getattr(args, "gym_env", ""):
+        return rows
+    from megarl.tools.environments import opening
+
+    for row in rows:
+        try:
+            row.messages = opening(args.gym_env, row.extra)
+        except (ValueError, TypeError, KeyError) as error:
+            raise DatasetError(f"{row.origin}: --gym-env {args.gym_env}: {error}") from None
+    return rows
 
 
 def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[Prompt]]:
@@ -103,6 +119,7 @@ def eval_prompts(args, tokenizer, system_prompt: str | None) -> dict[str, list[P
                                          preprocessor=args.preprocessor, id_key=args.prompt_id_key)
                 if args.eval_max_samples:
                     rows = rows[:args.eval_max_samples]
+                rows = with_environment(args, rows)
                 sets[name] = make_prompts(rows, tokenizer, system_prompt, args.max_prompt_length, args.truncation,
                                           args.tools)
             except DatasetError as error:  # which set, as well as which file and line

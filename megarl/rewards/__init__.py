@@ -150,4 +150,5 @@ _BUILTIN_MODULES = [
     "megarl.rewards.code",
     "megarl.rewards.verl_rules",
     "megarl.rewards.swift_rules",
+    "megarl.tools.environments",  # gym: a gym environment's episode return
 ]

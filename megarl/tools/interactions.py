@@ -110,3 +110,6 @@ def math_tip_trick(reward):
         return None if score_all(judge, [last_answer(turns)], [row])[0].score >= 1.0 else \
             Continue(SWIFT_MATH_TIP, SWIFT_MATH_TIP_CUT)
     return respond
+
+
+from megarl.tools import environments  # noqa: E402,F401  (registers each gym environment as gym:<name>)
