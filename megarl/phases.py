@@ -117,7 +117,8 @@ def generate(run: Run, step: int, ahead: ShardSamples | None = None):
     """
     args = run.args
     source = generation.response_source(args.gkd_lmbda, args.seq_kd, args.seed, step)
-    prompts = run.prompts.batch(step, 0)
+    # Streaming reads the prompt stream ahead of the steps (megarl/streaming.py): a step only looks at its batch.
+    prompts = run.prompts.peek(step) if args.max_staleness is not None else run.prompts.batch(step, 0)
     # --seq-kd with a colocated teacher: the rollout engines serve its weights for this generation.
     with generation.serving(run, "teacher" if source == "teacher" else "student"), run.rollout_turn():
         metrics = {}

@@ -396,7 +396,7 @@ class GenerationStream:
         if batch not in self._batches:
             oldest = min((g.number for g in self.running + self.finished), default=number) // run.args.prompts_per_step
             self._batches = {b: prompts for b, prompts in self._batches.items() if b >= oldest}
-            self._batches[batch] = run.prompts.batch(batch, 0)
+            self._batches[batch] = run.prompts.peek(batch)  # (the stream reads ahead of the steps)
         return self._batches[batch][position]
 
     @staticmethod

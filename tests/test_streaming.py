@@ -167,9 +167,15 @@ def test_a_resume_with_responses_in_flight_continues_bit_for_bit(tiny_model, tmp
     step 2: the checkpoint holds step 3's batch and the stream's groups in flight with their tokens, logprobs and
     versions; resumed from it, steps 3 and 4 are the uninterrupted run's exactly (every metric, the partial share,
     the staleness and the groups DAPO gave up included). The training signal is live (non-zero gradients,
-    responses resumed across syncs); DAPO gives up groups as they finish, and every batch still has its groups."""
+    responses resumed across syncs); DAPO gives up groups as they finish, and every batch still has its groups.
+    The prompts come from a dataset file, whose draw order only moves forward: the stream reads it ahead of the
+    steps and back (its groups in flight span batches), before and after the resume."""
+    from test_data_e2e import _dataset
+
+    data = _dataset(tmp_path / "train.jsonl", seed=1, count=40)
     flags = [*SEPARATE, "--model", tiny_model, *STREAM, "--train-steps", "4", "--max-staleness", "2",
-             "--partial-rollout", "--dynamic-sampling", "0", "1"]
+             "--partial-rollout", "--dynamic-sampling", "0", "1", "--train-data", data, "--reward", "boxed",
+             "--system-prompt", ""]
     torchrun("../../megarl/train.py", *flags, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
              "--log-dir", tmp_path / "run", timeout=900)
     torchrun("../../megarl/train.py", *flags, "--resume", tmp_path / "ckpt" / "step_00000002",

@@ -614,6 +614,14 @@ class PromptDataset:
         self._attempts = max(self._attempts, attempt + 1)
         return make_prompts((self.rows[i] for i in indices), self.tokenizer, **self.render_args)
 
+    def peek(self, step: int) -> list[Prompt]:
+        """The prompts of batch `step` (attempt 0) without drawing it: the draw order stays as it is. Streaming
+        generation (--max-staleness) reads the prompt stream ahead of the steps and back (its groups in flight
+        span batches), with no extra batches (DAPO filters inside the stream)."""
+        start = (step + self._extra) * self.prompts_per_step
+        return make_prompts((self.rows[self._row_at(p)] for p in range(start, start + self.prompts_per_step)),
+                            self.tokenizer, **self.render_args)
+
     def state_dict(self) -> dict:
         """What a checkpoint must keep; `consumed` is the stream position after the latest step."""
         consumed = (self._step + self._extra + self._attempts) * self.prompts_per_step if self._step >= 0 else 0

@@ -37,6 +37,10 @@ class ArithmeticPrompts:
                                                            max_operand=self.max_operand), self.tokenizer,
                                   self.args.max_prompt_length, f"step {step}", self.args.tools)
 
+    def peek(self, step: int) -> list[Prompt]:
+        """PromptDataset.peek's: here every batch is a function of its step."""
+        return self.batch(step)
+
     def state_dict(self) -> dict:
         """Nothing to keep: a step's problems are a function of (seed, step, attempt)."""
         return {}
