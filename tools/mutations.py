@@ -234,8 +234,8 @@ MUTATIONS: list[Mutation] = [
              "tests/test_routing_replay.py::test_replayed_experts_with_the_trainers_probabilities",
              "tests/test_routing_replay.py::test_recomputed_forward_takes_its_own_micro_batchs_routes", T_GUARDS),
     # ----------------------------------------------------- multi-turn tool mask ----
-    mutation("megarl/multiturn.py", "episode.policy_mask += [0] * len(ids[:room])",
-             "episode.policy_mask += [1] * len(ids[:room])",
+    mutation("megarl/multiturn.py", "self.policy_mask += [0 if logprobs is None else 1] * len(ids)",
+             "self.policy_mask += [1] * len(ids)",
              "multi-turn: tool-result tokens marked as the policy's (trained on)",
              "tests/test_multiturn.py::test_episodes_on_the_engine"),
     mutation("megarl/batch.py", "    if policy is not None:\n        response_mask = response_mask * policy",
