@@ -80,11 +80,14 @@ def test_the_long_tail_is_a_function_of_the_prompt():
     (2, True, ["--stop", "}"]), (1, False, []),
     (2, True, ["--lora-rank", "8", "--lora-sync", "adapter", "--lr", "5e-3"]),
     (2, False, ["moe", "--routing-replay", "on"]),
-    (2, True, ["tools", "--tools", "calculator", "--max-turns", "2", "--max-new-tokens", "192", "--task-max-operand",
-               "999999"])], ids=["K2-partial-stop", "K1", "K2-lora", "K2-moe-r3", "K2-tools"])
+    # the tiny model writes no tool call: the probe plugin's parser reads every turn as one (tests/test_multiturn.py);
+    # no answer follows a probe's message (every reward 0, advantages 0), so an entropy bonus moves the weights
+    # between versions (what tells a wrong tag)
+    (2, True, ["tools", "--external-plugins", "tests/plugins/probe_tools.py", "--tools", "probe", "--tool-parser",
+               "always_probe", "--max-turns", "2", "--max-new-tokens", "96", "--entropy-coef", "0.05"])],
+    ids=["K2-partial-stop", "K1", "K2-lora", "K2-moe-r3", "K2-tools"])
 def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, partial, extra, tiny_model,
-                                                                    random_moe_policy, tiny_tool_model, tmp_path,
-                                                                    request):
+                                                                    random_moe_policy, tmp_path):
     """tests/workers/streaming_worker.py: 5 steps, the trainer's policy kept at every version. For each batch and
     each version v its tokens carry, the trainer's logprobs recomputed under v equal the engine's on the tokens
     tagged v at rounding level, also after a response crossed a sync (its prefix re-read by the new weights), and
@@ -93,11 +96,11 @@ def test_every_token_is_the_sample_of_the_version_it_is_tagged_with(staleness, p
     (abort) every batch is one version's. The same with LoRA adapters synced as adapters (vLLM's LoRA serves each
     version's adapter to the requests resubmitted after its sync), and with an MoE policy under routing replay
     without partial rollout (the trainer replays each response's recorded routes). And with multi-turn tool
-    episodes (the calculator quickstart's policy): episodes go on across syncs with tool messages between their
+    episodes (the probe plugin's tool on every turn): episodes go on across syncs with tool messages between their
     turns, and the tools' tokens are no version's samples (left out of the check, as out of the loss). The K2
     partial run also stops at a --stop string, which the stream matches itself (also across a resubmission)."""
     out = tmp_path / "report.json"
-    model = {"moe": random_moe_policy, "tools": tiny_tool_model}.get(extra[0], tiny_model) if extra else tiny_model
+    model = random_moe_policy if extra[:1] == ["moe"] else tiny_model
     tools = extra[:1] == ["tools"]
     extra = [flag for flag in extra if flag not in ("moe", "tools")]
     stream = list(STREAM)
