@@ -265,7 +265,7 @@ def build_run(args, context: distributed.DistContext, inputs: Inputs | None = No
     episodes = None
     if (args.tools or args.interaction) and context.is_rollout:
         from megarl.multiturn import EpisodeSettings
-        from megarl.tools import ToolRunner
+        from megarl.tools import ToolRunner, environments  # noqa: F401  (environments registers gym:<name>)
         from megarl.tools.interactions import INTERACTIONS
 
         interaction = INTERACTIONS[args.interaction](reward) if args.interaction else None

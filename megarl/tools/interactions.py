@@ -21,7 +21,9 @@ from typing import Callable
 
 from megarl.registry import Registry
 
-INTERACTIONS = Registry("interaction")  # name -> factory(reward spec) -> respond(turns, context) -> str | None
+# name -> factory(reward spec) -> respond(turns, context) -> str | None. The gym environments add theirs as
+# gym:<name> when megarl/tools/environments.py is imported (it imports this module, so not the other way).
+INTERACTIONS = Registry("interaction")
 
 # verl's GSM8K interaction says as much; the arithmetic task's tiny model reads any text as the user's.
 RETRY_MESSAGE = "Your answer is incorrect. Please reflect on it and try again."
@@ -111,5 +113,3 @@ def math_tip_trick(reward):
             Continue(SWIFT_MATH_TIP, SWIFT_MATH_TIP_CUT)
     return respond
 
-
-from megarl.tools import environments  # noqa: E402,F401  (registers each gym environment as gym:<name>)
