@@ -50,6 +50,46 @@ def test_an_episode_is_replayed_to_the_turn_it_answers():
         turns.append({"role": "user", "content": answer.observation})
 
 
+def test_a_row_without_a_seed_gets_one_so_its_replay_sees_one_map(tmp_path):
+    """A row whose env_config names no seed (ms-swift's own frozen_lake data can omit it) is given one per row,
+    fixed by --seed: the opening's board and the board each replayed turn rebuilds are the same map (unseeded,
+    every turn would draw another); other rows, or another --seed, get other maps."""
+    from types import SimpleNamespace
+
+    from megarl.data.datasets import load_rows
+    from megarl.data.sources import with_environment
+    from megarl.tools import CallContext
+    from megarl.tools.environments import FrozenLake
+    from megarl.tools.interactions import INTERACTIONS
+
+    data = tmp_path / "lake.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "."}], **extra}) + "\n"
+                            for extra in ({}, {"env_config": {"size": 4}}, {"env_config": {"seed": None}},
+                                          {"env_config": {"seed": 5}})))
+
+    def boards(seed):
+        rows = with_environment(SimpleNamespace(gym_env="frozen_lake", seed=seed), load_rows([str(data)]))
+        return rows, [row.messages[-1]["content"] for row in rows]
+
+    rows, openings = boards(1)
+    assert rows[3].extra["env_config"] == {"seed": 5}  # a row's own seed is kept
+    assert all(row.extra["env_config"]["seed"] is not None for row in rows) and len(set(openings[:3])) == 3
+    assert boards(1)[1] == openings and boards(2)[1][:3] != openings[:3]
+    respond = INTERACTIONS["gym:frozen_lake"](None)
+    for row, opening in zip(rows, openings):
+        env = FrozenLake(row.extra["env_config"])
+        assert env.reset()[0] == opening
+        turns = []
+        for k in range(3):  # moves into a wall where possible: the episode goes on, so each turn replays the map
+            turns.append({"role": "assistant", "content": "<action>up</action>"})
+            answer = respond(turns, CallContext(row.as_metadata(), 0, 0, k + 1))
+            expected = env.step(turns[-1]["content"])
+            assert answer.observation == (None if expected[2] else expected[0]), (row.origin, k)
+            if expected[2]:
+                break
+            turns.append({"role": "user", "content": answer.observation})
+
+
 def test_the_gym_reward_is_the_episode_return():
     from megarl.rewards import get_reward
 

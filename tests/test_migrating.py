@@ -1062,13 +1062,11 @@ REFUSED_RECIPES = {
     "verl/run_qwen3_8b_trtllm_megatron.sh": ("hybrid_engine",),  # TensorRT-LLM rollout servers
     "verl/run_nemotron_3_5_lightning_30b_a3b_megatron.sh": ("mtp.enable",),
 }
-# Read, then stopped at start as written: their reward (the frozen_lake ones: their gym environment, which megarl
-# has built in as --gym-env frozen_lake) is registered by ms-swift's own plugin file.
+# Read, then stopped at start as written: their reward is registered by ms-swift's own plugin file. (The
+# frozen_lake recipes' plugin registers only the gym environment, which megarl has built in: they run.)
 STOPPED_AS_WRITTEN = {name: ("--external-plugins", "no such file") for name in (
     "swift/grpo_dense_colocate.sh", "swift/grpo_dense_server.sh", "swift/grpo_sapo.sh",
-    "swift/grpo_test_lora_adapter_sync.sh",
-    "swift/grpo_test_lora_colocate.sh", "swift/grpo_multi_turn_frozen_lake.sh",
-    "swift/grpo_multi_turn_frozen_lake_server.sh")}
+    "swift/grpo_test_lora_adapter_sync.sh", "swift/grpo_test_lora_colocate.sh")}
 # Of a family megarl does not train, a recipe stopped at start by a check before the family's (Megatron's own
 # rule: selective recomputation takes no recompute_num_layers; a file the recipe names that is not here).
 STOPPED_FIRST_BY = {"verl/run_longcatflash_gsm8k_grpo_megatron_141gb.sh": ("recompute-granularity selective",),
@@ -1125,6 +1123,20 @@ def random_qwen3_policy(tiny_model, tmp_path_factory) -> str:
 
     return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_qwen3_policy"),
                                 lambda path, tokens: make_random_model(path, "qwen3", False, 21, **tokens))
+
+
+def _with_positions(model: str, positions: int, tmp_path) -> str:
+    """A copy of `model` whose config allows `positions` positions (RoPE has no table to grow)."""
+    import shutil
+
+    path = tmp_path / "long_context_model"
+    shutil.copytree(model, path)
+    config = json.loads((path / "config.json").read_text())
+    for holder in (config, config.get("text_config") or {}):
+        if "max_position_embeddings" in holder:
+            holder["max_position_embeddings"] = positions
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
 
 
 def _stub_model(tmp_path, family: str) -> str:
@@ -1238,6 +1250,9 @@ def test_recipe_runs_two_steps_or_stops_in_one_line(name, request, tmp_path):
               ("max_resp_len=8", "overlong_buffer_cfg.len=4") if f"+{key}.reward_kwargs.{field.split('=')[0]}=" in text]
     flags = [*_verl_recipe_flags(model, 2, moe, tmp_path), *buffer] if framework == "verl" else \
         _swift_recipe_flags(model, teacher, 2, moe, "rlhf_type gkd" in text, "opsd" in name, tmp_path, server)
+    if "--gym_env" in text:  # the environment's opening (its rules and board) is ~550 tokens: room for it
+        flags = [*flags, "--model", _with_positions(model, 2048, tmp_path), "--max-prompt-length", "768",
+                 "--rollout-engine-kwargs", '{"max_model_len": 800}']
     if family not in RUNNING_FAMILIES:
         result = torchrun("../../megarl/train.py", "--config", script, *flags, "--log-dir", tmp_path / "tb",
                           nproc=2, check=False, timeout=300)

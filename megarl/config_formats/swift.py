@@ -80,13 +80,27 @@ def _reward_funcs(value, ctx):
         name = SWIFT_REWARDS.get(name, name)
         if name is None:
             continue  # soft_overlong: a length penalty, see soft_cache_length
-        if name in UNMATCHED_REWARDS and not ctx.get("external_plugins"):
+        if name in UNMATCHED_REWARDS and not _own_plugins(ctx.get("external_plugins")):
             ctx.fail("reward_funcs", f"{name!r} is an ms-swift built-in reward megarl does not have; register one "
                                      f"under that name with external_plugins (@register_reward)")
         parts.append(f"{name}:{weight:g}" if weight != 1.0 else name)
     if ctx.get("reward_model"):
         parts.append("rm")
     return {"reward": ",".join(parts)} if parts else {}
+
+
+# ms-swift's example plugin files whose entries megarl has built in: a recipe that loads one (it imports ms-swift,
+# so megarl could not) reads as if it did not. Matched by the path's ending, as the recipes name them.
+SWIFT_BUILT_IN_PLUGINS = {
+    "examples/megatron/grpo/multi_turn/frozen_lake_plugin.py": "the frozen_lake gym environment (--gym-env frozen_lake)",
+}
+
+
+def _own_plugins(value) -> list[str]:
+    """external_plugins less ms-swift's example plugins that megarl has built in (SWIFT_BUILT_IN_PLUGINS)."""
+    paths = [] if value is None else value if isinstance(value, list) else [value]
+    return [path for path in paths
+            if not any(str(path).replace("\\", "/").endswith(bundled) for bundled in SWIFT_BUILT_IN_PLUGINS)]
 
 
 # ms-swift's built-in reward names -> megarl's (None: not a reward in megarl, handled by another option).
@@ -238,7 +252,11 @@ TABLE: dict[str, Rule] = {
     "model": to("model", expand_path),
     "teacher_model": to("teacher_model", expand_path),
     "ref_model": to("ref_model", expand_path),
-    "external_plugins": to("external_plugins", lambda v: [expand_path(p) for p in (v if isinstance(v, list) else [v])]),
+    "external_plugins": custom(lambda v, ctx: {"external_plugins": [expand_path(p) for p in _own_plugins(v)]}
+                               if _own_plugins(v) else {},
+                               "ms-swift's example plugins megarl has built in are left out: "
+                               + "; ".join(f"{path}: {what}" for path, what in SWIFT_BUILT_IN_PLUGINS.items()),
+                               dest="external_plugins"),
     "teacher_model_server": to("teacher_server"),
     "teacher_tag_key": ignore("multi-teacher routing over teacher servers"),
     "tuner_type": custom(lambda v, ctx: {}, refuse_if=_not(("full", "lora")), refusal=TUNERS),

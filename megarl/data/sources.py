@@ -92,13 +92,16 @@ def prompt_source(args, tokenizer, system_prompt: str | None):
 
 def with_environment(args, rows):
     """--gym-env: each row's prompt is the environment's opening on its env_config (environments.opening),
-    whatever its messages held."""
+    whatever its messages held. A row whose env_config has no `seed` gets one, fixed by --seed and the row's
+    origin (environments.seeded): megarl replays an episode from its env_config at every turn, so an unseeded
+    environment would draw another world each turn."""
     if not getattr(args, "gym_env", ""):
         return rows
-    from megarl.tools.environments import opening
+    from megarl.tools.environments import opening, seeded
 
     for row in rows:
         try:
+            row.extra["env_config"] = seeded(row.extra, f"{args.seed}:{row.origin or row.id}")
             row.messages = opening(args.gym_env, row.extra)
         except (ValueError, TypeError, KeyError) as error:
             raise DatasetError(f"{row.origin}: --gym-env {args.gym_env}: {error}") from None

@@ -9,8 +9,9 @@ way) with:
   __init__(env_config: dict)    the dataset row's `env_config` ({} when it has none): e.g. a seed;
   reset() -> (observation, system_prompt | None)
   step(assistant_text) -> (observation, reward, done)
-It must be a function of its env_config and the actions it is given (seed any randomness from env_config):
-megarl does not keep an environment object per episode. It rebuilds the state at each turn by a reset and a
+It must be a function of its env_config and the actions it is given (seed any randomness from env_config's
+`seed`; a row without one is given one, fixed per row by --seed): megarl does not keep an environment object per
+episode. It rebuilds the state at each turn by a reset and a
 replay of the episode's earlier assistant turns, on the tool worker thread that answers (so an episode survives a
 weight sync, a streaming restart or a checkpoint without any environment state to save).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import random
 import re
+import zlib
 from dataclasses import dataclass
 
 from megarl.registry import Registry
@@ -61,6 +63,13 @@ def env_config(row: dict) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"gym environment: the row's env_config must be a mapping, got {type(config).__name__}")
     return config
+
+
+def seeded(row: dict, key: str) -> dict:
+    """The row's env_config with a `seed` (the convention every environment draws its randomness from): its own,
+    else one derived from `key` (stable across processes and runs, unlike Python's hash)."""
+    config = env_config(row)
+    return config if config.get("seed") is not None else {**config, "seed": zlib.crc32(key.encode())}
 
 
 def opening(name: str, row: dict) -> list[dict]:
