@@ -240,6 +240,16 @@ def test_verl_override_styles(tiny_model):
                       lr_decay_style="cosine", advantage_estimator="grpo"))
 
 
+def test_verl_trtllm_with_the_hybrid_engine_off_is_the_colocated_placement(tiny_model):
+    """TensorRT-LLM's colocated mode (hybrid_engine false, its engine in its own processes on the training GPUs)
+    is megarl's colocated placement with vLLM; hybrid_engine false otherwise stops (test_verl_errors_are_one_line)."""
+    args = _verl(tiny_model, "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.name=trtllm")
+    colocated = _verl(tiny_model)
+    _check(args, dict(colocate_groups=colocated.colocate_groups, rollout_gpus=colocated.rollout_gpus,
+                      rollout_backend=colocated.rollout_backend))
+    assert args.colocate_groups and "rollout" in args.colocate_groups[0]
+
+
 @pytest.mark.parametrize("name,estimator", [("kl", "k1"), ("abs", "abs"), ("mse", "mse"), ("low_var_kl", "low_var_kl"),
                                             ("k3", "k3"), ("full", "full")])
 def test_verl_kl_penalty_names(tiny_model, name, estimator):
@@ -270,6 +280,7 @@ def test_verl_kl_penalty_names(tiny_model, name, estimator):
     (["+algorithm.use_kl_in_reward=true", "+actor_rollout_ref.actor.use_kl_loss=true"],
      "use_kl_in_reward: and actor.use_kl_loss are both on"),
     (["trainer.n_gpus_per_node=4"], "the colocated placement needs 4 ranks"),
+    (["actor_rollout_ref.hybrid_engine=false"], "hybrid_engine: megarl supports only: the hybrid engine is"),
 ])
 def test_verl_errors_are_one_line(tiny_model, overrides, message):
     with pytest.raises(ConfigError) as error:
@@ -1059,7 +1070,6 @@ REFUSED_RECIPES = {
     "verl/run_qwen3-235b_megatron_192gb_fp8_trtllm.sh": ("quantization", "unquantized"),
     "verl/run_qwen3-30b_A3B_fp8_math_megatron_trtllm.sh": ("quantization", "unquantized"),
     "verl/run_qwen3-30b_dapo_megatron_fp8_trtllm.sh": ("quantization", "unquantized"),
-    "verl/run_qwen3_8b_trtllm_megatron.sh": ("hybrid_engine",),  # TensorRT-LLM rollout servers
     "verl/run_nemotron_3_5_lightning_30b_a3b_megatron.sh": ("mtp.enable",),
 }
 # Read, then stopped at start as written: their reward is registered by ms-swift's own plugin file. (The

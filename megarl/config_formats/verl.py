@@ -135,6 +135,18 @@ def _truthy(value):
     return bool(value)
 
 
+HYBRID_ENGINE = ("the hybrid engine is megarl's colocated placement; so is false with rollout.name trtllm "
+                 "(TensorRT-LLM's colocated mode: the engine in processes of its own on the training GPUs)")
+
+
+def _hybrid_engine(value, ctx) -> dict:
+    """hybrid_engine: true, or false with TensorRT-LLM (whose colocated mode needs it off), is megarl's colocated
+    placement: the roles share the devices and take turns. Another false (a rollout pool of its own) stops."""
+    if not value and ctx.get(f"{R}.name") != "trtllm":
+        ctx.fail("actor_rollout_ref.hybrid_engine", f"megarl supports only: {HYBRID_ENGINE}")
+    return {}
+
+
 # verl's own rule scorers (verl/utils/reward_score/), named as a custom reward function file, that megarl has.
 VERL_SCORERS = {"gsm8k.py": "gsm8k"}
 
@@ -266,8 +278,7 @@ TABLE: dict[str, Rule] = {
     **{f"{F}.lora.{key}": ignore("multimodal models (megarl is text only)")
        for key in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model")},
     f"{F}.hf_config_path": ignore("from the model directory", refuse_if=_nonempty),
-    "actor_rollout_ref.hybrid_engine": ignore("the hybrid engine is megarl's colocated placement",
-                                              refuse_if=lambda v: not v),
+    "actor_rollout_ref.hybrid_engine": custom(_hybrid_engine, HYBRID_ENGINE),
     "actor_rollout_ref.nccl_timeout": to("distributed_timeout_minutes", lambda v: v / 60.0, "seconds -> minutes"),
     # the actor
     f"{A}.strategy": ignore("megarl trains with Megatron-core"),
@@ -378,7 +389,7 @@ TABLE: dict[str, Rule] = {
                    "profiler.*", "use_remove_padding", "use_fused_kernels", "load_weight")},
     # the rollout
     f"{R}.name": custom(lambda v, ctx: {"rollout_backend": "hf"} if v == "hf" else {},
-                        "vllm (sglang: megarl's vLLM); hf: megarl's transformers backend"),
+                        "vllm (sglang, trtllm: megarl's vLLM); hf: megarl's transformers backend"),
     f"{R}.mode": ignore("megarl's engines run in-process"),
     f"{R}.n": to("num_generations"),
     f"{R}.temperature": to("temperature"),
