@@ -393,7 +393,7 @@ def is_multimodal(model: str) -> bool:
     ...ForConditionalGeneration)."""
     from megarl.models.families import hf_name_prefix, load_hf_config
 
-    return hf_name_prefix(load_hf_config(model)) != "model."
+    return hf_name_prefix(load_hf_config(model)) == "model.language_model."
 
 
 def router_overrides(model: str) -> dict:

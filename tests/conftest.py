@@ -70,6 +70,7 @@ RANDOM_MODELS = {
     "random_deepseek_v3_untied": ("deepseek_v3", False, 23, None),  # q through q_a_proj / q_b_proj
     "random_glm4_moe_untied": ("glm4_moe", False, 26, None),  # q/k/v biases and q/k norms
     "random_gpt_oss_untied": ("gpt_oss", False, 33, None),  # sinks, biases, sliding and full layers, YaRN
+    "random_nemotron_h_untied": ("nemotron_h", False, 34, None),  # Mamba-2, attention, MLP and MoE mixers
 }
 
 
@@ -133,6 +134,13 @@ def random_glm4_moe_plain_tied(tmp_path_factory) -> str:
     """A random GLM-4.5 without q/k/v biases and q/k norms (attention_bias and use_qk_norm false), tied."""
     return make_random_model(tmp_path_factory.mktemp("random_glm4_moe_plain_tied"), "glm4_moe", True, 27,
                              attention_bias=False, use_qk_norm=False)
+
+
+@pytest.fixture(scope="session")
+def random_nemotron_h_dense(tmp_path_factory) -> str:
+    """A random Nemotron-H without MoE layers (M*-M: Mamba-2, attention, MLP, Mamba-2), as Nemotron-H 8B's kind."""
+    return make_random_model(tmp_path_factory.mktemp("random_nemotron_h_dense"), "nemotron_h", False, 35,
+                             num_hidden_layers=4, hybrid_override_pattern="M*-M")
 
 
 @pytest.fixture(scope="session")

@@ -180,6 +180,15 @@ _FAMILIES = {
                      num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                      rope_extra=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
                                      beta_fast=32.0, beta_slow=1.0, truncate=False)), 0.1),
+    # Nemotron-H: one mixer per layer, ME*M-E (Mamba-2: 8 heads of 16, 2 groups, state 16, conv 4, the scan's chunks
+    # of 16; attention without RoPE; a squared-ReLU MLP; MoE with 8 squared-ReLU experts of 32 under the sigmoid
+    # router: top 4 of the best 2 of 4 groups, scaling 2.5, a shared expert of 48). No rope_parameters (no RoPE).
+    "nemotron_h": (("NemotronHConfig", "NemotronHForCausalLM"),
+                   dict(max_position_embeddings=512, num_hidden_layers=6, hybrid_override_pattern="ME*M-E", head_dim=32,
+                        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                        chunk_size=16, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+                        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, rope_extra=None), 0.1),
 }
 GPT_OSS_GATE_UP_SCALE = 300.0
 DEEPSEEK_MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
@@ -204,9 +213,10 @@ def make_random_model(path, family: str, tied: bool, seed: int = 0, vocab_size: 
     if llama3_rope is not None:
         rope.update(rope_type="llama3", **LLAMA3_ROPE[llama3_rope])
     fields = {**_TINY, **fields, **config_fields}
-    rope.update(fields.pop("rope_extra", {}))
+    extra = fields.pop("rope_extra", {})
+    rope.update(extra or {})
     config = getattr(transformers, config_class)(**fields, vocab_size=vocab_size, tie_word_embeddings=tied,
-                                                 rope_parameters=rope)
+                                                 **({} if extra is None else dict(rope_parameters=rope)))  # None: no RoPE
     config.architectures = [model_class]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)

@@ -172,6 +172,40 @@ def test_sigmoid_router_families_logits_parity_and_round_trip(tp, pp, ep, reques
         assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
 
 
+NEMOTRON_H_CHECKPOINTS = ["random_nemotron_h_untied", "random_nemotron_h_dense"]
+NEMOTRON_H_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,ep", NEMOTRON_H_LAYOUTS, ids=[f"tp{tp}-pp{pp}-ep{ep}" for tp, pp, ep in NEMOTRON_H_LAYOUTS])
+def test_nemotron_h_logits_parity_and_round_trip(tp, pp, ep, request, tmp_path):
+    """Nemotron-H (one mixer per layer, ME*M-E: Megatron's MambaMixer with megarl's scan, attention without RoPE, a
+    squared-ReLU MLP, MoE with squared-ReLU experts under the sigmoid router; and a model without MoE layers) against
+    transformers in float64 at
+    TP 1, at TP 2 with EP 2 (Mamba heads and groups, attention heads split over TP; the in_proj's five parts each
+    split), and the bit-exact round trip under `backbone.` at each and at PP 2 (each stage its own mixers).
+    The expert bias, routed scaling, group limit and squared ReLU each move transformers' own logits past the rule."""
+    paths = [request.getfixturevalue(name) for name in NEMOTRON_H_CHECKPOINTS]
+    out = tmp_path / "report.json"
+    torchrun("parity_worker.py", "--hf", *paths, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep, "--seq-len", 40,
+             nproc=2)
+    run = read_json(out)
+    assert (run["tp"], run["pp"], run["ep"]) == (tp, pp, ep)
+    assert [r["family"] for r in run["models"]] == ["nemotron_h", "nemotron_h"]
+    for report, moe_layers in zip(run["models"], (2, 0)):
+        if pp == 1:
+            _assert_parity(report)
+            limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
+            for effect in ("expert_bias", "routed_scaling", "group_limit", "squared_relu")[:4 if moe_layers else 0]:
+                assert report[f"{effect}_effect"] > 2 * limit, (effect, report)
+        names = report["exported_names"]
+        # 8 experts x 2 tensors (up, down: no gate) per MoE layer; every name under backbone. but lm_head
+        assert sum(".mixer.experts." in name for name in names) == moe_layers * 8 * 2, report
+        assert all(name.startswith("backbone.") for name in names if name != "lm_head.weight"), report
+        assert sum(name.endswith(".mixer.A_log") for name in names) == 2, report
+        assert report["mismatched"] == [] and report["missing"] == [] and report["extra"] == [], report
+
+
 def _assert_parity(report):
     """Every float check within the fp32 rule (tests/helpers.py) of its float64 reference, and each
     compared quantity far enough from 0 (or from its alternative) that a wrong path would show."""
@@ -187,6 +221,8 @@ def _assert_parity(report):
                                                                   "full_beta1") for grad in ("", "_grad"))}
     if "sliding_window_effect" in report:  # the same sequences packed into one row (--padding-free)
         expected.add("packed_logit")
+    if report["rope_type"] == "none":  # Nemotron-H: no RoPE, no frequencies to compare
+        expected.remove("inv_freq")
     assert {name[: -len("_ulps")] for name in measured} == expected, report
     assert report["full_kl_mean"] > 1e-3, report  # the KL itself is far from 0
     for name in ("full_kl", "gkd_renorm", "gkd_tail", "gkd_full_beta0", "gkd_full_beta0.5", "gkd_full_beta1"):
@@ -200,10 +236,10 @@ def _assert_parity(report):
     # model that ignored it would fail.
     # (the Llama checkpoints' Llama-3 scaling; DeepSeek-V3's YaRN, whose test checks its effect against the rule)
     scaled = {"llama": ("llama3",), "deepseek_v3": ("default", "yarn"), "qwen3": ("default", "yarn"),
-              "gpt_oss": ("yarn",)}.get(
+              "gpt_oss": ("yarn",), "nemotron_h": ("none",)}.get(
         report["family"], ("default",))
     assert report["rope_type"] in scaled, report
-    if report["rope_type"] != "default":
+    if report["rope_type"] not in ("default", "none"):
         limit = fp32_limit(0.0) * report["logit_scale"] * 2.0**-23
         assert report["rope_scaling_effect"] > max(2 * limit, 1e-2 if report["rope_type"] == "llama3" else 0), report
     if "sliding_window_effect" in report:  # the window moves transformers' logits far past the rule: it is not ignored
@@ -213,13 +249,13 @@ def _assert_parity(report):
 # ------------------------------------------------------------ config checks --
 
 def _config(family, **fields):
-    from transformers import (DeepseekV3Config, Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, GptOssConfig, LlamaConfig, NemotronHConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
     config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
                     "qwen2_moe": Qwen2MoeConfig, "qwen3_5": Qwen3_5TextConfig,
                     "qwen3_5_moe": Qwen3_5MoeTextConfig, "deepseek_v3": DeepseekV3Config,
-                    "glm4_moe": Glm4MoeConfig, "gpt_oss": GptOssConfig}[family]
+                    "glm4_moe": Glm4MoeConfig, "gpt_oss": GptOssConfig, "nemotron_h": NemotronHConfig}[family]
     if family.startswith("qwen3_5"):
         fields = {"head_dim": 32, "layer_types": ["linear_attention", "full_attention"], **fields}
     kv_heads = 2
@@ -233,13 +269,16 @@ def _config(family, **fields):
     if family == "glm4_moe":
         fields = {**dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
                          first_k_dense_replace=1), **fields}
-    fields = {"num_hidden_layers": 2, **fields}
+    if family == "nemotron_h":
+        fields = {**dict(hybrid_override_pattern="M*-E", head_dim=32, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
+                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32), **fields}
+    fields = {"num_hidden_layers": len(fields.get("hybrid_override_pattern", "xx")), **fields}
     return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
                         max_position_embeddings=16384, **fields)
 
 
 @pytest.mark.parametrize("family", [*FAMILY_CHECKPOINTS, "qwen3_moe", "qwen2_moe", "qwen3_5_moe", "deepseek_v3",
-                                    "glm4_moe", "gpt_oss"])
+                                    "glm4_moe", "gpt_oss", "nemotron_h"])
 def test_family_of_picks_by_architecture_then_model_type(family):
     from megarl.models.families import FAMILIES, family_of
 
@@ -318,6 +357,12 @@ REFUSED = [
     ("glm4_moe", dict(norm_topk_prob=False), "norm_topk_prob=False"),
     ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0"),
     ("glm4_moe", dict(first_k_dense_replace=2), "no layer has routed experts"),
+    # Nemotron-H: activations, parts and groupings Megatron's layers (and megarl's tables) do not have
+    ("nemotron_h", dict(mlp_hidden_act="gelu"), "mlp_hidden_act='gelu'"),
+    ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size=16"),
+    ("nemotron_h", dict(n_groups=3), "n_groups=3 must divide mamba_num_heads=8"),
+    ("nemotron_h", dict(use_bias=True), "use_bias"),
+    ("nemotron_h", dict(norm_topk_prob=False), "norm_topk_prob=False"),
 ]
 
 

@@ -8,6 +8,7 @@
     python tools/make_tiny_model.py --family deepseek_v3   # a random DeepSeek-V3 (seconds), artifacts/tiny-deepseek-v3
     python tools/make_tiny_model.py --family glm4_moe      # a random GLM-4.5 (seconds), artifacts/tiny-glm4_moe
     python tools/make_tiny_model.py --family gpt_oss       # a random gpt-oss (seconds), artifacts/tiny-gpt_oss
+    python tools/make_tiny_model.py --family nemotron_h    # a random Nemotron-H (seconds), artifacts/tiny-nemotron_h
 
 Everything is made here from nothing, deterministically from --seed, in about a
 minute on two CPU cores:
@@ -178,9 +179,19 @@ GPT_OSS = dict(num_hidden_layers=4, head_dim=32, intermediate_size=64, num_local
                sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2)
 GPT_OSS_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                     beta_fast=32.0, beta_slow=1.0, truncate=False)
-# The families built random by default (--steps 0): their MoE shape, their RoPE
+# --family nemotron_h: Nemotron-H's hybrid layers on the same trunk, random unless --steps: one mixer per layer as
+# the pattern says, M*M-E: Mamba-2 (8 heads of 16, 2 groups of B / C, state 16, conv 4), attention without RoPE (4
+# heads of 32, 2 key-value heads), Mamba-2, a squared-ReLU MLP, and MoE (8 squared-ReLU experts of 64, top 2, under
+# the sigmoid router with a random expert bias, routed_scaling_factor 2.5, a shared expert of 128); untied.
+NEMOTRON_H = dict(num_hidden_layers=5, hybrid_override_pattern="M*M-E", head_dim=32, mamba_num_heads=8,
+                  mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                  moe_shared_expert_intermediate_size=128, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                  norm_topk_prob=True)
+# The families built random by default (--steps 0): their MoE shape, their RoPE (None: none)
 RANDOM_FAMILIES = {"deepseek_v3": (DEEPSEEK_V3, dict(rope_type="default", rope_theta=10000.0)),
-                   "glm4_moe": (GLM4_MOE, GLM4_MOE_ROPE), "gpt_oss": (GPT_OSS, GPT_OSS_ROPE)}
+                   "glm4_moe": (GLM4_MOE, GLM4_MOE_ROPE), "gpt_oss": (GPT_OSS, GPT_OSS_ROPE),
+                   "nemotron_h": (NEMOTRON_H, None)}
 # --warm: the policy of those families warmed up for the learning lane (tests/test_moe.py's learning test, tools/
 # learning_bars.py), the steps each needs to start GRPO where it can learn: GLM-4.5 after the standard 400 reads
 # pass@1 0.47; DeepSeek-V3 read 0.07 after 400 and learnt little in 200 GRPO steps from there, 0.19 after 1200
@@ -195,7 +206,8 @@ OUTS = {**{(family, "warm"): f"artifacts/tiny-{family}-warm" for family in WARM_
         ("qwen2", "moe"): MOE["out"], ("qwen2", "tools"): TOOL_MODEL["out"], ("qwen2", "hints"): HINT_MODEL["out"],
         ("qwen3_5", "policy"): "artifacts/tiny-qwen3_5", ("qwen3_5", "teacher"): "artifacts/tiny-qwen3_5-teacher",
         ("qwen3_5", "moe"): "artifacts/tiny-qwen3_5-moe", ("deepseek_v3", "policy"): "artifacts/tiny-deepseek-v3",
-        ("glm4_moe", "policy"): "artifacts/tiny-glm4_moe", ("gpt_oss", "policy"): "artifacts/tiny-gpt_oss"}
+        ("glm4_moe", "policy"): "artifacts/tiny-glm4_moe", ("gpt_oss", "policy"): "artifacts/tiny-gpt_oss",
+        ("nemotron_h", "policy"): "artifacts/tiny-nemotron_h"}
 
 
 def build_tokenizer():
@@ -230,7 +242,8 @@ def build_model(tokenizer, seed, moe: bool = False, family: str = "qwen2"):
 
         shape, rope = RANDOM_FAMILIES[family]
         config = AutoConfig.for_model(family, vocab_size=len(tokenizer), tie_word_embeddings=False,
-                                      rope_parameters=dict(rope), **special, **{**MODEL, **shape})
+                                      **(dict(rope_parameters=dict(rope)) if rope else {}), **special,
+                                      **{**MODEL, **shape})
         config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
         model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
         with torch.no_grad():

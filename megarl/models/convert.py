@@ -126,6 +126,18 @@ def gdn_sections(hf_config) -> list[int]:
     return [key, key, hf_config.linear_num_value_heads * hf_config.linear_value_head_dim]
 
 
+MAMBA_LAYOUTS = ("mamba_in_proj", "mamba_conv")
+
+
+def mamba_sections(hf_config, layout: str) -> list[int]:
+    """Row counts of a Mamba-2 mixer's in_proj parts [z, x, B, C, dt] (`mamba_in_proj`) or conv1d channels
+    [x, B, C] (`mamba_conv`), each split over TP by heads (z, x, dt) or groups (B, C)."""
+    inner = hf_config.mamba_num_heads * hf_config.mamba_head_dim
+    states = hf_config.n_groups * hf_config.ssm_state_size
+    conv = [inner, states, states]
+    return [inner, *conv, hf_config.mamba_num_heads] if layout == "mamba_in_proj" else conv
+
+
 def _rank_pieces(pieces: list[torch.Tensor], tp_rank: int, tp_size: int) -> torch.Tensor:
     """cat of each piece's TP chunk on dim 0: Megatron's column-parallel layout of several outputs in one
     linear (each rank computes its share of each)."""
@@ -163,6 +175,8 @@ def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: in
         return merge_gated_qkv(*hf, hf_config).chunk(tp_size, dim=0)[tp_rank]
     if rule.layout in ("gdn_in_proj", "gdn_conv"):
         return _rank_pieces([*hf[0].split(gdn_sections(hf_config), dim=0), *hf[1:]], tp_rank, tp_size)
+    if rule.layout in MAMBA_LAYOUTS:
+        return _rank_pieces(list(hf[0].split(mamba_sections(hf_config, rule.layout), dim=0)), tp_rank, tp_size)
     raise ValueError(f"unknown layout {rule.layout!r}")
 
 
@@ -199,6 +213,8 @@ def to_hf_tensors(rule: Rule, shards: list[torch.Tensor], hf_config) -> list[tor
         extra = [qkv_sizes[2], heads, heads] if rule.layout == "gdn_in_proj" else []  # z, b, a
         pieces = unrank_pieces(shards, qkv_sizes + extra)
         return [torch.cat(pieces[:3], dim=0), *pieces[3:]]
+    if rule.layout in MAMBA_LAYOUTS:
+        return [_cat(unrank_pieces(shards, mamba_sections(hf_config, rule.layout)))]
     raise ValueError(f"unknown layout {rule.layout!r}")
 
 

@@ -19,6 +19,9 @@ built from which HF tensors, and how it is laid out over tensor parallelism:
   gdn_in_proj a Gated DeltaNet's four input projections (HF in_proj_qkv = [q; k; v], in_proj_z, in_proj_b,
               in_proj_a) as Megatron's one in_proj: each TP rank holds cat(q_r, k_r, v_r, z_r, b_r, a_r)
   gdn_conv    the depthwise conv1d over [q; k; v] channels: each TP rank holds cat(q_r, k_r, v_r)
+  mamba_in_proj, mamba_conv
+              a Mamba-2 mixer's in_proj over [z; x; B; C; dt] and its conv1d (weight and bias) over [x; B; C]
+              (Nemotron-H; the same order in HF and Megatron): each TP rank holds each part's share, concatenated
 
 DeepSeek-V3's multi-latent attention needs no layout of its own: each of its projections is one of Megatron's
 column-parallel linears (split on dim 0: the down projections' latent rows, the up projections' heads), the
@@ -100,9 +103,13 @@ class Family:
     # their configs compute from use_sliding_window and max_window_layers), "every_layer" (Qwen3-MoE: its config
     # has no layer_types; every layer is windowed when sliding_window is set), None: refused.
     sliding_window_layers: str | None = None
+    # Nemotron-H: one mixer per layer behind one pre-norm, the kind HF's layers_block_type names (Mamba-2, attention
+    # without RoPE, a squared-ReLU MLP, or MoE with squared-ReLU experts), the text model under `backbone.`
+    block_types: bool = False
+    embedding_name: str = "model.embed_tokens.weight"  # the input embedding (a tied output layer reads it)
 
     def rules(self, tied_embeddings: bool) -> tuple[Rule, ...]:
-        output = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False) \
+        output = Rule("output_layer.weight", (self.embedding_name,), "vocab", export=False) \
             if tied_embeddings else Rule("output_layer.weight", ("lm_head.weight",), "vocab")
         return self.global_rules + (output,)
 
@@ -245,6 +252,42 @@ _GPT_OSS_RULES = _ATTENTION_LAYER_RULES + _QKV_BIAS_RULES + tuple(
         (_LOCAL_EXPERT + "linear_fc2.weight", (_EXPERT + "down_proj.weight",), "expert"),
         (_LOCAL_EXPERT + "linear_fc2.bias", (_EXPERT + "down_proj.bias",), "expert"),
     ))
+
+
+# Nemotron-H (transformers' NemotronHModel, under `backbone.`): layer i is `norm` then one `mixer`, of the kind
+# layers_block_type[i] names. In Megatron's TransformerLayer a Mamba-2 or attention mixer takes the attention half
+# (behind input_layernorm; the MLP half an identity), an MLP or MoE mixer the MLP half (behind pre_mlp_layernorm).
+_MIXER = "model.layers.{i}.mixer."
+_NORM = "model.layers.{i}.norm.weight"
+_MAMBA, _MOE_BLOCK, _MLP_BLOCK = "linear_attention", "moe", "mlp"  # HF's layers_block_type values (and _FULL)
+NEMOTRON_H_BLOCK_TYPES = (_MAMBA, _FULL, _MLP_BLOCK, _MOE_BLOCK)
+_NEMOTRON_H_RULES = tuple(Rule(megatron, hf, layout, layer_type=kind) for kind, megatron, hf, layout in (
+    (_MAMBA, _LAYER + "input_layernorm.weight", (_NORM,), "replicated"),
+    (_MAMBA, _LAYER + "self_attention.in_proj.weight", (_MIXER + "in_proj.weight",), "mamba_in_proj"),
+    (_MAMBA, _LAYER + "self_attention.conv1d.weight", (_MIXER + "conv1d.weight",), "mamba_conv"),
+    (_MAMBA, _LAYER + "self_attention.conv1d.bias", (_MIXER + "conv1d.bias",), "mamba_conv"),
+    (_MAMBA, _LAYER + "self_attention.dt_bias", (_MIXER + "dt_bias",), "column"),  # one per head
+    (_MAMBA, _LAYER + "self_attention.A_log", (_MIXER + "A_log",), "column"),
+    (_MAMBA, _LAYER + "self_attention.D", (_MIXER + "D",), "column"),
+    (_MAMBA, _LAYER + "self_attention.norm.weight", (_MIXER + "norm.weight",), "column"),  # groups split over TP
+    (_MAMBA, _LAYER + "self_attention.out_proj.weight", (_MIXER + "out_proj.weight",), "row"),
+    (_FULL, _LAYER + "input_layernorm.weight", (_NORM,), "replicated"),
+    (_FULL, _LAYER + "self_attention.linear_qkv.weight",
+     (_MIXER + "q_proj.weight", _MIXER + "k_proj.weight", _MIXER + "v_proj.weight"), "qkv"),
+    (_FULL, _LAYER + "self_attention.linear_proj.weight", (_MIXER + "o_proj.weight",), "row"),
+    (_MLP_BLOCK, _LAYER + "pre_mlp_layernorm.weight", (_NORM,), "replicated"),
+    (_MLP_BLOCK, _LAYER + "mlp.linear_fc1.weight", (_MIXER + "up_proj.weight",), "column"),
+    (_MLP_BLOCK, _LAYER + "mlp.linear_fc2.weight", (_MIXER + "down_proj.weight",), "row"),
+    (_MOE_BLOCK, _LAYER + "pre_mlp_layernorm.weight", (_NORM,), "replicated"),
+    (_MOE_BLOCK, _LAYER + "mlp.router.weight", (_MIXER + "gate.weight",), "replicated"),
+    (_MOE_BLOCK, _LAYER + "mlp.router.expert_bias", (_MIXER + "gate.e_score_correction_bias",), "replicated"),
+    (_MOE_BLOCK, _LOCAL_EXPERT + "linear_fc1.weight", (_MIXER + "experts.{e}.up_proj.weight",), "expert"),
+    (_MOE_BLOCK, _LOCAL_EXPERT + "linear_fc2.weight", (_MIXER + "experts.{e}.down_proj.weight",), "expert"),
+    (_MOE_BLOCK, _LAYER + "mlp.shared_experts.linear_fc1.weight", (_MIXER + "shared_experts.up_proj.weight",),
+     "column"),
+    (_MOE_BLOCK, _LAYER + "mlp.shared_experts.linear_fc2.weight", (_MIXER + "shared_experts.down_proj.weight",),
+     "row"),
+))
 
 
 # Router buffers that conversion carries (the others, e.g. the router's token counts, are not weights).
@@ -392,8 +435,27 @@ GPT_OSS = Family(
     sliding_window_layers="layer_types",  # the released models: sliding (128) and full layers in turn
 )
 
+NEMOTRON_H = Family(
+    name="nemotron_h",
+    hf_architectures=("NemotronHForCausalLM",),
+    qkv_bias=False,
+    qk_layernorm=False,
+    rope_types=("default",),  # no RoPE at all (no positional embedding): `check_supported` skips its checks
+    refused_flags=(("attention_bias", "biases on q/k/v and o_proj"), ("mlp_bias", "biases on the MLP projections"),
+                   ("use_bias", "biases on the Mamba-2 in_proj and out_proj (Megatron's MambaMixer has none)")),
+    global_rules=(Rule("embedding.word_embeddings.weight", ("model.embeddings.weight",), "vocab"),
+                  Rule("decoder.final_layernorm.weight", ("model.norm_f.weight",), "replicated")),
+    layer_rules=_NEMOTRON_H_RULES,
+    moe=True,  # where layers_block_type has moe layers; a model without them has no MoE rules to apply
+    shared_expert=True,
+    sigmoid_router=True,
+    block_types=True,
+    embedding_name="model.embeddings.weight",
+)
+
 FAMILIES = Registry("model family")
-for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3, GLM4_MOE, GPT_OSS):
+for _family in (QWEN2, QWEN3, LLAMA, QWEN3_MOE, QWEN2_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3, GLM4_MOE, GPT_OSS,
+                NEMOTRON_H):
     FAMILIES.add(_family.name, _family)
 
 TE_FUSED_NAMES = {
@@ -418,6 +480,8 @@ def moe_layer_pattern(hf_config) -> list[bool] | None:
     if not family.moe:
         return None
     layers = range(hf_config.num_hidden_layers)
+    if family.block_types:  # Nemotron-H: the moe blocks (the others have no MLP half, or a dense one)
+        return [kind == _MOE_BLOCK for kind in hf_config.layers_block_type]
     if family.sigmoid_router:
         dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
         return [layer >= dense for layer in layers]
@@ -456,6 +520,9 @@ def layer_kinds(hf_config) -> list[frozenset] | None:
     kinds = []
     for layer in range(hf_config.num_hidden_layers):
         kind = set(switched)
+        if family.block_types:
+            kinds.append(frozenset({hf_config.layers_block_type[layer]}))
+            continue
         if family.hybrid_linear_attention:
             kind.add(hf_config.layer_types[layer])
         if family.multi_latent_attention:
@@ -493,6 +560,10 @@ def load_hf_config(path: str):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
+    if getattr(config, "model_type", None) == NEMOTRON_H.name:
+        # transformers (5.19) and vLLM (0.32) build Nemotron-H's lm_head untied whatever tie_word_embeddings says, and
+        # its checkpoints hold one: megarl builds the model they serve
+        config.tie_word_embeddings = False
     architectures = tuple(getattr(config, "architectures", None) or ())
     if not any(set(architectures) & set(family.multimodal_architectures) for family in FAMILIES.values()):
         return config
@@ -505,10 +576,12 @@ def load_hf_config(path: str):
 
 def hf_name_prefix(hf_config) -> str:
     """Where the text model's tensors sit in the checkpoint: `model.language_model.` in a multimodal one,
-    `model.` otherwise (the family tables are written with `model.`)."""
+    Nemotron-H's `backbone.`, `model.` otherwise (the family tables are written with `model.`)."""
     architectures = set(getattr(hf_config, "architectures", None) or ())
     multimodal = any(architectures & set(family.multimodal_architectures) for family in FAMILIES.values())
-    return "model.language_model." if multimodal else "model."
+    if multimodal:
+        return "model.language_model."
+    return "backbone." if getattr(hf_config, "model_type", None) == NEMOTRON_H.name else "model."
 
 
 # What must agree for one checkpoint's weights to load into an engine built for another (and to be served by it as
@@ -521,7 +594,9 @@ SHAPE_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size
                 "attention_bias", "use_qk_norm",
                 "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types", "sliding_window",
                 "linear_num_key_heads",
-                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                "layers_block_type", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+                "moe_shared_expert_intermediate_size")
 
 
 def shape_difference(hf_config, other) -> str | None:

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from megarl import accelerator
 from megarl.models import elementwise
-from megarl.models.families import Family, family_of, moe_layer_pattern, num_experts, qk_layernorm, qkv_bias
+from megarl.models.families import (NEMOTRON_H_BLOCK_TYPES, Family, family_of, moe_layer_pattern, num_experts,
+                                     qk_layernorm, qkv_bias)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,7 +89,9 @@ def check_supported(hf_config, family: Family) -> None:
                          f"head's {head_dim(hf_config)} channels")
     if family.multi_latent_attention:
         check_mla_supported(hf_config, family)
-    if family.moe:
+    if family.block_types:
+        check_block_types_supported(hf_config, family)
+    elif family.moe:
         check_moe_supported(hf_config, family)
     if family.gpt_oss:
         check_gpt_oss_supported(hf_config, family)
@@ -98,6 +101,8 @@ def check_supported(hf_config, family: Family) -> None:
         raise ValueError(f"{family.name}: a quantized checkpoint (quantization_config quant_method {method!r}) is "
                          f"not supported; megarl trains and syncs full-precision weights: dequantize it first (for "
                          f"gpt-oss's MXFP4, transformers' Mxfp4Config(dequantize=True))")
+    if family.block_types:  # its layer_types are its block types, checked above
+        return
     layer_types = list(getattr(hf_config, "layer_types", None) or ())
     allowed = LAYER_TYPES if family.hybrid_linear_attention else ("full_attention",)
     if family.sliding_window_layers == "layer_types":
@@ -113,6 +118,38 @@ def check_supported(hf_config, family: Family) -> None:
     if family.hybrid_linear_attention and len(layer_types) != hf_config.num_hidden_layers:
         raise ValueError(f"{family.name}: layer_types has {len(layer_types)} entries for num_hidden_layers="
                          f"{hf_config.num_hidden_layers}")
+
+
+# Nemotron-H's activations as Megatron computes them (squared ReLU: megatron.core.activations.squared_relu, vLLM's
+# relu2; silu in the Mamba-2 conv), and the parts it has that megarl does not build.
+NEMOTRON_H_FIXED = {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu"}
+NEMOTRON_H_ABSENT = {"moe_latent_size": "MoE latent projections (fc1/fc2_latent_proj)"}
+
+
+def check_block_types_supported(hf_config, family: Family) -> None:
+    """Nemotron-H as megarl builds it (`block_type_specs`): every layers_block_type entry a known mixer, one per
+    layer; the activations Megatron's layers compute; the MoE checks where there are MoE blocks; a mixer of whole
+    groups of heads (Megatron's MambaMixer: heads divisible by n_groups)."""
+    kinds = list(getattr(hf_config, "layers_block_type", None) or ())
+    if len(kinds) != hf_config.num_hidden_layers:
+        raise ValueError(f"{family.name}: layers_block_type has {len(kinds)} entries for num_hidden_layers="
+                         f"{hf_config.num_hidden_layers}")
+    unknown = [(i, kind) for i, kind in enumerate(kinds) if kind not in NEMOTRON_H_BLOCK_TYPES]
+    if unknown:
+        raise ValueError(f"{family.name}: layers_block_type[{unknown[0][0]}]={unknown[0][1]!r} is not supported; "
+                         f"each layer must be one of {list(NEMOTRON_H_BLOCK_TYPES)}")
+    for field, value in NEMOTRON_H_FIXED.items():
+        if getattr(hf_config, field, value) != value:
+            raise ValueError(f"{family.name}: {field}={getattr(hf_config, field)!r} is not supported; it must be "
+                             f"{value!r}")
+    for field, what in NEMOTRON_H_ABSENT.items():
+        if getattr(hf_config, field, None):
+            raise ValueError(f"{family.name}: {field}={getattr(hf_config, field)} ({what}) is not supported")
+    if "linear_attention" in kinds and hf_config.mamba_num_heads % hf_config.n_groups:
+        raise ValueError(f"{family.name}: n_groups={hf_config.n_groups} must divide mamba_num_heads="
+                         f"{hf_config.mamba_num_heads}")
+    if "moe" in kinds:
+        check_moe_supported(hf_config, family)
 
 
 def check_yarn_supported(rope: dict, partial: float, family: Family) -> None:
@@ -206,6 +243,19 @@ def hybrid_config(hf_config, family: Family) -> dict:
                 linear_num_key_heads=hf_config.linear_num_key_heads,
                 linear_num_value_heads=hf_config.linear_num_value_heads,
                 attention_output_gate=True, layernorm_zero_centered_gamma=True)
+
+
+def block_type_config(hf_config, family: Family) -> dict:
+    """TransformerConfig's fields of a Nemotron-H model ({} for the other families): the Mamba-2 mixers' sizes
+    (heads of mamba_head_dim, n_groups of B / C, ssm_state_size, conv width, the scan's chunk), non-gated MLPs and
+    experts with the squared ReLU. Its norms' epsilon is layer_norm_epsilon (`transformer_config`)."""
+    if not family.block_types:
+        return {}
+    from megatron.core.activations import squared_relu
+
+    return dict(mamba_num_heads=hf_config.mamba_num_heads, mamba_head_dim=hf_config.mamba_head_dim,
+                mamba_num_groups=hf_config.n_groups, mamba_state_dim=hf_config.ssm_state_size,
+                gated_linear_unit=False, activation_func=squared_relu)
 
 
 def check_mla_supported(hf_config, family: Family) -> None:
@@ -320,7 +370,7 @@ def moe_config(hf_config, family: Family, ep: int, te_spec: bool | None = None) 
         default `transformer_engine_spec`: TEGroupedMLP), else Megatron's SequentialMLP (one GEMM per expert;
         CPU ranks, and LoRA policies, whose adapters hook each expert's own linears).
     The load-balancing loss and the z-loss are off unless the run asks (`model_config_overrides`)."""
-    if not family.moe:
+    if not family.moe or not any(moe_layer_pattern(hf_config)):  # (a Nemotron-H without MoE blocks)
         return {}
     fields = dict(num_moe_experts=num_experts(hf_config), moe_router_topk=hf_config.num_experts_per_tok,
                   # gpt-oss's experts have the config's one width (no moe_intermediate_size)
@@ -360,7 +410,9 @@ def sigmoid_router_config(hf_config) -> dict:
                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
                 moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
                 moe_router_num_groups=groups if grouped else None, moe_router_group_topk=group_topk if grouped else None,
-                moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts,
+                # Nemotron-H names the shared expert's width itself
+                moe_shared_expert_intermediate_size=getattr(hf_config, "moe_shared_expert_intermediate_size", None)
+                or hf_config.moe_intermediate_size * hf_config.n_shared_experts,
                 moe_shared_expert_gate=False)
 
 
@@ -478,8 +530,9 @@ def rope_arguments(hf_config) -> tuple[dict, dict | None]:
     megatron_path = scaling is not None and all(scaling[key] == value
                                                 for key, value in MEGATRON_LLAMA3_FIXED.items())
     yarn = rope_parameters(hf_config)["rope_type"] == "yarn" and not family_of(hf_config).multi_latent_attention
+    kind = "none" if family_of(hf_config).block_types else "yarn" if yarn else "rope"  # Nemotron-H: no RoPE
     kwargs = dict(rotary_base=rope_theta(hf_config), rope_scaling=megatron_path,
-                  rotary_percent=rotary_fraction(hf_config), position_embedding_type="yarn" if yarn else "rope")
+                  rotary_percent=rotary_fraction(hf_config), position_embedding_type=kind)
     if megatron_path:
         kwargs["rope_scaling_factor"] = scaling["factor"]
     return kwargs, (scaling if scaling is not None and not megatron_path else None)
@@ -503,6 +556,13 @@ def check_parallel_sizes(hf_config, tp: int, pp: int, ep: int = 1, cp: int = 1) 
             raise ValueError(f"context_parallel_size={cp}: the {family_of(hf_config).name} family's Gated DeltaNet "
                              f"layers carry a recurrent state along the sequence, which megarl does not split over "
                              f"CP ranks (Megatron-core 0.16 has no GDN context parallelism); use CP 1")
+    if family_of(hf_config).block_types and "linear_attention" in hf_config.layers_block_type:
+        if hf_config.mamba_num_heads % tp or hf_config.n_groups % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp} must divide mamba_num_heads={hf_config.mamba_num_heads}"
+                             f" and n_groups={hf_config.n_groups} of the model (its Mamba-2 heads and groups)")
+        if cp > 1:
+            raise ValueError(f"context_parallel_size={cp}: the {family_of(hf_config).name} family's Mamba-2 layers "
+                             f"carry a state along the sequence, which megarl does not split over CP ranks; use CP 1")
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} must divide num_hidden_layers="
                          f"{hf_config.num_hidden_layers} of the model")
@@ -559,6 +619,7 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         te_spec = transformer_engine_spec(local_spec_only(family))
     mla = mla_config(hf_config, family)
     oss = gpt_oss_config(hf_config, family)
+    blocks = block_type_config(hf_config, family)
     config_class = MLATransformerConfig if mla else TransformerConfig
     config = config_class(
         num_layers=hf_config.num_hidden_layers,
@@ -569,9 +630,9 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         num_query_groups=hf_config.num_key_value_heads,
         kv_channels=mla.pop("kv_channels", head_dim(hf_config)),
         normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=oss.pop("activation_func", F.silu),
+        layernorm_epsilon=getattr(hf_config, "rms_norm_eps", None) or hf_config.layer_norm_epsilon,  # Nemotron-H's
+        gated_linear_unit=blocks.pop("gated_linear_unit", True),
+        activation_func=oss.pop("activation_func", blocks.pop("activation_func", F.silu)),
         add_bias_linear=family.gpt_oss,
         add_qkv_bias=qkv_bias(hf_config),
         qk_layernorm=qk_layernorm(hf_config),
@@ -593,11 +654,13 @@ def transformer_config(hf_config, family: Family, tp: int, pp: int, cp: int, par
         **_with_spec_activation({"sequence_parallel": False,
                                  **fusions(accelerator.ON_CUDA, accelerator.transformer_engine_available()),
                                  **moe_config(hf_config, family, ep, te_spec), **hybrid_config(hf_config, family),
-                                 **mla, **oss, **window_config(hf_config, family),
+                                 **mla, **oss, **blocks, **window_config(hf_config, family),
                                  **_moe_only(overrides, family)}, family, te_spec),
     )
     for name, value in yarn_attributes(hf_config, family).items():  # GPTModel's YaRN reads them off the config
         setattr(config, name, value)
+    # Nemotron-H's mixer per layer, for `gpt_layer_spec` (not a TransformerConfig field)
+    config.block_types = list(hf_config.layers_block_type) if family.block_types else None
     return config
 
 
@@ -676,7 +739,7 @@ class SequenceParallelRMSNorm:
 
 def local_spec_only(family: Family) -> bool:
     """Whether the family's models take the local layer spec on every host (`transformer_engine_spec`'s hybrid)."""
-    return family.hybrid_linear_attention or family.multi_latent_attention
+    return family.hybrid_linear_attention or family.multi_latent_attention or family.block_types
 
 
 def transformer_engine_spec(hybrid: bool = False, lora: bool = False, transformer_engine: bool | None = None) -> bool:
@@ -706,8 +769,9 @@ def gpt_layer_spec(config, te_spec: bool | None = None):
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     dense = dict(num_experts=None, moe_grouped_gemm=False)
     hybrid = config.experimental_attention_variant == "gated_delta_net"
+    block_types = getattr(config, "block_types", None)
     if te_spec is None:
-        te_spec = transformer_engine_spec(hybrid or config.multi_latent_attention)
+        te_spec = transformer_engine_spec(hybrid or config.multi_latent_attention or bool(block_types))
     if te_spec:
         def te_layer(**mlp):
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **mlp)
@@ -740,7 +804,9 @@ def gpt_layer_spec(config, te_spec: bool | None = None):
 
     spec = local_spec(**moe)
     layer_specs = [spec] * get_num_layers_to_build(config)
-    if hybrid:
+    if block_types:
+        layer_specs = block_type_specs(config, local_spec(**dense), local_spec(**moe) if config.num_moe_experts else None)
+    elif hybrid:
         layer_specs = _hybrid_layer_specs(config, spec)
     elif isinstance(config.moe_layer_freq, list):
         layer_specs = _by_moe_pattern(config, spec, local_spec(**dense))
@@ -798,6 +864,43 @@ def _hybrid_layer_specs(config, spec) -> list:
     pattern = config.linear_attention_freq[offset: offset + get_num_layers_to_build(config)]
     return [linear if is_linear else softmax for is_linear in pattern]
 
+
+
+def block_type_specs(config, dense_spec, moe_spec) -> list:
+    """This pipeline stage's layers of a Nemotron-H model, one mixer each (config.block_types): a Mamba-2 mixer
+    (models/mamba_mixer.py) or attention in the attention half with the MLP half an identity; a squared-ReLU MLP or
+    MoE in the MLP half with the attention half an identity. An identity half passes the hidden states through
+    unchanged (Megatron's IdentityOp and IdentityFuncOp: no norm, no residual added), so each layer is HF's
+    `h + mixer(norm(h))`. Attention has no RoPE (GPTModel's position_embedding_type none)."""
+    import copy
+
+    from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megarl.models.mamba_mixer import PackedMambaMixer
+
+    def without(spec, half: str):
+        spec = copy.deepcopy(spec)
+        layer = spec.submodules
+        if half == "mlp":
+            layer.pre_mlp_layernorm, layer.mlp, layer.mlp_bda = IdentityOp, IdentityOp, IdentityFuncOp
+        else:
+            layer.input_layernorm, layer.self_attention, layer.self_attn_bda = IdentityOp, IdentityOp, IdentityFuncOp
+        return spec
+
+    attention = without(dense_spec, "mlp")
+    mamba = without(dense_spec, "mlp")
+    mamba.submodules.self_attention = ModuleSpec(
+        module=PackedMambaMixer,
+        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+    specs = {"linear_attention": mamba, "full_attention": attention, "mlp": without(dense_spec, "attention"),
+             "moe": without(moe_spec, "attention") if moe_spec is not None else None}
+    offset = get_transformer_layer_offset(config)
+    return [specs[kind] for kind in config.block_types[offset: offset + get_num_layers_to_build(config)]]
 
 
 def whole_sequence(hidden_states: torch.Tensor, config) -> torch.Tensor:

@@ -159,7 +159,7 @@ def _value_head_parity(hf_path, hf_config, tokens, positions, seed) -> dict:
     critic.eval()
     with torch.no_grad():
         values = critic(tokens, positions, attention_mask=None).squeeze(-1)
-        hidden = load_hf_model(hf_path).model(tokens).last_hidden_state
+        hidden = load_hf_model(hf_path).base_model(tokens).last_hidden_state
         head = critic.output_layer.score
         weight, bias = head.weight[0].double(), head.bias[0].double()
         expected = hidden @ weight + bias
@@ -187,7 +187,16 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False, without_slid
         config.layer_types = ["full_attention"] * config.num_hidden_layers
     # MoE: transformers' per-expert loop (its default grouped GEMM takes no float64)
     moe = {"experts_implementation": "eager"} if family_of(config).moe else {}
-    return AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64, **moe).eval()
+    return _unclamped(AutoModelForCausalLM.from_pretrained(hf_path, config=config, dtype=torch.float64, **moe).eval())
+
+
+def _unclamped(model):
+    """Nemotron-H's Mamba-2 mixers without transformers' floor on dt (time_step_min, in its prefill scan only):
+    Megatron's and vLLM's scans have none (models/mamba_mixer.py); other models unchanged."""
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.0, float("inf"))
+    return model
 
 
 def _feature_effects(hf_path, reference_logits, tokens, changes: dict, undone: dict) -> dict:
@@ -203,8 +212,8 @@ def _feature_effects(hf_path, reference_logits, tokens, changes: dict, undone: d
         changed = copy.deepcopy(config)
         for field, value in changes.get(name, {}).items():
             setattr(changed, field, value)
-        model = AutoModelForCausalLM.from_pretrained(hf_path, config=changed, dtype=torch.float64,
-                                                     experts_implementation="eager").eval()
+        model = _unclamped(AutoModelForCausalLM.from_pretrained(hf_path, config=changed, dtype=torch.float64,
+                                                                experts_implementation="eager").eval())
         with torch.no_grad():
             if name in undone:
                 attribute, value = undone[name]
@@ -225,6 +234,8 @@ def _sigmoid_router_effects(hf_path, reference_logits, tokens) -> dict:
     changes = {"routed_scaling": dict(routed_scaling_factor=1.0), "group_limit": dict(topk_group=config.n_group)}
     if family_of(config).multi_latent_attention:
         changes["rope_interleave"] = dict(rope_interleave=False)
+    elif family_of(config).block_types:  # Nemotron-H: no RoPE to lay out; the squared ReLU instead of ReLU
+        changes["squared_relu"] = dict(mlp_hidden_act="relu")
     else:
         changes["partial_rotary"] = dict(rope_parameters={**config.rope_parameters, "partial_rotary_factor": 1.0})
     return _feature_effects(hf_path, reference_logits, tokens, changes,
@@ -242,6 +253,9 @@ def _gpt_oss_effects(hf_path, reference_logits, tokens) -> dict:
 def _rope_parity(model, hf_model, reference_logits, hf_path, hf_config, tokens) -> dict:
     """RoPE frequencies against HF's; with RoPE scaling, also how far HF's logits move
     without it (so that the logit check cannot pass with the scaling ignored)."""
+    if family_of(hf_config).block_types:  # Nemotron-H has no positional embedding (GPTModel's none)
+        assert model.position_embedding_type == "none" and not hasattr(hf_model.base_model, "rotary_emb")
+        return {"rope_type": "none"}
     # multi-latent attention keeps its RoPE in each attention layer (over qk_rope_head_dim, HF's head_dim)
     rotary = model.decoder.layers[0].self_attention.rotary_pos_emb if model.config.multi_latent_attention \
         else model.rotary_pos_emb
