@@ -56,7 +56,7 @@ class VllmEngine:
         from vllm import LLM
 
         if not accelerator.ON_CUDA and check_cpu_engine(model, args.params_dtype):
-            vllm_cpu.install()  # what vLLM's CPU build lacks for Qwen3.5 and DeepSeek-V3 (megarl/vllm_cpu.py)
+            vllm_cpu.install()  # what vLLM's CPU build lacks for Qwen3.5, DeepSeek-V3, Nemotron-H (vllm_cpu.py)
 
         # vLLM's external launcher reads the torch world from the environment:
         # in separate placement that is this role's world, not the launch's.
@@ -406,7 +406,7 @@ def router_overrides(model: str) -> dict:
     from megarl.models.megatron_gpt import SIGMOID_ROUTER
 
     config = load_hf_config(model)
-    if not family_of(config).sigmoid_router:
+    if not family_of(config).sigmoid_router or family_of(config).block_types:  # (vLLM's nemotron_h reads neither)
         return {}
     return {field: allowed[0] for field, allowed in SIGMOID_ROUTER.items() if getattr(config, field, None) is None}
 
@@ -447,7 +447,8 @@ def window_overrides(model: str) -> dict:
 
 def check_cpu_engine(model: str, params_dtype: str) -> bool:
     """Whether a CPU engine of `model` needs megarl/vllm_cpu.py (a Gated DeltaNet model: Qwen3.5; a multi-latent
-    attention model: DeepSeek-V3); the other models' engines start as before, vLLM untouched. Refuses, in one
+    attention model: DeepSeek-V3; non-gated experts: Nemotron-H); the other models' engines start as before, vLLM
+    untouched. Refuses, in one
     line, a bf16 CPU engine of a Gated DeltaNet model:
     vLLM's bf16 CPU kernels pack each conv1d weight in place after loading (a [channels, width] copy the kernel
     reads), which the weight sync's reload does not redo, so every sync after the first would leave the engine
@@ -456,7 +457,7 @@ def check_cpu_engine(model: str, params_dtype: str) -> bool:
     from megarl.models.families import family_of, load_hf_config
 
     family = family_of(load_hf_config(model))
-    if family.multi_latent_attention:
+    if family.multi_latent_attention or family.block_types:
         return True
     if not family.hybrid_linear_attention:
         return False

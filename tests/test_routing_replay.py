@@ -194,7 +194,7 @@ def test_yaml_on_and_off_read_as_the_switch(tmp_path, random_qwen3_moe_untied):
 # ------------------------------------------------------------------ vLLM -> Megatron --
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["random_moe_policy", "random_qwen3_5_moe_policy", "random_deepseek_v3_policy",
-                                   "random_glm4_moe_policy", "random_gpt_oss_policy"])
+                                   "random_glm4_moe_policy", "random_gpt_oss_policy", "random_nemotron_h_policy"])
 def test_trainer_replays_the_engines_routes_and_a_flipped_router_keeps_the_dense_mismatch(model, request, tmp_path):
     """One rank, colocated: the engine's samples carry their routes, and the policy's and the reference's
     routers use exactly those experts (every layer, padded and packed micro-batches), with a trainer-only
@@ -209,7 +209,8 @@ def test_trainer_replays_the_engines_routes_and_a_flipped_router_keeps_the_dense
     DeepSeek-V3: its sigmoid router, whose choice adds the expert bias and keeps the best groups, replays the
     engine's routes (its first layer is dense: no routes there). The bias sends every token to the experts
     the engine used least, and the routes must depend on the token (`route_spread`). GLM-4.5: the same router
-    under grouped-query attention. gpt-oss: a router with a bias, softmax over the top k."""
+    under grouped-query attention. gpt-oss: a router with a bias, softmax over the top k. Nemotron-H: the sigmoid
+    router in its MoE mixers among Mamba-2, attention and MLP ones (routes only where a layer has experts)."""
     out = tmp_path / "report.json"
     torchrun("routing_replay_worker.py", out, "--model", request.getfixturevalue(model), "--prompts-per-step", 4,
              "--num-generations", 4, "--max-new-tokens", 16, "--micro-batch-size", 16, "--kl-coef", 0.1,
