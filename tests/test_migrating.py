@@ -1089,7 +1089,8 @@ RECIPE_FAMILIES = (("VL-", "qwen_vl"), ("vl-", "qwen_vl"), ("DeepSeek-V4", "deep
                    ("gpt-oss", "gpt_oss"), ("LongCat", "longcat_flash"), ("Qwen3.5-35B-A3B", "qwen3_5_moe"),
                    ("Qwen3.5-122B", "qwen3_5_moe"), ("Qwen3.5", "qwen3_5"), ("-A3B", "qwen3_moe"), ("-A22B", "qwen3_moe"),
                    ("Qwen3", "qwen3"), ("Qwen2", "qwen2"), ("deepseek-llm", "llama"))
-RUNNING_FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama", "deepseek_v3", "gpt_oss")
+RUNNING_FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama", "deepseek_v3", "gpt_oss",
+                    "nemotron_h")
 STUB_ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                       "qwen_vl": "Qwen2_5_VLForConditionalGeneration", "deepseek_v4": "DeepseekV4ForCausalLM",
                       "gpt_oss": "GptOssForCausalLM", "longcat_flash": "LongcatFlashForCausalLM"}
@@ -1173,7 +1174,8 @@ RECIPE_MODELS = {"qwen2": ("tiny_model", "tiny_teacher"), "qwen3": ("random_qwen
                  "qwen3_5": ("tiny_qwen3_5", "tiny_qwen3_5_teacher"),
                  "qwen3_5_moe": ("random_qwen3_5_moe_policy", "tiny_qwen3_5_teacher"),
                  "deepseek_v3": ("random_deepseek_v3_policy", "tiny_teacher"),
-                 "gpt_oss": ("random_gpt_oss_policy", "tiny_teacher")}
+                 "gpt_oss": ("random_gpt_oss_policy", "tiny_teacher"),
+                 "nemotron_h": ("random_nemotron_h_policy", "tiny_teacher")}
 
 
 def _verl_recipe_flags(model, ranks, moe, tmp_path):
@@ -1230,7 +1232,7 @@ def test_recipe_runs_two_steps_or_stops_in_one_line(name, request, tmp_path):
     family, framework = _recipe_family(name), name.split("/")[0]
     text = (RECIPES / name).read_text()
     server = "--vllm_mode server" in text
-    moe = family.endswith("moe") or family in ("deepseek_v3", "gpt_oss")  # routed experts: EP 2
+    moe = family.endswith("moe") or family in ("deepseek_v3", "gpt_oss", "nemotron_h")  # routed experts: EP 2
     if family in RUNNING_FAMILIES:
         student, teacher_fixture = RECIPE_MODELS[family]
         model = request.getfixturevalue(student)
