@@ -1222,6 +1222,10 @@ def _validate_lora(args) -> None:
         family = family_of(hf_config)
     except (OSError, ValueError, AttributeError):
         family = None  # the model check at start-up (run.load_inputs) names the problem
+    if family is not None and family.block_types:
+        raise ConfigError(f"--lora-rank with a {family.name} model ({args.model}): LoRA on its Mamba-2 in_proj / "
+                          f"out_proj, MLP and non-gated expert linears is not built yet; train it with every weight "
+                          f"(--lora-rank 0)")
     if family is not None:
         try:
             resolved = resolve_targets(targets, hf_config)

@@ -88,7 +88,7 @@ class HfRolloutEngine(EngineMemory):
         argument; the offload verbs are only called when colocated (Run.rollout_turn)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from megarl.models.families import hf_name_prefix, load_hf_config
+        from megarl.models.families import family_of, hf_name_prefix, load_hf_config
 
         self.args = args
         self.engine_index = engines.engine_index(rank)
@@ -102,6 +102,10 @@ class HfRolloutEngine(EngineMemory):
         self.model = AutoModelForCausalLM.from_pretrained(args.rollout_model, config=config,
                                                           dtype=getattr(torch, args.params_dtype))
         self.model.to(self.device).eval().requires_grad_(False)
+        if family_of(config).block_types:  # Nemotron-H: dt as the trainer's and vLLM's scans take it
+            from megarl.models.mamba_mixer import without_dt_floor
+
+            without_dt_floor(self.model)
         # see _grouped_sdpa; a model transformers' SDPA does not serve (gpt-oss: attention sinks) keeps its own
         if not accelerator.ON_CUDA and type(self.model)._supports_sdpa:
             _register_attention()

@@ -179,6 +179,14 @@ def test_bad_moe_input_is_one_line(flags, expected, random_qwen3_moe_untied):
     assert expected in message and "\n" not in message, message
 
 
+def test_lora_on_nemotron_h_is_one_line(random_nemotron_h_untied):
+    from megarl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _parse(random_nemotron_h_untied, "--lora-rank", 8)
+    assert "nemotron_h model" in str(error.value) and "Mamba-2" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_lora_on_gpt_oss_experts_is_one_line_and_its_attention_is_taken(random_gpt_oss_untied):
     """gpt-oss's fused, interleaved expert tensors have no PEFT export in megarl: adapters on its experts (named,
     or through all-linear) stop at parse naming them; its attention takes adapters."""

@@ -1,7 +1,6 @@
 """Mamba-2 mixers (Nemotron-H's `M` layers) on Megatron-core's `MambaMixer`, taught packed rows and CPU ranks.
 
-Not yet reachable from the family table: the Nemotron-H family (models/families.py, the vLLM side, the tiny
-model) builds on it; docs/models.md says what is left.
+Nemotron-H's `M` layers (models/families.py, megatron_gpt.block_type_specs; docs/models.md, "Nemotron-H").
 
 Megatron-core 0.16 builds the layer (in_proj over [z, x, B, C, dt], the depthwise conv1d over [x, B, C], dt_bias,
 A_log, D, the gated norm's weight, out_proj; their TP split and sharded checkpoint keys); this module replaces
@@ -20,7 +19,8 @@ its forward and its norm, for these reasons:
     every sequence's first token, as for a sequence alone.
 
 dt = softplus(dt_proj + dt_bias) is not clamped below: Megatron's and vLLM's kernels use no limit. transformers
-(5.19) clamps it at time_step_min in its prefill scan only (not in decode); the parity tests lift that clamp.
+(5.19) clamps it at time_step_min in its prefill scan only (not in decode); `without_dt_floor` lifts that clamp
+(the HF rollout backend, the parity tests).
 """
 
 from __future__ import annotations
@@ -109,6 +109,16 @@ class PackedMambaMixer(MambaMixer):
         y = y + x * self.D.float()[:, None]
         y = y.reshape(n, length, -1)
         return self.norm(y, z).to(rows.dtype)
+
+
+def without_dt_floor(model):
+    """transformers' model with its Mamba-2 mixers' dt floor lifted (their `time_step_limit`, which its prefill scan
+    applies and its decode does not), so that it computes what Megatron and vLLM compute; `model`, returned. Other
+    models are unchanged (the HF rollout backend and the parity tests call it on every model)."""
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.0, float("inf"))
+    return model
 
 
 def state_space_dual(x: torch.Tensor, a: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -191,12 +191,10 @@ def load_hf_model(hf_path: str, without_rope_scaling: bool = False, without_slid
 
 
 def _unclamped(model):
-    """Nemotron-H's Mamba-2 mixers without transformers' floor on dt (time_step_min, in its prefill scan only):
-    Megatron's and vLLM's scans have none (models/mamba_mixer.py); other models unchanged."""
-    for module in model.modules():
-        if hasattr(module, "time_step_limit"):
-            module.time_step_limit = (0.0, float("inf"))
-    return model
+    """Nemotron-H's Mamba-2 mixers without transformers' floor on dt (models/mamba_mixer.py); others unchanged."""
+    from megarl.models.mamba_mixer import without_dt_floor
+
+    return without_dt_floor(model)
 
 
 def _feature_effects(hf_path, reference_logits, tokens, changes: dict, undone: dict) -> dict:
