@@ -46,6 +46,18 @@ class GatedGroupRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.eps, self.group_size = eps, group_size or hidden_size
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The weight split over TP on its only axis, as Megatron's ExtendedRMSNorm's (each rank its heads' groups):
+        a distributed checkpoint then holds every rank's part and reshards it."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                                                   sharded_offsets,
+                                                   tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
