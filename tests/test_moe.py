@@ -120,8 +120,9 @@ def test_nemotron_h_at_two_tensor_parallel_ranks_resumes_at_one(tiny_nemotron_h,
     the experts at EP 1 beside them) saves after step 2, and a resume at TP 1 runs the same steps 3 and 4: the
     checkpoint reshards the Mamba-2 in_proj's five parts, the conv's three and the gated norm's weight (split with
     the groups: saved as one rank's half, the TP-1 load would fail or compute otherwise)."""
-    # without the router losses: at TP 2 with sequence parallelism Megatron's z-loss reads otherwise than at TP 1
-    # (0.868 against 0.876 on the same weights: each rank's sequence shard, its padding included)
+    # without the router losses: Megatron's are means per micro-batch, and the two layouts split the batch otherwise
+    # (TP 2: one data-parallel rank; TP 1: two), so they weigh tokens otherwise (z-loss 0.868 against 0.876 on the
+    # same weights) and the updates differ past the runs' rule
     common = [*SMALL[:-len(MOE_LOSSES)], "--model", tiny_nemotron_h, "--train-steps", "4", "--lr", "1e-2",
               "--reward", "response_length",
               "--external-plugins", length_reward_plugin(tmp_path)]
