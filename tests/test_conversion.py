@@ -34,6 +34,8 @@ only, as above). Two launches.
 The config checks (which family, which features are refused) run in-process.
 """
 
+import re
+
 import pytest
 from helpers import fp32_limit, read_json, torchrun
 
@@ -685,14 +687,16 @@ def test_yarn_reaches_megatron_on_grouped_query_attention(rope, expected):
         assert not hasattr(mla, "yarn_rotary_scaling_factor") and mla.rope_type == "yarn"
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "glm4_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "glm4_moe", "qwen3_moe", "nemotron_h"])
 def test_weight_gradients_match_transformers(family, tmp_path):
     """The backward, not only the forward: every weight's gradient of the summed token log-probs of random
     sequences, Megatron (fp32, one rank, EP 1, the trainer's path) against transformers (float64), relative to
     the HF gradient's largest entry. Experts compared through the checkpoint's layout (gpt-oss's fused,
     interleaved tensors: models/fused_experts.py; transformers 5's in-memory [E, 2I, H] gate-then-up for the
     others). gpt-oss could not train at EP 1 before megatron_gpt.skip_identity_expert_reduce (Megatron's in-place
-    expert-bias add on a view). Measured: <= 8.6e-6 (gpt-oss), 3.2e-6 (Qwen3-MoE)."""
+    expert-bias add on a view). Nemotron-H: megarl's Mamba-2 scan and gated norm (models/mamba_mixer.py) through
+    autograd against transformers' torch scan, and its non-gated experts. Measured: <= 8.6e-6 (gpt-oss), 3.2e-6
+    (Qwen3-MoE)."""
     import torch
     from helpers import make_random_model
     from megatron.core import tensor_parallel
@@ -702,6 +706,7 @@ def test_weight_gradients_match_transformers(family, tmp_path):
     from megarl.models import fused_experts
     from megarl.models.convert import _hf_names, _local_entries, load_hf_weights, to_hf_tensors
     from megarl.models.families import load_hf_config
+    from megarl.models.mamba_mixer import without_dt_floor
     from megarl.models.megatron_gpt import build_gpt_model
 
     path = make_random_model(tmp_path / family, family, False, 42)
@@ -718,11 +723,15 @@ def test_weight_gradients_match_transformers(family, tmp_path):
         entries = list(_local_entries(model, config))
     finally:
         distributed.destroy_single_process_world()
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    hf = without_dt_floor(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager"))
     torch.log_softmax(hf(tokens).logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).sum().backward()
     hf_grads = {name: param.grad for name, param in hf.named_parameters()}
 
     def reference(name):
+        # Nemotron-H's experts are not gated: up_proj [E, I, H] and down_proj [E, H, I] in memory, in its mixers
+        mixer = re.fullmatch(r"(.+\.mixer\.experts\.)(\d+)\.(up|down)_proj\.weight", name)
+        if mixer is not None:
+            return hf_grads[f"{mixer.group(1)}{mixer.group(3)}_proj"][int(mixer.group(2))]
         match = fused_experts._PER_EXPERT.fullmatch(name)
         if match is None:
             return hf_grads[name]
