@@ -1222,16 +1222,23 @@ def _validate_lora(args) -> None:
         family = family_of(hf_config)
     except (OSError, ValueError, AttributeError):
         family = None  # the model check at start-up (run.load_inputs) names the problem
-    if family is not None and family.block_types:
-        raise ConfigError(f"--lora-rank with a {family.name} model ({args.model}): LoRA on its Mamba-2 in_proj / "
-                          f"out_proj, MLP and non-gated expert linears is not built yet; train it with every weight "
-                          f"(--lora-rank 0)")
     if family is not None:
         try:
             resolved = resolve_targets(targets, hf_config)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         experts = [module for module in resolved if module.startswith("experts.")]
+        if experts and family.block_types:
+            raise ConfigError(f"--lora-target-modules with adapters on Nemotron-H's routed experts ({', '.join(experts)}):"
+                              f" megarl's PEFT adapter export writes gated experts, its are not; target its attention, "
+                              f"Mamba-2 in_proj and MLP linears (q_proj,k_proj,v_proj,o_proj,in_proj,up_proj,down_proj)")
+        if family.block_types and "out_proj" in resolved:
+            raise ConfigError("--lora-target-modules with out_proj on a Nemotron-H model: peft refuses adapters on a "
+                              "Mamba model's out_proj (its export could not be loaded); target in_proj and the "
+                              "attention and MLP linears")
+        if family.block_types and args.lora_sync == "adapter":
+            raise ConfigError("--lora-sync adapter with a Nemotron-H model: vLLM's LoRA on its Mamba-2 mixers is not "
+                              "wired up here; use --lora-sync merged")
         if experts and family.gpt_oss:
             raise ConfigError(f"--lora-target-modules with adapters on gpt-oss's routed experts ({', '.join(experts)}): "
                               f"its checkpoint interleaves gate and up in one fused tensor, which megarl's PEFT "

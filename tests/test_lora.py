@@ -482,9 +482,11 @@ def _assert_peft_reproduces(actor, hf_config, hf, out, name_in_peft=lambda name:
     assert fp32_paths_ulps(ours, without) > 100 * FP32_PATHS_ULPS  # the adapters matter here
     assert_fp32_paths_agree(theirs, ours, "peft's model with the exported adapter vs megarl's")
     merged, peft_merged = load_file(out / "model.safetensors"), peft_model.merge_and_unload().state_dict()
-    assert {name_in_peft(name) for name in merged} <= set(peft_merged)  # (peft's has the tied lm_head too)
-    for name, weight in merged.items():
-        assert_fp32_paths_agree(weight, peft_merged[name_in_peft(name)], f"peft's merge vs --lora-export merged: {name}")
+    # (`name_in_peft` None: a tensor peft's model holds otherwise, e.g. fused, with no adapter on it)
+    names = {name: name_in_peft(name) for name in merged if name_in_peft(name) is not None}
+    assert set(names.values()) <= set(peft_merged)  # (peft's has the tied lm_head too)
+    for name, in_peft in names.items():
+        assert_fp32_paths_agree(merged[name], peft_merged[in_peft], f"peft's merge vs --lora-export merged: {name}")
 
 
 def test_qwen3_5_adapters_on_both_attentions_load_in_peft(megatron_rank, random_qwen3_5_teacher, tmp_path):
@@ -519,6 +521,43 @@ def test_qwen3_5_adapters_on_both_attentions_load_in_peft(megatron_rank, random_
     hf = Qwen3_5ForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
     _assert_peft_reproduces(actor, hf_config, hf, tmp_path / "out",
                             lambda name: name.replace("model.", "model.language_model.", 1))
+
+
+def test_nemotron_h_adapters_on_its_mixers_load_in_peft(megatron_rank, random_nemotron_h_policy, tmp_path):
+    """Nemotron-H with adapters on attention (q/k/v/o), the Mamba-2 mixers' in_proj (one module whose rows Megatron
+    splits over TP in five parts), the MLP and the shared experts' up/down projections (its routed experts and the
+    Mamba-2 out_proj, which peft refuses on Mamba models, are refused at parse). After training, peft's model with the exported adapter directory (modules named
+    as transformers holds them in memory, model.layers.N.mixer...: its checkpoint says backbone.) gives megarl's
+    logits, its merge the merged export's weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megarl.actor import Actor
+    from megarl.checkpoint import export_policy
+    from megarl.models.families import load_hf_config
+    from megarl.models.mamba_mixer import without_dt_floor
+
+    model = random_nemotron_h_policy
+    hf_config = load_hf_config(model)
+    args = options(model, "--lora-export", "both", "--lora-target-modules",
+                   "q_proj,k_proj,v_proj,o_proj,in_proj,up_proj,down_proj")
+    actor = Actor(args, hf_config)
+    train(actor)
+    export_policy(actor.model, args, hf_config, str(tmp_path / "out"), None, is_writer=True)
+    tensors = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers"
+    modules = {layer: {name.split(".")[-3] for name in tensors if name.startswith(f"{prefix}.{layer}.mixer.")}
+               for layer in range(hf_config.num_hidden_layers)}
+    # ME*M-E: Mamba-2, MoE (its shared expert), attention, Mamba-2, MLP, MoE
+    assert modules == {0: {"in_proj"}, 1: {"up_proj", "down_proj"}, 2: {"q_proj", "k_proj", "v_proj", "o_proj"},
+                       3: {"in_proj"}, 4: {"up_proj", "down_proj"}, 5: {"up_proj", "down_proj"}}, modules
+    assert all(".shared_experts." in name for name in tensors if ".1.mixer.up_proj" not in name and
+               name.startswith(f"{prefix}.1."))
+    hf = without_dt_floor(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, experts_implementation="eager"))
+    # the merged export's names: the checkpoint's (backbone., experts one by one); the routed experts, fused in
+    # transformers' model and without adapters, are left out of the comparison
+    _assert_peft_reproduces(actor, hf_config, hf, tmp_path / "out",
+                            lambda name: None if ".mixer.experts." in name else name.replace("backbone.", "model.", 1))
 
 
 @pytest.mark.slow

@@ -203,12 +203,19 @@ def test_bad_moe_input_is_one_line(flags, expected, random_qwen3_moe_untied):
     assert expected in message and "\n" not in message, message
 
 
-def test_lora_on_nemotron_h_is_one_line(random_nemotron_h_untied):
+def test_lora_on_nemotron_h_experts_is_one_line_and_its_other_linears_are_taken(random_nemotron_h_untied):
     from megarl.errors import ConfigError
 
-    with pytest.raises(ConfigError) as error:
-        _parse(random_nemotron_h_untied, "--lora-rank", 8)
-    assert "nemotron_h model" in str(error.value) and "Mamba-2" in str(error.value) and "\n" not in str(error.value)
+    for flags, words in ((["--lora-rank", 8], "Nemotron-H's routed experts (experts.up_proj, experts.down_proj)"),
+                         (["--lora-rank", 8, "--lora-target-modules", "in_proj,out_proj"], "peft refuses"),
+                         (["--lora-rank", 8, "--lora-target-modules", "in_proj", "--lora-sync", "adapter"],
+                          "--lora-sync adapter with a Nemotron-H model")):
+        with pytest.raises(ConfigError) as error:
+            _parse(random_nemotron_h_untied, *flags)
+        assert words in str(error.value) and "\n" not in str(error.value), error.value
+    args = _parse(random_nemotron_h_untied, "--lora-rank", 8, "--lora-target-modules",
+                  "q_proj,k_proj,v_proj,o_proj,in_proj,up_proj,down_proj")
+    assert args.lora_rank == 8
 
 
 def test_lora_on_gpt_oss_experts_is_one_line_and_its_attention_is_taken(random_gpt_oss_untied):

@@ -132,10 +132,15 @@ MAMBA_LAYOUTS = ("mamba_in_proj", "mamba_conv")
 def mamba_sections(hf_config, layout: str) -> list[int]:
     """Row counts of a Mamba-2 mixer's in_proj parts [z, x, B, C, dt] (`mamba_in_proj`) or conv1d channels
     [x, B, C] (`mamba_conv`), each split over TP by heads (z, x, dt) or groups (B, C)."""
-    inner = hf_config.mamba_num_heads * hf_config.mamba_head_dim
-    states = hf_config.n_groups * hf_config.ssm_state_size
+    return mamba_parts(hf_config.mamba_num_heads, hf_config.mamba_head_dim, hf_config.n_groups,
+                       hf_config.ssm_state_size, layout)
+
+
+def mamba_parts(heads: int, head_dim: int, groups: int, state: int, layout: str) -> list[int]:
+    """`mamba_sections` from the sizes (Megatron's config names them otherwise: models/lora.py)."""
+    inner, states = heads * head_dim, groups * state
     conv = [inner, states, states]
-    return [inner, *conv, hf_config.mamba_num_heads] if layout == "mamba_in_proj" else conv
+    return [inner, *conv, heads] if layout == "mamba_in_proj" else conv
 
 
 def _rank_pieces(pieces: list[torch.Tensor], tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -154,7 +159,7 @@ def unrank_pieces(shards: list[torch.Tensor], sizes: list[int]) -> list[torch.Te
 def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], hf_config, tp_rank: int, tp_size: int,
                       vocab_rows: int) -> torch.Tensor:
     """This TP rank's shard of the Megatron parameter built from the HF tensors."""
-    if rule.layout in ("replicated", "expert"):
+    if rule.layout in ("replicated", "expert", "expert_up"):
         return hf[0]
     if rule.layout == "expert_gate_up":
         return torch.cat(hf, dim=0)
@@ -190,7 +195,7 @@ def to_hf_tensors(rule: Rule, shards: list[torch.Tensor], hf_config) -> list[tor
 
     With one shard (TP=1) nothing is copied that a view can express: the
     results may be views of the shards (consumers copy them anyway)."""
-    if rule.layout in ("replicated", "expert"):
+    if rule.layout in ("replicated", "expert", "expert_up"):
         return [shards[0]]
     if rule.layout == "expert_gate_up":
         return list(shards[0].chunk(2, dim=0))
@@ -234,7 +239,7 @@ def _rule_table(family: Family, hf_config) -> dict[str, Rule]:
 # Engine's grouped GEMM (`linear_fc1.weight<j>`), <j> this EP rank's local index of the expert.
 _EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)"
                           r"|(linear_fc[12])\.(weight|bias)(\d+))")
-EXPERT_LAYOUTS = ("expert", "expert_gate_up")
+EXPERT_LAYOUTS = ("expert", "expert_gate_up", "expert_up")
 
 
 def _expert_parallel() -> tuple[int, int]:

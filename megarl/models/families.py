@@ -10,9 +10,9 @@ built from which HF tensors, and how it is laid out over tensor parallelism:
   vocab       padded to Megatron's vocabulary size, then split on dim 0
   qkv         q, k, v interleaved per query group, then split on dim 0
   gate_up     gate and up each split on dim 0; each rank holds cat(gate_r, up_r)
-  expert_gate_up, expert
-              one routed expert's cat(gate, up) / down projection, whole on the EP rank that holds
-              it (experts are not split over TP: expert_tensor_parallel_size is 1)
+  expert_gate_up, expert, expert_up
+              one routed expert's cat(gate, up) / down projection / non-gated up projection (Nemotron-H), whole
+              on the EP rank that holds it (experts are not split over TP: expert_tensor_parallel_size is 1)
   gated_qkv   Qwen3.5's gated attention: q_proj holds each head's query and output gate ([q_h; gate_h]
               per head); Megatron's linear_qkv with attention_output_gate interleaves per query group
               [q heads, their gates, k, v], then split on dim 0
@@ -281,7 +281,7 @@ _NEMOTRON_H_RULES = tuple(Rule(megatron, hf, layout, layer_type=kind) for kind, 
     (_MOE_BLOCK, _LAYER + "pre_mlp_layernorm.weight", (_NORM,), "replicated"),
     (_MOE_BLOCK, _LAYER + "mlp.router.weight", (_MIXER + "gate.weight",), "replicated"),
     (_MOE_BLOCK, _LAYER + "mlp.router.expert_bias", (_MIXER + "gate.e_score_correction_bias",), "replicated"),
-    (_MOE_BLOCK, _LOCAL_EXPERT + "linear_fc1.weight", (_MIXER + "experts.{e}.up_proj.weight",), "expert"),
+    (_MOE_BLOCK, _LOCAL_EXPERT + "linear_fc1.weight", (_MIXER + "experts.{e}.up_proj.weight",), "expert_up"),
     (_MOE_BLOCK, _LOCAL_EXPERT + "linear_fc2.weight", (_MIXER + "experts.{e}.down_proj.weight",), "expert"),
     (_MOE_BLOCK, _LAYER + "mlp.shared_experts.linear_fc1.weight", (_MIXER + "shared_experts.up_proj.weight",),
      "column"),
@@ -572,6 +572,12 @@ def load_hf_config(path: str):
     if "tie_word_embeddings" in config.to_diff_dict():  # set on the whole model, not only its text part
         text.tie_word_embeddings = config.tie_word_embeddings
     return text
+
+
+def module_name_prefix(hf_config) -> str:
+    """Where transformers' model in memory holds the text model's modules (what PEFT names an adapter's modules
+    by): the checkpoint's prefix (`hf_name_prefix`), but Nemotron-H's `model.` (its checkpoint says `backbone.`)."""
+    return "model." if getattr(hf_config, "model_type", None) == NEMOTRON_H.name else hf_name_prefix(hf_config)
 
 
 def hf_name_prefix(hf_config) -> str:

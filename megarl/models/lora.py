@@ -110,19 +110,22 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.models.convert import _rank_pieces, interleave_gated_qkv, interleave_qkv, unrank_pieces, unwrap
-from megarl.models.families import family_of, hf_name_prefix, layer_kinds
+from megarl.models.convert import _rank_pieces, interleave_gated_qkv, interleave_qkv, mamba_parts, unrank_pieces, unwrap
+from megarl.models.families import family_of, layer_kinds, module_name_prefix
 
 ALL_LINEAR = "all-linear"
 _LAYER_PREFIX = "decoder.layers.{i}."
 # Family rule layouts of the decoder layers' linear weights, and how TP splits each.
 _LINEAR_LAYOUTS = {"qkv": "column", "gate_up": "column", "column": "column", "row": "row", "gated_qkv": "column",
-                   "gdn_in_proj": "column", "expert_gate_up": "column", "expert": "row"}
+                   "gdn_in_proj": "column", "mamba_in_proj": "column", "expert_gate_up": "column", "expert": "row",
+                   "expert_up": "column"}
 # A routed expert's linears (MoE families): one adapter on each, as PEFT puts one on each of transformers'
 # fused expert parameters (target_parameters `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`):
 # the fused gate/up rows share their A, as they do in PEFT. Named by that parameter.
 EXPERTS = "experts"  # --lora-target-modules: both expert linears
 _EXPERT_MODULES = {"expert_gate_up": "experts.gate_up_proj", "expert": "experts.down_proj"}
+# Nemotron-H's non-gated experts' up projection (their adapters are refused at parse: arguments._validate_lora)
+_NON_GATED_EXPERT_MODULES = {"expert_up": "experts.up_proj"}
 
 
 @dataclass(frozen=True)
@@ -157,11 +160,13 @@ def linear_modules(hf_config) -> dict[str, Linear]:
     for rule in family.layer_rules:
         if rule.layer_type is not None and kinds is not None and rule.layer_type not in present:
             continue
+        # (a norm split over TP, as a Mamba-2 mixer's gated norm, has a linear's layout but is no linear)
         if rule.layout in _LINEAR_LAYOUTS and rule.megatron.endswith(".weight") and \
-                rule.megatron.startswith(_LAYER_PREFIX):
+                rule.megatron.startswith(_LAYER_PREFIX) and not rule.megatron.endswith("norm.weight"):
             path = rule.megatron.removeprefix(_LAYER_PREFIX).removesuffix(".weight")
-            if rule.layout in _EXPERT_MODULES:  # HF's `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` ...
-                module = _EXPERT_MODULES[rule.layout]
+            experts = {**_EXPERT_MODULES, **_NON_GATED_EXPERT_MODULES}
+            if rule.layout in experts:  # HF's `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` ...
+                module = experts[rule.layout]
                 layer_path = rule.hf[0].partition(".experts.")[0]
                 linears[path] = Linear(rule.layout, (module,), (f"{layer_path}.{module}",), rule.layer_type, True)
                 continue
@@ -240,6 +245,11 @@ class LoraAdapter(torch.nn.Module):
             query = conf.num_attention_heads * conf.kv_channels * (2 if layout == "gated_qkv" else 1)
             full_out = {modules[0]: query, modules[1]: conf.num_query_groups * conf.kv_channels,
                         modules[2]: conf.num_query_groups * conf.kv_channels}
+        elif layout == "mamba_in_proj":  # a Mamba-2 in_proj: [z, x, B, C, dt], each part split over TP
+            sections = mamba_parts(conf.mamba_num_heads, conf.mamba_head_dim, conf.mamba_num_groups,
+                                   conf.mamba_state_dim, layout)
+            full_out = {modules[0]: sum(sections)}
+            self.pieces[modules[0]] = sections
         elif layout == "gdn_in_proj":  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
             key = conf.linear_num_key_heads * conf.linear_key_head_dim
             value = conf.linear_num_value_heads * conf.linear_value_head_dim
@@ -393,7 +403,7 @@ def apply_lora(model, hf_config, config: LoraConfig, seed: int) -> list[LoraAdap
     gpt.requires_grad_(False)
     adapters = []
     kinds = layer_kinds(hf_config)
-    prefix = hf_name_prefix(hf_config)  # PEFT names the checkpoint's modules (a multimodal one's language model)
+    prefix = module_name_prefix(hf_config)  # PEFT names the model's modules (a multimodal one's language model)
     for layer in gpt.decoder.layers:
         index = layer.layer_number - 1  # global, 0-based
         for path, linear in linear_modules(hf_config).items():
