@@ -175,7 +175,9 @@ def test_sigmoid_router_families_logits_parity_and_round_trip(tp, pp, ep, reques
 
 
 NEMOTRON_H_CHECKPOINTS = ["random_nemotron_h_untied", "random_nemotron_h_dense"]
-NEMOTRON_H_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 1)]
+# TP 1 (one rank's model, the layer alone: test_mamba_mixer.py; its gradients: test_weight_gradients_match_transformers)
+# left out for CI's time: TP 2 computes the same with everything split
+NEMOTRON_H_LAYOUTS = [(2, 1, 2), (1, 2, 1)]
 
 
 @pytest.mark.slow

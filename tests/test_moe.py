@@ -2,6 +2,8 @@
 one-line errors. The conversion parity of the MoE families is in test_conversion.py, the sync into vLLM in
 test_families_vllm.py."""
 
+import math
+
 import pytest
 from helpers import (
     ROUNDING_LEVEL,
@@ -91,11 +93,11 @@ def test_grpo_at_expert_parallel_two_syncs_and_resumes_at_one(training, random_m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["tiny_deepseek_v3", "tiny_glm4_moe", "tiny_gpt_oss", "tiny_nemotron_h"])
+@pytest.mark.parametrize("policy", ["tiny_deepseek_v3", "tiny_glm4_moe", "tiny_gpt_oss"])
 def test_new_moe_families_grpo_at_expert_parallel(policy, request, tmp_path):
-    """Three GRPO steps of the tiny DeepSeek-V3, GLM-4.5, gpt-oss and Nemotron-H through megarl/train.py (2 ranks
-    colocated, EP=2: four of their 8 experts per rank; MLA, GLM-4.5's biased, q/k-normed, half-rotated attention,
-    gpt-oss's sinks and sliding windows, Nemotron-H's Mamba-2 mixers in the trainer and in vLLM): every step trains, with a finite loss and a gradient (the length reward differs
+    """Three GRPO steps of the tiny DeepSeek-V3, GLM-4.5 and gpt-oss through megarl/train.py (2 ranks colocated,
+    EP=2: four of their 8 experts per rank; MLA, GLM-4.5's biased, q/k-normed, half-rotated attention, gpt-oss's
+    sinks and sliding windows in the trainer and in vLLM; Nemotron-H's: test_nemotron_h_at_two_...): every step trains, with a finite loss and a gradient (the length reward differs
     within the groups), and the syncs after steps 1 and 2 reach the engine (the loaded weights in place:
     test_families_vllm.py checks them tensor by tensor), at a rollout-vs-trainer mismatch of rounding level."""
     import math
@@ -116,10 +118,11 @@ def test_new_moe_families_grpo_at_expert_parallel(policy, request, tmp_path):
 
 @pytest.mark.slow
 def test_nemotron_h_at_two_tensor_parallel_ranks_resumes_at_one(tiny_nemotron_h, tmp_path):
-    """Nemotron-H at TP 2 with sequence parallelism (Mamba-2 heads and groups, attention heads and the MLPs split;
-    the experts at EP 1 beside them) saves after step 2, and a resume at TP 1 runs the same steps 3 and 4: the
-    checkpoint reshards the Mamba-2 in_proj's five parts, the conv's three and the gated norm's weight (split with
-    the groups: saved as one rank's half, the TP-1 load would fail or compute otherwise)."""
+    """Four GRPO steps of the tiny Nemotron-H at TP 2 with sequence parallelism and EP 2 (Mamba-2 heads and groups,
+    attention heads and the MLPs split, four of the 8 experts per rank; Mamba-2 in the trainer and vLLM's, after
+    every sync at rounding-level mismatch) save after step 2, and a resume at TP 1 and EP 1 runs the same steps 3
+    and 4: the checkpoint reshards the Mamba-2 in_proj's five parts, the conv's three and the gated norm's weight
+    (split with the groups: saved as one rank's half, the TP-1 load would fail or compute otherwise)."""
     # without the router losses: Megatron's are means per micro-batch, and the two layouts split the batch otherwise
     # (TP 2: one data-parallel rank; TP 1: two), so they weigh tokens otherwise (z-loss 0.868 against 0.876 on the
     # same weights) and the updates differ past the runs' rule
@@ -127,12 +130,14 @@ def test_nemotron_h_at_two_tensor_parallel_ranks_resumes_at_one(tiny_nemotron_h,
               "--reward", "response_length",
               "--external-plugins", length_reward_plugin(tmp_path)]
     torchrun("../../megarl/train.py", *common, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-             "--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--log-dir", tmp_path / "tp2", timeout=900)
+             "--expert-model-parallel-size", "2", "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
+             "--log-dir", tmp_path / "tp2", timeout=900)
     resumed = torchrun("../../megarl/train.py", *common, "--resume", tmp_path / "ckpt" / "step_00000002",
                        "--log-dir", tmp_path / "tp1", timeout=900)
     assert "resumed from" in resumed.stdout
     two, one = scalars(tmp_path / "tp2", COMPARED[:5]), scalars(tmp_path / "tp1", COMPARED[:5])
     assert two["kl_ref"][2] > 1e-6 and max(two["mismatch"].values()) <= ROUNDING_LEVEL, two
+    assert all(math.isfinite(norm) and norm > 0 for norm in two["grad_norm"].values()), two["grad_norm"]
     assert_signal_alive(tmp_path / "tp1", what="resumed at TP 1")
     for tag in COMPARED[:5]:
         assert_runs_agree(one[tag], two[tag], tag, steps=[2, 3])
