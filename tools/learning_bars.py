@@ -66,7 +66,7 @@ CASES.update({
     **{f"moe-{family}": (f"tests/test_moe.py::test_the_new_moe_families_learn[{family}]", "megarl/train.py",
                          ["--config", "examples/quickstart_grpo_moe.yaml", "--model", f"artifacts/tiny-{family}-warm",
                           *NEW_MOE_FLAGS.get(family, [])])
-       for family in ("deepseek_v3", "glm4_moe", "gpt_oss")},
+       for family in ("deepseek_v3", "glm4_moe", "gpt_oss", "nemotron_h")},
     "qwen3_5": ("tests/test_train_e2e.py::test_the_quickstart_learns_on_qwen3_5", "megarl/train.py",
                 ["--config", "examples/quickstart_grpo.yaml", "--model", "artifacts/tiny-qwen3_5"]),
 })

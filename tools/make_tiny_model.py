@@ -196,7 +196,7 @@ RANDOM_FAMILIES = {"deepseek_v3": (DEEPSEEK_V3, dict(rope_type="default", rope_t
 # learning_bars.py), the steps each needs to start GRPO where it can learn: GLM-4.5 after the standard 400 reads
 # pass@1 0.47; DeepSeek-V3 read 0.07 after 400 and learnt little in 200 GRPO steps from there, 0.19 after 1200
 # (docs/testing.md, "Learning bars"); gpt-oss: WARM_UP_LR.
-WARM_UP = {"deepseek_v3": 1200, "glm4_moe": 400, "gpt_oss": 300}
+WARM_UP = {"deepseek_v3": 1200, "glm4_moe": 400, "gpt_oss": 300, "nemotron_h": 400}
 # gpt-oss's warm-up at the recipe's lr 3e-3 is unsteady (pass@1 0.21 after 1200 steps, 0.15 after 2400); at 1e-3 it
 # reads 0.82 after 1200 steps (too strong to rise much) and 0.30 after 300, the lane's start
 WARM_UP_LR = {"gpt_oss": 1e-3}
