@@ -553,3 +553,19 @@ def opsd_step_batch(run):
     batch, _ = phases.score_and_filter(run, samples)
     batch, _ = phases.prepare(run, batch)
     return batch
+
+
+def with_positions(model: str, positions: int, directory) -> str:
+    """A copy of `model` in `directory`/model whose config allows `positions` positions (RoPE has no table to
+    grow): room for a gym environment's long opening (its rules and board)."""
+    import json
+    import shutil
+
+    path = Path(directory) / "model"
+    shutil.copytree(model, path)
+    config = json.loads((path / "config.json").read_text())
+    for holder in (config, config.get("text_config") or {}):
+        if "max_position_embeddings" in holder:
+            holder["max_position_embeddings"] = positions
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)

@@ -122,14 +122,10 @@ def test_bad_gym_input_is_one_line(flags, words, tiny_model, tmp_path):
 @pytest.fixture(scope="module")
 def long_context_policy(tiny_model, tmp_path_factory):
     """The tiny model with room for frozen_lake's prompt (its rules and board: ~550 of the tiny tokenizer's
-    tokens) and a few turns: its config's max_position_embeddings raised to 2048 (RoPE has no table to grow)."""
-    import shutil
+    tokens) and a few turns: max_position_embeddings 2048."""
+    from helpers import with_positions
 
-    path = tmp_path_factory.mktemp("gym_policy") / "model"
-    shutil.copytree(tiny_model, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    return str(path)
+    return with_positions(tiny_model, 2048, tmp_path_factory.mktemp("gym_policy"))
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from megarl.arguments import _actions, _translated_values, build_parser, load_ya
 from megarl.errors import ConfigError
 from megarl.placement import Placement
 
-from helpers import ROOT
+from helpers import ROOT, with_positions
 
 DATA = ROOT / "tests" / "data" / "migrating"
 OPTIONS = set(_actions(build_parser()))
@@ -1136,20 +1136,6 @@ def random_qwen3_policy(tiny_model, tmp_path_factory) -> str:
                                 lambda path, tokens: make_random_model(path, "qwen3", False, 21, **tokens))
 
 
-def _with_positions(model: str, positions: int, tmp_path) -> str:
-    """A copy of `model` whose config allows `positions` positions (RoPE has no table to grow)."""
-    import shutil
-
-    path = tmp_path / "long_context_model"
-    shutil.copytree(model, path)
-    config = json.loads((path / "config.json").read_text())
-    for holder in (config, config.get("text_config") or {}):
-        if "max_position_embeddings" in holder:
-            holder["max_position_embeddings"] = positions
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 def _stub_model(tmp_path, family: str) -> str:
     path = tmp_path / f"stub_{family}"
     path.mkdir(exist_ok=True)
@@ -1263,7 +1249,7 @@ def test_recipe_runs_two_steps_or_stops_in_one_line(name, request, tmp_path):
     flags = [*_verl_recipe_flags(model, 2, moe, tmp_path), *buffer] if framework == "verl" else \
         _swift_recipe_flags(model, teacher, 2, moe, "rlhf_type gkd" in text, "opsd" in name, tmp_path, server)
     if "--gym_env" in text:  # the environment's opening (its rules and board) is ~550 tokens: room for it
-        flags = [*flags, "--model", _with_positions(model, 2048, tmp_path), "--max-prompt-length", "768",
+        flags = [*flags, "--model", with_positions(model, 2048, tmp_path / "long_context"), "--max-prompt-length", "768",
                  "--rollout-engine-kwargs", '{"max_model_len": 800}']
     if family not in RUNNING_FAMILIES:
         result = torchrun("../../megarl/train.py", "--config", script, *flags, "--log-dir", tmp_path / "tb",
